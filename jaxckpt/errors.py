@@ -1,0 +1,61 @@
+"""The jaxckpt error hierarchy.
+
+Every error is a :class:`JaxckptError` and also the builtin that fits it, so
+callers can catch either ``jaxckpt.errors.StepNotFoundError`` or plain
+``FileNotFoundError``. Messages say what went wrong, the offending values, and
+what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class JaxckptError(Exception):
+  """Root of every error raised by jaxckpt."""
+
+
+class UnsupportedLeafError(JaxckptError, TypeError):
+  """A pytree leaf has a type that jaxckpt cannot snapshot."""
+
+
+class StructureMismatchError(JaxckptError, ValueError):
+  """A restore target does not match the saved tree (structure, shape or dtype)."""
+
+
+class StepNotFoundError(JaxckptError, FileNotFoundError):
+  """The requested step is not held by any tier."""
+
+
+class ManagerClosedError(JaxckptError, RuntimeError):
+  """An operation was attempted on a closed CheckpointManager."""
+
+
+class CorruptSnapshotError(JaxckptError, OSError):
+  """Stored bytes do not match their checksum (torn, truncated or corrupted)."""
+
+
+class SnapshotTimeoutError(JaxckptError, TimeoutError):
+  """A wait ran past its timeout; the message names who was late."""
+
+
+class HostMemoryBudgetError(JaxckptError, MemoryError):
+  """Snapshots would not fit in the configured host-memory budget."""
+
+
+class AgentUnavailableError(JaxckptError, ConnectionError):
+  """The snapshot agent could not be reached or died."""
+
+
+class UnrecoverableLossError(JaxckptError, RuntimeError):
+  """More hosts of a parity group were lost than parity can rebuild."""
+
+
+class ConversionError(JaxckptError, ValueError):
+  """A conversion rule is invalid, unmatched or ambiguous."""
+
+
+class ManifestError(JaxckptError, ValueError):
+  """A checkpoint manifest is missing, malformed or of an unknown version."""
+
+
+class QuorumError(JaxckptError, RuntimeError):
+  """A replica-group quorum could not be formed or was lost."""
