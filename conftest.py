@@ -1,11 +1,6 @@
 """Root pytest configuration: 8 CPU devices before JAX starts, or fail."""
 
-import os
-
-# Must happen before any test module imports jax's backend.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 

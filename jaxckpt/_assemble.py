@@ -1,0 +1,41 @@
+"""Build jax.Arrays on a target sharding from any source of regions.
+
+One code path for every tier: the host snapshot, parity-decoded pieces and the
+universal format on storage all hand in a ``read_region(box) -> np.ndarray``;
+this module asks it only for the boxes that this process's devices hold, each
+distinct box once (replicated devices share one read).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxckpt.snapshot import Box, box_from_index
+
+
+def device_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict:
+  """Maps each addressable device of ``sharding`` to the box of ``shape`` it holds."""
+  return {d: box_from_index(idx, shape)
+          for d, idx in sharding.addressable_devices_indices_map(shape).items()}
+
+
+def make_array(shape: tuple[int, ...], dtype: np.dtype,
+               sharding: jax.sharding.Sharding,
+               read_region: Callable[[Box], np.ndarray]) -> jax.Array:
+  """A jax.Array of ``shape`` on ``sharding`` whose values come from ``read_region``.
+
+  ``read_region`` must return a fresh array (never a view of memory that is
+  reused later): on CPU, ``device_put`` may alias the host buffer it is given.
+  """
+  boxes = device_boxes(shape, sharding)
+  cache: dict[Box, np.ndarray] = {}
+  arrays = []
+  for device, box in boxes.items():
+    host = cache.get(box)
+    if host is None:
+      host = cache[box] = np.asarray(read_region(box), dtype=dtype)
+    arrays.append(jax.device_put(host, device))
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
