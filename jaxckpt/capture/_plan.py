@@ -1,0 +1,105 @@
+"""Where each stored shard goes in a snapshot buffer, cached per tree layout."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jaxckpt.snapshot import Box, LeafRecord, align, box_from_index, box_shape, full_box
+from jaxckpt.tree import Leaf, scalar_to_json
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardSlot:
+  """One shard to store: leaf ``leaf``, global ``box``, bytes at ``offset``."""
+
+  leaf: int
+  box: Box
+  offset: int
+  nbytes: int
+  device: Any = None          # the jax device holding it (None for numpy)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CapturePlan:
+  """The byte layout of one process's snapshot of a given tree layout."""
+
+  templates: tuple[LeafRecord, ...]    # leaves without shards (values for scalars)
+  shards: tuple[ShardSlot, ...]
+  nbytes: int
+
+
+def _signature(leaves: Sequence[Leaf]) -> tuple:
+  sig = []
+  for leaf in leaves:
+    if leaf.kind == "scalar":
+      sig.append((leaf.path, "scalar"))
+    else:
+      x = leaf.value
+      sig.append((leaf.path, leaf.kind, x.shape, str(x.dtype),
+                  getattr(x, "sharding", None), leaf.key_impl))
+  return tuple(sig)
+
+
+def sharding_info(x: Any) -> dict[str, Any] | None:
+  """A JSON description of how a jax.Array is laid out (informational)."""
+  s = getattr(x, "sharding", None)
+  if isinstance(s, jax.sharding.NamedSharding):
+    return {"type": "NamedSharding",
+            "mesh_shape": {str(k): int(v) for k, v in s.mesh.shape.items()},
+            "spec": [None if p is None else (list(p) if isinstance(p, tuple) else p)
+                     for p in s.spec]}
+  if s is not None:
+    return {"type": type(s).__name__, "num_devices": len(s.device_set)}
+  return None
+
+
+class Planner:
+  """Computes and caches the CapturePlan for a tree layout."""
+
+  def __init__(self) -> None:
+    self._cache: dict[tuple, CapturePlan] = {}
+
+  def plan(self, leaves: Sequence[Leaf]) -> CapturePlan:
+    sig = _signature(leaves)
+    plan = self._cache.get(sig)
+    if plan is None:
+      plan = self._cache[sig] = _make_plan(leaves)
+      if len(self._cache) > 8:          # layouts rarely change; bound the cache
+        self._cache.pop(next(iter(self._cache)))
+    return plan
+
+
+def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
+  templates, shards, offset = [], [], 0
+  for i, leaf in enumerate(leaves):
+    if leaf.kind == "scalar":
+      templates.append(LeafRecord(path=leaf.path, kind="scalar",
+                                  value=scalar_to_json(leaf.value)))
+      continue
+    x = leaf.value
+    dtype = np.dtype(x.dtype)
+    templates.append(LeafRecord(path=leaf.path, kind=leaf.kind, shape=tuple(x.shape),
+                                dtype=dtype.name, sharding=sharding_info(x),
+                                key_impl=leaf.key_impl))
+    for box, device in _stored_boxes(x):
+      nbytes = int(np.prod(box_shape(box), dtype=np.int64)) * dtype.itemsize
+      shards.append(ShardSlot(i, box, offset, nbytes, device))
+      offset = align(offset + nbytes)
+  return CapturePlan(tuple(templates), tuple(shards), offset)
+
+
+def _stored_boxes(x: Any) -> list[tuple[Box, Any]]:
+  """This process's replica-0 shards of ``x``, each box once."""
+  if not isinstance(x, jax.Array):
+    return [(full_box(x.shape), None)]
+  seen, out = set(), []
+  for s in x.addressable_shards:
+    box = box_from_index(s.index, x.shape)
+    if s.replica_id == 0 and box not in seen:
+      seen.add(box)
+      out.append((box, s.device))
+  return out

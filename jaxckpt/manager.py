@@ -1,0 +1,239 @@
+"""CheckpointManager: the one place that knows every tier and picks among them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import jax
+
+from jaxckpt import _restore, capture, errors, tree
+from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
+from jaxckpt.store import HostStore, InProcessStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SaveStats:
+  """Counters of a manager's saves (``mgr.stats``)."""
+
+  started: int = 0
+  committed: int = 0
+  skipped_busy: int = 0
+  skipped_interval: int = 0
+  last_blocking_secs: float = 0.0
+  last_snapshot_secs: float = 0.0      # save() call to committed snapshot
+  last_nbytes: int = 0
+
+
+class CheckpointManager:
+  """Snapshots a training state every step and restores it from the fastest tier.
+
+  >>> import jax.numpy as jnp, jaxckpt as jc
+  >>> with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=2)) as mgr:
+  ...   mgr.save(1, {"w": jnp.ones(4)})
+  ...   mgr.wait_until_finished()
+  ...   mgr.restore(target={"w": jnp.zeros(4)})["w"].tolist()
+  True
+  [1.0, 1.0, 1.0, 1.0]
+
+  ``save()`` returns as soon as the device-to-host copies are dispatched; a
+  background thread completes them into a preallocated host slot, with a
+  checksum per shard, and commits the step. ``restore()`` verifies every
+  checksum before anything is returned and reports what it did in
+  ``last_restore``.
+  """
+
+  def __init__(self, directory: str | None = None,
+               options: CheckpointOptions | None = None, *,
+               store: HostStore | None = None) -> None:
+    if directory is not None:
+      raise NotImplementedError(
+          f"{directory=}: the persistent storage tier is not available in this "
+          "version; pass directory=None for host-memory snapshots")
+    self.options = options or CheckpointOptions()
+    limit = self.options.host_memory_limit_bytes or default_host_memory_limit_bytes()
+    self._store = store or InProcessStore(max_snapshots=self.options.max_snapshots,
+                                          host_memory_limit_bytes=limit)
+    self._planner = capture.Planner()
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
+    self._pending: concurrent.futures.Future | None = None
+    self._error: BaseException | None = None
+    self._lock = threading.Lock()
+    self._closed = False
+    self.stats = SaveStats()
+    self.last_restore: _restore.RestoreInfo | None = None
+    self._process = (jax.process_index(), jax.process_count())
+
+  # -- saving ---------------------------------------------------------------
+
+  def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None,
+           force: bool = False) -> bool:
+    """Starts a snapshot of ``state`` at ``step``; returns True if one was started.
+
+    Returns False (and counts it in ``stats``) when ``step`` is off the save
+    interval or the previous snapshot is still being copied and
+    ``on_busy="skip"``. A snapshot of ``step`` discards held snapshots of
+    steps >= ``step`` (they belong to a timeline that was rolled back).
+    """
+    t0 = time.perf_counter()
+    self._check_open("save")
+    self._raise_background_error()
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise ValueError(f"save(step={step!r}): step must be a non-negative int")
+    if not force and step % self.options.save_interval_steps:
+      self.stats.skipped_interval += 1
+      return False
+    leaves, _ = tree.flatten(state)
+    plan = self._planner.plan(leaves)
+    if not self._wait_for_previous(step):
+      return False
+    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout())
+    if slot is None:
+      self.stats.skipped_busy += 1
+      logger.info("step %d: no free snapshot slot, save skipped", step)
+      return False
+    try:
+      sources = capture.start(leaves, plan)
+    except BaseException:
+      self._store.abort(slot)
+      raise
+    self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
+                                      metadata, t0)
+    self.stats.started += 1
+    self.stats.last_blocking_secs = time.perf_counter() - t0
+    return True
+
+  def _reserve_timeout(self) -> float:
+    return self.options.busy_timeout_secs if self.options.on_busy == "wait" else 0.0
+
+  def _wait_for_previous(self, step: int) -> bool:
+    pending = self._pending
+    if pending is None or pending.done():
+      return True
+    if self.options.on_busy == "skip":
+      self.stats.skipped_busy += 1
+      logger.info("step %d: previous snapshot still copying, save skipped", step)
+      return False
+    self._wait(pending, self.options.busy_timeout_secs, f"save of step {step}")
+    self._raise_background_error()
+    return True
+
+  def _complete(self, step, plan, sources, slot, metadata, t0) -> None:
+    try:
+      manifest = capture.complete(plan, sources, slot.buffer, step=step,
+                                  process_index=self._process[0],
+                                  process_count=self._process[1], metadata=metadata)
+      del sources                     # release the device-buffer views at once
+      self._store.commit(slot, manifest)
+    except BaseException as e:  # surfaced by the next save / wait
+      self._store.abort(slot)
+      logger.exception("step %d: snapshot failed", step)
+      with self._lock:
+        self._error = e
+      return
+    self.stats.committed += 1
+    self.stats.last_snapshot_secs = time.perf_counter() - t0
+    self.stats.last_nbytes = plan.nbytes
+    logger.debug("step %d: snapshot committed (%d bytes)", step, plan.nbytes)
+
+  def wait_until_finished(self, timeout_secs: float | None = None) -> None:
+    """Blocks until the snapshot in flight is committed; raises its error if it failed."""
+    if self._pending is not None:
+      self._wait(self._pending, timeout_secs or self.options.timeout_secs,
+                 "wait_until_finished")
+    self._raise_background_error()
+
+  def _wait(self, fut: concurrent.futures.Future, timeout: float, what: str) -> None:
+    try:
+      fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+      raise errors.SnapshotTimeoutError(
+          f"{what}: the background snapshot copy of process {self._process[0]} "
+          f"did not finish within {timeout} s") from None
+
+  def _raise_background_error(self) -> None:
+    with self._lock:
+      err, self._error = self._error, None
+    if err is not None:
+      raise err
+
+  # -- what is held ---------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Restorable steps, oldest first."""
+    self._check_open("all_steps")
+    return self._store.steps()
+
+  def latest_step(self) -> int | None:
+    """The newest restorable step, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  # -- restoring ------------------------------------------------------------
+
+  def restore(self, step: int | None = None, target: Any = None) -> Any:
+    """Restores ``step`` (the newest when None) onto ``target``'s structure and shardings.
+
+    Args:
+      step: the step to restore; None for the newest held one.
+      target: the abstract state (``jax.ShapeDtypeStruct`` leaves with
+        ``sharding``, e.g. from ``jax.eval_shape`` or ``nnx.eval_shape``) or
+        concrete arrays whose shardings are used; numpy leaves come back as
+        numpy. None returns a flat ``{path: value}`` dict with numpy arrays.
+
+    Raises:
+      StepNotFoundError: no tier holds ``step``.
+      StructureMismatchError: ``target`` does not match what was saved (the
+        first mismatching path is named; nothing is restored).
+      CorruptSnapshotError: a stored shard fails its checksum.
+    """
+    self._check_open("restore")
+    self.wait_until_finished()
+    t0 = time.perf_counter()
+    held = self._store.steps()
+    if step is None:
+      if not held:
+        raise errors.StepNotFoundError("restore(): no snapshot is held yet; save first")
+      step = held[-1]
+    elif step not in held:
+      raise errors.StepNotFoundError(
+          f"restore(step={step}): step {step} is not held (held steps: {held})")
+    with self._store.read(step) as piece:
+      nbytes = _restore.verify([piece])
+      out = _restore.restore_tree([piece], target)
+      jax.block_until_ready(out)
+    self.last_restore = _restore.RestoreInfo(step, "host", time.perf_counter() - t0, nbytes)
+    logger.info("restored step %d from host memory (%d bytes, %.3f s)", step, nbytes,
+                self.last_restore.seconds)
+    return out
+
+  # -- lifecycle ------------------------------------------------------------
+
+  def _check_open(self, what: str) -> None:
+    if self._closed:
+      raise errors.ManagerClosedError(
+          f"{what}() on a closed CheckpointManager; create a new one")
+
+  def close(self) -> None:
+    """Waits for the snapshot in flight, then releases host memory. Idempotent."""
+    if self._closed:
+      return
+    try:
+      if self._pending is not None:
+        self._wait(self._pending, self.options.timeout_secs, "close")
+    finally:
+      self._closed = True
+      self._pool.shutdown(wait=True)
+      self._store.close()
+
+  def __enter__(self) -> "CheckpointManager":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()

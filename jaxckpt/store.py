@@ -1,0 +1,156 @@
+"""Host-snapshot stores: where captured bytes live between steps.
+
+The manager talks to a store only through :class:`HostStore`, so the
+in-process store here and the snapshot agent (``jaxckpt.agent``) are
+interchangeable. A store hands out preallocated *slots* (reused across steps:
+no allocation per save), makes a step visible only on ``commit``, keeps at most
+``max_snapshots`` committed steps (never dropping the newest), and lets readers
+pin a step while they read it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import threading
+import time
+from typing import Any, Iterator
+
+import numpy as np
+
+from jaxckpt import errors
+from jaxckpt.snapshot import SnapshotManifest
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+  """A writable buffer reserved for one step's snapshot."""
+
+  index: int
+  step: int
+  buffer: Any          # writable, at least ``nbytes`` long (np.uint8 array or mmap)
+  nbytes: int
+
+
+class HostStore(abc.ABC):
+  """What the manager needs from a host-memory snapshot store."""
+
+  @abc.abstractmethod
+  def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
+    """A free slot of at least ``nbytes``; None if none frees up in time (0 = don't wait)."""
+
+  @abc.abstractmethod
+  def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
+    """Makes ``slot`` the committed snapshot of ``manifest.step``."""
+
+  @abc.abstractmethod
+  def abort(self, slot: Slot) -> None:
+    """Returns an uncommitted slot to the free pool."""
+
+  @abc.abstractmethod
+  def steps(self) -> list[int]:
+    """Committed steps, oldest first."""
+
+  @abc.abstractmethod
+  def read(self, step: int) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, Any]]:
+    """Pins ``step`` and yields its manifest and buffer until the context exits."""
+
+  def close(self) -> None:
+    """Releases the store's resources (a no-op by default)."""
+
+
+def check_budget(*, slots: int, nbytes: int, limit_bytes: int, where: str) -> None:
+  """Raises HostMemoryBudgetError if ``slots`` x ``nbytes`` exceeds ``limit_bytes``."""
+  need = slots * nbytes
+  if need > limit_bytes:
+    raise errors.HostMemoryBudgetError(
+        f"{where}: {slots} snapshot slots x {nbytes / 2**20:.1f} MiB = "
+        f"{need / 2**20:.1f} MiB exceed host_memory_limit_bytes="
+        f"{limit_bytes} ({limit_bytes / 2**20:.1f} MiB); lower max_snapshots, "
+        "shard the state over more hosts, or raise host_memory_limit_bytes")
+
+
+class InProcessStore(HostStore):
+  """Snapshots held in this process's memory (lost if the process dies).
+
+  Holds ``max_snapshots + 1`` slots: the committed snapshots plus one being
+  written. Slots are allocated on first use at the snapshot's size and reused.
+  """
+
+  def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int) -> None:
+    self._max = max_snapshots
+    self._limit = host_memory_limit_bytes
+    self._buffers: list[np.ndarray | None] = [None] * (max_snapshots + 1)
+    self._state: list[str] = ["free"] * (max_snapshots + 1)   # free|writing|committed
+    self._manifests: dict[int, SnapshotManifest] = {}
+    self._slot_of: dict[int, int] = {}
+    self._pins = [0] * (max_snapshots + 1)
+    self._cv = threading.Condition()
+
+  def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
+    check_budget(slots=len(self._buffers), nbytes=nbytes, limit_bytes=self._limit,
+                 where="in-process snapshot store")
+    deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+    with self._cv:
+      while True:
+        i = next((i for i, s in enumerate(self._state)
+                  if s == "free" and self._pins[i] == 0), None)
+        if i is not None:
+          break
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          return None
+        self._cv.wait(left)
+      self._state[i] = "writing"
+    buf = self._buffers[i]
+    if buf is None or buf.size < nbytes:
+      buf = self._buffers[i] = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return Slot(i, step, buf, nbytes)
+
+  def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
+    with self._cv:
+      for s in [s for s in self._slot_of if s >= manifest.step]:
+        self._drop(s)            # a rolled-back timeline: newer steps are stale
+      self._state[slot.index] = "committed"
+      self._slot_of[manifest.step] = slot.index
+      self._manifests[manifest.step] = manifest
+      for s in sorted(self._slot_of)[:-self._max]:   # never the newest
+        self._drop(s)
+      self._cv.notify_all()
+
+  def _drop(self, step: int) -> None:
+    i = self._slot_of.pop(step)
+    del self._manifests[step]
+    self._state[i] = "free"
+
+  def abort(self, slot: Slot) -> None:
+    with self._cv:
+      self._state[slot.index] = "free"
+      self._cv.notify_all()
+
+  def steps(self) -> list[int]:
+    with self._cv:
+      return sorted(self._slot_of)
+
+  @contextlib.contextmanager
+  def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
+    with self._cv:
+      if step not in self._slot_of:
+        raise errors.StepNotFoundError(
+            f"step {step} is not held in host memory (held: {sorted(self._slot_of)})")
+      i = self._slot_of[step]
+      self._pins[i] += 1
+      manifest = self._manifests[step]
+    try:
+      yield manifest, self._buffers[i]
+    finally:
+      with self._cv:
+        self._pins[i] -= 1
+        self._cv.notify_all()
+
+  def close(self) -> None:
+    with self._cv:
+      self._buffers = [None] * len(self._buffers)
+      self._slot_of.clear()
+      self._manifests.clear()

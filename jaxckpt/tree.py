@@ -1,0 +1,179 @@
+"""Pytree <-> leaves: paths, kinds, and matching a restore target to a snapshot.
+
+A state is any pytree that JAX can flatten (dict, list, tuple, namedtuple,
+dataclass pytrees, ``nnx.State``, optax states; ``None`` is an empty subtree).
+Its leaves are ``jax.Array`` (typed PRNG keys included), numpy arrays and
+scalars, and Python ``bool``/``int``/``float``/``complex``/``str``/``bytes``.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt import errors
+from jaxckpt.snapshot import LeafRecord
+
+PyTree = Any
+_SCALAR_TYPES = (bool, int, float, complex, str, bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaf:
+  """One flattened leaf: its path, kind and (for arrays) the array to store."""
+
+  path: str
+  kind: str                     # "jax" | "numpy" | "prng_key" | "scalar"
+  value: Any                    # the array (key data for prng_key) or scalar
+  key_impl: str | None = None
+
+
+def is_prng_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def flatten(state: PyTree) -> tuple[list[Leaf], Any]:
+  """Flattens ``state`` into classified leaves and its treedef.
+
+  Raises:
+    UnsupportedLeafError: for a leaf of a type jaxckpt cannot snapshot.
+  """
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+  return [_classify(jax.tree_util.keystr(p), x) for p, x in with_paths], treedef
+
+
+def _classify(path: str, x: Any) -> Leaf:
+  if isinstance(x, jax.Array):
+    if is_prng_key(x):
+      return Leaf(path, "prng_key", jax.random.key_data(x),
+                  str(jax.random.key_impl(x)))
+    return Leaf(path, "jax", x)
+  if isinstance(x, (np.ndarray, np.generic)):
+    if x.dtype.hasobject:
+      raise errors.UnsupportedLeafError(
+          f"leaf {path} is a numpy array of dtype=object; store its values as "
+          "a numeric array or plain Python scalars")
+    return Leaf(path, "numpy", np.asarray(x))
+  if isinstance(x, _SCALAR_TYPES):
+    return Leaf(path, "scalar", x)
+  raise errors.UnsupportedLeafError(
+      f"leaf {path} has type {type(x).__module__}.{type(x).__qualname__}, which "
+      "jaxckpt cannot snapshot; leaves must be jax.Array, numpy arrays, or "
+      "bool/int/float/complex/str/bytes. Convert it, or register its class as "
+      "a pytree node (jax.tree_util.register_dataclass) so its fields are leaves")
+
+
+def scalar_to_json(x: Any) -> dict[str, Any]:
+  """JSON form of a Python scalar leaf, keeping its exact type."""
+  if isinstance(x, bool):
+    return {"type": "bool", "v": x}
+  if isinstance(x, int):
+    return {"type": "int", "v": str(x)}   # str: ints may exceed JSON's range
+  if isinstance(x, float):
+    return {"type": "float", "v": x.hex()}
+  if isinstance(x, complex):
+    return {"type": "complex", "v": [x.real.hex(), x.imag.hex()]}
+  if isinstance(x, str):
+    return {"type": "str", "v": x}
+  return {"type": "bytes", "v": base64.b64encode(x).decode("ascii")}
+
+
+def scalar_from_json(o: dict[str, Any]) -> Any:
+  t, v = o["type"], o["v"]
+  if t == "bool":
+    return bool(v)
+  if t == "int":
+    return int(v)
+  if t == "float":
+    return float.fromhex(v)
+  if t == "complex":
+    return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+  if t == "str":
+    return v
+  return base64.b64decode(v)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TargetLeaf:
+  """What the caller wants back for one leaf."""
+
+  path: str
+  mode: str                   # "jax" | "numpy" | "scalar"
+  shape: tuple[int, ...] = ()
+  dtype: Any = None
+  sharding: jax.sharding.Sharding | None = None
+  numpy_scalar: bool = False
+
+
+def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int
+                 ) -> tuple[list[TargetLeaf], Any]:
+  """Checks ``target`` against the saved leaves; returns per-leaf targets.
+
+  Everything is checked before anything is restored, and the first
+  mismatching path is named.
+  """
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+  paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  saved_paths = [leaf.path for leaf in saved]
+  if paths != saved_paths:
+    raise errors.StructureMismatchError(_structure_message(paths, saved_paths, step))
+  out = [_target_leaf(p, x, rec, step) for (p, x), rec in
+         zip(zip(paths, (x for _, x in with_paths)), saved)]
+  return out, treedef
+
+
+def _structure_message(paths: list[str], saved: list[str], step: int) -> str:
+  for i, (a, b) in enumerate(zip(paths, saved)):
+    if a != b:
+      return (f"restore target does not match the tree saved at step {step}: "
+              f"leaf #{i} is {a} in the target but {b} in the snapshot; pass a "
+              "target built the same way as the saved state")
+  if len(paths) < len(saved):
+    return (f"restore target does not match the tree saved at step {step}: the "
+            f"target lacks {saved[len(paths)]} (it has {len(paths)} leaves, the "
+            f"snapshot {len(saved)})")
+  return (f"restore target does not match the tree saved at step {step}: the "
+          f"target has {paths[len(saved)]} which was not saved (it has "
+          f"{len(paths)} leaves, the snapshot {len(saved)})")
+
+
+def _target_leaf(path: str, x: Any, rec: LeafRecord, step: int) -> TargetLeaf:
+  if rec.kind == "scalar":
+    if not isinstance(x, _SCALAR_TYPES) and x is not None:
+      raise _mismatch(path, step, f"a {type(x).__name__}", "a Python scalar")
+    return TargetLeaf(path, "scalar")
+  if isinstance(x, _SCALAR_TYPES):
+    raise _mismatch(path, step, f"a Python {type(x).__name__}",
+                    f"an array of shape {rec.shape}")
+  shape = tuple(getattr(x, "shape", ()))
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    raise errors.StructureMismatchError(
+        f"restore target leaf {path} is a {type(x).__name__}; use a "
+        "jax.ShapeDtypeStruct, a jax.Array or a numpy array")
+  saved_shape = rec.shape[:-1] if rec.kind == "prng_key" else rec.shape
+  if shape != saved_shape:
+    raise _mismatch(path, step, f"shape {shape}", f"shape {saved_shape}")
+  if rec.kind == "prng_key":
+    if not is_prng_key(x):
+      raise _mismatch(path, step, f"dtype {dtype}", f"a PRNG key ({rec.key_impl})")
+    dtype = np.dtype(rec.dtype)
+  elif is_prng_key(x) or np.dtype(dtype) != rec.numpy_dtype:
+    raise _mismatch(path, step, f"dtype {dtype}", f"dtype {rec.dtype}")
+  if isinstance(x, (np.ndarray, np.generic)):
+    return TargetLeaf(path, "numpy", shape, dtype, numpy_scalar=isinstance(x, np.generic))
+  sharding = getattr(x, "sharding", None)
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return TargetLeaf(path, "jax", shape, dtype, sharding)
+
+
+def _mismatch(path: str, step: int, got: str, want: str) -> errors.StructureMismatchError:
+  return errors.StructureMismatchError(
+      f"restore target leaf {path} has {got} but step {step} saved {want}; fix "
+      "the target (or restore with target=None to get what was saved)")
