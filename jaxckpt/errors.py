@@ -59,3 +59,7 @@ class ManifestError(JaxckptError, ValueError):
 
 class QuorumError(JaxckptError, RuntimeError):
   """A replica-group quorum could not be formed or was lost."""
+
+
+class StepExistsError(JaxckptError, FileExistsError):
+  """A step is already committed in storage and would be overwritten."""
