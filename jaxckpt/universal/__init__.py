@@ -1,0 +1,35 @@
+"""The persistent tier: steps in the universal format (zarr v3 via tensorstore).
+
+Write (every process): :func:`write_process_shards`; commit (process 0):
+:func:`commit_step`; read: :func:`open_step` and :func:`restore_arrays` onto
+any sharding; housekeeping: :func:`all_steps`, :func:`latest_step`,
+:func:`gc_steps`, :func:`discard_step`; single writer: :func:`write_leaves`.
+"""
+
+from jaxckpt.universal._commit import all_steps
+from jaxckpt.universal._commit import commit_step
+from jaxckpt.universal._commit import discard_step
+from jaxckpt.universal._commit import gc_steps
+from jaxckpt.universal._commit import latest_step
+from jaxckpt.universal._manifest import LeafInfo
+from jaxckpt.universal._read import StepReader
+from jaxckpt.universal._read import open_step
+from jaxckpt.universal._read import restore_arrays
+from jaxckpt.universal._read import verify_step
+from jaxckpt.universal._write import write_leaves
+from jaxckpt.universal._write import write_process_shards
+
+__all__ = [
+    "LeafInfo",
+    "StepReader",
+    "all_steps",
+    "commit_step",
+    "discard_step",
+    "gc_steps",
+    "latest_step",
+    "open_step",
+    "restore_arrays",
+    "verify_step",
+    "write_leaves",
+    "write_process_shards",
+]

@@ -1,0 +1,212 @@
+"""Where things live in a universal-format directory, and how leaves are chunked.
+
+Layout under ``directory`` (a local path or any tensorstore kvstore URL):
+
+  step_0000000012/manifest.json          the step's manifest (written by commit)
+  step_0000000012/parts/process_00003.json   one part record per writing process
+  step_0000000012/arrays/<leaf>/...      one zarr v3 array per array leaf
+  commits/0000000012.json                the commit marker, written last
+
+A step is committed if and only if its marker exists: the marker is one small
+object written in one atomic put, which works on every kvstore (no rename).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from typing import Any, Sequence
+
+import numpy as np
+import tensorstore as ts
+import xxhash
+
+from jaxckpt import errors
+from jaxckpt.snapshot import Box, box_shape
+
+COMMITS_PREFIX = "commits/"
+INNER_CHUNK_TARGET_BYTES = 4 << 20
+FALLBACK_CHUNK_TARGET_BYTES = 64 << 20
+
+
+def kvstore_url(directory: str) -> str:
+  """A tensorstore kvstore URL for a local path or URL, ending in ``/``.
+
+  >>> kvstore_url("gs://bucket/ckpt")
+  'gs://bucket/ckpt/'
+  """
+  url = directory if "://" in directory else "file://" + os.path.abspath(directory)
+  return url if url.endswith("/") else url + "/"
+
+
+@functools.lru_cache(maxsize=1)
+def context() -> ts.Context:
+  """One shared tensorstore context: no chunk cache (bytes go straight through)."""
+  return ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                     "file_io_concurrency": {"limit": 32}})
+
+
+def open_kvstore(directory: str) -> ts.KvStore:
+  return ts.KvStore.open(kvstore_url(directory), context=context()).result()
+
+
+def step_dir(step: int) -> str:
+  return f"step_{step:010d}/"
+
+
+def commit_key(step: int) -> str:
+  return f"{COMMITS_PREFIX}{step:010d}.json"
+
+
+def part_key(step: int, process_index: int) -> str:
+  return f"{step_dir(step)}parts/process_{process_index:05d}.json"
+
+
+def manifest_key(step: int) -> str:
+  return f"{step_dir(step)}manifest.json"
+
+
+def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:
+  """Reads one JSON object, or None if the key is missing."""
+  res = kv.read(key).result()
+  if res.state != "value":
+    return None
+  try:
+    return json.loads(res.value)
+  except ValueError as e:
+    raise errors.ManifestError(f"{key!r} in {kv.path!r} is not valid JSON: {e}") from e
+
+
+def array_name(path: str) -> str:
+  """A readable, filesystem-safe, collision-free array directory for a leaf path.
+
+  >>> array_name("['params']['w']")
+  'params.w-9d0453e9'
+  """
+  clean = re.sub(r"[^A-Za-z0-9_-]+", ".", path).strip(".")[:96] or "leaf"
+  return f"{clean}-{xxhash.xxh32_hexdigest(path.encode())}"
+
+
+def chunk_key(index: Sequence[int]) -> str:
+  """The manifest key of a chunk grid index: ``'i.j.k'`` (``'0'`` for rank 0)."""
+  return ".".join(str(i) for i in index) or "0"
+
+
+def chunk_grid(shape: Sequence[int], chunk: Sequence[int]) -> tuple[int, ...]:
+  return tuple(-(-d // c) for d, c in zip(shape, chunk))
+
+
+def chunk_box(index: Sequence[int], shape: Sequence[int], chunk: Sequence[int]) -> Box:
+  """The in-bounds box of the chunk at ``index``."""
+  return tuple((i * c, min((i + 1) * c, d)) for i, c, d in zip(index, chunk, shape))
+
+
+def chunks_in(box: Box, chunk: Sequence[int]) -> list[tuple[int, ...]]:
+  """Grid indices of every chunk that intersects ``box``."""
+  ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, chunk)]
+  return [tuple(ix) for ix in np.ndindex(*[len(r) for r in ranges])
+          for ix in [tuple(r[i] for r, i in zip(ranges, ix))]]
+
+
+def aligned_cover_nbytes(box: Box, grid: Sequence[int], shape: Sequence[int],
+                         itemsize: int) -> int:
+  """Bytes in the ``grid``-aligned cover of ``box`` (clipped to ``shape``)."""
+  n = itemsize
+  for (lo, hi), g, d in zip(box, grid, shape):
+    n *= min(-(-hi // g) * g, d) - (lo // g) * g
+  return n
+
+
+def uniform_chunk(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...] | None:
+  """The shards' common shape if they tile ``shape`` on a regular grid, else None.
+
+  Every process of a regular (divisible) jax sharding sees the same shard
+  shape, so every process picks the same chunk layout without talking.
+  """
+  shapes = {box_shape(b) for b in boxes}
+  if len(shapes) != 1:
+    return None
+  (s,) = shapes
+  if any(c == 0 or d % c for c, d in zip(s, shape)):
+    return None
+  if any(lo % c for b in boxes for (lo, _), c in zip(b, s)):
+    return None
+  return s
+
+
+def _split(shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:
+  """Divides the largest divisible dimension until a block is <= ``target`` bytes."""
+  out = [max(1, d) for d in shape]
+  while int(np.prod(out)) * itemsize > target:
+    for i in sorted(range(len(out)), key=lambda k: -out[k]):
+      p = next((p for p in (2, 3, 5, 7) if out[i] % p == 0), None)
+      if p:
+        out[i] //= p
+        break
+    else:
+      break
+  return tuple(out)
+
+
+def fallback_chunk(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+  """A chunk layout from the global shape alone (same on every process).
+
+  Used when shards are uneven; chunks then may straddle shards of several
+  processes (tensorstore makes concurrent partial writes of a chunk safe).
+  """
+  out = [max(1, d) for d in shape]
+  while int(np.prod(out)) * itemsize > FALLBACK_CHUNK_TARGET_BYTES:
+    i = int(np.argmax(out))
+    if out[i] == 1:
+      break
+    out[i] = -(-out[i] // 2)
+  return tuple(out)
+
+
+def inner_chunk(chunk: Sequence[int], itemsize: int) -> tuple[int, ...]:
+  """Inner (read-unit) chunk of the zarr sharding codec: divides ``chunk`` evenly."""
+  return _split(chunk, itemsize, INNER_CHUNK_TARGET_BYTES)
+
+
+@functools.lru_cache(maxsize=None)
+def storage_dtype(dtype_name: str) -> str:
+  """The zarr v3 data type that stores ``dtype_name`` bit-exactly.
+
+  The logical dtype when tensorstore's zarr3 driver supports it, else a raw
+  unsigned integer of the same width (e.g. ``uint4`` -> ``uint8``).
+  """
+  try:
+    ts.open({"driver": "zarr3", "kvstore": "memory://",
+             "metadata": {"shape": [1], "data_type": dtype_name}},
+            create=True).result()
+    return dtype_name
+  except ValueError:
+    from jaxckpt.snapshot import dtype_from_name  # pylint: disable=import-outside-toplevel
+    return f"uint{dtype_from_name(dtype_name).itemsize * 8}"
+
+
+def zarr_spec(directory: str, step: int, array: str, *, shape: Sequence[int],
+              dtype: str, chunk: Sequence[int], inner: Sequence[int]) -> dict[str, Any]:
+  """The tensorstore spec of one leaf: zarr v3, sharding codec, crc32c per inner chunk."""
+  little = {"name": "bytes", "configuration": {"endian": "little"}}
+  return {
+      "driver": "zarr3",
+      "kvstore": kvstore_url(directory) + step_dir(step) + "arrays/" + array + "/",
+      "metadata": {
+          "shape": list(shape),
+          "data_type": dtype,
+          "chunk_grid": {"name": "regular",
+                         "configuration": {"chunk_shape": [max(1, c) for c in chunk]}},
+          "codecs": [{"name": "sharding_indexed", "configuration": {
+              "chunk_shape": [max(1, c) for c in inner],
+              "codecs": [little, {"name": "crc32c"}],
+              "index_codecs": [little, {"name": "crc32c"}]}}],
+      },
+  }
+
+
+def logical_view(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """Reinterprets stored raw integers as the logical dtype (no copy)."""
+  return arr if arr.dtype == dtype else arr.view(dtype)

@@ -1,0 +1,123 @@
+"""The step manifest (``manifest.json``) and per-process part records.
+
+Both follow ``manifest.schema.json`` (checked in beside this module) and are
+validated with jsonschema on every write and every read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+from typing import Any
+
+import jsonschema
+import numpy as np
+
+from jaxckpt import errors
+from jaxckpt.snapshot import Box, dtype_from_name
+
+FORMAT = "jaxckpt.universal"
+VERSION = 1
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LeafInfo:
+  """One leaf of a stored step.
+
+  Attributes:
+    path: tree path (``jax.tree_util.keystr``).
+    kind: ``"jax"``, ``"numpy"``, ``"prng_key"`` or ``"scalar"``.
+    shape: global shape (of the key data for ``prng_key``).
+    dtype: logical dtype name (``"bfloat16"``, ``"int4"``, ...).
+    storage_dtype: zarr data type when it differs from ``dtype`` (raw view).
+    array: zarr array directory relative to the step directory.
+    chunk_shape: zarr chunk (one stored shard file); inner_chunk_shape: the
+      read unit inside it (crc32c-protected).
+    chunks: chunk grid key (``'i.j'``) -> xxh3-64 of its C-order bytes.
+    sharding: the saving mesh and PartitionSpec (informational).
+    value: a scalar leaf's JSON value; key_impl: a PRNG key's implementation.
+  """
+
+  path: str
+  kind: str
+  shape: tuple[int, ...] = ()
+  dtype: str = ""
+  storage_dtype: str | None = None
+  array: str | None = None
+  chunk_shape: tuple[int, ...] | None = None
+  inner_chunk_shape: tuple[int, ...] | None = None
+  chunks: dict[str, str] = dataclasses.field(default_factory=dict)
+  sharding: Any = None
+  value: Any = None
+  key_impl: str | None = None
+
+  def __post_init__(self):
+    if self.kind not in ("jax", "numpy", "prng_key", "scalar"):
+      raise ValueError(f"LeafInfo.kind must be jax, numpy, prng_key or scalar, got {self.kind=}")
+
+  @property
+  def is_array(self) -> bool:
+    return self.kind != "scalar"
+
+  @property
+  def numpy_dtype(self) -> np.dtype:
+    return dtype_from_name(self.dtype)
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * self.numpy_dtype.itemsize if self.is_array else 0
+
+  def to_obj(self) -> dict[str, Any]:
+    o = dataclasses.asdict(self)
+    for k in ("shape", "chunk_shape", "inner_chunk_shape"):
+      o[k] = None if o[k] is None else list(o[k])
+    return o
+
+  @classmethod
+  def from_obj(cls, o: dict[str, Any]) -> "LeafInfo":
+    tup = lambda v: None if v is None else tuple(int(x) for x in v)
+    return cls(path=o["path"], kind=o["kind"], shape=tup(o["shape"]), dtype=o["dtype"],
+               storage_dtype=o.get("storage_dtype"), array=o.get("array"),
+               chunk_shape=tup(o.get("chunk_shape")),
+               inner_chunk_shape=tup(o.get("inner_chunk_shape")),
+               chunks=dict(o.get("chunks") or {}), sharding=o.get("sharding"),
+               value=o.get("value"), key_impl=o.get("key_impl"))
+
+
+@functools.lru_cache(maxsize=1)
+def schema() -> dict[str, Any]:
+  text = importlib.resources.files(__package__).joinpath("manifest.schema.json").read_text()
+  return json.loads(text)
+
+
+def validate(obj: dict[str, Any], *, what: str) -> None:
+  """Raises ManifestError naming ``what`` and the failing field if ``obj`` is off-schema."""
+  try:
+    jsonschema.validate(obj, schema())
+  except jsonschema.ValidationError as e:
+    where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+    raise errors.ManifestError(
+        f"{what} does not follow manifest.schema.json v{VERSION} at {where}: {e.message}; "
+        "it was written by another jaxckpt version or damaged") from None
+
+
+def document(*, step: int, process_count: int, metadata: dict[str, Any],
+             leaves: list[dict[str, Any]], process_index: int | None = None) -> dict[str, Any]:
+  doc = {"format": FORMAT, "version": VERSION, "step": step,
+         "process_count": process_count, "metadata": metadata,
+         "checksum_algorithm": CHECKSUM_ALGORITHM, "leaves": leaves}
+  if process_index is not None:
+    doc["process_index"] = process_index
+  return doc
+
+
+def encode(doc: dict[str, Any], *, what: str) -> bytes:
+  validate(doc, what=what)
+  return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def boxes_of(leaf_obj: dict[str, Any]) -> list[Box]:
+  return [tuple((int(a), int(b)) for a, b in box) for box in leaf_obj.get("boxes", [])]
