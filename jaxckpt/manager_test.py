@@ -1,0 +1,301 @@
+"""CheckpointManager with the in-process host store: save, restore, rollback, errors."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import jaxckpt as jc
+from jaxckpt import errors
+
+
+def mesh(shape, names):
+  return jax.make_mesh(shape, names, devices=jax.devices()[:int(np.prod(shape))])
+
+
+def put(x, m, *spec):
+  return jax.device_put(x, NamedSharding(m, P(*spec)))
+
+
+def assert_same(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape
+  np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+
+
+@pytest.fixture
+def mgr():
+  with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=2)) as m:
+    yield m
+
+
+def save_now(m, step, state, **kw):
+  assert m.save(step, state, **kw)
+  m.wait_until_finished()
+
+
+X = np.arange(16 * 24, dtype=np.float32).reshape(16, 24) * 0.37
+
+# (source mesh, source spec) -> (target mesh, target spec): every case bit-exact.
+RESHARD_CASES = [
+    (((8,), ("x",)), ("x", None), ((4,), ("y",)), ("y", None)),          # 8 -> 4 devices
+    (((8,), ("x",)), ("x", None), ((8,), ("x",)), ()),                   # sharded -> replicated
+    (((2, 4), ("a", "b")), ("a", "b"), ((4, 2), ("c", "d")), ("d", "c")),  # other mesh + spec
+    (((2, 4), ("a", "b")), ("a", None), ((2, 2), ("c", "d")), (None, "d")),  # partial replica
+    (((4, 2), ("a", "b")), (None, ("a", "b")), ((1,), ("z",)), ()),       # to one device
+    (((8,), ("x",)), (), ((2, 4), ("a", "b")), ("b", "a")),              # replicated -> sharded
+    (((2, 4), ("a", "b")), (("a", "b"), None), ((8,), ("x",)), (None, "x")),
+]
+
+
+@pytest.mark.parametrize("src_mesh,src_spec,dst_mesh,dst_spec", RESHARD_CASES)
+def test_restore_onto_other_sharding_is_exact(mgr, src_mesh, src_spec, dst_mesh, dst_spec):
+  src = put(X, mesh(*src_mesh), *src_spec)
+  save_now(mgr, 1, {"w": src})
+  dst = NamedSharding(mesh(*dst_mesh), P(*dst_spec))
+  out = mgr.restore(target={"w": jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=dst)})
+  assert out["w"].sharding == dst
+  assert_same(out["w"], X)
+  for shard in out["w"].addressable_shards:
+    assert_same(shard.data, X[shard.index])
+
+
+def test_replicated_shards_are_stored_once(mgr):
+  m = mesh((2, 4), ("a", "b"))
+  save_now(mgr, 1, {"rep": put(X, m), "part": put(X, m, "a", None), "full": put(X, m, "a", "b")})
+  assert mgr.stats.last_nbytes == 3 * X.nbytes        # 64-byte aligned shards, each once
+
+
+def test_single_device_target_and_concrete_target(mgr):
+  src = put(X, mesh((8,), ("x",)), "x")
+  save_now(mgr, 1, src)
+  one = SingleDeviceSharding(jax.devices()[3])
+  out = mgr.restore(target=jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=one))
+  assert out.sharding == one and out.devices() == {jax.devices()[3]}
+  assert_same(out, X)
+  concrete = put(np.zeros_like(X), mesh((2, 2), ("a", "b")), "b", "a")
+  out = mgr.restore(target=concrete)
+  assert out.sharding == concrete.sharding
+  assert_same(out, X)
+
+
+DTYPES = ["bfloat16", "float16", "float32", "float64", "int4", "uint4", "int8", "uint8",
+          "int16", "int32", "uint32", "int64", "bool", "complex64", "float8_e4m3fn"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_round_trips_bit_exact(mgr, dtype):
+  with jax.enable_x64(True) if "64" in dtype else _nullcontext():
+    rng = np.random.default_rng(0)
+    raw = rng.integers(-8, 8, size=(8, 6)).astype(np.float32) * 0.75
+    x = jnp.asarray(raw).astype(dtype) if dtype != "bool" else jnp.asarray(raw > 0)
+    src = put(x, mesh((4, 2), ("a", "b")), "a", "b")
+    save_now(mgr, 1, {"x": src})
+    tgt = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                               sharding=NamedSharding(mesh((8,), ("z",)), P(None, None)))
+    out = mgr.restore(target={"x": tgt})["x"]
+    assert out.dtype == x.dtype
+    assert_same(out, x)
+
+
+class _nullcontext:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *a):
+    return False
+
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  params: dict
+  step: jax.Array
+  note: str = dataclasses.field(metadata=dict(static=False), default="x")
+
+
+def test_containers_keys_numpy_scalars_and_strings(mgr):
+  m = mesh((8,), ("x",))
+  keys = put(jax.random.split(jax.random.key(7), 8), m, "x")
+  state = {
+      "ts": TrainState(params={"w": put(X, m, "x")}, step=jnp.int32(5), note="hello"),
+      "pair": Pair(np.arange(5, dtype=np.int16), (1.5, 2, True, None, "é", b"\x00\xff")),
+      "keys": keys, "rbg": jax.random.key(3, impl="rbg"),
+      "list": [np.float32(2.5), 3 + 4j, 2**70],
+  }
+  save_now(mgr, 4, state)
+  out = mgr.restore(target=state)
+  assert out["ts"].note == "hello" and out["pair"].second == (1.5, 2, True, None, "é", b"\x00\xff")
+  assert isinstance(out["pair"], Pair) and isinstance(out["ts"], TrainState)
+  assert_same(out["ts"].params["w"], X)
+  assert isinstance(out["pair"].first, np.ndarray)
+  assert_same(out["pair"].first, np.arange(5, dtype=np.int16))
+  assert jax.dtypes.issubdtype(out["keys"].dtype, jax.dtypes.prng_key)
+  assert out["keys"].sharding == keys.sharding
+  assert_same(jax.random.key_data(out["keys"]), jax.random.key_data(keys))
+  assert_same(jax.random.key_data(out["rbg"]), jax.random.key_data(state["rbg"]))
+  assert_same(jax.random.normal(out["rbg"], (3,)), jax.random.normal(state["rbg"], (3,)))
+  assert out["list"][1:] == [3 + 4j, 2**70] and isinstance(out["list"][0], np.float32)
+  flat = mgr.restore(target=None)
+  assert_same(flat["['ts'].params['w']"], X) and flat["['list'][2]"] == 2**70
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(8, 16, rngs=rngs)
+    self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def test_nnx_state_and_optax_state_with_abstract_target(mgr):
+  model = MLP(nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  opt = optax.adamw(1e-3)
+  opt_state = opt.init(params)
+  save_now(mgr, 9, {"params": params, "opt": opt_state})
+  abstract = nnx.split(nnx.eval_shape(lambda: MLP(nnx.Rngs(1))))[1]
+  target = {"params": abstract, "opt": jax.eval_shape(opt.init, abstract)}
+  out = mgr.restore(target=target)
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves({"params": params, "opt": opt_state})):
+    assert_same(a, b)
+  restored = nnx.merge(graphdef, out["params"])
+  np.testing.assert_array_equal(restored(jnp.ones((2, 8))), model(jnp.ones((2, 8))))
+
+
+def test_snapshot_is_exact_when_the_next_step_donates_the_saved_arrays(mgr):
+  m = mesh((8,), ("x",))
+  update = jax.jit(lambda w: w * 2.0 + 1.0, donate_argnums=0)
+  w = put(X, m, "x")
+  expected = {}
+  for step in range(1, 6):
+    expected[step] = np.asarray(w).copy()
+    assert mgr.save(step, {"w": w}, force=True) or mgr.stats.skipped_busy
+    w = update(w)            # donates the array whose snapshot may still be copying
+  mgr.wait_until_finished()
+  for step in mgr.all_steps():
+    out = mgr.restore(step=step, target={"w": jax.ShapeDtypeStruct(X.shape, X.dtype,
+                                                                   sharding=w.sharding)})
+    assert_same(out["w"], expected[step])
+
+
+def test_rollback_restores_older_snapshot_and_drops_the_abandoned_timeline():
+  with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=3)) as m:
+    for step in (1, 2, 3):
+      save_now(m, step, {"w": jnp.full((4,), float(step))})
+    assert m.all_steps() == [1, 2, 3]
+    out = m.restore(step=1, target={"w": jnp.zeros(4)})
+    assert m.last_restore.step == 1 and m.last_restore.tier == "host"
+    assert_same(out["w"], np.full((4,), 1.0, np.float32))
+    save_now(m, 2, {"w": jnp.full((4,), 20.0)})   # training resumed from step 1
+    assert m.all_steps() == [1, 2] and m.latest_step() == 2
+    assert_same(m.restore(target={"w": jnp.zeros(4)})["w"], np.full((4,), 20.0, np.float32))
+
+
+def test_keeps_max_snapshots_and_reuses_slot_buffers(mgr):
+  buffers = set()
+  for step in range(1, 8):
+    save_now(mgr, step, {"w": jnp.full((1024,), float(step))})
+    with mgr._store.read(step) as (_, buf):   # the store's public read API
+      buffers.add(id(buf))
+  assert mgr.all_steps() == [6, 7]
+  assert len(buffers) == 3                    # max_snapshots + 1 slots, reused
+
+
+def test_interval_and_busy_skip_are_counted():
+  opts = jc.CheckpointOptions(max_snapshots=1, save_interval_steps=2)
+  with jc.CheckpointManager(options=opts) as m:
+    assert not m.save(1, {"w": jnp.ones(3)})
+    assert m.stats.skipped_interval == 1
+    big = {"w": put(np.ones((4096, 1024), np.float32), mesh((8,), ("x",)), "x")}
+    results = [m.save(2 * i, big) for i in range(1, 6)]
+    m.wait_until_finished()
+    assert results[0] and m.stats.started + m.stats.skipped_busy == 5
+    assert m.stats.started == sum(results)
+  opts = jc.CheckpointOptions(max_snapshots=1, on_busy="wait")
+  with jc.CheckpointManager(options=opts) as m:
+    assert all(m.save(i, big) for i in range(4))
+    m.wait_until_finished()
+    assert m.stats.committed == 4 and m.latest_step() == 3
+
+
+def test_unsupported_leaf_names_path_and_type(mgr):
+  with pytest.raises(errors.UnsupportedLeafError, match=r"\['opt'\]\['fn'\].*function") as e:
+    mgr.save(1, {"opt": {"fn": lambda x: x}})
+  assert isinstance(e.value, TypeError)
+  with pytest.raises(TypeError, match="dtype=object"):
+    mgr.save(1, {"o": np.array([object()])})
+  assert mgr.all_steps() == []
+
+
+@pytest.mark.parametrize("target,match", [
+    ({"a": jnp.zeros(4)}, r"lacks \['b'\]"),
+    ({"a": jnp.zeros(4), "b": jnp.zeros(2), "c": 1}, r"\['c'\] which was not saved"),
+    ({"a": jnp.zeros(5), "b": jnp.zeros(2)}, r"\['a'\] has shape \(5,\).*shape \(4,\)"),
+    ({"a": jnp.zeros(4, jnp.int32), "b": jnp.zeros(2)}, r"\['a'\] has dtype int32.*float32"),
+    ({"a": jnp.zeros(4), "x": jnp.zeros(2)}, r"leaf #1 is \['x'\].*\['b'\]"),
+    ({"a": jnp.zeros(4), "b": 3}, r"\['b'\] has a Python int"),
+])
+def test_mismatched_target_names_first_bad_path(mgr, target, match):
+  save_now(mgr, 1, {"a": jnp.ones(4), "b": jnp.ones(2)})
+  with pytest.raises(errors.StructureMismatchError, match=match) as e:
+    mgr.restore(target=target)
+  assert isinstance(e.value, ValueError)
+  assert mgr.last_restore is None
+
+
+def test_unknown_step_and_closed_manager():
+  m = jc.CheckpointManager()
+  with pytest.raises(FileNotFoundError, match="no snapshot is held"):
+    m.restore()
+  save_now(m, 3, {"a": jnp.ones(2)})
+  with pytest.raises(errors.StepNotFoundError, match=r"step 4 is not held \(held steps: \[3\]\)"):
+    m.restore(step=4)
+  m.close()
+  m.close()
+  with pytest.raises(errors.ManagerClosedError, match="save.*closed") as e:
+    m.save(4, {"a": jnp.ones(2)})
+  assert isinstance(e.value, RuntimeError)
+
+
+def test_corrupted_shard_is_detected_and_nothing_restored(mgr):
+  src = put(X, mesh((8,), ("x",)), "x")
+  save_now(mgr, 1, {"w": src})
+  with mgr._store.read(1) as (manifest, buf):
+    off = manifest.leaves[0].shards[3].offset
+    buf[off + 5] ^= 0x10
+  with pytest.raises(errors.CorruptSnapshotError, match=r"step 1: shard \[\(6, 8\), \(0, 24\)\]") as e:
+    mgr.restore(target={"w": src})
+  assert isinstance(e.value, OSError) and "['w']" in str(e.value)
+
+
+def test_save_rejects_bad_step(mgr):
+  with pytest.raises(ValueError, match="step=-1"):
+    mgr.save(-1, {"a": 1})
+
+
+def test_options_validation_names_field():
+  with pytest.raises(ValueError, match="on_busy.*'never'"):
+    jc.CheckpointOptions(on_busy="never")
+  with pytest.raises(ValueError, match="host_memory_limit_bytes=0"):
+    jc.CheckpointOptions(host_memory_limit_bytes=0)
+
+
+def test_budget_error_gives_sizes():
+  opts = jc.CheckpointOptions(max_snapshots=2, host_memory_limit_bytes=1 << 20)
+  with jc.CheckpointManager(options=opts) as m:
+    with pytest.raises(errors.HostMemoryBudgetError, match=r"3 snapshot slots x 2.0 MiB") as e:
+      m.save(1, {"w": np.zeros(1 << 19, np.float32)})
+    assert isinstance(e.value, MemoryError)
