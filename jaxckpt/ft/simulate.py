@@ -456,8 +456,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
   parser.add_argument("--accelerators", type=_ints, default=[PAPER_ACCELERATORS], metavar="N[,N...]",
                       help=f"job sizes to simulate (default {PAPER_ACCELERATORS})")
   parser.add_argument("--seed", type=int, default=0, help="seed of the failure stream")
-  parser.add_argument("--days", type=float, default=SimulationConfig.simulated_days,
-                      dest="simulated_days", help="simulated wall time per run (default 7)")
+  days = SimulationConfig().simulated_days
+  parser.add_argument("--days", type=float, default=days, dest="simulated_days",
+                      help=f"simulated wall time per run (default {days})")
   parser.add_argument("--modes", type=lambda s: s.split(","), default=[m.value for m in MODES],
                       help="comma-separated modes (default all)")
   parser.add_argument("--plot", metavar="PATH", help="write a PNG plot against N")

@@ -1,0 +1,206 @@
+"""Tests of the goodput simulator: determinism, calibration, sanity, validation, plot, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import doctest
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxckpt.ft import simulate as sim
+from jaxckpt.ft.simulate import MODES, Mode, SimulationConfig, simulate, sweep
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_same_seed_same_result_other_seed_other_result():
+  config = SimulationConfig(simulated_days=3)
+  for mode in MODES:
+    a, b = simulate(config, mode, seed=7), simulate(config, mode, seed=7)
+    assert a == b
+    assert a.to_dict() == b.to_dict()
+    assert simulate(config, mode, seed=8).effective_training_time != a.effective_training_time
+
+
+def test_modes_see_the_same_failures_for_a_seed():
+  config = SimulationConfig(simulated_days=3)
+  counts = {simulate(config, m, seed=3).failures for m in MODES}
+  assert len(counts) == 1
+
+
+def test_reproduces_the_ft_hsdp_figures_at_100k():
+  """FT-HSDP (arXiv 2602.00277): 44% -> 80% effective training time, 10 -> 3 min stall."""
+  config = SimulationConfig(accelerators=sim.PAPER_ACCELERATORS, simulated_days=30)
+  for mode, paper in sim.PAPER_FIGURES.items():
+    runs = [simulate(config, mode, seed) for seed in range(4)]
+    ett = np.mean([r.effective_training_time for r in runs])
+    stall_min = np.mean([r.stall_per_failure_secs for r in runs]) / 60
+    assert ett == pytest.approx(paper["effective_training_time"], abs=0.02), mode
+    assert stall_min == pytest.approx(paper["stall_per_failure_min"], abs=0.5), mode
+
+
+def test_synchronous_stall_matches_restart_from_scratch_theory():
+  # A failure during a restart of nominal length S starts it over, so the stall charged
+  # to one failure is min(S, time to the next failure): mean (1 - exp(-rate*S)) / rate.
+  config = SimulationConfig(simulated_days=60)
+  rate = config.accelerators / (config.accelerator_mtbf_hours * 3600)
+  nominal = config.job_restart_secs + config.checkpoint_load_secs
+  expected = (1 - math.exp(-rate * nominal)) / rate
+  r = simulate(config, Mode.SYNCHRONOUS, seed=0)
+  assert r.stall_per_failure_secs == pytest.approx(expected, rel=0.03)
+  expected_failures = rate * r.wall_secs
+  assert abs(r.failures - expected_failures) < 4 * math.sqrt(expected_failures)
+
+
+def test_without_failures_only_checkpoint_saves_cost():
+  config = SimulationConfig(accelerator_mtbf_hours=1e15, simulated_days=2)
+  for mode in MODES:
+    r = simulate(config, mode, seed=0)
+    assert r.failures == 0
+    interval, save = config.checkpoint_interval_secs, config.checkpoint_save_stall_secs
+    # 2 days hold 172_800 / 305 = 566 whole cycles plus 170 s of running.
+    cycles, rest = divmod(r.wall_secs, interval + save)
+    expected = (cycles * interval + min(rest, interval)) / r.wall_secs
+    assert r.effective_training_time == pytest.approx(expected, abs=1e-12)
+    assert r.stall_per_failure_secs == 0.0
+
+
+def test_breakdown_sums_to_one_and_matches_effective_training_time():
+  for mode in MODES:
+    r = simulate(SimulationConfig(simulated_days=5), mode, seed=1)
+    assert sum(r.breakdown.values()) == pytest.approx(1.0, abs=1e-9)
+    assert r.breakdown["useful"] == r.effective_training_time
+    if mode is Mode.SYNCHRONOUS:
+      assert r.breakdown["degraded"] == 0.0
+      assert r.breakdown["recomputed"] > 0.0
+    else:
+      assert r.breakdown["degraded"] > 0.0
+
+
+def test_more_failures_less_goodput():
+  for mode in MODES:
+    etts = [simulate(SimulationConfig(accelerator_mtbf_hours=h, simulated_days=5), mode, 2)
+            .effective_training_time for h in (10_000, 33_000, 100_000, 300_000)]
+    assert etts == sorted(etts), (mode, etts)
+
+
+def test_host_snapshots_never_worse_than_plain_replica_groups():
+  config = SimulationConfig(simulated_days=5)
+  for seed in range(3):
+    for n in (1024, 16_384, 131_072):
+      c = dataclasses.replace(config, accelerators=n)
+      plain = simulate(c, Mode.REPLICA_GROUPS, seed)
+      snap = simulate(c, Mode.REPLICA_GROUPS_HOST_SNAPSHOTS, seed)
+      assert snap.effective_training_time >= plain.effective_training_time, (seed, n)
+      assert snap.breakdown["degraded"] < plain.breakdown["degraded"], (seed, n)
+
+
+def test_replica_groups_beat_synchronous_at_scale():
+  r = {m: simulate(SimulationConfig(accelerators=131_072, simulated_days=5), m, 0) for m in MODES}
+  assert r[Mode.REPLICA_GROUPS].effective_training_time > (
+      r[Mode.SYNCHRONOUS].effective_training_time + 0.3)
+
+
+def test_no_spares_means_waiting_for_repairs():
+  base = SimulationConfig(accelerators=4096, simulated_days=10)
+  spared = simulate(base, Mode.SYNCHRONOUS, 0)
+  starved = simulate(dataclasses.replace(base, spare_fraction=0.0, repair_hours=24), "synchronous", 0)
+  assert starved.failures == spared.failures
+  # Each failure now waits ~24 h for its repair instead of ~13.5 min for a restart.
+  assert starved.stall_per_failure_secs > 10 * spared.stall_per_failure_secs
+  assert starved.effective_training_time < 0.5 * spared.effective_training_time
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("replica_groups", 1, "replica_groups must be in [2, accelerators=98304], got 1"),
+    ("accelerators", 8, "replica_groups must be in [2, accelerators=8], got 12"),
+    ("accelerator_mtbf_hours", 0.0, "accelerator_mtbf_hours must be > 0, got 0.0"),
+    ("job_restart_secs", -1.0, "job_restart_secs must be >= 0, got -1.0"),
+    ("checkpoint_interval_secs", 0.0, "checkpoint_interval_secs must be > 0, got 0.0"),
+    ("simulated_days", float("nan"), "simulated_days must be a finite number, got nan"),
+    ("accelerators", 1000.5, "accelerators must be an int, got 1000.5"),
+    ("spare_fraction", 1.5, "spare_fraction must be <= 1, got 1.5"),
+    ("repair_hours", True, "repair_hours must be a finite number, got True"),
+])
+def test_config_validation_names_field_and_value(field, value, words):
+  with pytest.raises(ValueError) as e:
+    SimulationConfig(**{field: value})
+  assert words in str(e.value)
+
+
+def test_unknown_mode_is_rejected_with_the_choices():
+  with pytest.raises(ValueError, match=r"mode='async'.*'synchronous', 'replica_groups'"):
+    simulate(SimulationConfig(simulated_days=1), "async")
+
+
+def test_sweep_covers_every_size_and_mode():
+  results = sweep(sim.log_scale(1024, 4096), SimulationConfig(simulated_days=1), seed=0)
+  assert [(r.accelerators, r.mode) for r in results] == [
+      (n, m) for n in (1024, 2048, 4096) for m in MODES]
+  assert sim.log_scale(1000, 131_072)[0] == 1024 and sim.log_scale()[-1] == 131_072
+
+
+def test_plot_writes_a_png(tmp_path):
+  path = tmp_path / "goodput.png"
+  sim.plot(sweep([1024, 8192], SimulationConfig(simulated_days=1)), path)
+  data = path.read_bytes()
+  assert data[:8] == _PNG_MAGIC
+  assert len(data) > 10_000
+
+
+def test_docstring_examples_and_explain_state_every_input():
+  assert doctest.testmod(sim).failed == 0
+  text = sim.explain()
+  for f in dataclasses.fields(SimulationConfig):
+    assert f"--{f.name.replace('_', '-')} = {f.default!r}" in text
+    assert f.metadata["why"] in text
+  assert "44%" in text and "80%" in text and "10 min" in text and "3 min" in text
+  for name in ("accelerator_mtbf_hours=33_000", "job_restart_secs=570", "replica_groups=12",
+               "rejoin_stall_secs=25", "checkpoint_interval_secs=300"):
+    assert name in sim.__doc__
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="jaxckpt")
+  sim.register_cli(parser.add_subparsers(dest="command"))
+  return parser
+
+
+def test_cli_json_matches_sweep(capsys):
+  args = _parser().parse_args(
+      ["simulate", "--accelerators", "1024,2048", "--days", "2", "--seed", "5", "--json",
+       "--replica-groups", "8"])
+  assert args.func(args) == 0
+  out = json.loads(capsys.readouterr().out)
+  expected = sweep([1024, 2048], SimulationConfig(simulated_days=2, replica_groups=8), seed=5)
+  assert out["results"] == [r.to_dict() for r in expected]
+  assert out["config"]["replica_groups"] == 8
+
+
+def test_cli_table_plot_and_explain(capsys, tmp_path):
+  png = tmp_path / "p.png"
+  args = _parser().parse_args(["simulate", "--accelerators", "4096", "--days", "1",
+                               "--plot", str(png)])
+  assert args.func(args) == 0
+  out = capsys.readouterr().out
+  assert png.read_bytes()[:8] == _PNG_MAGIC
+  for m in MODES:
+    assert m.value in out
+  args = _parser().parse_args(["simulate", "--explain", "--job-restart-secs", "60"])
+  assert args.func(args) == 0
+  assert "--job-restart-secs = 60.0   (changed from the default 570.0)" in capsys.readouterr().out
+
+
+def test_cli_bad_input_exits_2_with_the_reason(capsys):
+  args = _parser().parse_args(["simulate", "--accelerators", "8", "--days", "1"])
+  assert args.func(args) == 2
+  assert "replica_groups must be in [2, accelerators=8], got 12" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    _parser().parse_args(["simulate", "--help"])
+  help_text = " ".join(capsys.readouterr().out.split())
+  assert "44%" in help_text and "accelerator_mtbf_hours=33_000" in help_text
+  assert "(default 33000.0)" in help_text
