@@ -1,0 +1,42 @@
+"""``jaxckpt lighthouse``: run the lighthouse of a replica-group job in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from datetime import timedelta
+
+from jaxckpt.ft.lighthouse import Lighthouse, LighthouseOptions
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
+  """Adds the ``lighthouse`` command; it sets ``func`` (call ``args.func(args)``)."""
+  p = subparsers.add_parser("lighthouse", help="run the lighthouse of a replica-group (FT-HSDP) job",
+                            description=__doc__)
+  p.add_argument("--bind", required=True, metavar="HOST:PORT",
+                 help="address to serve on (port 0 picks a free port; the bound address is printed)")
+  p.add_argument("--min-replicas", type=int, default=1, metavar="N",
+                 help="fewest replica groups a quorum may have (default 1)")
+  p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECS",
+                 help="drop a group whose last heartbeat is older (default 5)")
+  p.add_argument("--join-timeout", type=float, default=1.0, metavar="SECS",
+                 help="wait this long for live groups that have not asked yet (default 1)")
+  p.add_argument("--straggler-timeout", type=float, default=60.0, metavar="SECS",
+                 help="wait this long for busy members of the previous quorum (default 60)")
+  p.set_defaults(func=run_lighthouse)
+
+
+def run_lighthouse(args: argparse.Namespace) -> int:
+  """Serves until SIGINT or SIGTERM."""
+  options = LighthouseOptions(min_replicas=args.min_replicas,
+                              heartbeat_timeout=timedelta(seconds=args.heartbeat_timeout),
+                              join_timeout=timedelta(seconds=args.join_timeout),
+                              straggler_timeout=timedelta(seconds=args.straggler_timeout))
+  stop = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: stop.set())
+  with Lighthouse(args.bind, options) as lighthouse:
+    print(f"lighthouse serving on {lighthouse.address}", flush=True)
+    stop.wait()
+  return 0

@@ -1,0 +1,527 @@
+"""A replica group: one JAX program (its own mesh, FSDP inside) as a unit of fault tolerance.
+
+>>> ft = ReplicaGroup(lighthouse="127.0.0.1:29510", group_id="g0",
+...                   timeout=timedelta(seconds=30))          # doctest: +SKIP
+>>> while ft.step < num_steps:                                 # doctest: +SKIP
+...   state = ft.start_step(state, apply_fn, grads_like=state.params)
+...   grads = grad_fn(state, batches[ft.batch_index()])
+...   grads = ft.allreduce(grads)     # mean over this step's contributors
+...   if ft.should_commit():          # the group got the step's agreed average
+...     state = apply_fn(state, grads)
+
+Each step attempt: (1) the lighthouse forms a quorum; a member that is behind
+(older step, or a digest off the leader's lineage) catches up from a healthy
+peer first; (2) every member sends its gradient (host copy) to the *leader*
+(the smallest healthy group id); the leader waits at most
+``contribution_timeout``, sums the contributions it got in group-id order on the
+host (float32 or wider accumulators), divides, and sends the one result to every
+member. Every member that receives it commits exactly these bytes, so parameters
+stay bit-identical; a member that does not receive it within ``timeout``
+commits nothing and replays the step from a peer's ring later. No wait in here
+is unbounded, and a failed member is dropped, never waited on again.
+
+Data: in each attempt the group uses batch ``step * max_groups + rank``, where
+``rank`` is its position in the quorum. Within a committed step the ranks
+differ, and steps differ across commits, so no batch is consumed twice by any
+group; a retried attempt reuses its batch only because the failed attempt did
+not consume it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zmq
+
+from jaxckpt import errors
+from jaxckpt.ft import _group_comm, _peer
+from jaxckpt.ft.catch_up import (CatchUpServer, RemoteSnapshotSource, SnapshotSource, fetch_ring,
+                                 rebuild_leaf, rebuild_state)
+from jaxckpt.ft.lighthouse import Heartbeat, LighthouseClient, Member, Quorum
+from jaxckpt.ft.metrics import FtCounters, StepMetrics
+from jaxckpt.ft.ring import INITIAL_DIGEST, DigestLog, GradientRing, RingEntry, chain_digest
+
+logger = logging.getLogger(__name__)
+
+ApplyFn = Callable[[Any, Any], Any]
+PeerSourceFactory = Callable[[Member], SnapshotSource]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaGroupOptions:
+  """Options of a :class:`ReplicaGroup` besides its timeout.
+
+  Attributes:
+    host: interface the group's peer server binds (and advertises).
+    heartbeat_interval: period of heartbeats to the lighthouse.
+    ring_size: averaged gradients of this many recent steps are kept for peers.
+    max_groups: batch slots per step (an upper bound on the quorum size).
+    contribution_timeout: how long a leader waits for contributions; None for
+      half the group's timeout (so members waiting ``timeout`` for the result
+      still get it when a contributor is late).
+    lighthouse_timeout: after this long without any quorum, QuorumError.
+  """
+  host: str = "127.0.0.1"
+  heartbeat_interval: timedelta = timedelta(milliseconds=500)
+  ring_size: int = 16
+  max_groups: int = 64
+  contribution_timeout: timedelta | None = None
+  lighthouse_timeout: timedelta = timedelta(minutes=5)
+
+  def __post_init__(self):
+    for name in ("ring_size", "max_groups"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ReplicaGroupOptions.{name} must be >= 1, got {getattr(self, name)!r}")
+    for name in ("heartbeat_interval", "contribution_timeout", "lighthouse_timeout"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, timedelta) or value <= timedelta(0)):
+        raise ValueError(f"ReplicaGroupOptions.{name} must be a positive timedelta, got {value!r}")
+
+
+def batch_index(step: int, rank: int, max_groups: int) -> int:
+  """The batch a group of quorum position ``rank`` uses at ``step``: ``step * max_groups + rank``."""
+  if not 0 <= rank < max_groups:
+    raise ValueError(f"quorum {rank=} is outside [0, {max_groups=}): raise "
+                     "ReplicaGroupOptions.max_groups above the number of groups")
+  return step * max_groups + rank
+
+
+@dataclasses.dataclass
+class _Attempt:
+  index: int
+  step: int
+  quorum: Quorum | None
+  quorum_secs: float
+  participating: bool = False
+  catch_up_secs: float = 0.0
+  caught_up_steps: int = 0
+  snapshot_step: int | None = None
+
+
+class ReplicaGroup:
+  """This process's view of its replica group in a fault-tolerant data-parallel job.
+
+  Args:
+    lighthouse: ``HOST:PORT`` of the lighthouse.
+    group_id: unique name of this group (orders the reduction and the leader).
+    manager: the CheckpointManager (reserved for snapshot integration; may be None).
+    timeout: the longest any single wait of a step may take.
+    options: see :class:`ReplicaGroupOptions`.
+    snapshot_source: what this group serves to recovering peers as snapshots.
+    injector: a ``jaxckpt.testing.fault_injection.EventInjector``.
+    peer_source: how a recovering group reaches a healthy peer's snapshots
+      (default: that peer's serving thread, which serves its ``snapshot_source``).
+  """
+
+  def __init__(self, *, lighthouse: str, group_id: str, manager: Any = None,
+               timeout: timedelta = timedelta(seconds=30), options: ReplicaGroupOptions | None = None,
+               snapshot_source: SnapshotSource | None = None, injector: Any = None,
+               peer_source: PeerSourceFactory | None = None):
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+      raise ValueError(f"ReplicaGroup timeout must be a positive timedelta, got {timeout!r}")
+    self.group_id, self.manager, self.timeout = group_id, manager, timeout
+    self.options = options or ReplicaGroupOptions()
+    self.snapshot_source = snapshot_source
+    self.step, self.digest = 0, INITIAL_DIGEST
+    self.ring = GradientRing(self.options.ring_size)
+    self.digests = DigestLog()
+    self.digests.record(0, INITIAL_DIGEST)
+    self.counters = FtCounters()
+    self.metrics: StepMetrics | None = None
+    self._injector = injector
+    self._attempts = 0
+    self._current: _Attempt | None = None
+    self._committed = False
+    self._retries = 0
+    self._no_quorum_since: float | None = None
+    self._layout: tuple[list[Any], Any] | None = None
+    self._comm = _group_comm.GroupComm()
+    self._ctx = zmq.Context() if self._comm.is_talker else None
+    if self._ctx is not None:
+      self._server = _peer.PeerServer(
+          self._ctx, self.options.host, CatchUpServer(self.ring, self.digests, lambda: self.snapshot_source),
+          drop=self._dropping)
+      self.address = self._server.address
+      self._sender = _peer.PeerSender(self._ctx, drop=self._dropping)
+      self._lighthouse = LighthouseClient(self._ctx, lighthouse, drop=self._dropping)
+      self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
+                                  drop=self._dropping)
+    self._peer_source = peer_source or (
+        lambda m: RemoteSnapshotSource(self._sender, m.address, self.timeout.total_seconds()))
+
+  # ---- the training-loop API --------------------------------------------------------------------
+
+  def start_step(self, state: Any = None, apply_fn: ApplyFn | None = None, *,
+                 grads_like: Any = None) -> Any:
+    """Joins the next quorum; catches up first when behind. Returns the (maybe replaced) state.
+
+    Args:
+      state: the group's train state (template for a fetched snapshot).
+      apply_fn: ``apply_fn(state, averaged_grads) -> state``, the update a commit applies;
+        needed to replay missed steps (without it a group that is behind sits the step out).
+      grads_like: a pytree like the gradients (jax.Arrays or ShapeDtypeStructs with shardings);
+        defaults to the layout of the last ``allreduce`` input.
+    """
+    if self._current is not None:
+      self._abstain(self._current)
+    index, self._attempts = self._attempts, self._attempts + 1
+    self.counters.attempts += 1
+    self._committed = False
+    if self._injector is not None:
+      self._injector.on_attempt(self.group_id, self.step)
+    t0 = time.monotonic()
+    quorum = self._join()
+    attempt = _Attempt(index=index, step=self.step, quorum=quorum, quorum_secs=time.monotonic() - t0)
+    self._current = attempt
+    if quorum is None:
+      return state
+    if self._in_sync(quorum):
+      attempt.participating = True
+    elif apply_fn is not None:
+      state, attempt.participating = self._catch_up(state, apply_fn, grads_like, attempt)
+    else:
+      logger.warning("group %s is behind (step %d < %d) and start_step got no apply_fn: sitting out",
+                     self.group_id, self.step, quorum.max_step, extra=self._extra())
+    if not attempt.participating:
+      self._abstain(attempt)
+    return state
+
+  def batch_index(self) -> int:
+    """This attempt's batch: ``step * max_groups + rank`` (rank 0 when no quorum formed)."""
+    attempt = self._current
+    if attempt is None:
+      raise RuntimeError(f"group {self.group_id}: call start_step() before batch_index()")
+    rank = attempt.quorum.rank(self.group_id) if attempt.quorum is not None else 0
+    return batch_index(self.step, rank, self.options.max_groups)
+
+  def allreduce(self, grads: Any) -> Any:
+    """The mean of ``grads`` over this step's contributors, on the input leaves' shardings.
+
+    If the step cannot commit (no quorum, behind, leader lost), returns ``grads``
+    unchanged and :meth:`should_commit` is False.
+    """
+    if self._current is None:
+      self.start_step()
+    attempt, self._current = self._current, None
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    self._layout = ([_like(x) for x in leaves], treedef)
+    t0 = time.monotonic()
+    outcome = self._exchange(attempt, leaves) if attempt.participating else None
+    result = grads
+    if outcome is not None:
+      out, contributors, digest_after = outcome
+      self._commit(RingEntry(step=self.step, digest_before=self.digest, digest_after=digest_after,
+                             leaves=tuple(out)))
+      result = jax.tree_util.tree_unflatten(treedef, [rebuild_leaf(l, h) for l, h in zip(leaves, out)])
+    self._finish(attempt, contributors=outcome[1] if outcome else (),
+                 allreduce_secs=time.monotonic() - t0)
+    return result
+
+  def should_commit(self) -> bool:
+    """Whether the last ``allreduce`` returned the step's agreed average (apply it if so)."""
+    return self._committed
+
+  def close(self) -> None:
+    """Stops the heartbeat and the serving thread; the lighthouse drops the group."""
+    if self._ctx is None:
+      return
+    self._heartbeat.stop()
+    self._server.stop()
+    self._sender.close()
+    self._lighthouse.close()
+    self._ctx.term()
+    self._ctx = None
+
+  def __enter__(self) -> ReplicaGroup:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  # ---- quorum --------------------------------------------------------------------------------------
+
+  def _dropping(self) -> bool:
+    if self._injector is None:
+      return False
+    index = self._current.index if self._current is not None else self._attempts
+    return self._injector.drops(self.group_id, index)
+
+  def _me(self) -> Member:
+    return Member(group_id=self.group_id, address=self.address, step=self.step, digest=self.digest)
+
+  def _join(self) -> Quorum | None:
+    quorum = None
+    if self._comm.is_talker:
+      quorum = self._lighthouse.quorum(self._me(), self.timeout)
+    wire = self._comm.share(quorum.to_wire() if quorum is not None else None)
+    quorum = Quorum.from_wire(wire) if wire is not None else None
+    now = time.monotonic()
+    if quorum is not None:
+      self._no_quorum_since = None
+      if self._comm.is_talker:
+        self._server.inbox.retain(quorum.quorum_id)
+      return quorum
+    self._no_quorum_since = self._no_quorum_since or now
+    waited = now - self._no_quorum_since
+    logger.warning("group %s got no quorum from lighthouse %s within %s", self.group_id,
+                   self._lighthouse_address(), self.timeout, extra=self._extra())
+    if waited > self.options.lighthouse_timeout.total_seconds():
+      raise errors.QuorumError(
+          f"group {self.group_id!r} got no quorum from the lighthouse at "
+          f"{self._lighthouse_address()} for {waited:.1f}s (lighthouse_timeout="
+          f"{self.options.lighthouse_timeout}): is the lighthouse running, and do at least "
+          "min_replicas groups reach it?")
+    return None
+
+  def _lighthouse_address(self) -> str:
+    return self._lighthouse.address if self._comm.is_talker else "?"
+
+  def _in_sync(self, quorum: Quorum) -> bool:
+    return self.step == quorum.max_step and self.digest == quorum.leader.digest
+
+  def _abstain(self, attempt: _Attempt) -> None:
+    quorum = attempt.quorum
+    if quorum is None or not self._comm.is_talker or quorum.leader.group_id == self.group_id:
+      return
+    self._sender.push(quorum.leader.address, {"op": "abstain", "quorum_id": quorum.quorum_id,
+                                              "group": self.group_id, "step": self.step})
+
+  # ---- the fault-tolerant all-reduce ---------------------------------------------------------------
+
+  def _exchange(self, attempt: _Attempt, leaves: Sequence[Any]
+                ) -> tuple[list[np.ndarray], tuple[str, ...], int] | None:
+    host = self._comm.to_host(leaves)
+    outcome = None
+    if self._comm.is_talker:
+      quorum = attempt.quorum
+      if quorum.leader.group_id == self.group_id:
+        outcome = self._lead(quorum, host)
+      else:
+        outcome = self._follow(quorum, host)
+    wire = self._comm.share(None if outcome is None else [list(outcome[1]), outcome[2]])
+    if wire is None:
+      return None
+    out = self._comm.share_arrays(outcome[0] if outcome else None, [(h.shape, h.dtype) for h in host])
+    return out, tuple(wire[0]), int(wire[1])
+
+  def _lead(self, quorum: Quorum, host: list[np.ndarray]) -> tuple[list[np.ndarray], tuple[str, ...], int]:
+    others = {m.group_id for m in quorum.members} - {self.group_id}
+    deadline = time.monotonic() + self._contribution_timeout()
+    got = self._server.inbox.wait(("contrib", "abstain"), quorum.quorum_id,
+                                  lambda g: others <= g.keys(), deadline)
+    contribs = {self.group_id: host}
+    for group, (header, arrays) in got.items():
+      if header["op"] == "contrib" and self._valid(group, header, arrays, host):
+        contribs[group] = arrays
+    late = sorted(others - got.keys())
+    if late:
+      logger.warning("leader %s: no contribution from %s within %.1fs; committing step %d without them",
+                     self.group_id, late, self._contribution_timeout(), self.step, extra=self._extra())
+    order = tuple(sorted(contribs))
+    result = mean_in_order([contribs[g] for g in order])
+    digest_after = chain_digest(self.digest, result)
+    header = {"op": "result", "quorum_id": quorum.quorum_id, "group": self.group_id,
+              "step": self.step, "contributors": list(order), "digest_after": digest_after}
+    for member in quorum.members:
+      if member.group_id != self.group_id:
+        self._sender.push(member.address, header, result)
+    return result, order, digest_after
+
+  def _valid(self, group: str, header: dict, arrays: list[np.ndarray], host: list[np.ndarray]) -> bool:
+    ok = (header["step"] == self.step and header.get("digest") == self.digest and len(arrays) == len(host)
+          and all(a.shape == h.shape and a.dtype == h.dtype for a, h in zip(arrays, host)))
+    if not ok:
+      logger.error("leader %s ignores the contribution of %s: step %s digest %s (own %d, %d) or "
+                   "leaves differ", self.group_id, group, header["step"], header.get("digest"),
+                   self.step, self.digest, extra=self._extra())
+    return ok
+
+  def _follow(self, quorum: Quorum, host: list[np.ndarray]
+              ) -> tuple[list[np.ndarray], tuple[str, ...], int] | None:
+    leader = quorum.leader
+    self._sender.push(leader.address, {"op": "contrib", "quorum_id": quorum.quorum_id,
+                                       "group": self.group_id, "step": self.step,
+                                       "digest": self.digest}, host)
+    deadline = time.monotonic() + self.timeout.total_seconds()
+    got = self._server.inbox.wait(("result",), quorum.quorum_id, lambda g: leader.group_id in g,
+                                  deadline)
+    if leader.group_id not in got:
+      logger.warning("group %s: leader %s sent no result for step %d within %s; not committing",
+                     self.group_id, leader.group_id, self.step, self.timeout, extra=self._extra())
+      return None
+    header, arrays = got[leader.group_id]
+    digest_after = chain_digest(self.digest, arrays)
+    if header["step"] != self.step or digest_after != header["digest_after"]:
+      logger.error("group %s: result of leader %s does not chain on (step %d vs %d); not committing",
+                   self.group_id, leader.group_id, header["step"], self.step, extra=self._extra())
+      return None
+    return list(arrays), tuple(header["contributors"]), digest_after
+
+  def _contribution_timeout(self) -> float:
+    value = self.options.contribution_timeout or self.timeout / 2
+    return value.total_seconds()
+
+  def _commit(self, entry: RingEntry) -> None:
+    self.ring.put(entry)
+    self.step, self.digest = entry.step + 1, entry.digest_after
+    self.digests.record(self.step, self.digest)
+
+  def _finish(self, attempt: _Attempt, *, contributors: tuple[str, ...], allreduce_secs: float) -> None:
+    committed = bool(contributors)
+    self._committed = committed
+    quorum = attempt.quorum
+    members = tuple(m.group_id for m in quorum.members) if quorum is not None else ()
+    dropped = tuple(sorted(set(quorum.dropped if quorum else ()) |
+                           (set(members) - set(contributors) if committed else set())))
+    self.metrics = StepMetrics(
+        step=attempt.step, attempt=attempt.index, quorum_id=quorum.quorum_id if quorum else None,
+        quorum_size=len(members), contributors=contributors, dropped_groups=dropped,
+        committed=committed, retries=self._retries, quorum_secs=attempt.quorum_secs,
+        allreduce_secs=allreduce_secs, catch_up_secs=attempt.catch_up_secs,
+        caught_up_steps=attempt.caught_up_steps, snapshot_step=attempt.snapshot_step)
+    self._retries = 0 if committed else self._retries + 1
+    self.counters.commits += committed
+    self.counters.failed_attempts += not committed
+    self.counters.dropped_groups += len(dropped)
+    logger.info("group %s step %d %s: quorum %s contributors %s dropped %s", self.group_id,
+                attempt.step, "committed" if committed else "not committed", members, contributors,
+                dropped, extra=dict(self._extra(), **dataclasses.asdict(self.metrics)))
+
+  def _extra(self) -> dict[str, Any]:
+    return {"group_id": self.group_id, "step": self.step, "process": jax.process_index()}
+
+  # ---- catch-up ------------------------------------------------------------------------------------
+
+  def _catch_up(self, state: Any, apply_fn: ApplyFn, grads_like: Any,
+                attempt: _Attempt) -> tuple[Any, bool]:
+    t0 = time.monotonic()
+    quorum = attempt.quorum
+    try:
+      like = self._grads_like(grads_like)
+      plan, error = None, None
+      if self._comm.is_talker:
+        try:
+          plan = self._fetch_plan(quorum)
+        except (TimeoutError, KeyError, ValueError) as e:
+          error = e
+      plan = self._share_plan(plan, state, like)
+      if plan is None:
+        raise error or KeyError("process 0 of the group could not fetch the catch-up data")
+      step, digest = plan["step"], plan["digest"]
+      if plan["snapshot"] is not None:
+        state = rebuild_state(state, plan["snapshot"])
+        attempt.snapshot_step = step
+        self.counters.snapshot_fetches += 1
+      for entry in plan["entries"]:
+        grads = jax.tree_util.tree_unflatten(like[1], [rebuild_leaf(l, h) for l, h in zip(like[0], entry.leaves)])
+        state = apply_fn(state, grads)
+      if plan["entries"]:
+        step, digest = plan["entries"][-1].step + 1, plan["entries"][-1].digest_after
+      if (step, digest) != (quorum.max_step, quorum.leader.digest):
+        raise errors.QuorumError(f"catch-up reached step {step} digest {digest:#x}, not the quorum's "
+                                 f"step {quorum.max_step} digest {quorum.leader.digest:#x}")
+    except (TimeoutError, KeyError, ValueError, errors.QuorumError) as e:
+      logger.warning("group %s could not catch up to step %d: %s; sitting this attempt out",
+                     self.group_id, quorum.max_step, e, extra=self._extra())
+      attempt.catch_up_secs = time.monotonic() - t0
+      return state, False
+    for entry in plan["entries"]:
+      self.ring.put(entry)
+      self.digests.record(entry.step + 1, entry.digest_after)
+    self.step, self.digest = step, digest
+    self.digests.record(step, digest)
+    attempt.step = step
+    attempt.caught_up_steps = len(plan["entries"])
+    attempt.catch_up_secs = time.monotonic() - t0
+    self.counters.catch_ups += 1
+    self.counters.catch_up_secs += attempt.catch_up_secs
+    logger.info("group %s caught up to step %d in %.3fs (%d steps replayed, snapshot %s)",
+                self.group_id, step, attempt.catch_up_secs, attempt.caught_up_steps,
+                attempt.snapshot_step, extra=dict(self._extra(), catch_up_secs=attempt.catch_up_secs))
+    return state, True
+
+  def _grads_like(self, grads_like: Any) -> tuple[list[Any], Any]:
+    if grads_like is not None:
+      leaves, treedef = jax.tree_util.tree_flatten(grads_like)
+      return [_like(x) for x in leaves], treedef
+    if self._layout is not None:
+      return self._layout
+    raise ValueError(f"group {self.group_id} must replay averaged gradients but does not know their "
+                     "layout: pass grads_like= (e.g. the params) to start_step()")
+
+  def _fetch_plan(self, quorum: Quorum) -> dict[str, Any]:
+    healthy = [m for m in quorum.healthy if m.group_id != self.group_id]
+    peer = healthy[-1]
+    secs = self.timeout.total_seconds()
+    entries = None
+    if self.step < quorum.max_step:
+      entries = fetch_ring(self._sender, peer.address, self.step, self.digest, quorum.max_step, secs)
+    if entries is not None:
+      return {"step": self.step, "digest": self.digest, "snapshot": None, "entries": entries}
+    source = self._peer_source(peer)
+    snap_step = source.latest_step()
+    if snap_step is None:
+      raise KeyError(f"peer {peer.group_id} serves no snapshot and its ring does not reach back to "
+                     f"step {self.step}: give it a snapshot_source or a larger ring_size")
+    reply = self._sender.request(peer.address, {"op": "digest", "step": snap_step}, secs)
+    if reply is None or reply[0].get("digest") is None:
+      raise KeyError(f"peer {peer.group_id} knows no digest of its snapshot step {snap_step}")
+    snap_digest = int(reply[0]["digest"])
+    entries = fetch_ring(self._sender, peer.address, snap_step, snap_digest, quorum.max_step, secs)
+    if entries is None:
+      raise KeyError(f"peer {peer.group_id}'s ring does not cover steps {snap_step}..{quorum.max_step}")
+    return {"step": snap_step, "digest": snap_digest, "snapshot": source.fetch(snap_step),
+            "entries": entries}
+
+  def _share_plan(self, plan: dict[str, Any] | None, state: Any, like: tuple[list[Any], Any]
+                  ) -> dict[str, Any] | None:
+    if self._comm.size == 1:
+      return plan
+    head = None
+    if plan is not None:
+      head = {"step": plan["step"], "digest": plan["digest"], "snapshot": plan["snapshot"] is not None,
+              "entries": [[e.step, e.digest_before, e.digest_after] for e in plan["entries"]]}
+    head = self._comm.share(head)
+    if head is None:
+      return None
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    snapshot = None
+    if head["snapshot"]:
+      arrays = self._comm.share_arrays([plan["snapshot"][p] for p in paths] if plan else None,
+                                       [(x.shape, x.dtype) for _, x in flat])
+      snapshot = dict(zip(paths, arrays))
+    entries = []
+    for i, (s, before, after) in enumerate(head["entries"]):
+      arrays = self._comm.share_arrays(plan["entries"][i].leaves if plan else None,
+                                       [(x.shape, x.dtype) for x in like[0]])
+      entries.append(RingEntry(step=s, digest_before=before, digest_after=after, leaves=tuple(arrays)))
+    return {"step": head["step"], "digest": head["digest"], "snapshot": snapshot, "entries": entries}
+
+
+def mean_in_order(contributions: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+  """Leaf-wise mean of ``contributions``, summed in the given order with >= float32 accumulators."""
+  out = []
+  for leaves in zip(*contributions):
+    dtype = leaves[0].dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"allreduce averages floating gradients only, got a leaf of {dtype=}")
+    acc = np.array(leaves[0], dtype=np.promote_types(dtype, np.float32))
+    for x in leaves[1:]:
+      np.add(acc, x, out=acc)
+    np.divide(acc, len(leaves), out=acc)
+    out.append(acc.astype(dtype, copy=False))
+  return out
+
+
+def _like(x: Any) -> Any:
+  if isinstance(x, jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  return x
