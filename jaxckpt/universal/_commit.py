@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import time
 from typing import Any, Iterable
 
@@ -53,7 +55,12 @@ def _wait_for_parts(kv: ts.KvStore, step: int, process_count: int,
 
 
 def _merge_leaf(step: int, into: dict[str, Any], part: dict[str, Any], proc: int) -> None:
+  if into.get("chunk_shape") is None:  # layout comes from a process that wrote boxes
+    for f in ("chunk_shape", "inner_chunk_shape"):
+      into[f] = part.get(f)
   for f in _SAME_FIELDS:
+    if f in ("chunk_shape", "inner_chunk_shape") and part.get(f) is None:
+      continue
     if into.get(f) != part.get(f):
       raise errors.ManifestError(
           f"commit of step {step}: process {proc} disagrees on {f} of leaf {into['path']!r} "
@@ -77,6 +84,8 @@ def _finish_leaf(directory: str, step: int, leaf: dict[str, Any]) -> dict[str, A
       raise errors.ManifestError(
           f"commit of step {step}: the processes wrote {have} of the {need} elements of "
           f"leaf {leaf['path']!r} (boxes {boxes}); some shards are missing")
+    if leaf.get("chunk_shape") is None:  # empty leaf: nobody wrote, create it here
+      _create_empty(directory, step, leaf)
     info = man.LeafInfo.from_obj(leaf)
     grid = [ix for ix in np.ndindex(*lay.chunk_grid(info.shape, info.chunk_shape))]
     todo = [ix for ix in grid if lay.chunk_key(ix) not in leaf["chunks"]]
@@ -90,6 +99,14 @@ def _finish_leaf(directory: str, step: int, leaf: dict[str, Any]) -> dict[str, A
   out = dict(leaf)
   out.pop("boxes", None)
   return out
+
+
+def _create_empty(directory: str, step: int, leaf: dict[str, Any]) -> None:
+  from jaxckpt.universal import _write  # pylint: disable=import-outside-toplevel
+  info = _write.plan_leaf(leaf["path"], leaf["kind"], tuple(leaf["shape"]), leaf["dtype"], [])
+  _, info = _write._open_array(directory, step, info)  # pylint: disable=protected-access
+  leaf["chunk_shape"] = list(info.chunk_shape)
+  leaf["inner_chunk_shape"] = list(info.inner_chunk_shape)
 
 
 def commit_step(directory: str, step: int, *, process_count: int,
@@ -155,6 +172,9 @@ def discard_step(directory: str, step: int) -> None:
   kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
   prefix = lay.step_dir(step)
   kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+  local = lay.local_path(directory)
+  if local is not None:  # the file kvstore leaves empty directories behind
+    shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
 
 
 def gc_steps(directory: str, *, max_to_keep: int, keep: Iterable[int] = ()) -> list[int]:

@@ -41,6 +41,13 @@ def kvstore_url(directory: str) -> str:
   return url if url.endswith("/") else url + "/"
 
 
+def local_path(directory: str) -> str | None:
+  """The filesystem path of a local directory or ``file://`` URL, else None."""
+  if "://" not in directory:
+    return os.path.abspath(directory)
+  return directory[len("file://"):] if directory.startswith("file://") else None
+
+
 @functools.lru_cache(maxsize=1)
 def context() -> ts.Context:
   """One shared tensorstore context: no chunk cache (bytes go straight through)."""
@@ -165,9 +172,10 @@ def fallback_chunk(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
   return tuple(out)
 
 
-def inner_chunk(chunk: Sequence[int], itemsize: int) -> tuple[int, ...]:
+def inner_chunk(chunk: Sequence[int], itemsize: int,
+                target_bytes: int = INNER_CHUNK_TARGET_BYTES) -> tuple[int, ...]:
   """Inner (read-unit) chunk of the zarr sharding codec: divides ``chunk`` evenly."""
-  return _split(chunk, itemsize, INNER_CHUNK_TARGET_BYTES)
+  return _split(chunk, itemsize, target_bytes)
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,21 +57,37 @@ class _Inflight:
       self._wait_oldest()
 
 
-def _open_array(directory: str, step: int, info: man.LeafInfo) -> ts.TensorStore:
+def _open_array(directory: str, step: int, info: man.LeafInfo) -> tuple[ts.TensorStore, man.LeafInfo]:
+  """Creates the leaf's zarr array, or adopts the layout another process created.
+
+  The first process to create an array fixes its chunk layout; the others
+  write their boxes into it whatever it is (tensorstore's conditional writes
+  keep concurrent partial writes of one chunk safe), so processes never need
+  to agree on a layout beforehand.
+  """
   spec = lay.zarr_spec(directory, step, info.array, shape=info.shape,
                        dtype=info.storage_dtype or info.dtype,
                        chunk=info.chunk_shape, inner=info.inner_chunk_shape)
   try:
-    return ts.open(spec, create=True, open=True, context=lay.context()).result()
+    return ts.open(spec, create=True, context=lay.context()).result(), info
   except ValueError as e:
+    if "ALREADY_EXISTS" not in str(e) and "already exists" not in str(e):
+      raise
+  del spec["metadata"]
+  store = ts.open(spec, open=True, context=lay.context()).result()
+  if tuple(store.shape) != info.shape or str(store.dtype.name) != (info.storage_dtype or info.dtype):
     raise errors.ManifestError(
-        f"step {step}: leaf {info.path!r} exists in storage with another layout ({e}); "
-        f"an earlier attempt at step {step} left it: call "
-        f"jaxckpt.universal.discard_step({directory!r}, {step}) and persist again") from None
+        f"step {step}: leaf {info.path!r} exists in storage as {store.dtype.name}{list(store.shape)}, "
+        f"not {info.dtype}{list(info.shape)}; an earlier attempt at step {step} left it: call "
+        f"jaxckpt.universal.discard_step({directory!r}, {step}) and persist again")
+  layout = store.chunk_layout
+  return store, _replace(info, chunk_shape=tuple(layout.write_chunk.shape),
+                         inner_chunk_shape=tuple(layout.read_chunk.shape))
 
 
 def plan_leaf(path: str, kind: str, shape: tuple[int, ...], dtype: str,
-              boxes: list[Box], chunk_shape: tuple[int, ...] | None = None,
+              boxes: list[Box], chunk_shape: tuple[int, ...] | None = None, *,
+              inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES,
               **extra: Any) -> man.LeafInfo:
   """Chooses storage dtype and chunk layout of one leaf."""
   if kind == "scalar":
@@ -82,7 +98,8 @@ def plan_leaf(path: str, kind: str, shape: tuple[int, ...], dtype: str,
   return man.LeafInfo(path=path, kind=kind, shape=shape, dtype=dtype,
                       storage_dtype=None if stored == dtype else stored,
                       array=lay.array_name(path), chunk_shape=tuple(chunk),
-                      inner_chunk_shape=lay.inner_chunk(chunk, np_dtype.itemsize), **extra)
+                      inner_chunk_shape=lay.inner_chunk(chunk, np_dtype.itemsize, inner_chunk_bytes),
+                      **extra)
 
 
 def _stored(arr: np.ndarray, info: man.LeafInfo) -> np.ndarray:
@@ -119,7 +136,8 @@ def _covered(cbox: Box, pieces: Mapping[Box, np.ndarray]) -> bool:
 
 
 def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any, *,
-                         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> None:
+                         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                         inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES) -> None:
   """Writes this process's shards of ``manifest.step`` into an uncommitted step.
 
   Idempotent per process: writing the same snapshot again rewrites the same
@@ -131,6 +149,8 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
     manifest: this process's host-snapshot manifest.
     buffer: the contiguous snapshot buffer the manifest points into.
     max_inflight_bytes: bytes handed to tensorstore and not yet on storage.
+    inner_chunk_bytes: target size of the inner chunks (the unit of partial
+      reads, each crc32c-protected) inside each stored shard.
 
   Raises:
     FileExistsError (StepExistsError): the step is already committed.
@@ -146,10 +166,13 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
   for rec in manifest.leaves:
     unique = {s.index: s for s in rec.shards}  # replicated boxes are stored once
     info = plan_leaf(rec.path, rec.kind, tuple(rec.shape), rec.dtype, list(unique),
-                     sharding=rec.sharding, value=rec.value, key_impl=rec.key_impl)
-    if info.is_array:
+                     inner_chunk_bytes=inner_chunk_bytes, sharding=rec.sharding,
+                     value=rec.value, key_impl=rec.key_impl)
+    if info.is_array and not unique:  # another process creates the array
+      info = _replace(info, chunk_shape=None, inner_chunk_shape=None)
+    elif info.is_array:
       pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
-      store = _open_array(directory, step, info)
+      store, info = _open_array(directory, step, info)
       for box, arr in pieces.items():
         target = store[tuple(slice(a, b) for a, b in box)]
         inflight.add(target.write(_stored(arr, info)), arr.nbytes, f"{rec.path!r} {list(box)}")
@@ -177,6 +200,7 @@ def write_leaves(directory: str, step: int, leaves: Mapping[str, man.LeafInfo],
                  sources: Mapping[str, "ts.TensorStore | np.ndarray"], *,
                  metadata: dict[str, Any],
                  max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                 inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES,
                  commit: bool = True) -> None:
   """Writes a whole step from one process, chunk by chunk, and commits it.
 
@@ -202,7 +226,8 @@ def write_leaves(directory: str, step: int, leaves: Mapping[str, man.LeafInfo],
   objs = []
   for path, given in leaves.items():
     info = plan_leaf(path, given.kind, tuple(given.shape), given.dtype, [],
-                     chunk_shape=given.chunk_shape, sharding=given.sharding,
+                     chunk_shape=given.chunk_shape, inner_chunk_bytes=inner_chunk_bytes,
+                     sharding=given.sharding,
                      value=given.value, key_impl=given.key_impl)
     if info.is_array:
       if path not in sources:
@@ -223,7 +248,9 @@ def _write_from_source(directory: str, step: int, info: man.LeafInfo, source: An
   if tuple(source.shape) != info.shape:
     raise ValueError(f"write_leaves: source of {info.path!r} has shape {tuple(source.shape)}, "
                      f"LeafInfo says {info.shape}")
-  store = _open_array(directory, step, info)
+  if isinstance(source, ts.TensorStore) and source.rank:
+    source = source[ts.d[:].translate_to[0]]  # views may keep their origin
+  store, info = _open_array(directory, step, info)
   sums = {}
   for idx in lay.chunks_in(snap.full_box(info.shape), info.chunk_shape):
     cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
