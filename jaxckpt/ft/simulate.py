@@ -426,10 +426,12 @@ def plot(results: Sequence[SimulationResult], path: str | os.PathLike[str]) -> N
                  ms=14, color=line.get_color(), mec="k")
   for ax, label in ((ett, "effective training time (%)"), (stall, "stall per failure (min)")):
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1024:g}K" if x >= 1024 else f"{x:g}")
     ax.set_xlabel("accelerators (N)")
     ax.set_ylabel(label)
     ax.grid(True, alpha=0.3)
   ett.set_ylim(0, 100)
+  stall.set_ylim(bottom=0)
   ett.legend(fontsize=8, title="stars: FT-HSDP paper at O(100K)", title_fontsize=8)
   fig.tight_layout()
   fig.savefig(os.fspath(path), format="png")
