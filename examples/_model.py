@@ -1,0 +1,150 @@
+"""The example's model, data and training loop (see train_flax.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt as jc
+
+logger = logging.getLogger("train_flax")
+
+
+class Block(nnx.Module):
+  def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+    self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+    self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+  def __call__(self, x, mask):
+    x = x + self.attn(self.ln1(x), mask=mask)
+    return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+
+class LM(nnx.Module):
+  def __init__(self, vocab: int, d: int, layers: int, seq: int, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    self.pos = nnx.Param(jax.random.normal(rngs.params(), (seq, d)) * 0.02)
+    self.blocks = nnx.List([Block(d, 4, rngs) for _ in range(layers)])
+    self.ln = nnx.LayerNorm(d, rngs=rngs)
+    self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+    mask = nnx.make_causal_mask(tokens)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.ln(x))
+
+
+def fsdp_sharding(mesh: jax.sharding.Mesh, x) -> NamedSharding:
+  """Shards the largest dimension divisible by the mesh size; else replicates."""
+  n = mesh.size
+  dims = [i for i in np.argsort(x.shape)[::-1] if x.shape[i] % n == 0]
+  spec = [None] * x.ndim
+  if dims:
+    spec[dims[0]] = "fsdp"
+  return NamedSharding(mesh, P(*spec))
+
+
+def make_batch(seed: int, step: int, batch: int, seq: int, vocab: int) -> np.ndarray:
+  """Synthetic tokens: a deterministic function of (seed, step), learnable patterns."""
+  rng = np.random.default_rng([seed, step])
+  start = rng.integers(0, vocab, size=(batch, 1))
+  stride = rng.integers(1, 4, size=(batch, 1))
+  return ((start + stride * np.arange(seq + 1)) % vocab).astype(np.int32)
+
+
+def init_state(args, mesh):
+  model = LM(args.vocab, args.d_model, args.layers, args.seq_len, nnx.Rngs(args.seed))
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(lambda x: jax.device_put(x, fsdp_sharding(mesh, x)), params)
+  tx = optax.adam(3e-3)
+  opt_state = jax.jit(tx.init)(params)
+  state = {"params": params, "opt_state": opt_state,
+           "rng": jax.random.key(args.seed),
+           "losses": np.full((args.steps,), np.nan, np.float32),
+           "data": {"next_step": 0, "seed": args.seed},
+           "config": {"d_model": args.d_model, "layers": args.layers, "vocab": args.vocab}}
+  return graphdef, tx, state
+
+
+def make_train_step(graphdef, tx):
+  def loss_fn(params, tokens, rng):
+    model = nnx.merge(graphdef, params)
+    logits = model(tokens[:, :-1])
+    del rng  # no dropout; kept in the state to show keys round-trip
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  @jax.jit
+  def step_fn(params, opt_state, tokens, rng):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, rng)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, jax.random.split(rng)[0]
+
+  return jax.jit(step_fn, donate_argnums=(0, 1))
+
+
+def manager_for(args) -> jc.CheckpointManager:
+  opts = jc.CheckpointOptions(max_snapshots=args.max_snapshots,
+                              save_interval_steps=args.snapshot_interval)
+  return jc.CheckpointManager(options=opts)
+
+
+def run(args: argparse.Namespace) -> int:
+  mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  graphdef, tx, state = init_state(args, mesh)
+  train_step = make_train_step(graphdef, tx)
+  with manager_for(args) as mgr:
+    if args.resume and mgr.latest_step() is not None:
+      state = mgr.restore(target=state)
+      logger.info("resumed at step %d from tier %s in %.3f s", mgr.last_restore.step,
+                  mgr.last_restore.tier, mgr.last_restore.seconds)
+    step = state["data"]["next_step"]
+    rolled_back = False
+    t_start = time.perf_counter()
+    while step < args.steps:
+      tokens = jnp.asarray(make_batch(args.seed, step, args.batch, args.seq_len, args.vocab),
+                           device=NamedSharding(mesh, P("fsdp")))
+      params, opt_state, loss, rng = train_step(state["params"], state["opt_state"],
+                                                tokens, state["rng"])
+      losses = state["losses"].copy()
+      losses[step] = float(loss)
+      step += 1
+      state = dict(state, params=params, opt_state=opt_state, rng=rng, losses=losses,
+                   data=dict(state["data"], next_step=step))
+      mgr.save(step, state)
+      logger.info("step %d loss %.6f", step, losses[step - 1])
+      if args.sleep_per_step:
+        time.sleep(args.sleep_per_step)
+      if args.rollback_at == step and not rolled_back:
+        mgr.wait_until_finished()
+        state = mgr.restore(step=args.rollback_to, target=state)
+        step, rolled_back = args.rollback_to, True
+        logger.info("rolled back from step %d to step %d", args.rollback_at, step)
+    mgr.wait_until_finished()
+    secs = time.perf_counter() - t_start
+    logger.info("done: %d steps in %.2f s; snapshots %s", args.steps, secs, mgr.stats)
+  if args.dump:
+    dump(args.dump, state)
+  return 0
+
+
+def dump(path: str, state) -> None:
+  flat = {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+  np.savez(path + ".npz", **flat)
+  with open(path, "w") as f:
+    json.dump({"losses": [float(x) for x in state["losses"]]}, f)
