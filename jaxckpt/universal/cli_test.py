@@ -1,0 +1,113 @@
+"""Damaged chunks are caught by restore and by `jaxckpt verify`; inspect output."""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxckpt.universal as u
+from jaxckpt import errors
+from jaxckpt.universal import _fixtures
+from jaxckpt.universal import cli
+
+W = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+  d = str(tmp_path)
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+  leaves = {"['params']['w']": jax.device_put(W, NamedSharding(mesh, P("a", "b"))),
+            "['params']['b']": np.ones(5, np.int32), "['lr']": 0.1}
+  for manifest, buf in _fixtures.host_snapshots(3, leaves, metadata={"run": "x"}):
+    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=256)
+  u.commit_step(d, 3, process_count=1, timeout_secs=5)
+  return d
+
+
+def chunk_file(d, leaf, key):
+  info = u.open_step(d, 3).leaves[leaf]
+  return os.path.join(d, "step_0000000003", "arrays", info.array, "c", *key.split("."))
+
+
+def flip_bit(path, offset=100):
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    byte = f.read(1)
+    f.seek(offset)
+    f.write(bytes([byte[0] ^ 0x10]))
+
+
+def run(*argv):
+  parser = argparse.ArgumentParser()
+  cli.register(parser.add_subparsers(dest="cmd", required=True))
+  args = parser.parse_args(list(argv))
+  return args.handler(args)
+
+
+def test_inspect_shows_tree_sizes_mesh_and_metadata(ckpt, capsys):
+  assert run("inspect", ckpt) == 0
+  out = capsys.readouterr().out
+  assert "step 3" in out and '{"run": "x"}' in out
+  line = next(l for l in out.splitlines() if "['params']['w']" in l)
+  assert "float32" in line and "[64, 32]" in line and "8.0 KiB" in line
+  assert "mesh={'a': 2, 'b': 4}" in line and "chunks=[32, 8]" in line
+  assert "['lr']" in out and "= 0.1" in out
+
+
+def test_verify_passes_intact_checkpoint(ckpt, capsys):
+  assert run("verify", ckpt, "--no-progress") == 0
+  assert "step 3: OK (3 leaves" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate"])
+def test_damaged_chunk_is_caught_by_restore_and_verify(ckpt, capsys, damage):
+  path = chunk_file(ckpt, "['params']['w']", "1.2")
+  if damage == "bitflip":
+    flip_bit(path)
+  else:
+    os.truncate(path, os.path.getsize(path) // 2)
+  reader = u.open_step(ckpt, 3)
+  with pytest.raises(errors.CorruptSnapshotError, match=r"leaf \"\['params'\]\['w'\]\" region"):
+    u.restore_arrays(reader, {"['params']['w']": None})
+  # Reading only intact chunks still works.
+  np.testing.assert_array_equal(reader.read("['params']['w']", ((0, 32), (0, 32))), W[:32])
+  assert run("verify", ckpt, "--no-progress") == 1
+  out = capsys.readouterr().out
+  assert "DAMAGED step 3: leaf \"['params']['w']\" chunk 1.2" in out
+  assert out.count("DAMAGED") == 1
+
+
+def test_verify_catches_a_flip_that_passes_tensorstore_checks(ckpt, capsys):
+  """A chunk rewritten with valid crc32c but wrong values is caught by xxh3."""
+  reader = u.open_step(ckpt, 3)
+  with pytest.raises(ValueError, match="does not support writing"):
+    reader.open_leaf("['params']['w']")[0, 0].write(np.float32(-1.0)).result()
+  info = reader.leaves["['params']['w']"]
+  path = os.path.join(ckpt, "step_0000000003", "arrays", info.array)
+  store = ts.open({"driver": "zarr3", "kvstore": "file://" + path}, open=True).result()
+  store[0, 0].write(np.float32(-1.0)).result()
+  assert run("verify", ckpt, "--no-progress") == 1
+  assert "chunk 0.0: " in capsys.readouterr().out
+  with pytest.raises(errors.CorruptSnapshotError, match=r"checksum [0-9a-f]+ != saved"):
+    u.open_step(ckpt, 3).read("['params']['w']")
+
+
+def test_module_entry_point_and_help(ckpt):
+  env = dict(os.environ, PYTHONPATH=os.getcwd())
+  help_text = subprocess.run([sys.executable, "-m", "jaxckpt.universal.cli", "verify", "--help"],
+                             capture_output=True, text=True, env=env, timeout=60).stdout
+  assert "crc32c per inner chunk" in help_text and "--all-steps" in help_text
+  flip_bit(chunk_file(ckpt, "['params']['b']", "0"), 20)
+  res = subprocess.run([sys.executable, "-m", "jaxckpt.universal.cli", "verify", ckpt],
+                       capture_output=True, text=True, env=env, timeout=60)
+  assert res.returncode == 1 and "['params']['b']" in res.stdout
+  res = subprocess.run([sys.executable, "-m", "jaxckpt.universal.cli", "inspect", ckpt,
+                        "--step", "4"], capture_output=True, text=True, env=env, timeout=60)
+  assert res.returncode == 2 and "step 4 is not committed" in res.stderr
