@@ -395,7 +395,7 @@ class ReplicaGroup:
                 dropped, extra=dict(self._extra(), **dataclasses.asdict(self.metrics)))
 
   def _extra(self) -> dict[str, Any]:
-    return {"group_id": self.group_id, "step": self.step, "process": jax.process_index()}
+    return {"group_id": self.group_id, "step": self.step, "jax_process": jax.process_index()}
 
   # ---- catch-up ------------------------------------------------------------------------------------
 
