@@ -4,7 +4,19 @@ Imports no JAX and nothing of jaxckpt but ``errors`` and ``snapshot.checksum``.
 """
 
 from jaxckpt.parity.codec import ReedSolomon
+from jaxckpt.parity.placement import (ParityOptions, Piece, Stripe, StripeLayout, encode_stripe,
+                                      groups)
+from jaxckpt.parity.recovery import check_recoverable, piece_checksums, recover_hosts
 
 __all__ = [
+    "ParityOptions",
+    "Piece",
     "ReedSolomon",
+    "Stripe",
+    "StripeLayout",
+    "check_recoverable",
+    "encode_stripe",
+    "groups",
+    "piece_checksums",
+    "recover_hosts",
 ]
