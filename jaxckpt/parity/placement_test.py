@@ -92,3 +92,30 @@ def test_encode_stripe_pads_short_pieces():
     encode_stripe(layout.stripes[0], [b""])
   assert padded(b"ab", 4).tolist() == [97, 98, 0, 0]
   assert codec.as_u8(b"ab").size == 2
+
+
+def test_parity_modules_import_nothing_heavy():
+  """jaxckpt.parity may import only numpy/numba/llvmlite, the stdlib, errors and checksum."""
+  import ast
+  import pathlib
+  import sys
+  allowed = {"numpy", "numba", "llvmlite", "jaxckpt"} | set(sys.stdlib_module_names)
+  for path in pathlib.Path(__file__).parent.glob("*.py"):
+    if path.name.endswith("_test.py"):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module or ""]
+        if node.module == "jaxckpt":
+          names = [f"jaxckpt.{a.name}" for a in node.names]
+        if node.module == "jaxckpt.snapshot":
+          assert [a.name for a in node.names] == ["checksum"], path.name
+      else:
+        continue
+      for name in names:
+        assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+        if name.startswith("jaxckpt"):
+          assert name.startswith(("jaxckpt.errors", "jaxckpt.snapshot", "jaxckpt.parity")), (
+              f"{path.name} imports {name}")
