@@ -3,7 +3,7 @@
 from jaxckpt import errors
 from jaxckpt._restore import RestoreInfo
 from jaxckpt.manager import CheckpointManager, SaveStats
-from jaxckpt.options import CheckpointOptions
+from jaxckpt.options import AgentOptions, CheckpointOptions
 
-__all__ = ["CheckpointManager", "CheckpointOptions", "RestoreInfo", "SaveStats", "errors"]
+__all__ = ["AgentOptions", "CheckpointManager", "CheckpointOptions", "RestoreInfo", "SaveStats", "errors"]
 __version__ = "0.1.0"

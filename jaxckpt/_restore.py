@@ -11,8 +11,9 @@ import numpy as np
 
 from jaxckpt import errors
 from jaxckpt._assemble import make_array
-from jaxckpt.snapshot import (Box, LeafRecord, SnapshotManifest, assemble_region,
-                              full_box, shard_view, verify_shard)
+from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest,
+                              assemble_region, box_intersection, full_box, shard_view,
+                              verify_shard)
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
 
 
@@ -39,42 +40,61 @@ def device_put_copies() -> bool:
   return float(x[0]) == 0.0
 
 
-Piece = tuple[SnapshotManifest, Any]   # one process's manifest and its buffer
+class BufferPiece:
+  """One saving process's snapshot held in a local buffer (memory or shm).
+
+  Each shard is checked against its checksum the first time it is read.
+  """
+
+  def __init__(self, manifest: SnapshotManifest, buffer: Any) -> None:
+    self.manifest = manifest
+    self.buffer = buffer
+    self.bytes_read = 0
+    self._verified: set[int] = set()
+
+  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
+    if shard.offset not in self._verified:
+      verify_shard(self.buffer, shard, path=leaf.path, step=self.manifest.step)
+      self._verified.add(shard.offset)
+      self.bytes_read += shard.nbytes
+    return shard_view(self.buffer, shard, leaf.numpy_dtype)
 
 
-def verify(pieces: Sequence[Piece]) -> int:
-  """Checks every stored shard against its checksum; returns the bytes checked."""
-  total = 0
-  for manifest, buf in pieces:
-    for leaf in manifest.leaves:
+def verify_all(pieces: Sequence[Any]) -> None:
+  """Checks every shard of every piece up front (cheap for local buffers)."""
+  for piece in pieces:
+    for leaf in piece.manifest.leaves:
       for shard in leaf.shards:
-        verify_shard(buf, shard, path=leaf.path, step=manifest.step)
-        total += shard.nbytes
-  return total
+        piece.shard_array(leaf, shard)
 
 
-def _reader(pieces: Sequence[Piece], i: int, rec: LeafRecord):
+def _reader(pieces: Sequence[Any], i: int, rec: LeafRecord):
   dtype = rec.numpy_dtype
-  views = [(s.index, shard_view(buf, s, dtype))
-           for m, buf in pieces for s in m.leaves[i].shards]
+  shards = [(p, p.manifest.leaves[i], s) for p in pieces for s in p.manifest.leaves[i].shards]
   zero_copy = device_put_copies()
 
   def read_region(box: Box) -> np.ndarray:
-    for index, view in views:
-      if index == box:
+    for p, leaf, s in shards:
+      if s.index == box:
+        view = p.shard_array(leaf, s)
         return view if zero_copy else view.copy()
-    return assemble_region(box, dtype, views, path=rec.path)
+    overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
+                   if box_intersection(s.index, box) is not None]
+    return assemble_region(box, dtype, overlapping, path=rec.path)
   return read_region
 
 
-def restore_tree(pieces: Sequence[Piece], target: Any) -> Any:
+def restore_tree(pieces: Sequence[Any], target: Any) -> Any:
   """Restores the tree held by ``pieces`` (one per saving process) onto ``target``.
+
+  A piece has a ``manifest`` and ``shard_array(leaf, shard)`` returning the
+  shard's checksum-verified values (see BufferPiece).
 
   ``target=None`` returns a flat ``{path: value}`` dict of numpy arrays,
   jax PRNG key arrays and scalars.
   """
-  saved = pieces[0][0].leaves
-  step = pieces[0][0].step
+  saved = pieces[0].manifest.leaves
+  step = pieces[0].manifest.step
   if target is None:
     return {rec.path: _leaf_value(pieces, i, rec, None) for i, rec in enumerate(saved)}
   targets, treedef = match_target(target, saved, step)
@@ -82,7 +102,7 @@ def restore_tree(pieces: Sequence[Piece], target: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _leaf_value(pieces: Sequence[Piece], i: int, rec: LeafRecord,
+def _leaf_value(pieces: Sequence[Any], i: int, rec: LeafRecord,
                 t: TargetLeaf | None) -> Any:
   if rec.kind == "scalar":
     return scalar_from_json(rec.value)

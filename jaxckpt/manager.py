@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jaxckpt import _restore, capture, errors, tree
+from jaxckpt import _restore, _tiers, capture, errors, tree
 from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
 from jaxckpt.store import HostStore, InProcessStore
 
@@ -57,9 +57,7 @@ class CheckpointManager:
           f"{directory=}: the persistent storage tier is not available in this "
           "version; pass directory=None for host-memory snapshots")
     self.options = options or CheckpointOptions()
-    limit = self.options.host_memory_limit_bytes or default_host_memory_limit_bytes()
-    self._store = store or InProcessStore(max_snapshots=self.options.max_snapshots,
-                                          host_memory_limit_bytes=limit)
+    self._store = store or self._make_store()
     self._planner = capture.Planner()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     self._pending: concurrent.futures.Future | None = None
@@ -69,6 +67,17 @@ class CheckpointManager:
     self.stats = SaveStats()
     self.last_restore: _restore.RestoreInfo | None = None
     self._process = (jax.process_index(), jax.process_count())
+
+  def _make_store(self) -> HostStore:
+    limit = self.options.host_memory_limit_bytes or default_host_memory_limit_bytes()
+    a = self.options.agent
+    if a is None:
+      return InProcessStore(max_snapshots=self.options.max_snapshots,
+                            host_memory_limit_bytes=limit)
+    from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
+    host = jax.process_index() if a.host_id is None else a.host_id
+    return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
+                      limit_bytes=limit)
 
   # -- saving ---------------------------------------------------------------
 
@@ -166,9 +175,9 @@ class CheckpointManager:
   # -- what is held ---------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """Restorable steps, oldest first."""
+    """Restorable steps (complete on every host that saved them), oldest first."""
     self._check_open("all_steps")
-    return self._store.steps()
+    return _tiers.complete_steps(self._store)
 
   def latest_step(self) -> int | None:
     """The newest restorable step, or None."""
@@ -196,18 +205,12 @@ class CheckpointManager:
     self._check_open("restore")
     self.wait_until_finished()
     t0 = time.perf_counter()
-    held = self._store.steps()
-    if step is None:
-      if not held:
-        raise errors.StepNotFoundError("restore(): no snapshot is held yet; save first")
-      step = held[-1]
-    elif step not in held:
-      raise errors.StepNotFoundError(
-          f"restore(step={step}): step {step} is not held (held steps: {held})")
-    with self._store.read(step) as piece:
-      nbytes = _restore.verify([piece])
-      out = _restore.restore_tree([piece], target)
+    step = _tiers.choose_step(self._store, step, timeout_secs=self.options.timeout_secs)
+    with _tiers.host_pieces(self._store, step) as pieces:
+      _restore.verify_all(pieces[:1])     # local bytes: check all before restoring any
+      out = _restore.restore_tree(pieces, target)
       jax.block_until_ready(out)
+      nbytes = sum(p.bytes_read for p in pieces)
     self.last_restore = _restore.RestoreInfo(step, "host", time.perf_counter() - t0, nbytes)
     logger.info("restored step %d from host memory (%d bytes, %.3f s)", step, nbytes,
                 self.last_restore.seconds)

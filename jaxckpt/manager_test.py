@@ -204,6 +204,15 @@ def test_rollback_restores_older_snapshot_and_drops_the_abandoned_timeline():
     assert_same(m.restore(target={"w": jnp.zeros(4)})["w"], np.full((4,), 20.0, np.float32))
 
 
+def test_scalar_and_numpy_leaves_are_captured_per_save():
+  with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=3)) as m:
+    for step in (1, 2, 3):
+      save_now(m, step, {"i": step, "name": f"s{step}", "pos": np.array([step])})
+    for step in (1, 2, 3):
+      out = m.restore(step=step, target={"i": 0, "name": "", "pos": np.zeros(1, int)})
+      assert (out["i"], out["name"], out["pos"].tolist()) == (step, f"s{step}", [step])
+
+
 def test_keeps_max_snapshots_and_reuses_slot_buffers(mgr):
   buffers = set()
   for step in range(1, 8):

@@ -35,6 +35,8 @@ class CheckpointOptions:
       None means half of the free RAM and of free /dev/shm at start.
     timeout_secs: the longest any internal wait (a background copy, a restore
       agreement) may take before a SnapshotTimeoutError names who was late.
+    agent: keep snapshots in a per-host snapshot agent process (they survive a
+      trainer crash); None keeps them in this process.
 
   >>> CheckpointOptions(max_snapshots=0)
   Traceback (most recent call last):
@@ -48,6 +50,7 @@ class CheckpointOptions:
   busy_timeout_secs: float = 600.0
   host_memory_limit_bytes: int | None = None
   timeout_secs: float = 300.0
+  agent: "AgentOptions | None" = None
 
   def __post_init__(self) -> None:
     _at_least(self, "max_snapshots", 1)
@@ -71,3 +74,40 @@ def _positive(obj: object, name: str) -> None:
   v = getattr(obj, name)
   if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
     raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {name}={v!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AgentOptions:
+  """Keep host snapshots in a per-host snapshot agent process.
+
+  The agent outlives the trainer, so a crashed or killed trainer restarts and
+  restores from host memory. A restarted trainer finds its agent again by
+  ``job_name`` and host.
+
+  Attributes:
+    job_name: names the job; agents and their shared memory are per job and host.
+    host_id: this process's host index; None means ``jax.process_index()``.
+    run_root: directory holding each agent's files (default /dev/shm/jaxckpt-UID).
+      Hosts find each other's agents there, so on a multi-host cluster point
+      it at a directory every host sees, or run one job per machine.
+    spawn: start the agent if none is running (False: a sidecar must be up).
+    idle_timeout_secs: the agent exits this long after its last trainer died.
+    request_timeout_secs: the longest wait for one agent reply.
+    start_timeout_secs: the longest wait for a new agent to come up.
+  """
+
+  job_name: str
+  host_id: int | None = None
+  run_root: str | None = None
+  spawn: bool = True
+  idle_timeout_secs: float = 3600.0
+  request_timeout_secs: float = 60.0
+  start_timeout_secs: float = 60.0
+
+  def __post_init__(self) -> None:
+    from jaxckpt.agent._paths import check_job_name  # pylint: disable=import-outside-toplevel
+    check_job_name(self.job_name)
+    if self.host_id is not None:
+      _at_least(self, "host_id", 0)
+    for name in ("idle_timeout_secs", "request_timeout_secs", "start_timeout_secs"):
+      _positive(self, name)

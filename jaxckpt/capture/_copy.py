@@ -23,7 +23,7 @@ import xxhash
 
 from jaxckpt.capture._plan import CapturePlan
 from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest
-from jaxckpt.tree import Leaf
+from jaxckpt.tree import Leaf, scalar_to_json
 
 logger = logging.getLogger(__name__)
 _CHUNK_BYTES = 4 << 20
@@ -42,7 +42,8 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
   """Dispatches the host copies of every planned shard; returns their sources.
 
   Each source is a numpy array (a zero-copy view on CPU, a private copy of a
-  numpy leaf) or a single-device jax.Array whose host copy is in flight.
+  numpy leaf) or a single-device jax.Array whose host copy is in flight; the
+  last source is the list of scalar leaf values (kept in the manifest).
   """
   by_leaf: dict[int, dict[Any, Any]] = {}
   sources = []
@@ -56,6 +57,7 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
     if per_device is None:
       per_device = by_leaf[shard.leaf] = _device_sources(x)
     sources.append(per_device[shard.device])
+  sources.append([scalar_to_json(x.value) if x.kind == "scalar" else None for x in leaves])
   return sources
 
 
@@ -76,6 +78,7 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
   """Copies every source into ``buffer`` at its planned offset, hashing as it goes."""
   dst = np.frombuffer(buffer, dtype=np.uint8, count=plan.nbytes)
   records: list[list[ShardRecord]] = [[] for _ in plan.templates]
+  *sources, scalars = sources
   for shard, src in zip(plan.shards, sources):
     flat = np.ascontiguousarray(np.asarray(src)).reshape(-1).view(np.uint8)
     if flat.size != shard.nbytes:
@@ -84,9 +87,9 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
     digest = _copy_and_hash(flat, dst[shard.offset:shard.offset + shard.nbytes])
     records[shard.leaf].append(ShardRecord(shard.box, shard.offset, shard.nbytes, digest))
   leaves = tuple(LeafRecord(path=t.path, kind=t.kind, shape=t.shape, dtype=t.dtype,
-                            shards=tuple(r), sharding=t.sharding, value=t.value,
+                            shards=tuple(r), sharding=t.sharding, value=v,
                             key_impl=t.key_impl)
-                 for t, r in zip(plan.templates, records))
+                 for t, r, v in zip(plan.templates, records, scalars))
   return SnapshotManifest(step=step, leaves=leaves, nbytes=plan.nbytes,
                           process_index=process_index, process_count=process_count,
                           metadata=dict(metadata or {}))

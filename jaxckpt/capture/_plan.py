@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxckpt.snapshot import Box, LeafRecord, align, box_from_index, box_shape, full_box
-from jaxckpt.tree import Leaf, scalar_to_json
+from jaxckpt.tree import Leaf
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class ShardSlot:
 class CapturePlan:
   """The byte layout of one process's snapshot of a given tree layout."""
 
-  templates: tuple[LeafRecord, ...]    # leaves without shards (values for scalars)
+  templates: tuple[LeafRecord, ...]    # leaves without shards or scalar values
   shards: tuple[ShardSlot, ...]
   nbytes: int
 
@@ -77,8 +77,7 @@ def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
   templates, shards, offset = [], [], 0
   for i, leaf in enumerate(leaves):
     if leaf.kind == "scalar":
-      templates.append(LeafRecord(path=leaf.path, kind="scalar",
-                                  value=scalar_to_json(leaf.value)))
+      templates.append(LeafRecord(path=leaf.path, kind="scalar"))   # value: per save
       continue
     x = leaf.value
     dtype = np.dtype(x.dtype)

@@ -1,0 +1,128 @@
+"""Which step to restore and where its pieces are, across the hosts of a job.
+
+With the in-process store, this process's snapshot is the whole story. With
+agents, every saving process's snapshot of a step lives in its host's agent;
+a step is restorable when the agents of all its saving processes hold it,
+and a restoring process reads the pieces it needs from whichever agents hold
+them (its own through shared memory, others' over the network).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import jax
+
+from jaxckpt import _restore, errors
+from jaxckpt.store import HostStore
+
+logger = logging.getLogger(__name__)
+_agreements = [0]
+
+
+def _agents(store: HostStore) -> dict[int, Any]:
+  """Clients of every live agent of the store's job, by host id (agent stores only)."""
+  from jaxckpt.agent import client as agent_client  # pylint: disable=import-outside-toplevel
+  from jaxckpt.agent._protocol import Client  # pylint: disable=import-outside-toplevel
+  out = {}
+  for host, info in agent_client.job_agents(store.run_root, store.opts.job_name).items():
+    endpoint = info["ipc"] if host == store.host else info["tcp"]
+    out[host] = Client(endpoint, who=f"snapshot agent of host {host} (pid {info['pid']})",
+                       timeout_secs=store.opts.request_timeout_secs)
+  return out
+
+
+def complete_steps(store: HostStore) -> list[int]:
+  """Steps whose every saving process's snapshot is held by some live agent."""
+  if not hasattr(store, "run_root"):
+    return store.steps()
+  seen: dict[int, tuple[int, set[int]]] = {}
+  clients = _agents(store)
+  try:
+    for host, c in clients.items():
+      try:
+        held = c.call("held")[0]["held"]
+      except errors.AgentUnavailableError as e:
+        logger.warning("skipping host %d: %s", host, e)
+        continue
+      for step, index, count in held:
+        seen.setdefault(step, (count, set()))[1].add(index)
+  finally:
+    for c in clients.values():
+      c.close()
+  return sorted(s for s, (count, idx) in seen.items() if idx == set(range(count)))
+
+
+def choose_step(store: HostStore, step: int | None, *, timeout_secs: float) -> int:
+  held = complete_steps(store)
+  if step is None:
+    if not held:
+      raise errors.StepNotFoundError("restore(): no snapshot is held yet; save first")
+    step = held[-1]
+  elif step not in held:
+    raise errors.StepNotFoundError(
+        f"restore(step={step}): step {step} is not held (held steps: {held})")
+  return agree(step, timeout_secs=timeout_secs) if jax.process_count() > 1 else step
+
+
+def agree(step: int, *, timeout_secs: float) -> int:
+  """The smallest of every process's choice, agreed through jax.distributed's key-value store.
+
+  Raises SnapshotTimeoutError naming the processes that did not answer.
+  """
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  client = distributed.global_state.client
+  n, me = jax.process_count(), jax.process_index()
+  _agreements[0] += 1
+  key = f"jaxckpt/restore/{_agreements[0]}"
+  client.key_value_set(f"{key}/{me}", str(step))
+  choices, late = {}, []
+  for p in range(n):
+    try:
+      choices[p] = int(client.blocking_key_value_get(f"{key}/{p}", int(timeout_secs * 1000)))
+    except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
+      late.append(p)
+  if late:
+    raise errors.SnapshotTimeoutError(
+        f"restore: processes {late} (hosts {late}) did not say which step they hold "
+        f"within {timeout_secs} s; the others chose {choices}")
+  return min(choices.values())
+
+
+@contextlib.contextmanager
+def host_pieces(store: HostStore, step: int) -> Iterator[list[Any]]:
+  """This host's piece first (if it holds one), then remote pieces for the other
+  saving processes of ``step``."""
+  with contextlib.ExitStack() as stack:
+    pieces = []
+    local_index = None
+    if step in store.steps():
+      manifest, buffer = stack.enter_context(store.read(step))
+      pieces.append(_restore.BufferPiece(manifest, buffer))
+      local_index = manifest.process_index
+      if manifest.process_count == 1:
+        yield pieces
+        return
+    pieces += _remote_pieces(store, step, local_index, stack)
+    yield pieces
+
+
+def _remote_pieces(store: HostStore, step: int, local_index: int | None,
+                   stack: contextlib.ExitStack) -> list[Any]:
+  from jaxckpt.agent.client import RemotePiece  # pylint: disable=import-outside-toplevel
+  from jaxckpt.snapshot import SnapshotManifest  # pylint: disable=import-outside-toplevel
+  if not hasattr(store, "run_root"):
+    raise errors.StepNotFoundError(f"step {step} is not held in this process")
+  out, found = [], set() if local_index is None else {local_index}
+  for host, c in _agents(store).items():
+    stack.callback(c.close)
+    if host == store.host and local_index is not None:
+      continue
+    held = {s: i for s, i, _ in c.call("held")[0]["held"]}
+    if step in held and held[step] not in found:
+      manifest = SnapshotManifest.from_json(c.call("manifest", step=step)[0]["manifest"])
+      out.append(RemotePiece(c, manifest))
+      found.add(manifest.process_index)
+  return out

@@ -1,0 +1,5 @@
+"""The per-host snapshot agent: a process that owns host snapshots in shared memory."""
+
+from jaxckpt.agent.client import AgentStore, RemotePiece, job_agents, start_agent
+
+__all__ = ["AgentStore", "RemotePiece", "job_agents", "start_agent"]

@@ -1,0 +1,270 @@
+"""The snapshot agent process: owns a host's snapshots in shared memory.
+
+Run by ``python -m jaxckpt.agent serve ...`` (spawned by the manager, or as a
+sidecar by ``jaxckpt agent start``). It imports no JAX. One thread serves
+requests in order; a step becomes visible only after every shard of it has
+been checked against its checksum, in the agent, after the trainer's commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import mmap
+import os
+import shutil
+import signal
+import time
+from typing import Any
+
+import psutil
+import zmq
+
+from jaxckpt import errors
+from jaxckpt.agent import _paths, _protocol
+from jaxckpt.snapshot import SnapshotManifest, verify_shard
+
+logger = logging.getLogger("jaxckpt.agent")
+
+
+@dataclasses.dataclass
+class _Slot:
+  index: int
+  path: str
+  size: int = 0
+  state: str = "free"          # free | writing | committed
+  step: int | None = None
+  owner: int | None = None     # pid of the trainer writing it
+  pins: dict[int, int] = dataclasses.field(default_factory=dict)   # pid -> count
+
+
+class Agent:
+  """The agent's state and request handlers (no sockets here; see ``serve``)."""
+
+  def __init__(self, *, job: str, host: int, directory: str, max_snapshots: int,
+               limit_bytes: int, idle_timeout_secs: float) -> None:
+    self.job, self.host, self.dir = job, host, directory
+    self.max_snapshots = max_snapshots
+    self.limit_bytes = limit_bytes
+    self.idle_timeout_secs = idle_timeout_secs
+    self.slots: list[_Slot] = []
+    self.manifests: dict[int, str] = {}        # step -> manifest JSON
+    self.trainers: set[int] = set()
+    self.last_active = time.monotonic()
+    self.stopping = False
+
+  # -- helpers --------------------------------------------------------------
+
+  def _slot_of(self, step: int) -> _Slot:
+    for s in self.slots:
+      if s.state == "committed" and s.step == step:
+        return s
+    raise errors.StepNotFoundError(
+        f"agent of job {self.job!r} host {self.host} holds no step {step} "
+        f"(held: {self.steps()})")
+
+  def steps(self) -> list[int]:
+    return sorted(s.step for s in self.slots if s.state == "committed")
+
+  def _ensure_slots(self) -> None:
+    while len(self.slots) < self.max_snapshots + 1:
+      i = len(self.slots)
+      self.slots.append(_Slot(i, _paths.slot_file(self.dir, i)))
+
+  def _drop(self, s: _Slot) -> None:
+    self.manifests.pop(s.step, None)
+    s.state, s.step, s.owner = "free", None, None
+
+  def reap(self) -> None:
+    """Forgets dead trainers: their half-written slots and their read pins."""
+    dead = {p for p in self.trainers if not psutil.pid_exists(p)}
+    pids = {p for s in self.slots for p in s.pins} | {s.owner for s in self.slots if s.owner}
+    dead |= {p for p in pids if p and not psutil.pid_exists(p)}
+    for s in self.slots:
+      if s.state == "writing" and s.owner in dead:
+        logger.info("slot %d: writer pid %s died mid-snapshot; discarding", s.index, s.owner)
+        self._drop(s)
+      for p in dead & set(s.pins):
+        del s.pins[p]
+    self.trainers -= dead
+
+  # -- requests -------------------------------------------------------------
+
+  def op_hello(self, pid: int, max_snapshots: int | None = None,
+               limit_bytes: int | None = None) -> dict[str, Any]:
+    self.reap()
+    self.trainers.add(pid)
+    if max_snapshots:
+      self.max_snapshots = max(self.max_snapshots, int(max_snapshots))
+    if limit_bytes:
+      self.limit_bytes = int(limit_bytes)
+    self._ensure_slots()
+    return {"pid": os.getpid(), "steps": self.steps(), "slots": len(self.slots)}
+
+  def op_reserve(self, pid: int, step: int, nbytes: int) -> dict[str, Any]:
+    self._ensure_slots()
+    need = len(self.slots) * nbytes
+    if need > self.limit_bytes:
+      raise errors.HostMemoryBudgetError(
+          f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB = "
+          f"{need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
+          f"({self.limit_bytes / 2**20:.1f} MiB) on host {self.host}; lower "
+          "max_snapshots, shard the state over more hosts, or raise the limit")
+    free = [s for s in self.slots if s.state == "free" and not s.pins]
+    if not free:
+      self.reap()
+      free = [s for s in self.slots if s.state == "free" and not s.pins]
+      if not free:
+        return {"index": None}
+    s = max(free, key=lambda s: s.size >= nbytes)   # prefer one that is big enough
+    if s.size < nbytes:
+      with open(s.path, "ab") as f:
+        f.truncate(nbytes)
+      s.size = nbytes
+    s.state, s.step, s.owner = "writing", step, pid
+    return {"index": s.index, "path": s.path, "size": s.size}
+
+  def op_commit(self, index: int, manifest: str) -> dict[str, Any]:
+    s = self.slots[index]
+    m = SnapshotManifest.from_json(manifest)
+    if s.state != "writing" or s.step != m.step:
+      raise errors.CorruptSnapshotError(
+          f"commit of step {m.step} to slot {index} which is {s.state} (step {s.step})")
+    try:
+      self._verify(s, m)
+    except errors.CorruptSnapshotError:
+      self._drop(s)
+      raise
+    for old in [o for o in self.slots if o.state == "committed" and o.step >= m.step]:
+      self._drop(old)            # a rolled-back timeline
+    s.state, s.owner = "committed", None
+    self.manifests[m.step] = manifest
+    committed = sorted((o for o in self.slots if o.state == "committed"), key=lambda o: o.step)
+    for old in committed[:-self.max_snapshots]:      # never the newest
+      self._drop(old)
+    return {"steps": self.steps()}
+
+  def _verify(self, s: _Slot, m: SnapshotManifest) -> None:
+    if m.nbytes > s.size:
+      raise errors.CorruptSnapshotError(f"step {m.step}: {m.nbytes} bytes > slot {s.size}")
+    if m.nbytes == 0:
+      return
+    with open(s.path, "rb") as f, mmap.mmap(f.fileno(), m.nbytes, prot=mmap.PROT_READ) as mm:
+      for leaf in m.leaves:
+        for shard in leaf.shards:
+          verify_shard(mm, shard, path=leaf.path, step=m.step)
+
+  def op_abort(self, index: int) -> dict[str, Any]:
+    s = self.slots[index]
+    if s.state == "writing":
+      self._drop(s)
+    return {}
+
+  def op_steps(self) -> dict[str, Any]:
+    return {"steps": self.steps()}
+
+  def op_open(self, pid: int, step: int) -> dict[str, Any]:
+    s = self._slot_of(step)
+    s.pins[pid] = s.pins.get(pid, 0) + 1
+    return {"path": s.path, "manifest": self.manifests[step]}
+
+  def op_close(self, pid: int, step: int) -> dict[str, Any]:
+    for s in self.slots:
+      if s.step == step and s.pins.get(pid):
+        s.pins[pid] -= 1
+        if not s.pins[pid]:
+          del s.pins[pid]
+    return {}
+
+  def op_manifest(self, step: int) -> dict[str, Any]:
+    self._slot_of(step)
+    return {"manifest": self.manifests[step]}
+
+  def op_held(self) -> dict[str, Any]:
+    """Every committed step with the saving process index and count."""
+    out = []
+    for step in self.steps():
+      m = json.loads(self.manifests[step])
+      out.append([step, m["process_index"], m["process_count"]])
+    return {"held": out}
+
+  def op_fetch(self, step: int, ranges: list[list[int]]) -> tuple[dict[str, Any], list[bytes]]:
+    s = self._slot_of(step)
+    with open(s.path, "rb") as f, mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
+      return {}, [bytes(mm[o:o + n]) for o, n in ranges]
+
+  def op_status(self) -> dict[str, Any]:
+    return {"pid": os.getpid(), "job": self.job, "host": self.host, "steps": self.steps(),
+            "slots": [{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size}
+                      for s in self.slots],
+            "bytes": sum(s.size for s in self.slots), "trainers": sorted(self.trainers),
+            "max_snapshots": self.max_snapshots, "limit_bytes": self.limit_bytes}
+
+  def op_stop(self) -> dict[str, Any]:
+    self.stopping = True
+    return {}
+
+  def idle(self) -> bool:
+    self.reap()
+    return (not self.trainers and
+            time.monotonic() - self.last_active > self.idle_timeout_secs)
+
+  def cleanup(self) -> None:
+    shutil.rmtree(self.dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+      os.unlink(self.dir + ".lock")
+      os.rmdir(os.path.dirname(self.dir))       # the job's directory, once empty
+
+
+def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
+  req = _protocol.unpack(frames[0])
+  op = req.pop("op", "")
+  fn = getattr(agent, "op_" + str(op), None)
+  try:
+    if fn is None:
+      raise errors.JaxckptError(f"unknown request op={op!r}")
+    out = fn(**req)
+  except Exception as e:  # the error travels back to the caller, typed
+    logger.warning("request %s failed: %s", op, e)
+    return [_protocol.pack({"ok": False, "error": str(e), "type": type(e).__name__})]
+  reply, raw = out if isinstance(out, tuple) else (out, [])
+  return [_protocol.pack({"ok": True, **reply}), *raw]
+
+
+def serve(agent: Agent) -> None:
+  """Serves until stopped, idle, or signalled; always frees the directory."""
+  ctx = zmq.Context.instance()
+  sock = ctx.socket(zmq.ROUTER)
+  sock.setsockopt(zmq.LINGER, 1000)
+  stop = []
+  signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+  signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+  try:
+    sock.bind(_paths.ipc_endpoint(agent.dir))
+    tcp_port = sock.bind_to_random_port("tcp://127.0.0.1")
+    _write_address(agent, tcp_port)
+    logger.info("agent of job %s host %d serving (pid %d)", agent.job, agent.host, os.getpid())
+    while not stop and not agent.stopping:
+      if not sock.poll(1000):
+        if agent.idle():
+          logger.info("idle for %.0f s with no trainer; exiting", agent.idle_timeout_secs)
+          break
+        continue
+      ident, empty, *frames = sock.recv_multipart()
+      agent.last_active = time.monotonic()
+      sock.send_multipart([ident, empty, *handle(agent, frames)])
+  finally:
+    sock.close(linger=1000)
+    agent.cleanup()
+    logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
+
+
+def _write_address(agent: Agent, tcp_port: int) -> None:
+  info = {"pid": os.getpid(), "job": agent.job, "host": agent.host,
+          "ipc": _paths.ipc_endpoint(agent.dir), "tcp": f"tcp://127.0.0.1:{tcp_port}"}
+  tmp = _paths.address_file(agent.dir) + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(info, f)
+  os.replace(tmp, _paths.address_file(agent.dir))

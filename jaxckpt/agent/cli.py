@@ -1,0 +1,141 @@
+"""`jaxckpt agent start|status|stop|serve`: run the snapshot agent as a sidecar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import psutil
+
+from jaxckpt import errors
+from jaxckpt.agent import _paths
+from jaxckpt.agent._protocol import Client
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--job-name", required=True, help="the job the agent serves")
+  p.add_argument("--host-id", type=int, default=0, help="this host's index (default 0)")
+  p.add_argument("--run-root", default=None,
+                 help=f"directory of agents' files (default {_paths.default_run_root()})")
+
+
+def add_agent_commands(sub: argparse._SubParsersAction) -> None:
+  p = sub.add_parser("start", help="start the agent of a job on this host (detached)",
+                     description="Start (or find) the snapshot agent of JOB on this host "
+                     "and print its address as JSON. Trainers with "
+                     "AgentOptions(job_name=JOB, spawn=False) then use it.")
+  _common(p)
+  p.add_argument("--max-snapshots", type=int, default=2)
+  p.add_argument("--limit-bytes", type=int, default=None,
+                 help="host-memory budget for snapshot slots (default: half the free RAM)")
+  p.add_argument("--idle-timeout-secs", type=float, default=3600.0)
+  p.set_defaults(func=_start)
+  p = sub.add_parser("status", help="print what the agent holds, as JSON",
+                     description="Ask the agent of JOB on this host what it holds.")
+  _common(p)
+  p.set_defaults(func=_status)
+  p = sub.add_parser("stop", help="stop the agent and free all its shared memory",
+                     description="Stop the agent of JOB on this host; it deletes every "
+                     "shared-memory slot it owns before exiting.")
+  _common(p)
+  p.add_argument("--timeout-secs", type=float, default=30.0)
+  p.set_defaults(func=_stop)
+  p = sub.add_parser("serve", help="run the agent in the foreground (what `start` spawns)")
+  _common(p)
+  p.add_argument("--max-snapshots", type=int, default=2)
+  p.add_argument("--limit-bytes", type=int, default=None)
+  p.add_argument("--idle-timeout-secs", type=float, default=3600.0)
+  p.set_defaults(func=_serve)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+  p = subparsers.add_parser("agent", help="run the per-host snapshot agent as a sidecar",
+                            description="The snapshot agent holds a host's snapshots in "
+                            "shared memory so that they survive a trainer crash.")
+  add_agent_commands(p.add_subparsers(dest="agent_command", required=True))
+
+
+def _root(args) -> str:
+  return args.run_root or _paths.default_run_root()
+
+
+def _limit(args) -> int:
+  if args.limit_bytes:
+    return args.limit_bytes
+  from jaxckpt.options import default_host_memory_limit_bytes  # pylint: disable=import-outside-toplevel
+  return default_host_memory_limit_bytes()
+
+
+def _start(args) -> int:
+  from jaxckpt.agent.client import start_agent  # pylint: disable=import-outside-toplevel
+  info = start_agent(job=args.job_name, host=args.host_id, run_root=_root(args),
+                     max_snapshots=args.max_snapshots, limit_bytes=_limit(args),
+                     idle_timeout_secs=args.idle_timeout_secs, start_timeout_secs=60)
+  print(json.dumps(info))
+  return 0
+
+
+def _client(args) -> Client | None:
+  from jaxckpt.agent.client import read_address  # pylint: disable=import-outside-toplevel
+  info = read_address(_paths.agent_dir(_root(args), args.job_name, args.host_id))
+  if info is None:
+    return None
+  return Client(info["ipc"], who=f"agent pid {info['pid']}", timeout_secs=10)
+
+
+def _status(args) -> int:
+  c = _client(args)
+  if c is None:
+    print(json.dumps({"running": False, "job": args.job_name, "host": args.host_id}))
+    return 1
+  print(json.dumps({"running": True, **c.call("status")[0]}, default=str))
+  return 0
+
+
+def _stop(args) -> int:
+  c = _client(args)
+  if c is None:
+    print(f"no agent of job {args.job_name!r} host {args.host_id} is running")
+    return 0
+  pid = c.call("status")[0]["pid"]
+  c.call("stop")
+  deadline = time.monotonic() + args.timeout_secs
+  while psutil.pid_exists(pid) and time.monotonic() < deadline:
+    try:
+      if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        break
+    except psutil.NoSuchProcess:
+      break
+    time.sleep(0.02)
+  if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+    raise errors.SnapshotTimeoutError(
+        f"agent pid {pid} of job {args.job_name!r} did not exit within {args.timeout_secs} s")
+  print(f"stopped agent pid {pid} of job {args.job_name!r} host {args.host_id}")
+  return 0
+
+
+def _serve(args) -> int:
+  from jaxckpt.agent._server import Agent, serve  # pylint: disable=import-outside-toplevel
+  logging.basicConfig(level=logging.INFO,
+                      format="%(asctime)s agent[%(process)d] %(levelname)s %(message)s")
+  d = _paths.agent_dir(_root(args), args.job_name, args.host_id)
+  os.makedirs(d, exist_ok=True)
+  serve(Agent(job=args.job_name, host=args.host_id, directory=d,
+              max_snapshots=args.max_snapshots, limit_bytes=_limit(args),
+              idle_timeout_secs=args.idle_timeout_secs))
+  return 0
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jaxckpt.agent")
+  add_agent_commands(p.add_subparsers(dest="agent_command", required=True))
+  args = p.parse_args(argv)
+  return args.func(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,222 @@
+"""The trainer's side of the snapshot agent: find or start it, and a HostStore on it.
+
+The trainer writes shard bytes straight into the agent's shared-memory slot
+files (memory-mapped here), then sends only the manifest; no tensor bytes go
+through a socket on the local path.
+
+If the agent dies while the trainer runs, the next ``save()`` notices (its pid
+is gone), logs a warning, starts a new agent and goes on: the snapshots the
+dead agent held are lost, and ``stats.agent_restarts`` counts it. A request
+that is not answered within ``request_timeout_secs`` raises
+AgentUnavailableError naming the agent; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import psutil
+
+from jaxckpt import errors
+from jaxckpt.agent import _paths
+from jaxckpt.agent._protocol import Client
+from jaxckpt.options import AgentOptions
+from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, verify_shard
+from jaxckpt.store import HostStore, Slot
+
+logger = logging.getLogger(__name__)
+
+
+def read_address(d: str) -> dict[str, Any] | None:
+  try:
+    with open(_paths.address_file(d)) as f:
+      info = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return info if psutil.pid_exists(info.get("pid", -1)) else None
+
+
+def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
+                limit_bytes: int, idle_timeout_secs: float,
+                start_timeout_secs: float) -> dict[str, Any]:
+  """Finds the running agent of (job, host) or spawns a detached one.
+
+  Spawned with a fresh interpreter (fork+exec, new session), never a fork of
+  a process that runs JAX. Serialized by a lock file so that two trainers of
+  one host never start two agents.
+  """
+  d = _paths.agent_dir(run_root, job, host)
+  os.makedirs(os.path.dirname(d), exist_ok=True)
+  with open(d + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    info = read_address(d)
+    if info is not None:
+      return info
+    if os.path.isdir(d):
+      logger.warning("removing the files of a dead agent of job %s host %d", job, host)
+      import shutil  # pylint: disable=import-outside-toplevel
+      shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    log = os.path.join(tempfile.gettempdir(), f"jaxckpt-agent-{job}-host{host}.log")
+    cmd = [sys.executable, "-m", "jaxckpt.agent", "serve", "--job-name", job,
+           "--host-id", str(host), "--run-root", run_root,
+           "--max-snapshots", str(max_snapshots), "--limit-bytes", str(limit_bytes),
+           "--idle-timeout-secs", str(idle_timeout_secs)]
+    with open(log, "ab") as out:
+      proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                              start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + start_timeout_secs
+    while time.monotonic() < deadline:
+      info = read_address(d)
+      if info is not None:
+        return info
+      if proc.poll() is not None:
+        raise errors.AgentUnavailableError(
+            f"the snapshot agent of job {job!r} host {host} exited with code "
+            f"{proc.returncode} at start; see {log}")
+      time.sleep(0.02)
+    proc.kill()
+    raise errors.AgentUnavailableError(
+        f"the snapshot agent of job {job!r} host {host} (pid {proc.pid}) did not come "
+        f"up within {start_timeout_secs} s; see {log}")
+
+
+class AgentStore(HostStore):
+  """A HostStore whose slots are the shared memory of this host's agent."""
+
+  def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
+               limit_bytes: int) -> None:
+    self.opts = opts
+    self.host = host
+    self.run_root = opts.run_root or _paths.default_run_root()
+    self._max = max_snapshots
+    self._limit = limit_bytes
+    self._maps: dict[int, tuple[str, int, np.memmap]] = {}
+    self.restarts = 0
+    self._connect()
+
+  @property
+  def who(self) -> str:
+    return f"snapshot agent of job {self.opts.job_name!r} host {self.host} (pid {self.pid})"
+
+  def _connect(self) -> None:
+    if not self.opts.spawn:
+      info = read_address(_paths.agent_dir(self.run_root, self.opts.job_name, self.host))
+      if info is None:
+        raise errors.AgentUnavailableError(
+            f"no snapshot agent of job {self.opts.job_name!r} host {self.host} is running "
+            f"under {self.run_root}; start it with `jaxckpt agent start --job-name "
+            f"{self.opts.job_name} --host-id {self.host}` or set AgentOptions(spawn=True)")
+    else:
+      info = start_agent(job=self.opts.job_name, host=self.host, run_root=self.run_root,
+                         max_snapshots=self._max, limit_bytes=self._limit,
+                         idle_timeout_secs=self.opts.idle_timeout_secs,
+                         start_timeout_secs=self.opts.start_timeout_secs)
+    self.pid = info["pid"]
+    self.info = info
+    self._client = Client(info["ipc"], who=f"snapshot agent pid {self.pid} of job "
+                          f"{self.opts.job_name!r} host {self.host}",
+                          timeout_secs=self.opts.request_timeout_secs)
+    self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
+                      limit_bytes=self._limit)
+    self._maps.clear()
+
+  def ensure_alive(self) -> None:
+    """Starts a new agent if ours died (its snapshots are lost with it)."""
+    if psutil.pid_exists(self.pid) and psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE:
+      return
+    logger.warning("%s died; starting a new agent (the snapshots it held are lost)", self.who)
+    self._client.close()
+    self.restarts += 1
+    self._connect()
+
+  def call(self, op: str, **kw: Any) -> dict[str, Any]:
+    return self._client.call(op, **kw)[0]
+
+  def _map(self, index: int, path: str, size: int) -> np.memmap:
+    cached = self._maps.get(index)
+    if cached is None or cached[0] != path or cached[1] != size:
+      self._maps[index] = (path, size, np.memmap(path, dtype=np.uint8, mode="r+",
+                                                 shape=(size,)))
+    return self._maps[index][2]
+
+  def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
+    self.ensure_alive()
+    deadline = time.monotonic() + (timeout_secs or 0.0)
+    while True:
+      r = self.call("reserve", pid=os.getpid(), step=step, nbytes=nbytes)
+      if r["index"] is not None:
+        return Slot(r["index"], step, self._map(r["index"], r["path"], r["size"]), nbytes)
+      if time.monotonic() >= deadline:
+        return None
+      time.sleep(0.005)
+
+  def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
+    self.call("commit", index=slot.index, manifest=manifest.to_json())
+
+  def abort(self, slot: Slot) -> None:
+    with contextlib.suppress(errors.AgentUnavailableError):
+      self.call("abort", index=slot.index)
+
+  def steps(self) -> list[int]:
+    return list(self.call("steps")["steps"])
+
+  @contextlib.contextmanager
+  def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
+    r = self.call("open", pid=os.getpid(), step=step)
+    try:
+      yield SnapshotManifest.from_json(r["manifest"]), np.memmap(r["path"], dtype=np.uint8,
+                                                                   mode="r")
+    finally:
+      with contextlib.suppress(errors.AgentUnavailableError):
+        self.call("close", pid=os.getpid(), step=step)
+
+  def close(self) -> None:
+    self._maps.clear()
+    self._client.close()
+
+
+class RemotePiece:
+  """Another host's snapshot of a step, fetched shard by shard from its agent."""
+
+  def __init__(self, client: Client, manifest: SnapshotManifest) -> None:
+    self.client = client
+    self.manifest = manifest
+    self.bytes_read = 0
+    self._cache: dict[int, np.ndarray] = {}
+
+  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
+    buf = self._cache.get(shard.offset)
+    if buf is None:
+      _, frames = self.client.call("fetch", step=self.manifest.step,
+                                   ranges=[[shard.offset, shard.nbytes]])
+      raw = ShardRecord(shard.index, 0, shard.nbytes, shard.checksum)
+      data = np.frombuffer(frames[0].buffer, dtype=np.uint8)
+      verify_shard(data, raw, path=leaf.path, step=self.manifest.step)
+      buf = self._cache[shard.offset] = data
+      self.bytes_read += shard.nbytes
+    from jaxckpt.snapshot import box_shape  # pylint: disable=import-outside-toplevel
+    return buf.view(leaf.numpy_dtype).reshape(box_shape(shard.index))
+
+
+def job_agents(run_root: str, job: str) -> dict[int, dict[str, Any]]:
+  """The live agents of ``job`` under ``run_root``, by host id."""
+  base = os.path.join(run_root, _paths.check_job_name(job))
+  out = {}
+  if os.path.isdir(base):
+    for name in os.listdir(base):
+      if name.startswith("host") and name[4:].isdigit():
+        info = read_address(os.path.join(base, name))
+        if info is not None:
+          out[int(name[4:])] = info
+  return out
