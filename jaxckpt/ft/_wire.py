@@ -20,7 +20,7 @@ Header = dict[str, Any]
 
 def pack(header: Header, arrays: Sequence[np.ndarray] = ()) -> list[Any]:
   """Frames for ``header`` and ``arrays`` (arrays are sent without a copy)."""
-  arrays = [np.ascontiguousarray(a) for a in arrays]
+  arrays = [np.asarray(a, order="C") for a in arrays]  # (ascontiguousarray would make 0-d 1-d)
   meta = [(a.dtype.name, list(a.shape)) for a in arrays]
   frames: list[Any] = [msgpack.packb(dict(header, arrays=meta))]
   frames.extend(a.reshape(-1).view(np.uint8) for a in arrays)

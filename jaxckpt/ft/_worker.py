@@ -1,0 +1,81 @@
+"""One replica group of the toy job, as a process: ``python -m jaxckpt.ft._worker ...``.
+
+Used by the multi-process tests and the benchmark. Sets 2 CPU devices before
+JAX starts, trains :mod:`jaxckpt.ft._toy` with a ReplicaGroup, and appends one
+JSON line per step attempt to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--lighthouse", required=True)
+  p.add_argument("--group", required=True)
+  p.add_argument("--steps", type=int, required=True)
+  p.add_argument("--steps-file", default=None, help="if it exists, its integer replaces --steps (reread every step)")
+  p.add_argument("--out", required=True)
+  p.add_argument("--timeout", type=float, default=2.0)
+  p.add_argument("--step-secs", type=float, default=0.0, help="extra simulated compute per step")
+  p.add_argument("--snapshot-every", type=int, default=5)
+  p.add_argument("--ring-size", type=int, default=16)
+  p.add_argument("--injector", default="[]")
+  args = p.parse_args(argv)
+
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_num_cpu_devices", 2)
+  from jaxckpt.ft import _toy  # pylint: disable=import-outside-toplevel
+  from jaxckpt.ft import InMemorySnapshotSource, ReplicaGroup, ReplicaGroupOptions  # pylint: disable=import-outside-toplevel
+  from jaxckpt.testing.fault_injection import EventInjector  # pylint: disable=import-outside-toplevel
+  logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                      format=f"%(asctime)s {args.group} %(name)s %(levelname)s %(message)s")
+
+  state = _toy.init_state(_toy.make_mesh(jax.devices()))
+  jax.block_until_ready(_toy.apply_fn(state, _toy.grad_fn(state, *_toy.batch(0))))  # compile first
+  source = InMemorySnapshotSource()
+  options = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=100), ring_size=args.ring_size,
+                                max_groups=4, lighthouse_timeout=timedelta(seconds=30))
+  with open(args.out, "a", encoding="utf-8") as out, ReplicaGroup(
+      lighthouse=args.lighthouse, group_id=args.group, timeout=timedelta(seconds=args.timeout),
+      options=options, snapshot_source=source, injector=EventInjector.from_json(args.injector)) as ft:
+    while ft.step < _target(args):
+      t0 = time.time()
+      state = ft.start_step(state, _toy.apply_fn, grads_like=state["params"])
+      index = ft.batch_index()
+      time.sleep(args.step_secs)
+      grads = ft.allreduce(_toy.grad_fn(state, *_toy.batch(index)))
+      if ft.should_commit():
+        state = _toy.apply_fn(state, grads)
+        if ft.step % args.snapshot_every == 0:
+          source.put(ft.step, state)
+      m = ft.metrics
+      out.write(json.dumps({
+          "group": args.group, "step": ft.step, "committed": m.committed, "attempt": m.attempt,
+          "batch": index, "contributed": args.group in m.contributors, "quorum_size": m.quorum_size,
+          "contributors": m.contributors, "dropped": m.dropped_groups,
+          "caught_up_steps": m.caught_up_steps, "snapshot_step": m.snapshot_step,
+          "catch_up_secs": m.catch_up_secs, "fp": _toy.fingerprint(state) if m.committed else None,
+          "t0": t0, "t1": time.time()}) + "\n")
+      out.flush()
+  return 0
+
+
+def _target(args: argparse.Namespace) -> int:
+  if args.steps_file and os.path.exists(args.steps_file):
+    with open(args.steps_file, encoding="utf-8") as f:
+      text = f.read().strip()
+    if text:
+      return int(text)
+  return args.steps
+
+
+if __name__ == "__main__":
+  sys.exit(main())
