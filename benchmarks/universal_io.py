@@ -93,14 +93,24 @@ def main() -> None:
   for run in range(runs + 1):  # run 0 is the warm-up
     d = os.path.join(root, f"run{run}")
     os.makedirs(d)
-    t_p = timed(lambda: (u.write_process_shards(d + "/j", manifest, buf),
-                         u.commit_step(d + "/j", 0, process_count=1, timeout_secs=60)))
-    t_raw = timed(lambda: raw_tensorstore_write(d + "/raw", manifest, buf))
-    t0 = time.perf_counter()
-    ckptr.save(os.path.join(d, "orbax"), tree)
-    t_block = time.perf_counter() - t0
-    ckptr.wait_until_finished()
-    t_orbax = time.perf_counter() - t0
+    def persist():
+      u.write_process_shards(d + "/j", manifest, buf)
+      u.commit_step(d + "/j", 0, process_count=1, timeout_secs=60)
+
+    def orbax_save():
+      t0 = time.perf_counter()
+      ckptr.save(os.path.join(d, "orbax"), tree)
+      times["block"] = time.perf_counter() - t0
+      ckptr.wait_until_finished()
+
+    times: dict[str, float] = {}
+    writers = [("persist", persist), ("raw", lambda: raw_tensorstore_write(d + "/raw", manifest, buf)),
+               ("orbax", orbax_save)]
+    for name, fn in writers[run % 3:] + writers[:run % 3]:  # rotate: no order advantage
+      os.sync()  # each writer starts with no dirty pages of the previous one
+      times[name] = timed(fn)
+    t_p, t_raw, t_orbax, t_block = times["persist"], times["raw"], times["orbax"], times["block"]
+    os.sync()
     reader = u.open_step(d + "/j", 0)
     t_r = timed(lambda: jax.block_until_ready(u.restore_arrays(reader, target)))
     ratio = reader.bytes_read / reader.bytes_needed

@@ -93,15 +93,22 @@ def schema() -> dict[str, Any]:
   return json.loads(text)
 
 
+@functools.lru_cache(maxsize=1)
+def _validator() -> jsonschema.protocols.Validator:
+  cls = jsonschema.validators.validator_for(schema())
+  cls.check_schema(schema())  # once per process, not per document
+  return cls(schema())
+
+
 def validate(obj: dict[str, Any], *, what: str) -> None:
   """Raises ManifestError naming ``what`` and the failing field if ``obj`` is off-schema."""
-  try:
-    jsonschema.validate(obj, schema())
-  except jsonschema.ValidationError as e:
+  error = jsonschema.exceptions.best_match(_validator().iter_errors(obj))
+  if error is not None:
+    e = error
     where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
     raise errors.ManifestError(
         f"{what} does not follow manifest.schema.json v{VERSION} at {where}: {e.message}; "
-        "it was written by another jaxckpt version or damaged") from None
+        "it was written by another jaxckpt version or damaged")
 
 
 def document(*, step: int, process_count: int, metadata: dict[str, Any],

@@ -8,6 +8,7 @@ part records into ``manifest.json`` and writes the commit marker.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 from typing import Any, Mapping
 
@@ -162,20 +163,26 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
         f"step {step} is already committed in {directory!r}; refusing to overwrite it "
         f"(gc_steps or discard_step({directory!r}, {step}) removes it first)")
   inflight = _Inflight(max_inflight_bytes, step=step)
-  leaves = []
+  plans = []
   for rec in manifest.leaves:
     unique = {s.index: s for s in rec.shards}  # replicated boxes are stored once
     info = plan_leaf(rec.path, rec.kind, tuple(rec.shape), rec.dtype, list(unique),
                      inner_chunk_bytes=inner_chunk_bytes, sharding=rec.sharding,
                      value=rec.value, key_impl=rec.key_impl)
+    plans.append((info, unique))
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:  # creating arrays is latency-bound
+    opened = list(pool.map(lambda p: _open_array(directory, step, p[0])
+                           if p[0].is_array and p[1] else None, plans))
+  leaves = []
+  for (info, unique), store_info in zip(plans, opened):
     if info.is_array and not unique:  # another process creates the array
       info = _replace(info, chunk_shape=None, inner_chunk_shape=None)
     elif info.is_array:
+      store, info = store_info
       pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
-      store, info = _open_array(directory, step, info)
       for box, arr in pieces.items():
         target = store[tuple(slice(a, b) for a, b in box)]
-        inflight.add(target.write(_stored(arr, info)), arr.nbytes, f"{rec.path!r} {list(box)}")
+        inflight.add(target.write(_stored(arr, info)), arr.nbytes, f"{info.path!r} {list(box)}")
       sums = _local_chunk_checksums(info, pieces, {b: s.checksum for b, s in unique.items()})
       info = _replace(info, chunks=sums)
     obj = info.to_obj()
