@@ -1,0 +1,132 @@
+"""ReplicaGroup in-process: three groups as threads, each on its own 2 of the 8 CPU devices."""
+
+import threading
+from datetime import timedelta
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxckpt.ft import (GradientRing, InMemorySnapshotSource, Lighthouse, LighthouseOptions, ReplicaGroup,
+                        ReplicaGroupOptions, RingEntry, _toy, batch_index, chain_digest, mean_in_order)
+from jaxckpt.testing.fault_injection import EventInjector, InjectedFailure
+
+OPTS = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=50), ring_size=32, max_groups=4)
+LH = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5),
+                       join_timeout=timedelta(seconds=0.3), straggler_timeout=timedelta(seconds=3))
+
+
+def _train(lh, gid, k, steps, log, *, injector=None, source=None, errors=None):
+  devices = jax.devices()[2 * k:2 * k + 2]
+  state = _toy.init_state(_toy.make_mesh(devices))
+  try:
+    with ReplicaGroup(lighthouse=lh.address, group_id=gid, timeout=timedelta(seconds=2), options=OPTS,
+                      snapshot_source=source, injector=injector) as ft:
+      while ft.step < steps:
+        state = ft.start_step(state, _toy.apply_fn, grads_like=state["params"])
+        index = ft.batch_index()
+        grads = _toy.grad_fn(state, *_toy.batch(index))
+        avg = ft.allreduce(grads)
+        if ft.should_commit():
+          assert jax.tree.map(lambda a: a.sharding, avg) == jax.tree.map(lambda g: g.sharding, grads)
+          state = _toy.apply_fn(state, avg)
+          log.append((ft.step, _toy.fingerprint(state), index, ft.metrics))
+  except InjectedFailure as e:
+    if errors is not None:
+      errors.append(e)
+
+
+def _run(lh, specs):
+  threads = [threading.Thread(target=_train, args=(lh, *spec[:4]), kwargs=spec[4]) for spec in specs]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  assert not any(t.is_alive() for t in threads)
+
+
+def test_three_groups_match_a_plain_mean_bit_for_bit():
+  logs = {g: [] for g in ("g0", "g1", "g2")}
+  with Lighthouse("127.0.0.1:0", LighthouseOptions(min_replicas=3)) as lh:
+    _run(lh, [(g, k, 4, logs[g], {}) for k, g in enumerate(logs)])
+  # The same 4 steps without replica groups: mean of the three groups' gradients on the host.
+  mesh = _toy.make_mesh(jax.devices()[6:8])
+  state = _toy.init_state(mesh)
+  for step in range(4):
+    grads = [_toy.grad_fn(state, *_toy.batch(batch_index(step, r, 4))) for r in range(3)]
+    leaves, treedef = jax.tree.flatten(grads[0])
+    mean = mean_in_order([[np.asarray(x) for x in jax.tree.leaves(g)] for g in grads])
+    avg = jax.tree.unflatten(treedef, [jax.device_put(m, x.sharding) for m, x in zip(mean, leaves)])
+    state = _toy.apply_fn(state, avg)
+    for g, log in logs.items():
+      s, fp, index, metrics = log[step]
+      assert (s, fp) == (step + 1, _toy.fingerprint(state)), g
+      assert index == batch_index(step, int(g[1]), 4)
+      assert metrics.committed and metrics.contributors == ("g0", "g1", "g2") and metrics.quorum_size == 3
+
+
+def test_failed_group_is_dropped_and_rejoins_by_replaying_the_ring():
+  logs = {g: [] for g in ("g0", "g1", "g2")}
+  errors = []
+  with Lighthouse("127.0.0.1:0", LH) as lh:
+    crash = EventInjector().fail_at("g2", 3)
+    healthy = [threading.Thread(target=_train, args=(lh, g, k, 30, logs[g])) for k, g in enumerate(["g0", "g1"])]
+    for t in healthy:
+      t.start()
+    _run(lh, [("g2", 2, 30, logs["g2"], {"injector": crash, "errors": errors})])
+    assert len(errors) == 1 and "g2" in str(errors[0])
+    assert logs["g2"][-1][0] == 3  # it committed step 3, then crashed starting the next
+    _run(lh, [("g2", 2, 30, logs["g2"], {})])  # restarted from the initial state
+    for t in healthy:
+      t.join(timeout=60)
+  fps = {}
+  for g, log in logs.items():
+    for s, fp, _, _ in log:
+      assert fps.setdefault(s, fp) == fp, (g, s)
+  rejoin = [m for s, _, _, m in logs["g2"] if m.caught_up_steps]
+  assert rejoin and rejoin[-1].snapshot_step is None and rejoin[-1].caught_up_steps >= 3
+  assert [s for s, *_ in logs["g2"]][-1] == 30
+  g0 = [m for _, _, _, m in logs["g0"]]
+  assert any("g2" not in m.contributors for m in g0)  # steps committed while g2 was down
+
+
+def test_forked_group_without_a_snapshot_to_fetch_sits_out_with_a_reason(caplog):
+  log = []
+  with Lighthouse("127.0.0.1:0", LH) as lh:
+    state = _toy.init_state(_toy.make_mesh(jax.devices()[2:4]))
+    t = threading.Thread(target=_train, args=(lh, "g0", 0, 40, log))
+    t.start()
+    ft = ReplicaGroup(lighthouse=lh.address, group_id="g1", timeout=timedelta(seconds=1), options=OPTS)
+    ft.digest = 12345  # a state off g0's lineage: no ring replay can fix it, only a snapshot
+    try:
+      ft.start_step(state, _toy.apply_fn, grads_like=state["params"])
+      ft.allreduce(_toy.grad_fn(state, *_toy.batch(0)))
+    finally:
+      ft.close()
+      t.join(timeout=60)
+  assert not ft.should_commit() and ft.step == 0 and ft.metrics.caught_up_steps == 0
+  assert "g0 serves no snapshot" in caplog.text
+
+
+def test_ring_digest_and_mean():
+  ring = GradientRing(capacity=3)
+  digest = 0
+  for s in range(5):
+    leaves = (np.full(2, s, np.float32),)
+    after = chain_digest(digest, leaves)
+    ring.put(RingEntry(step=s, digest_before=digest, digest_after=after, leaves=leaves))
+    digest = after
+  assert ring.steps() == (2, 3, 4)
+  assert ring.covers(3, ring.get(3).digest_before, 5) and not ring.covers(1, 0, 5)
+  assert not ring.covers(3, 999, 5)
+  a = np.array([1.0, 2.0], ml_dtypes.bfloat16)
+  b = np.array([2.0, 2.0078125], ml_dtypes.bfloat16)
+  out = mean_in_order([[a], [b]])[0]
+  assert out.dtype == a.dtype and out.tolist() == [1.5, 2.0]
+  with pytest.raises(TypeError, match="floating"):
+    mean_in_order([[np.arange(2)], [np.arange(2)]])
+  with pytest.raises(ValueError, match="max_groups"):
+    batch_index(3, 4, 4)
+  with pytest.raises(ValueError, match="ring_size"):
+    ReplicaGroupOptions(ring_size=0)
