@@ -99,7 +99,8 @@ def make_train_step(graphdef, tx):
 def manager_for(args) -> jc.CheckpointManager:
   opts = jc.CheckpointOptions(max_snapshots=args.max_snapshots,
                               save_interval_steps=args.snapshot_interval,
-                              agent=jc.AgentOptions(job_name=args.job_name)
+                              agent=jc.AgentOptions(job_name=args.job_name,
+                                                    run_root=args.agent_run_root)
                               if args.job_name else None)
   return jc.CheckpointManager(options=opts)
 

@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--job-name", default=None,
                  help="use the per-host snapshot agent of this job (survives crashes); "
                       "without it snapshots live in this process")
+  p.add_argument("--agent-run-root", default=None,
+                 help="directory of the agents' shared memory (default /dev/shm/jaxckpt-UID)")
   p.add_argument("--resume", action="store_true", help="restore the newest snapshot and go on")
   p.add_argument("--dump", default=None,
                  help="write final params (PATH.npz) and per-step losses (PATH) as JSON")

@@ -107,6 +107,9 @@ def _leaf_value(pieces: Sequence[Any], i: int, rec: LeafRecord,
   if rec.kind == "scalar":
     return scalar_from_json(rec.value)
   read_region = _reader(pieces, i, rec)
+  if t is not None and t.mode == "jax" and t.sharding is None:
+    data = jax.device_put(np.array(read_region(full_box(rec.shape)), copy=True))
+    return jax.random.wrap_key_data(data, impl=rec.key_impl) if rec.kind == "prng_key" else data
   if t is None or t.mode == "numpy":
     host = np.array(read_region(full_box(rec.shape)), copy=True)
     if rec.kind == "prng_key":

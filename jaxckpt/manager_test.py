@@ -125,6 +125,18 @@ class TrainState:
   note: str = dataclasses.field(metadata=dict(static=False), default="x")
 
 
+def test_uncommitted_targets_restore_uncommitted():
+  with jc.CheckpointManager() as m:
+    state = {"count": jnp.zeros([], jnp.int32), "key": jax.random.key(0),
+             "abstract": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    save_now(m, 1, {"count": jnp.int32(4), "key": jax.random.key(5), "abstract": jnp.ones(3)})
+    out = m.restore(target=state)
+    w = put(X, mesh((8,), ("x",)), "x")
+    assert int(jax.jit(lambda c, w: c + w.sum().astype(jnp.int32))(out["count"], w)) > 0
+    assert_same(jax.random.key_data(out["key"]), jax.random.key_data(jax.random.key(5)))
+    assert_same(out["abstract"], np.ones(3, np.float32))
+
+
 def test_containers_keys_numpy_scalars_and_strings(mgr):
   m = mesh((8,), ("x",))
   keys = put(jax.random.split(jax.random.key(7), 8), m, "x")

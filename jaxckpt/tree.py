@@ -106,7 +106,7 @@ class TargetLeaf:
   mode: str                   # "jax" | "numpy" | "scalar"
   shape: tuple[int, ...] = ()
   dtype: Any = None
-  sharding: jax.sharding.Sharding | None = None
+  sharding: jax.sharding.Sharding | None = None   # None: uncommitted, default device
   numpy_scalar: bool = False
 
 
@@ -168,8 +168,8 @@ def _target_leaf(path: str, x: Any, rec: LeafRecord, step: int) -> TargetLeaf:
   if isinstance(x, (np.ndarray, np.generic)):
     return TargetLeaf(path, "numpy", shape, dtype, numpy_scalar=isinstance(x, np.generic))
   sharding = getattr(x, "sharding", None)
-  if sharding is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
+    sharding = None      # an uncommitted array: restore it uncommitted too
   return TargetLeaf(path, "jax", shape, dtype, sharding)
 
 

@@ -1,0 +1,34 @@
+"""The `jaxckpt` command: one subcommand per task, each with its own --help."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxckpt.agent import cli as agent_cli
+from jaxckpt.ft import cli as ft_cli
+from jaxckpt.ft import simulate
+from jaxckpt.universal import cli as universal_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="jaxckpt",
+      description="Multi-level, fault-tolerant checkpoints for JAX: snapshot agents, "
+                  "universal checkpoints on storage, replica-group tooling.")
+  sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  agent_cli.register(sub)
+  universal_cli.register(sub)
+  ft_cli.register(sub)
+  simulate.register_cli(sub)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  fn = getattr(args, "func", None) or getattr(args, "handler")
+  return int(fn(args) or 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,24 @@
+"""The `jaxckpt` command: every subcommand is wired and explains itself."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxckpt import cli
+
+
+@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "lighthouse", "simulate"])
+def test_each_subcommand_has_help(command, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main([command, "--help"])
+  assert e.value.code == 0
+  assert len(capsys.readouterr().out) > 200
+
+
+def test_console_script_runs():
+  out = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "--help"], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0
+  for command in ("agent", "inspect", "verify", "lighthouse", "simulate"):
+    assert command in out.stdout

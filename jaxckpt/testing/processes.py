@@ -1,0 +1,118 @@
+"""Shipped test helpers: run trainer processes and agents, and always clean up.
+
+Only processes started here are ever killed, by pid. Each helper has a hard
+timeout that names the process that was late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Iterator
+
+import psutil
+
+
+def free_port() -> int:
+  """A loopback TCP port that was free a moment ago."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def agent_sandbox(prefix: str = "jt") -> Iterator[tuple[str, str]]:
+  """A fresh (run_root, job_name); on exit, every agent under it is killed by
+  pid and its shared memory removed, even if the test failed."""
+  base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+  root = os.path.join(base, f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+  job = "job" + uuid.uuid4().hex[:6]
+  os.makedirs(root)
+  try:
+    yield root, job
+  finally:
+    for pid in agent_pids(root):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def agent_pids(root: str) -> list[int]:
+  """Pids of the agents whose address files lie under ``root``."""
+  pids = []
+  for dirpath, _, files in os.walk(root):
+    if "agent.json" in files:
+      with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(dirpath, "agent.json")) as f:
+          pids.append(int(json.load(f)["pid"]))
+  return [p for p in pids if psutil.pid_exists(p)]
+
+
+def wait_gone(pid: int, timeout_secs: float, what: str) -> None:
+  deadline = time.monotonic() + timeout_secs
+  while time.monotonic() < deadline:
+    try:
+      if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        return
+    except psutil.NoSuchProcess:
+      return
+    time.sleep(0.02)
+  raise TimeoutError(f"{what} (pid {pid}) still running after {timeout_secs} s")
+
+
+class Proc:
+  """A child process with its output captured line by line, killed on exit."""
+
+  def __init__(self, args: list[str], *, env: dict[str, str] | None = None,
+               cwd: str | None = None) -> None:
+    self.p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                              env={**os.environ, **(env or {})})
+    self.lines: list[str] = []
+
+  def wait_for(self, needle: str, timeout_secs: float) -> str:
+    """Reads output until a line contains ``needle``; returns that line."""
+    deadline = time.monotonic() + timeout_secs
+    while time.monotonic() < deadline:
+      line = self.p.stdout.readline()
+      if not line:
+        break
+      self.lines.append(line)
+      if needle in line:
+        return line
+    raise TimeoutError(f"pid {self.p.pid} did not print {needle!r} within {timeout_secs} s "
+                       f"(exit code {self.p.poll()}); last output:\n{''.join(self.lines[-30:])}")
+
+  def finish(self, timeout_secs: float) -> str:
+    try:
+      out, _ = self.p.communicate(timeout=timeout_secs)
+    except subprocess.TimeoutExpired:
+      self.kill()
+      raise TimeoutError(f"pid {self.p.pid} did not finish within {timeout_secs} s; output:\n"
+                         f"{''.join(self.lines[-30:])}") from None
+    self.lines.append(out)
+    if self.p.returncode != 0:
+      raise RuntimeError(f"pid {self.p.pid} exited with {self.p.returncode}:\n"
+                         f"{''.join(self.lines)[-4000:]}")
+    return "".join(self.lines)
+
+  def kill(self) -> None:
+    if self.p.poll() is None:
+      self.p.kill()
+      self.p.wait(timeout=30)
+
+  def __enter__(self) -> "Proc":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.kill()
+    if self.p.stdout:
+      self.p.stdout.close()
