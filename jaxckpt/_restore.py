@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -68,45 +68,56 @@ def verify_all(pieces: Sequence[Any]) -> None:
         piece.shard_array(leaf, shard)
 
 
-def _reader(pieces: Sequence[Any], i: int, rec: LeafRecord):
-  dtype = rec.numpy_dtype
-  shards = [(p, p.manifest.leaves[i], s) for p in pieces for s in p.manifest.leaves[i].shards]
-  zero_copy = device_put_copies()
+class HostSource:
+  """A step held as host snapshots: one piece per saving process."""
 
-  def read_region(box: Box) -> np.ndarray:
-    for p, leaf, s in shards:
-      if s.index == box:
-        view = p.shard_array(leaf, s)
-        return view if zero_copy else view.copy()
-    overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
-                   if box_intersection(s.index, box) is not None]
-    return assemble_region(box, dtype, overlapping, path=rec.path)
-  return read_region
+  def __init__(self, pieces: Sequence[Any]) -> None:
+    self.pieces = pieces
+    self.step = pieces[0].manifest.step
+    self.leaves = pieces[0].manifest.leaves
+
+  @property
+  def bytes_read(self) -> int:
+    return sum(p.bytes_read for p in self.pieces)
+
+  def reader(self, i: int) -> Callable[[Box], np.ndarray]:
+    rec = self.leaves[i]
+    dtype = rec.numpy_dtype
+    shards = [(p, p.manifest.leaves[i], s) for p in self.pieces
+              for s in p.manifest.leaves[i].shards]
+    zero_copy = device_put_copies()
+
+    def read_region(box: Box) -> np.ndarray:
+      for p, leaf, s in shards:
+        if s.index == box:
+          view = p.shard_array(leaf, s)
+          return view if zero_copy else view.copy()
+      overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
+                     if box_intersection(s.index, box) is not None]
+      return assemble_region(box, dtype, overlapping, path=rec.path)
+    return read_region
 
 
-def restore_tree(pieces: Sequence[Any], target: Any) -> Any:
-  """Restores the tree held by ``pieces`` (one per saving process) onto ``target``.
+def restore_tree(source: Any, target: Any) -> Any:
+  """Restores the tree held by ``source`` onto ``target``'s structure and shardings.
 
-  A piece has a ``manifest`` and ``shard_array(leaf, shard)`` returning the
-  shard's checksum-verified values (see BufferPiece).
-
-  ``target=None`` returns a flat ``{path: value}`` dict of numpy arrays,
-  jax PRNG key arrays and scalars.
+  A source has ``step``, ``leaves`` (LeafRecords in tree order) and
+  ``reader(i) -> read_region(box)`` giving verified values (HostSource, or the
+  storage tier's source). ``target=None`` returns a flat ``{path: value}`` dict
+  of numpy arrays, jax PRNG key arrays and scalars.
   """
-  saved = pieces[0].manifest.leaves
-  step = pieces[0].manifest.step
+  saved = source.leaves
   if target is None:
-    return {rec.path: _leaf_value(pieces, i, rec, None) for i, rec in enumerate(saved)}
-  targets, treedef = match_target(target, saved, step)
-  values = [_leaf_value(pieces, i, rec, t) for i, (rec, t) in enumerate(zip(saved, targets))]
+    return {rec.path: _leaf_value(source, i, rec, None) for i, rec in enumerate(saved)}
+  targets, treedef = match_target(target, saved, source.step)
+  values = [_leaf_value(source, i, rec, t) for i, (rec, t) in enumerate(zip(saved, targets))]
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _leaf_value(pieces: Sequence[Any], i: int, rec: LeafRecord,
-                t: TargetLeaf | None) -> Any:
+def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> Any:
   if rec.kind == "scalar":
     return scalar_from_json(rec.value)
-  read_region = _reader(pieces, i, rec)
+  read_region = source.reader(i)
   if t is not None and t.mode == "jax" and t.sharding is None:
     data = jax.device_put(np.array(read_region(full_box(rec.shape)), copy=True))
     return jax.random.wrap_key_data(data, impl=rec.key_impl) if rec.kind == "prng_key" else data

@@ -208,9 +208,10 @@ class CheckpointManager:
     step = _tiers.choose_step(self._store, step, timeout_secs=self.options.timeout_secs)
     with _tiers.host_pieces(self._store, step) as pieces:
       _restore.verify_all(pieces[:1])     # local bytes: check all before restoring any
-      out = _restore.restore_tree(pieces, target)
+      source = _restore.HostSource(pieces)
+      out = _restore.restore_tree(source, target)
       jax.block_until_ready(out)
-      nbytes = sum(p.bytes_read for p in pieces)
+      nbytes = source.bytes_read
     self.last_restore = _restore.RestoreInfo(step, "host", time.perf_counter() - t0, nbytes)
     logger.info("restored step %d from host memory (%d bytes, %.3f s)", step, nbytes,
                 self.last_restore.seconds)
