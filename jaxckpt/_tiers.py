@@ -55,16 +55,52 @@ def complete_steps(store: HostStore) -> list[int]:
   return sorted(s for s, (count, idx) in seen.items() if idx == set(range(count)))
 
 
-def choose_step(store: HostStore, step: int | None, *, timeout_secs: float) -> int:
+def storage_steps(directory: str | None) -> list[int]:
+  if directory is None:
+    return []
+  from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+  return universal.all_steps(directory)
+
+
+def choose_step(store: HostStore, directory: str | None, step: int | None, *,
+                timeout_secs: float) -> tuple[int, str]:
+  """The step to restore and the fastest tier that holds it ("host" or "storage")."""
   held = complete_steps(store)
+  stored = storage_steps(directory)
   if step is None:
-    if not held:
-      raise errors.StepNotFoundError("restore(): no snapshot is held yet; save first")
-    step = held[-1]
-  elif step not in held:
+    if not held and not stored:
+      raise errors.StepNotFoundError(
+          "restore(): no snapshot is held and nothing is on storage"
+          + (f" at {directory!r}" if directory else "") + "; save first")
+    step = max(held[-1:] + stored[-1:])
+  elif step not in held and step not in stored:
     raise errors.StepNotFoundError(
-        f"restore(step={step}): step {step} is not held (held steps: {held})")
-  return agree(step, timeout_secs=timeout_secs) if jax.process_count() > 1 else step
+        f"restore(step={step}): step {step} is not held (held steps: {held}; on storage: "
+        f"{stored})")
+  if jax.process_count() > 1:
+    step = agree(step, timeout_secs=timeout_secs)
+  return step, ("host" if step in held else "storage")
+
+
+class StorageSource:
+  """A step read from the universal format: each region read on demand, verified."""
+
+  def __init__(self, directory: str, step: int) -> None:
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+    from jaxckpt.snapshot import LeafRecord  # pylint: disable=import-outside-toplevel
+    self.reader_ = universal.open_step(directory, step)
+    self.step = step
+    self.leaves = tuple(LeafRecord(path=i.path, kind=i.kind, shape=tuple(i.shape),
+                                   dtype=i.dtype, value=i.value, key_impl=i.key_impl)
+                        for i in self.reader_.leaves.values())
+
+  @property
+  def bytes_read(self) -> int:
+    return self.reader_.bytes_read
+
+  def reader(self, i: int):
+    path = self.leaves[i].path
+    return lambda box: self.reader_.read(path, box)
 
 
 def agree(step: int, *, timeout_secs: float) -> int:

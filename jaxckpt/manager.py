@@ -5,13 +5,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any
 
 import jax
 
-from jaxckpt import _restore, _tiers, capture, errors, tree
+from jaxckpt import _persist, _restore, _tiers, capture, errors, tree
 from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
 from jaxckpt.store import HostStore, InProcessStore
 
@@ -52,12 +53,17 @@ class CheckpointManager:
   def __init__(self, directory: str | None = None,
                options: CheckpointOptions | None = None, *,
                store: HostStore | None = None) -> None:
-    if directory is not None:
-      raise NotImplementedError(
-          f"{directory=}: the persistent storage tier is not available in this "
-          "version; pass directory=None for host-memory snapshots")
     self.options = options or CheckpointOptions()
+    self.directory = None if directory is None else os.fspath(directory)
+    self._persist_config = None
+    if self.directory is not None:
+      self._persist_config = _persist.PersistConfig(
+          self.directory, self.options.persist_interval_steps or self.options.save_interval_steps,
+          self.options.max_to_keep, self.options.timeout_secs)
     self._store = store or self._make_store()
+    self._persister = None
+    if self._persist_config is not None and self.options.agent is None:
+      self._persister = _persist.Persister(self._persist_config, self._store.read)
     self._planner = capture.Planner()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     self._pending: concurrent.futures.Future | None = None
@@ -77,7 +83,9 @@ class CheckpointManager:
     from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
     host = jax.process_index() if a.host_id is None else a.host_id
     return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
-                      limit_bytes=limit)
+                      limit_bytes=limit,
+                      persist=None if self._persist_config is None
+                      else self._persist_config.to_obj())
 
   # -- saving ---------------------------------------------------------------
 
@@ -140,6 +148,8 @@ class CheckpointManager:
                                   process_count=self._process[1], metadata=metadata)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest)
+      if self._persister is not None:
+        self._persister.on_commit(step)
     except BaseException as e:  # surfaced by the next save / wait
       self._store.abort(slot)
       logger.exception("step %d: snapshot failed", step)
@@ -175,9 +185,31 @@ class CheckpointManager:
   # -- what is held ---------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """Restorable steps (complete on every host that saved them), oldest first."""
+    """Restorable steps (complete on every host that saved them, or on storage)."""
     self._check_open("all_steps")
-    return _tiers.complete_steps(self._store)
+    return sorted(set(_tiers.complete_steps(self._store)) |
+                  set(_tiers.storage_steps(self.directory)))
+
+  def wait_until_persisted(self, step: int | None = None,
+                           timeout_secs: float | None = None) -> None:
+    """Blocks until ``step`` (default: the newest due snapshot) is committed on storage."""
+    if self.directory is None:
+      raise ValueError("wait_until_persisted(): this manager has no directory")
+    self.wait_until_finished()
+    if step is None:
+      due = [s for s in self._store.steps() if s % self._persist_config.interval_steps == 0]
+      if not due:
+        return
+      step = due[-1]
+    timeout = timeout_secs or self.options.timeout_secs
+    deadline = time.monotonic() + timeout
+    while step not in _tiers.storage_steps(self.directory):
+      if time.monotonic() > deadline:
+        raise errors.SnapshotTimeoutError(
+            f"step {step} was not persisted to {self.directory!r} within {timeout} s "
+            f"(persisted: {_tiers.storage_steps(self.directory)}); the writer of process 0 "
+            "(its agent, or this trainer) was late")
+      time.sleep(0.02)
 
   def latest_step(self) -> int | None:
     """The newest restorable step, or None."""
@@ -205,17 +237,33 @@ class CheckpointManager:
     self._check_open("restore")
     self.wait_until_finished()
     t0 = time.perf_counter()
-    step = _tiers.choose_step(self._store, step, timeout_secs=self.options.timeout_secs)
+    step, tier = _tiers.choose_step(self._store, self.directory, step,
+                                    timeout_secs=self.options.timeout_secs)
+    if tier == "host":
+      try:
+        out, nbytes = self._restore_host(step, target)
+      except errors.CorruptSnapshotError as e:
+        if step not in _tiers.storage_steps(self.directory):
+          raise
+        logger.warning("step %d: host snapshot damaged (%s); reading storage instead", step, e)
+        tier = "storage"
+    if tier == "storage":
+      source = _tiers.StorageSource(self.directory, step)
+      out = _restore.restore_tree(source, target)
+      jax.block_until_ready(out)
+      nbytes = source.bytes_read
+    self.last_restore = _restore.RestoreInfo(step, tier, time.perf_counter() - t0, nbytes)
+    logger.info("restored step %d from %s (%d bytes, %.3f s)", step, tier, nbytes,
+                self.last_restore.seconds)
+    return out
+
+  def _restore_host(self, step: int, target: Any) -> tuple[Any, int]:
     with _tiers.host_pieces(self._store, step) as pieces:
       _restore.verify_all(pieces[:1])     # local bytes: check all before restoring any
       source = _restore.HostSource(pieces)
       out = _restore.restore_tree(source, target)
       jax.block_until_ready(out)
-      nbytes = source.bytes_read
-    self.last_restore = _restore.RestoreInfo(step, "host", time.perf_counter() - t0, nbytes)
-    logger.info("restored step %d from host memory (%d bytes, %.3f s)", step, nbytes,
-                self.last_restore.seconds)
-    return out
+      return out, source.bytes_read
 
   # -- lifecycle ------------------------------------------------------------
 
@@ -231,6 +279,8 @@ class CheckpointManager:
     try:
       if self._pending is not None:
         self._wait(self._pending, self.options.timeout_secs, "close")
+      if self._persister is not None:
+        self._persister.close(self.options.timeout_secs)
     finally:
       self._closed = True
       self._pool.shutdown(wait=True)

@@ -37,6 +37,10 @@ class CheckpointOptions:
       agreement) may take before a SnapshotTimeoutError names who was late.
     agent: keep snapshots in a per-host snapshot agent process (they survive a
       trainer crash); None keeps them in this process.
+    persist_interval_steps: with a ``directory``, every snapshot whose step is
+      a multiple of this is also written to storage in the universal format
+      (None: every snapshot).
+    max_to_keep: persisted steps kept on storage (None: all).
 
   >>> CheckpointOptions(max_snapshots=0)
   Traceback (most recent call last):
@@ -51,6 +55,8 @@ class CheckpointOptions:
   host_memory_limit_bytes: int | None = None
   timeout_secs: float = 300.0
   agent: "AgentOptions | None" = None
+  persist_interval_steps: int | None = None
+  max_to_keep: int | None = None
 
   def __post_init__(self) -> None:
     _at_least(self, "max_snapshots", 1)
@@ -62,6 +68,9 @@ class CheckpointOptions:
     _positive(self, "timeout_secs")
     if self.host_memory_limit_bytes is not None:
       _at_least(self, "host_memory_limit_bytes", 1)
+    for name in ("persist_interval_steps", "max_to_keep"):
+      if getattr(self, name) is not None:
+        _at_least(self, name, 1)
 
 
 def _at_least(obj: object, name: str, lo: int) -> None:

@@ -16,6 +16,7 @@ import mmap
 import os
 import shutil
 import signal
+import threading
 import time
 from typing import Any
 
@@ -54,6 +55,8 @@ class Agent:
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
     self.stopping = False
+    self.lock = threading.RLock()      # the persist thread pins slots too
+    self.persister = None
 
   # -- helpers --------------------------------------------------------------
 
@@ -81,7 +84,7 @@ class Agent:
     """Forgets dead trainers: their half-written slots and their read pins."""
     dead = {p for p in self.trainers if not psutil.pid_exists(p)}
     pids = {p for s in self.slots for p in s.pins} | {s.owner for s in self.slots if s.owner}
-    dead |= {p for p in pids if p and not psutil.pid_exists(p)}
+    dead |= {p for p in pids if p and p > 0 and not psutil.pid_exists(p)}
     for s in self.slots:
       if s.state == "writing" and s.owner in dead:
         logger.info("slot %d: writer pid %s died mid-snapshot; discarding", s.index, s.owner)
@@ -93,8 +96,12 @@ class Agent:
   # -- requests -------------------------------------------------------------
 
   def op_hello(self, pid: int, max_snapshots: int | None = None,
-               limit_bytes: int | None = None) -> dict[str, Any]:
+               limit_bytes: int | None = None,
+               persist: dict[str, Any] | None = None) -> dict[str, Any]:
     self.reap()
+    if persist and (self.persister is None or self.persister.config.to_obj() != persist):
+      from jaxckpt import _persist  # pylint: disable=import-outside-toplevel
+      self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned)
     self.trainers.add(pid)
     if max_snapshots:
       self.max_snapshots = max(self.max_snapshots, int(max_snapshots))
@@ -144,7 +151,30 @@ class Agent:
     committed = sorted((o for o in self.slots if o.state == "committed"), key=lambda o: o.step)
     for old in committed[:-self.max_snapshots]:      # never the newest
       self._drop(old)
+    if self.persister is not None:
+      self.persister.on_commit(m.step)
     return {"steps": self.steps()}
+
+  @contextlib.contextmanager
+  def _pinned(self, step: int):
+    """Pins a committed step for the persist thread while it reads the slot."""
+    me = -os.getpid()                   # a pin owner that reap() never treats as dead
+    with self.lock:
+      s = self._slot_of(step)
+      s.pins[me] = s.pins.get(me, 0) + 1
+      manifest = SnapshotManifest.from_json(self.manifests[step])
+    try:
+      with open(s.path, "rb") as f, mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
+        yield manifest, mm
+    finally:
+      with self.lock:
+        s.pins[me] -= 1
+        if not s.pins[me]:
+          del s.pins[me]
+
+  def op_persisted(self) -> dict[str, Any]:
+    p = self.persister
+    return {"persisted": list(p.persisted) if p else [], "errors": list(p.errors) if p else []}
 
   def _verify(self, s: _Slot, m: SnapshotManifest) -> None:
     if m.nbytes > s.size:
@@ -225,7 +255,8 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
   try:
     if fn is None:
       raise errors.JaxckptError(f"unknown request op={op!r}")
-    out = fn(**req)
+    with agent.lock:
+      out = fn(**req)
   except Exception as e:  # the error travels back to the caller, typed
     logger.warning("request %s failed: %s", op, e)
     return [_protocol.pack({"ok": False, "error": str(e), "type": type(e).__name__})]
@@ -257,6 +288,8 @@ def serve(agent: Agent) -> None:
       sock.send_multipart([ident, empty, *handle(agent, frames)])
   finally:
     sock.close(linger=1000)
+    if agent.persister is not None:
+      agent.persister.close(agent.persister.config.timeout_secs)
     agent.cleanup()
     logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
 
