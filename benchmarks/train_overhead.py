@@ -1,0 +1,151 @@
+"""Step time of the example's training loop with a snapshot every step vs none (issue 2 (d)).
+
+Builds the loop of ``examples/train_flax.py`` from ``examples._model``
+(``init_state``, ``make_train_step``, ``make_batch``) with a bigger model so a
+step takes >= ~100 ms on the 8-device CPU mesh, and times each step (batch,
+train step, loss fetched to host, ``save()``) three ways, side by side:
+no manager at all, a manager on the in-process store, and a manager on the
+snapshot agent. The modes run in interleaved rounds so they see the same
+machine load. ``save()`` is called every step with the default
+``on_busy="skip"``, so the achieved snapshot interval is steps / committed.
+
+  python benchmarks/train_overhead.py [--quick] [--rounds 4] [--steps-per-round 10]
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.dirname(_HERE))
+import _common as c  # pylint: disable=wrong-import-position
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
+
+from examples import _model  # pylint: disable=wrong-import-position
+
+MODES = ("none", "inproc", "agent")
+TARGET_OVERHEAD = 0.10
+
+
+class Loop:
+  """One training run of the example's model, stepped a few steps at a time."""
+
+  def __init__(self, args: argparse.Namespace, mesh, mgr) -> None:
+    self.args, self.mesh, self.mgr = args, mesh, mgr
+    graphdef, tx, self.state = _model.init_state(args, mesh)
+    self.train_step = _model.make_train_step(graphdef, tx)
+    self.step = 0
+    self.times: list[float] = []
+    self.saves = self.committed = 0
+
+  def run(self, n: int, *, record: bool) -> None:
+    a = self.args
+    committed0 = self.mgr.stats.committed if self.mgr else 0
+    for _ in range(n):
+      t0 = time.perf_counter()
+      tokens = jnp.asarray(_model.make_batch(a.seed, self.step, a.batch, a.seq_len, a.vocab),
+                           device=NamedSharding(self.mesh, P("fsdp")))
+      s = self.state
+      params, opt_state, loss, rng = self.train_step(s["params"], s["opt_state"], tokens,
+                                                     s["rng"])
+      losses = s["losses"].copy()
+      losses[self.step] = float(loss)
+      self.step += 1
+      self.state = dict(s, params=params, opt_state=opt_state, rng=rng, losses=losses,
+                        data=dict(s["data"], next_step=self.step))
+      if self.mgr is not None:
+        self.mgr.save(self.step, self.state)
+      if record:
+        self.times.append(time.perf_counter() - t0)
+    if record and self.mgr is not None:
+      self.saves += n
+      self.committed += self.mgr.stats.committed - committed0
+
+
+def parse_args() -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true", help="small model, 2 rounds of 4 steps")
+  p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4)")
+  p.add_argument("--steps-per-round", type=int, default=None, help="default 10")
+  p.add_argument("--warmup-steps", type=int, default=3)
+  p.add_argument("--d-model", type=int, default=None, help="default 256")
+  p.add_argument("--layers", type=int, default=None, help="default 4")
+  p.add_argument("--seq-len", type=int, default=None, help="default 128")
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--seed", type=int, default=0)
+  a = p.parse_args()
+  quick = a.quick
+  a.rounds = a.rounds or (2 if quick else 4)
+  a.steps_per_round = a.steps_per_round or (4 if quick else 10)
+  a.d_model = a.d_model or (128 if quick else 256)
+  a.layers = a.layers or (2 if quick else 4)
+  a.seq_len = a.seq_len or (64 if quick else 128)
+  a.steps = a.warmup_steps + a.rounds * a.steps_per_round + 1   # size of the losses array
+  return a
+
+
+def mode_report(loop: Loop, base: float | None) -> dict[str, Any]:
+  med = statistics.median(loop.times)
+  out: dict[str, Any] = {"step_s": c.summary(loop.times),
+                         "mean_step_s": round(statistics.fmean(loop.times), 4)}
+  if base is not None:
+    out["overhead_median_pct"] = round(100 * (med / base - 1), 2)
+  if loop.mgr is not None:
+    st = loop.mgr.stats
+    out.update(saves=loop.saves, committed=loop.committed,
+               achieved_interval_steps=round(loop.saves / max(loop.committed, 1), 3),
+               last_blocking_s=round(st.last_blocking_secs, 4),
+               last_snapshot_s=round(st.last_snapshot_secs, 4),
+               snapshot_bytes=st.last_nbytes)
+  return out
+
+
+def main() -> None:
+  a = parse_args()
+  mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  with contextlib.ExitStack() as stack:
+    loops = {m: Loop(a, mesh, None if m == "none" else stack.enter_context(c.manager(m)))
+             for m in MODES}
+    for loop in loops.values():
+      loop.run(a.warmup_steps, record=False)
+      if loop.mgr is not None:
+        loop.mgr.wait_until_finished()
+    for _ in range(a.rounds):
+      for loop in loops.values():
+        loop.run(a.steps_per_round, record=True)
+        if loop.mgr is not None:
+          loop.mgr.wait_until_finished()   # keep one mode's copy out of the next's steps
+    base = statistics.median(loops["none"].times)
+    res = {m: mode_report(loop, None if m == "none" else base) for m, loop in loops.items()}
+  state_bytes = c.tree_nbytes({k: loops["none"].state[k] for k in ("params", "opt_state")})
+  met = {f"{m}_overhead_le_10pct": res[m]["overhead_median_pct"] <= 100 * TARGET_OVERHEAD
+         for m in MODES[1:]}
+  print(json.dumps({
+      "model": {"d_model": a.d_model, "layers": a.layers, "seq_len": a.seq_len,
+                "batch": a.batch, "vocab": a.vocab, "state_bytes": state_bytes},
+      "devices": len(jax.devices()), "cpu_count": os.cpu_count(),
+      "rounds": a.rounds, "steps_per_round": a.steps_per_round,
+      "load_avg_1m": round(os.getloadavg()[0], 2),
+      "modes": res, "target_overhead_pct": 100 * TARGET_OVERHEAD, "targets_met": met,
+      "notes": "step = batch + jitted train step (donating) + float(loss) + save(); modes "
+               "interleaved per round; medians over all recorded steps",
+  }, indent=1))
+
+
+if __name__ == "__main__":
+  main()
