@@ -130,6 +130,13 @@ def run(args: argparse.Namespace) -> int:
                    data=dict(state["data"], next_step=step))
       mgr.save(step, state)
       logger.info("step %d loss %.6f", step, losses[step - 1])
+      if mgr.reached_preemption(step):
+        mgr.wait_until_finished()
+        if mgr.latest_step() != step:          # the last save was skipped (busy)
+          mgr.save(step, state, force=True)
+          mgr.wait_until_finished()
+        logger.info("preempted: last snapshot at step %d; exiting", step)
+        return 0
       if args.sleep_per_step:
         time.sleep(args.sleep_per_step)
       if args.rollback_at == step and not rolled_back:

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from jaxckpt import _persist, _restore, _tiers, capture, errors, tree
+from jaxckpt import _persist, _preemption, _restore, _tiers, capture, errors, tree
 from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
 from jaxckpt.store import HostStore, InProcessStore
 
@@ -73,6 +73,7 @@ class CheckpointManager:
     self.stats = SaveStats()
     self.last_restore: _restore.RestoreInfo | None = None
     self._process = (jax.process_index(), jax.process_count())
+    self._preemption = _preemption.Notice(install=self.options.handle_sigterm)
 
   def _make_store(self) -> HostStore:
     limit = self.options.host_memory_limit_bytes or default_host_memory_limit_bytes()
@@ -265,6 +266,16 @@ class CheckpointManager:
       jax.block_until_ready(out)
       return out, source.bytes_read
 
+  # -- preemption -----------------------------------------------------------
+
+  def reached_preemption(self, step: int) -> bool:
+    """True once a preemption notice (SIGTERM) arrived: snapshot ``step`` and exit.
+
+    Under ``jax.distributed`` with JAX's preemption service, every process
+    agrees on the same step (``multihost_utils.reached_preemption_sync_point``).
+    """
+    return self._preemption.reached(step)
+
   # -- lifecycle ------------------------------------------------------------
 
   def _check_open(self, what: str) -> None:
@@ -285,6 +296,7 @@ class CheckpointManager:
       self._closed = True
       self._pool.shutdown(wait=True)
       self._store.close()
+      self._preemption.uninstall()
 
   def __enter__(self) -> "CheckpointManager":
     return self

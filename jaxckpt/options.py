@@ -41,6 +41,11 @@ class CheckpointOptions:
       a multiple of this is also written to storage in the universal format
       (None: every snapshot).
     max_to_keep: persisted steps kept on storage (None: all).
+    handle_sigterm: turn SIGTERM into a preemption notice that
+      ``reached_preemption(step)`` reports (the process is not killed), so the
+      loop can take a last snapshot and exit cleanly. Installed only from the
+      main thread, and only if no other handler (e.g. JAX's preemption
+      service) owns SIGTERM.
 
   >>> CheckpointOptions(max_snapshots=0)
   Traceback (most recent call last):
@@ -57,6 +62,7 @@ class CheckpointOptions:
   agent: "AgentOptions | None" = None
   persist_interval_steps: int | None = None
   max_to_keep: int | None = None
+  handle_sigterm: bool = True
 
   def __post_init__(self) -> None:
     _at_least(self, "max_snapshots", 1)

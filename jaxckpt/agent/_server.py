@@ -164,8 +164,11 @@ class Agent:
       s.pins[me] = s.pins.get(me, 0) + 1
       manifest = SnapshotManifest.from_json(self.manifests[step])
     try:
-      with open(s.path, "rb") as f, mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
-        yield manifest, mm
+      if not s.size:
+        yield manifest, b""
+      else:
+        with open(s.path, "rb") as f, mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
+          yield manifest, mm
     finally:
       with self.lock:
         s.pins[me] -= 1

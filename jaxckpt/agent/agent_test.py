@@ -194,3 +194,19 @@ def test_agent_exits_when_idle_after_its_trainer_died(sandbox):
   pid = int(p.stdout.split()[-1])
   processes.wait_gone(pid, 15, "idle agent")
   assert not os.path.exists(_paths.agent_dir(root, job, 0))
+
+
+@pytest.mark.slow
+def test_sigterm_takes_a_last_snapshot_that_the_restarted_job_resumes(sandbox, tmp_path):
+  root, job = sandbox
+  env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jit-cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  args = [*EXAMPLE, "--job-name", job, "--agent-run-root", root]
+  with processes.Proc([*args, "--sleep-per-step", "0.2"], cwd=REPO, env=env) as p:
+    p.wait_for("step 3 loss", 300)
+    os.kill(p.p.pid, signal.SIGTERM)
+    line = p.wait_for("preempted: last snapshot at step", 60)
+    assert p.p.wait(60) == 0
+  last = int(line.split("at step ")[1].split(";")[0])
+  log = processes.Proc([*args, "--resume"], cwd=REPO, env=env).finish(300)
+  assert f"resumed at step {last} from tier host" in log

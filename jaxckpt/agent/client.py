@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Iterator
 
@@ -43,7 +44,15 @@ def read_address(d: str) -> dict[str, Any] | None:
       info = json.load(f)
   except (OSError, ValueError):
     return None
-  return info if psutil.pid_exists(info.get("pid", -1)) else None
+  return info if pid_alive(info.get("pid", -1)) else None
+
+
+def pid_alive(pid: int) -> bool:
+  """True if ``pid`` runs (a zombie, killed but not yet reaped, is dead)."""
+  try:
+    return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+  except (psutil.NoSuchProcess, ValueError):
+    return False
 
 
 def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
@@ -75,6 +84,8 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
     with open(log, "ab") as out:
       proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                               start_new_session=True, close_fds=True)
+    # Reap it whenever it exits, so a dead agent never lingers as our zombie.
+    threading.Thread(target=proc.wait, daemon=True, name="jaxckpt-agent-reaper").start()
     deadline = time.monotonic() + start_timeout_secs
     while time.monotonic() < deadline:
       info = read_address(d)
@@ -134,7 +145,7 @@ class AgentStore(HostStore):
 
   def ensure_alive(self) -> None:
     """Starts a new agent if ours died (its snapshots are lost with it)."""
-    if psutil.pid_exists(self.pid) and psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE:
+    if pid_alive(self.pid):
       return
     logger.warning("%s died; starting a new agent (the snapshots it held are lost)", self.who)
     self._client.close()
@@ -144,7 +155,9 @@ class AgentStore(HostStore):
   def call(self, op: str, **kw: Any) -> dict[str, Any]:
     return self._client.call(op, **kw)[0]
 
-  def _map(self, index: int, path: str, size: int) -> np.memmap:
+  def _map(self, index: int, path: str, size: int) -> np.ndarray:
+    if size == 0:                      # a state with no array bytes (only scalars)
+      return np.empty(0, np.uint8)
     cached = self._maps.get(index)
     if cached is None or cached[0] != path or cached[1] != size:
       self._maps[index] = (path, size, np.memmap(path, dtype=np.uint8, mode="r+",
@@ -176,8 +189,9 @@ class AgentStore(HostStore):
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
     r = self.call("open", pid=os.getpid(), step=step)
     try:
-      yield SnapshotManifest.from_json(r["manifest"]), np.memmap(r["path"], dtype=np.uint8,
-                                                                   mode="r")
+      manifest = SnapshotManifest.from_json(r["manifest"])
+      yield manifest, (np.memmap(r["path"], dtype=np.uint8, mode="r") if manifest.nbytes
+                       else np.empty(0, np.uint8))
     finally:
       with contextlib.suppress(errors.AgentUnavailableError):
         self.call("close", pid=os.getpid(), step=step)

@@ -1,0 +1,86 @@
+"""One "host" of a multi-process jax.distributed job on loopback (used by tests).
+
+  python -m jaxckpt.testing.multihost_worker --port P --num-processes N --process-id I \
+      --run-root R --job J --mode save|restore [--permute] [--steps S]
+
+``save`` snapshots steps 1..S of a state sharded over every device of the job
+(sharded, replicated and partially replicated leaves, a PRNG key, non-array
+state), prints SAVED and sleeps until killed. ``restore`` restores the newest
+step onto a mesh whose device order is reversed when ``--permute`` is given,
+checks every addressable shard against the expected values, prints OK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def expected(step: int, n_dev: int):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  w = np.arange(n_dev * 4 * 6, dtype=np.float32).reshape(n_dev * 4, 6) * step
+  return {"w": w, "rep": np.full((5,), step, np.int32), "part": w[:, :4] + 1}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--port", type=int, required=True)
+  p.add_argument("--num-processes", type=int, required=True)
+  p.add_argument("--process-id", type=int, required=True)
+  p.add_argument("--run-root", required=True)
+  p.add_argument("--job", required=True)
+  p.add_argument("--mode", choices=["save", "restore"], required=True)
+  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--permute", action="store_true")
+  a = p.parse_args(argv)
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_num_cpu_devices", 2)
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
+                             num_processes=a.num_processes, process_id=a.process_id,
+                             initialization_timeout=120)
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  if a.permute:
+    devices = devices[::-1]
+  n = len(devices)
+  mesh1 = jax.sharding.Mesh(np.array(devices), ("x",))
+  mesh2 = jax.sharding.Mesh(np.array(devices).reshape(a.num_processes, 2), ("a", "b"))
+  shardings = {"w": NamedSharding(mesh1, P("x")), "rep": NamedSharding(mesh1, P()),
+               "part": NamedSharding(mesh2, P("a", None))}
+
+  def make(step):
+    vals = expected(step, n)
+    out = {k: jax.make_array_from_callback(v.shape, shardings[k], lambda i, v=v: v[i])
+           for k, v in vals.items()}
+    return {**out, "key": jax.random.key(step), "data": {"position": step * 10}}
+
+  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=a.job, run_root=a.run_root))
+  with jc.CheckpointManager(options=opts) as mgr:
+    if a.mode == "save":
+      for step in range(1, a.steps + 1):
+        mgr.save(step, make(step))
+        mgr.wait_until_finished()
+      print("SAVED", mgr.all_steps(), flush=True)
+      time.sleep(3600)
+      return 0
+    target = make(0)
+    out = mgr.restore(target=target)
+    step = mgr.last_restore.step
+    vals = expected(step, n)
+    for k in vals:
+      assert out[k].sharding == shardings[k], (k, out[k].sharding)
+      for s in out[k].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), vals[k][s.index])
+    assert out["data"] == {"position": step * 10}
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]),
+                                  jax.random.key_data(jax.random.key(step)))
+    print("OK", step, mgr.last_restore.tier, flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
