@@ -1,6 +1,8 @@
 """ReplicaGroup in-process: three groups as threads, each on its own 2 of the 8 CPU devices."""
 
+import dataclasses
 import threading
+import time
 from datetime import timedelta
 
 import jax
@@ -17,15 +19,17 @@ LH = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5),
                        join_timeout=timedelta(seconds=0.3), straggler_timeout=timedelta(seconds=3))
 
 
-def _train(lh, gid, k, steps, log, *, injector=None, source=None, errors=None):
+def _train(lh, gid, k, steps, log, *, injector=None, source=None, errors=None, pace=0.0):
   devices = jax.devices()[2 * k:2 * k + 2]
   state = _toy.init_state(_toy.make_mesh(devices))
+  jax.block_until_ready(_toy.apply_fn(state, _toy.grad_fn(state, *_toy.batch(0))))  # compile first
   try:
     with ReplicaGroup(lighthouse=lh.address, group_id=gid, timeout=timedelta(seconds=2), options=OPTS,
                       snapshot_source=source, injector=injector) as ft:
       while ft.step < steps:
         state = ft.start_step(state, _toy.apply_fn, grads_like=state["params"])
         index = ft.batch_index()
+        time.sleep(pace)
         grads = _toy.grad_fn(state, *_toy.batch(index))
         avg = ft.allreduce(grads)
         if ft.should_commit():
@@ -69,15 +73,17 @@ def test_three_groups_match_a_plain_mean_bit_for_bit():
 def test_failed_group_is_dropped_and_rejoins_by_replaying_the_ring():
   logs = {g: [] for g in ("g0", "g1", "g2")}
   errors = []
-  with Lighthouse("127.0.0.1:0", LH) as lh:
+  with Lighthouse("127.0.0.1:0", dataclasses.replace(LH, min_replicas=2)) as lh:
     crash = EventInjector().fail_at("g2", 3)
-    healthy = [threading.Thread(target=_train, args=(lh, g, k, 30, logs[g])) for k, g in enumerate(["g0", "g1"])]
+    healthy = [threading.Thread(target=_train, args=(lh, g, k, 60, logs[g]), kwargs={"pace": 0.05})
+               for k, g in enumerate(["g0", "g1"])]
     for t in healthy:
       t.start()
-    _run(lh, [("g2", 2, 30, logs["g2"], {"injector": crash, "errors": errors})])
+    _run(lh, [("g2", 2, 60, logs["g2"], {"injector": crash, "errors": errors, "pace": 0.05})])
     assert len(errors) == 1 and "g2" in str(errors[0])
     assert logs["g2"][-1][0] == 3  # it committed step 3, then crashed starting the next
-    _run(lh, [("g2", 2, 30, logs["g2"], {})])  # restarted from the initial state
+    time.sleep(1.0)  # g0 and g1 train on without g2
+    _run(lh, [("g2", 2, 60, logs["g2"], {"pace": 0.05})])  # restarted from the initial state
     for t in healthy:
       t.join(timeout=60)
   fps = {}
@@ -86,7 +92,7 @@ def test_failed_group_is_dropped_and_rejoins_by_replaying_the_ring():
       assert fps.setdefault(s, fp) == fp, (g, s)
   rejoin = [m for s, _, _, m in logs["g2"] if m.caught_up_steps]
   assert rejoin and rejoin[-1].snapshot_step is None and rejoin[-1].caught_up_steps >= 3
-  assert [s for s, *_ in logs["g2"]][-1] == 30
+  assert [s for s, *_ in logs["g2"]][-1] == 60
   g0 = [m for _, _, _, m in logs["g0"]]
   assert any("g2" not in m.contributors for m in g0)  # steps committed while g2 was down
 
@@ -97,6 +103,9 @@ def test_forked_group_without_a_snapshot_to_fetch_sits_out_with_a_reason(caplog)
     state = _toy.init_state(_toy.make_mesh(jax.devices()[2:4]))
     t = threading.Thread(target=_train, args=(lh, "g0", 0, 40, log))
     t.start()
+    deadline = time.monotonic() + 60
+    while not log and time.monotonic() < deadline:  # g0 is training (else g1 would be alone)
+      time.sleep(0.01)
     ft = ReplicaGroup(lighthouse=lh.address, group_id="g1", timeout=timedelta(seconds=1), options=OPTS)
     ft.digest = 12345  # a state off g0's lineage: no ring replay can fix it, only a snapshot
     try:
