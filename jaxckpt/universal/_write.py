@@ -266,7 +266,7 @@ def _write_from_source(directory: str, step: int, info: man.LeafInfo, source: An
     piece = piece.read().result() if isinstance(piece, ts.TensorStore) else np.asarray(piece)
     if info.storage_dtype and piece.dtype == snap.dtype_from_name(info.storage_dtype):
       piece = piece.view(info.numpy_dtype)
-    piece = np.ascontiguousarray(piece, dtype=info.numpy_dtype)
+    piece = np.require(piece, dtype=info.numpy_dtype, requirements="C")  # rank 0 stays rank 0
     sums[lay.chunk_key(idx)] = snap.checksum(piece)
     inflight.add(store[sl].write(_stored(piece, info)), piece.nbytes, f"{info.path!r} {list(cbox)}")
   return _replace(info, chunks=sums)
