@@ -1,0 +1,250 @@
+"""Orbax checkpoints in and out of the universal format.
+
+:func:`import_orbax` reads a checkpoint written by ``ocp.CheckpointManager``
+(``StandardSave``) or ``ocp.StandardCheckpointer``: orbax's own metadata API
+gives the tree, shapes and dtypes; each array is then opened lazily as the
+tensorstore array orbax wrote (zarr, inside OCDBT when orbax used it) and
+copied chunk by chunk, so no host holds a whole tensor. The universal step can
+then be restored onto any mesh (:func:`jaxckpt.universal.restore_arrays`).
+
+:func:`export_orbax` writes a universal step (optionally converted by a
+:class:`~jaxckpt.universal.convert.ConversionSpec`) with
+``ocp.StandardCheckpointer().save``, so ``ocp.StandardCheckpointer().restore``
+reads it. The tree it saves is nested from the leaf paths: ``['k']`` is a dict
+key, ``[0]`` a list index (a level whose keys are exactly 0..n-1 becomes a
+list, otherwise a dict with int keys), ``.name`` an attribute, saved as a dict
+key because the class is not known. So ``['a'][0].b`` and ``['a'][1].b``
+become ``{'a': [{'b': ...}, {'b': ...}]}``. Arrays are saved as numpy arrays
+and scalars as Python scalars; PRNG keys as their key data. Orbax holds the
+whole tree in host memory while it saves.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import re
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from jaxckpt import errors
+from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _manifest as man
+from jaxckpt.universal import _read
+from jaxckpt.universal import _write
+from jaxckpt.universal import convert as cv
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT_SECS = 600.0
+_KEY = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|-?\d+)\]|\.([A-Za-z_]\w*)""")
+
+
+def _item_dir(orbax_dir: str, step: int | None, item: str | None) -> tuple[str, int | None]:
+  """The directory of one saved item, and its step (None for a bare checkpointer save)."""
+  if os.path.exists(os.path.join(orbax_dir, "_METADATA")):
+    return orbax_dir, None
+  steps = sorted(ocp.path.step.checkpoint_steps(orbax_dir))
+  if not steps:
+    raise errors.StepNotFoundError(
+        f"{orbax_dir!r} holds neither an orbax checkpoint (_METADATA) nor finalized "
+        "CheckpointManager steps")
+  if step is None:
+    step = max(steps)
+  elif step not in steps:
+    raise errors.StepNotFoundError(f"orbax step {step} is not in {orbax_dir!r}; it has {steps}")
+  step_dir = str(ocp.path.step.find_step_path(orbax_dir, ocp.path.step.standard_name_format(),
+                                              step=step))
+  items = sorted(n for n in os.listdir(step_dir)
+                 if os.path.exists(os.path.join(step_dir, n, "_METADATA")))
+  if item is None and len(items) == 1:
+    item = items[0]
+  if item not in items:
+    raise errors.StepNotFoundError(
+        f"orbax step {step} in {orbax_dir!r} has items {items}; pick one with item= (--item)")
+  return os.path.join(step_dir, item), step
+
+
+def _open_orbax_array(item_dir: str, name: str, use_zarr3: bool) -> ts.TensorStore:
+  ocdbt = os.path.exists(os.path.join(item_dir, "manifest.ocdbt"))
+  base = lay.kvstore_url(item_dir)
+  kvstore = {"driver": "ocdbt", "base": base, "path": name} if ocdbt else base + name + "/"
+  spec = {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore}
+  try:
+    return ts.open(spec, open=True, read=True, context=lay.context()).result(
+        timeout=READ_TIMEOUT_SECS)
+  except ValueError as e:
+    raise errors.CorruptSnapshotError(
+        f"orbax array {name!r} in {item_dir!r} cannot be opened ({e})") from None
+
+
+class _Counted:
+  """A write source over a tensorstore view that tells ``progress`` of every region read."""
+
+  def __init__(self, view: ts.TensorStore, progress: Any):
+    self._view, self._progress = view, progress
+    self.shape = tuple(view.shape)
+
+  def __getitem__(self, index: Any) -> np.ndarray:
+    arr = np.asarray(self._view[index].read().result(timeout=READ_TIMEOUT_SECS))
+    if self._progress is not None:
+      self._progress.update(arr.nbytes)
+    return arr
+
+
+def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool
+               ) -> tuple[man.LeafInfo, ts.TensorStore | None]:
+  dtype = np.dtype(md.dtype).name
+  kind = "jax" if md.sharding is not None else "numpy"
+  sharding = None if md.sharding is None else {"orbax": str(md.sharding)}
+  if isinstance(md, ocp.metadata.ScalarMetadata):
+    view = _open_orbax_array(item_dir, md.name, use_zarr3)
+    value = np.asarray(view.read().result(timeout=READ_TIMEOUT_SECS)).item()
+    return man.LeafInfo(path=path, kind="scalar", dtype=dtype, value=value), None
+  if not isinstance(md, ocp.metadata.ArrayMetadata):
+    raise errors.UnsupportedLeafError(
+        f"orbax leaf {path!r} in {item_dir!r} is a {type(md).__name__}; import_orbax reads "
+        "arrays and scalars (StandardSave trees)")
+  storage = getattr(md, "storage", None)
+  chunk = getattr(storage, "chunk_shape", None)
+  chunk = tuple(chunk) if chunk and len(chunk) == len(md.shape) and min(chunk) > 0 else None
+  view = _open_orbax_array(item_dir, md.name, use_zarr3)
+  return man.LeafInfo(path=path, kind=kind, shape=tuple(md.shape), dtype=dtype,
+                      chunk_shape=chunk, sharding=sharding), view
+
+
+def orbax_tree(item_dir: str) -> tuple[Any, bool]:
+  """Orbax's metadata tree of one saved item, and whether it used zarr v3."""
+  meta = ocp.StandardCheckpointer().metadata(item_dir)
+  meta = getattr(meta, "item_metadata", meta)
+  return getattr(meta, "tree", meta), bool(getattr(meta, "use_zarr3", False))
+
+
+def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
+                 item: str | None = None, dst_step: int | None = None,
+                 progress: Any = None) -> int:
+  """Copies an orbax checkpoint into a committed universal-format step.
+
+  Args:
+    orbax_dir: a ``CheckpointManager`` directory (steps inside) or one
+      ``StandardCheckpointer`` save.
+    dst_dir: universal-format directory (path or kvstore URL).
+    step: the orbax step (default: the latest); ignored for a bare save.
+    item: the manager's item name (default: the only one, e.g. ``default``).
+    dst_step: the step to write (default: the orbax step, 0 for a bare save).
+    progress: anything with ``update(nbytes)`` (a tqdm bar).
+
+  Returns:
+    The universal step written. Leaf paths are the ``jax.tree_util.keystr``
+    of orbax's tree (``['params']['w']``, ``['layers'][0]['b']``).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  item_dir, found = _item_dir(orbax_dir, step, item)
+  tree, use_zarr3 = orbax_tree(item_dir)
+  leaves, sources = {}, {}
+  for key_path, md in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    path = jax.tree_util.keystr(key_path)
+    leaves[path], view = _leaf_from(path, md, item_dir, use_zarr3)
+    if view is not None:
+      sources[path] = _Counted(view, progress)
+  dst_step = (found or 0) if dst_step is None else dst_step
+  metadata = {"imported_from": {"orbax": orbax_dir, "step": found,
+                                "item": os.path.basename(item_dir) if found is not None else None}}
+  _write.write_leaves(dst_dir, dst_step, leaves, sources, metadata=metadata)
+  log.info("imported %d leaves of %s into step %d of %s", len(leaves), item_dir, dst_step, dst_dir)
+  return dst_step
+
+
+def path_keys(path: str) -> list[str | int]:
+  """The keys of a ``keystr`` path: ``"['a'][0].b"`` -> ``['a', 0, 'b']``."""
+  keys, pos = [], 0
+  for m in _KEY.finditer(path):
+    if m.start() != pos:
+      break
+    text = m.group(1)
+    keys.append(m.group(2) if text is None else
+                int(text) if text[0] not in "'\"" else ast.literal_eval(text))
+    pos = m.end()
+  if pos != len(path) or not keys:
+    raise errors.ConversionError(
+        f"leaf path {path!r} is not a jax keystr path ([\'key\'], [index], .attr) "
+        f"from character {pos}; Rename it with a conversion spec")
+  return keys
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+  """A nested tree from keystr paths (see the module docstring for the rules).
+
+  >>> nest({"['a'][0].b": 1, "['a'][1].b": 2, "['c']": 3})
+  {'a': [{'b': 1}, {'b': 2}], 'c': 3}
+  """
+  root: dict = {}
+  for path, value in flat.items():
+    node, keys = root, path_keys(path)
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+      if not isinstance(node, dict):
+        raise errors.ConversionError(f"leaf path {path!r} runs through another leaf at key {k!r}")
+    if keys[-1] in node:
+      raise errors.ConversionError(f"leaf path {path!r} is also the prefix of other leaves")
+    node[keys[-1]] = value
+  return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+  if not isinstance(node, dict):
+    return node
+  out = {k: _lists(v) for k, v in node.items()}
+  if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+    return [out[i] for i in range(len(out))]
+  return out
+
+
+def _exportable(path: str, info: man.LeafInfo) -> None:
+  if not info.is_array and not isinstance(info.value, (bool, int, float)):
+    raise errors.UnsupportedLeafError(
+        f"leaf {path!r} is a {type(info.value).__name__} scalar ({info.value!r}); orbax "
+        "StandardSave takes only arrays and numbers: Drop it with a conversion spec")
+  if info.is_array and 0 in info.shape:
+    raise errors.UnsupportedLeafError(
+        f"leaf {path!r} has shape {list(info.shape)}; orbax cannot save zero-size arrays: "
+        "Drop it with a conversion spec")
+
+
+def export_orbax(src_dir: str, dst_orbax_dir: str, *, step: int | None = None,
+                 spec: cv.ConversionSpec | None = None, force: bool = False,
+                 progress: Any = None) -> str:
+  """Writes a universal step as an orbax checkpoint that ``StandardCheckpointer`` restores.
+
+  Args:
+    src_dir: universal-format directory.
+    dst_orbax_dir: the checkpoint directory to create
+      (``ocp.StandardCheckpointer().restore(dst_orbax_dir)`` reads it).
+    step: the universal step (default: the latest).
+    spec: an optional conversion applied on the way.
+    force: overwrite ``dst_orbax_dir`` if it exists.
+    progress: anything with ``update(nbytes)``, told of each leaf read.
+
+  Returns:
+    The absolute path written.
+  """
+  reader = _read.open_step(src_dir, step)
+  view = reader if spec is None else cv.apply(spec, reader)
+  flat = {}
+  for path, info in view.leaves.items():
+    _exportable(path, info)
+    flat[path] = view.read(path) if info.is_array else info.value
+    if progress is not None:
+      progress.update(info.nbytes)
+  tree = nest(flat)
+  out = os.path.abspath(dst_orbax_dir)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(out, tree, force=force)
+    ckptr.wait_until_finished()
+  log.info("exported step %d of %s (%d leaves) to orbax at %s", reader.step, src_dir,
+           len(flat), out)
+  return out
