@@ -98,11 +98,19 @@ class ConversionSpec:
 
   @classmethod
   def from_json(cls, text: str) -> "ConversionSpec":
-    return cls.from_dict(json.loads(text))
+    try:
+      obj = json.loads(text)
+    except ValueError as e:
+      raise errors.ConversionError(f"conversion spec is not valid JSON: {e}") from None
+    return cls.from_dict(obj)
 
   @classmethod
   def from_yaml(cls, text: str) -> "ConversionSpec":
-    return cls.from_dict(yaml.safe_load(text))
+    try:
+      obj = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+      raise errors.ConversionError(f"conversion spec is not valid YAML: {e}") from None
+    return cls.from_dict(obj)
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "ConversionSpec":

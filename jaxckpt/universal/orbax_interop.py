@@ -124,6 +124,16 @@ def orbax_tree(item_dir: str) -> tuple[Any, bool]:
   return getattr(meta, "tree", meta), bool(getattr(meta, "use_zarr3", False))
 
 
+def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = None) -> int:
+  """Bytes of array data :func:`import_orbax` would copy (for progress bars)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  tree, _ = orbax_tree(_item_dir(orbax_dir, step, item)[0])
+  return sum(int(np.prod(md.shape)) * np.dtype(md.dtype).itemsize
+             for md in jax.tree_util.tree_leaves(tree)
+             if isinstance(md, ocp.metadata.ArrayMetadata)
+             and not isinstance(md, ocp.metadata.ScalarMetadata))
+
+
 def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
                  item: str | None = None, dst_step: int | None = None,
                  progress: Any = None) -> int:

@@ -1,0 +1,173 @@
+"""``jaxckpt convert``, ``jaxckpt import-orbax`` and ``jaxckpt export-orbax``.
+
+``jaxckpt/cli.py`` calls :func:`register`; ``python -m jaxckpt.universal.convert_cli``
+runs the three commands on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any, Iterator, Sequence
+
+import tqdm
+
+from jaxckpt import errors
+from jaxckpt.universal import _read
+from jaxckpt.universal import convert as cv
+from jaxckpt.universal.cli import human_bytes
+
+_CONVERT_HELP = """Write a converted copy of a committed step of a universal-format checkpoint.
+
+The conversion is a YAML or JSON file of rules applied in order, each to the
+tree the previous ones produced; leaves no rule touches are copied as they
+are. Rules: rename, drop, stack/unstack (per-layer leaves <-> a scanned layer
+axis), split/concat (fused QKV <-> q, k, v), pad/unpad (a vocabulary padded to
+a multiple of the mesh), transpose, reshape, cast and average (copies). Rules
+match tree paths like ['params']['layers_0']['w'] with {name} captures, * and
+** globs, or re: regular expressions. Example rules.yaml:
+
+  rules:
+    - unstack: {src: "['params']['layers']['{p}']", dst: "['params']['layers_{i}']['{p}']"}
+    - split: {src: "['params']['layers_{i}']['qkv']", axis: 1,
+              dsts: ["['params']['layers_{i}']['q']", "['params']['layers_{i}']['k']",
+                     "['params']['layers_{i}']['v']"]}
+    - unpad: {src: "['params']['embed']", axis: 0, size: 50257}
+
+Data is read lazily and written chunk by chunk: no tensor is held whole.
+A rule that matches nothing, or two rules producing one path, is an error
+naming the paths (exit 2). See docs/conversion.md."""
+
+_IMPORT_HELP = """Copy an orbax checkpoint into a universal-format directory.
+
+ORBAX_DIR is a directory of ocp.CheckpointManager (steps inside; default: the
+latest step, and its only item, usually 'default') or one
+ocp.StandardCheckpointer save. Tree, shapes and dtypes come from orbax's
+metadata; arrays are read from orbax's tensorstore files chunk by chunk. The
+result restores onto any mesh and is readable by any zarr v3 reader."""
+
+_EXPORT_HELP = """Write a committed universal-format step as an orbax checkpoint.
+
+ocp.StandardCheckpointer().restore(ORBAX_DIR) reads the result. The tree is
+nested from the leaf paths: ['a'][0].b becomes {'a': [{'b': ...}]}. Arrays
+are saved as numpy arrays, scalars as numbers; string leaves and zero-size
+arrays, which orbax cannot save, must be dropped with --spec. Orbax holds
+the whole tree in host memory while it saves."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
+  """Adds ``convert``, ``import-orbax`` and ``export-orbax`` to the ``jaxckpt`` command."""
+  def parser(name: str, helptext: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=helptext.split("\n")[0], description=helptext,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+  p = parser("convert", _CONVERT_HELP)
+  p.add_argument("src", metavar="SRC", help="universal-format directory to read")
+  p.add_argument("dst", metavar="DST", help="universal-format directory to write")
+  p.add_argument("--spec", required=True, help="rules file (.yaml, .yml or .json)")
+  p.add_argument("--step", type=int, default=None, help="source step (default: latest)")
+  p.add_argument("--dst-step", type=int, default=None, help="step to write (default: same)")
+  p.add_argument("--dry-run", action="store_true",
+                 help="print the converted tree and write nothing")
+  p.set_defaults(handler=convert_command)
+
+  p = parser("import-orbax", _IMPORT_HELP)
+  p.add_argument("orbax_dir", metavar="ORBAX_DIR", help="orbax checkpoint directory")
+  p.add_argument("dst", metavar="DST", help="universal-format directory to write")
+  p.add_argument("--step", type=int, default=None, help="orbax step (default: latest)")
+  p.add_argument("--item", default=None, help="CheckpointManager item (default: the only one)")
+  p.add_argument("--dst-step", type=int, default=None,
+                 help="step to write (default: the orbax step, 0 for a bare save)")
+  p.set_defaults(handler=import_orbax_command)
+
+  p = parser("export-orbax", _EXPORT_HELP)
+  p.add_argument("src", metavar="SRC", help="universal-format directory to read")
+  p.add_argument("orbax_dir", metavar="ORBAX_DIR", help="orbax checkpoint directory to create")
+  p.add_argument("--step", type=int, default=None, help="universal step (default: latest)")
+  p.add_argument("--spec", default=None, help="rules file applied on the way")
+  p.add_argument("--force", action="store_true", help="overwrite ORBAX_DIR if it exists")
+  p.set_defaults(handler=export_orbax_command)
+
+
+@contextlib.contextmanager
+def _bar(args: argparse.Namespace, total: int, desc: str) -> Iterator[Any]:
+  with tqdm.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                 disable=args.no_progress or None, file=sys.stderr) as bar:
+    yield bar
+
+
+_EXPECTED = (errors.JaxckptError, FileNotFoundError, FileExistsError)
+
+
+def _fail(command: str, e: BaseException) -> int:
+  print(f"jaxckpt {command}: {e}", file=sys.stderr)
+  return 2
+
+
+def convert_command(args: argparse.Namespace) -> int:
+  """Runs ``jaxckpt convert``; returns the exit code."""
+  try:
+    spec = cv.ConversionSpec.load(args.spec)
+    view = cv.apply(spec, _read.open_step(args.src, args.step))
+    if args.dry_run:
+      for path, info in view.leaves.items():
+        what = f"{info.dtype} {list(info.shape)}" if info.is_array else f"= {info.value!r}"
+        print(f"  {path}  {what}")
+      print(f"{len(view.leaves)} leaves, {human_bytes(cv.total_nbytes(view))}")
+      return 0
+    with _bar(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:
+      step = cv.convert(args.src, args.dst, spec, step=view.step, dst_step=args.dst_step,
+                        progress=bar)
+  except (*_EXPECTED, OSError) as e:
+    return _fail("convert", e)
+  print(f"wrote step {step} of {args.dst}: {len(view.leaves)} leaves "
+        f"({len(spec.rules)} rules applied to step {view.step} of {args.src})")
+  return 0
+
+
+def import_orbax_command(args: argparse.Namespace) -> int:
+  """Runs ``jaxckpt import-orbax``; returns the exit code."""
+  from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
+  try:
+    total = ox.orbax_nbytes(args.orbax_dir, step=args.step, item=args.item)
+    with _bar(args, total, "import-orbax") as bar:
+      step = ox.import_orbax(args.orbax_dir, args.dst, step=args.step, item=args.item,
+                             dst_step=args.dst_step, progress=bar)
+  except _EXPECTED as e:
+    return _fail("import-orbax", e)
+  print(f"imported {args.orbax_dir} into step {step} of {args.dst} ({human_bytes(total)})")
+  return 0
+
+
+def export_orbax_command(args: argparse.Namespace) -> int:
+  """Runs ``jaxckpt export-orbax``; returns the exit code."""
+  from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
+  try:
+    spec = None if args.spec is None else cv.ConversionSpec.load(args.spec)
+    reader = _read.open_step(args.src, args.step)
+    total = sum(i.nbytes for i in (reader.leaves if spec is None
+                                   else cv.apply(spec, reader).leaves).values())
+    with _bar(args, total, f"export-orbax step {reader.step}") as bar:
+      out = ox.export_orbax(args.src, args.orbax_dir, step=reader.step, spec=spec,
+                            force=args.force, progress=bar)
+  except _EXPECTED as e:
+    return _fail("export-orbax", e)
+  except ValueError as e:  # orbax refuses an existing directory without --force, etc.
+    return _fail("export-orbax", e)
+  print(f"wrote orbax checkpoint {out} from step {reader.step} of {args.src}")
+  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m jaxckpt.universal.convert_cli",
+                                   description="Convert universal checkpoints; orbax interop.")
+  register(parser.add_subparsers(dest="command", required=True))
+  args: Any = parser.parse_args(argv)
+  return args.handler(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
