@@ -18,6 +18,11 @@ from jaxckpt.universal._read import restore_arrays
 from jaxckpt.universal._read import verify_step
 from jaxckpt.universal._write import write_leaves
 from jaxckpt.universal._write import write_process_shards
+from jaxckpt.universal.convert import ConversionSpec
+from jaxckpt.universal.convert import ConvertedView
+from jaxckpt.universal.convert import apply as apply_conversion
+from jaxckpt.universal.convert import convert as convert_step
+from jaxckpt.universal.convert import restore_converted
 
 __all__ = [
     "LeafInfo",
@@ -32,4 +37,9 @@ __all__ = [
     "verify_step",
     "write_leaves",
     "write_process_shards",
+    "ConversionSpec",
+    "ConvertedView",
+    "apply_conversion",
+    "convert_step",
+    "restore_converted",
 ]
