@@ -279,3 +279,22 @@ def test_invalid_specs_are_rejected_with_the_field(obj, text):
   with pytest.raises(errors.ConversionError) as e:
     cv.ConversionSpec.from_dict(obj)
   assert text in str(e.value)
+
+
+def test_the_yaml_example_in_the_docs_applies_as_documented(tmp_path):
+  doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "conversion.md")).read()
+  text = doc.split("```yaml\n")[1].split("```")[0]
+  spec = cv.ConversionSpec.from_yaml(text)
+  qkv = RNG.standard_normal((2, 4, 3072)).astype(np.float32)
+  embed = RNG.standard_normal((50304, 2)).astype(np.float32)
+  d = str(tmp_path)
+  save(d, 7, {"['params']['layers']['qkv']": qkv, "['params']['embed']": embed,
+              "['opt_state'][0].mu['w']": np.ones(3, np.float32)}, inner=1 << 16)
+  view = cv.apply(spec, u.open_step(d, 7))
+  assert sorted(view.leaves) == sorted(
+      ["['params']['embed']"] + [f"['params']['layers_{i}']['{n}']" for i in range(2) for n in "qkv"])
+  assert view.read("['params']['layers_1']['k']").tobytes() == (
+      qkv[1][:, 2048:2560].astype(ml_dtypes.bfloat16).tobytes())
+  assert view.leaves["['params']['embed']"].shape == (50257, 2)
+  assert view.read("['params']['embed']", ((50000, 50257), (0, 2))).tobytes() == (
+      embed[50000:50257].astype(ml_dtypes.bfloat16).tobytes())
