@@ -64,6 +64,11 @@ def main(argv=None) -> int:
       for step in range(1, a.steps + 1):
         mgr.save(step, make(step))
         mgr.wait_until_finished()
+      deadline = time.monotonic() + 120      # every host's agent has committed the last step
+      while a.steps not in mgr.all_steps():
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"step {a.steps} not complete on every host: {mgr.all_steps()}")
+        time.sleep(0.05)
       print("SAVED", mgr.all_steps(), flush=True)
       time.sleep(3600)
       return 0
