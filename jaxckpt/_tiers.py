@@ -4,13 +4,16 @@ With the in-process store, this process's snapshot is the whole story. With
 agents, every saving process's snapshot of a step lives in its host's agent;
 a step is restorable when the agents of all its saving processes hold it,
 and a restoring process reads the pieces it needs from whichever agents hold
-them (its own through shared memory, others' over the network).
+them (its own through shared memory, others' over the network). With parity
+on, a step that lost some hosts is still restorable when the survivors' parity
+rebuilds them (tier "parity", ``jaxckpt.agent._parity``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Iterator
 
 import jax
@@ -62,24 +65,90 @@ def storage_steps(directory: str | None) -> list[int]:
   return universal.all_steps(directory)
 
 
+def parity_steps(store: HostStore) -> dict[int, Any]:
+  """What the live agents say about the parity of each step they protect
+  ({step: ``_parity.StepParity``}); empty without agents or parity."""
+  if not hasattr(store, "run_root"):
+    return {}
+  from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
+  clients = _agents(store)
+  try:
+    return _parity.survey(clients)
+  finally:
+    for c in clients.values():
+      c.close()
+
+
+def protected_steps(store: HostStore) -> list[int]:
+  """Steps whose parity every saving host's agent holds, all of it."""
+  return sorted(s for s, sp in parity_steps(store).items() if sp.protected)
+
+
+def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
+  """Polls the agents until ``step`` is protected; the timeout names the late hosts."""
+  deadline = time.monotonic() + timeout_secs
+  while True:
+    sp = parity_steps(store).get(step)
+    if sp is not None and sp.protected:
+      return
+    if time.monotonic() > deadline:
+      late = "all hosts" if sp is None else sorted(set(range(sp.process_count)) - sp.done)
+      why = "" if sp is None else "; ".join(f"host {h}: {e}" for h, e in sp.errors.items())
+      raise errors.SnapshotTimeoutError(
+          f"step {step} was not protected within {timeout_secs} s: {late} hold no finished "
+          f"parity of it" + (f" ({why})" if why else ""))
+    time.sleep(0.005)
+
+
+def _rebuildable(held: list[int], store: HostStore) -> tuple[list[int], dict[int, Exception]]:
+  """Steps not held complete that parity can rebuild, and why the others cannot."""
+  ok, why = [], {}
+  for step, sp in parity_steps(store).items():
+    if step in held or not sp.held:
+      continue
+    try:
+      sp.check()
+      ok.append(step)
+    except errors.UnrecoverableLossError as e:
+      why[step] = e
+  return sorted(ok), why
+
+
 def choose_step(store: HostStore, directory: str | None, step: int | None, *,
                 timeout_secs: float) -> tuple[int, str]:
-  """The step to restore and the fastest tier that holds it ("host" or "storage")."""
+  """The step to restore and the fastest tier that holds it: "host" (every
+  saving process's snapshot is held), "parity" (some are lost but the
+  survivors' parity rebuilds them) or "storage".
+
+  Raises:
+    UnrecoverableLossError: the step (or, for ``step=None``, the newest step
+      anywhere) lost more hosts than parity can rebuild and storage has no step.
+    StepNotFoundError: no tier holds the step.
+  """
   held = complete_steps(store)
+  rebuilt, why = _rebuildable(held, store)
   stored = storage_steps(directory)
+  every = set(held) | set(rebuilt) | set(stored)
   if step is None:
-    if not held and not stored:
+    if not every:
+      if why:
+        raise why[max(why)]
       raise errors.StepNotFoundError(
           "restore(): no snapshot is held and nothing is on storage"
           + (f" at {directory!r}" if directory else "") + "; save first")
-    step = max(held[-1:] + stored[-1:])
-  elif step not in held and step not in stored:
+    step = max(every)
+    for lost_step in sorted(s for s in why if s > step):
+      logger.warning("%s; restoring step %d instead", why[lost_step], step)
+  elif step not in every:
+    if step in why:
+      raise why[step]
     raise errors.StepNotFoundError(
-        f"restore(step={step}): step {step} is not held (held steps: {held}; on storage: "
-        f"{stored})")
+        f"restore(step={step}): step {step} is not held (held steps: {held}; rebuildable "
+        f"from parity: {rebuilt}; on storage: {stored})")
   if jax.process_count() > 1:
     step = agree(step, timeout_secs=timeout_secs)
-  return step, ("host" if step in held else "storage")
+  tier = "host" if step in held else "parity" if step in rebuilt else "storage"
+  return step, tier
 
 
 class StorageSource:
@@ -128,9 +197,10 @@ def agree(step: int, *, timeout_secs: float) -> int:
 
 
 @contextlib.contextmanager
-def host_pieces(store: HostStore, step: int) -> Iterator[list[Any]]:
+def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterator[list[Any]]:
   """This host's piece first (if it holds one), then remote pieces for the other
-  saving processes of ``step``."""
+  saving processes of ``step``; with ``rebuild``, the pieces of lost hosts
+  rebuilt from parity (checksum-verified) as local buffers."""
   with contextlib.ExitStack() as stack:
     pieces = []
     local_index = None
@@ -141,19 +211,23 @@ def host_pieces(store: HostStore, step: int) -> Iterator[list[Any]]:
       if manifest.process_count == 1:
         yield pieces
         return
-    pieces += _remote_pieces(store, step, local_index, stack)
+    if not hasattr(store, "run_root"):
+      raise errors.StepNotFoundError(f"step {step} is not held in this process")
+    clients = _agents(store)
+    for c in clients.values():
+      stack.callback(c.close)
+    pieces += _remote_pieces(store, clients, step, local_index)
+    if rebuild:
+      pieces += _rebuilt_pieces(clients, step, pieces)
     yield pieces
 
 
-def _remote_pieces(store: HostStore, step: int, local_index: int | None,
-                   stack: contextlib.ExitStack) -> list[Any]:
+def _remote_pieces(store: HostStore, clients: dict[int, Any], step: int,
+                   local_index: int | None) -> list[Any]:
   from jaxckpt.agent.client import RemotePiece  # pylint: disable=import-outside-toplevel
   from jaxckpt.snapshot import SnapshotManifest  # pylint: disable=import-outside-toplevel
-  if not hasattr(store, "run_root"):
-    raise errors.StepNotFoundError(f"step {step} is not held in this process")
   out, found = [], set() if local_index is None else {local_index}
-  for host, c in _agents(store).items():
-    stack.callback(c.close)
+  for host, c in clients.items():
     if host == store.host and local_index is not None:
       continue
     held = {s: i for s, i, _ in c.call("held")[0]["held"]}
@@ -162,3 +236,17 @@ def _remote_pieces(store: HostStore, step: int, local_index: int | None,
       out.append(RemotePiece(c, manifest))
       found.add(manifest.process_index)
   return out
+
+
+def _rebuilt_pieces(clients: dict[int, Any], step: int, pieces: list[Any]) -> list[Any]:
+  """The snapshots of the saving processes that no live agent holds, from parity."""
+  from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
+  if not pieces:
+    raise errors.UnrecoverableLossError(f"step {step}: no host holds any piece of it")
+  count = pieces[0].manifest.process_count
+  lost = sorted(set(range(count)) - {p.manifest.process_index for p in pieces})
+  if not lost:
+    return []
+  rebuilt = _parity.recover(clients, step, lost)
+  logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)
+  return [_restore.BufferPiece(manifest, buf) for manifest, buf in rebuilt.values()]

@@ -86,7 +86,15 @@ class CheckpointManager:
     return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
                       limit_bytes=limit,
                       persist=None if self._persist_config is None
-                      else self._persist_config.to_obj())
+                      else self._persist_config.to_obj(),
+                      parity=self._parity_config())
+
+  def _parity_config(self) -> dict[str, Any] | None:
+    p = self.options.parity
+    if p is None:
+      return None
+    from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
+    return _parity.ParityConfig(p.group_size, p.parity, self.options.timeout_secs).to_obj()
 
   # -- saving ---------------------------------------------------------------
 
@@ -212,6 +220,40 @@ class CheckpointManager:
             "(its agent, or this trainer) was late")
       time.sleep(0.02)
 
+  def protected_steps(self) -> list[int]:
+    """Steps whose parity every host's agent holds in full (parity on), oldest first.
+
+    A protected step survives the loss of up to ``parity.parity`` hosts per
+    parity group. Agents exchange parity in the background after each commit,
+    so the newest committed step becomes protected a little later.
+    """
+    self._check_open("protected_steps")
+    return _tiers.protected_steps(self._store)
+
+  def is_protected(self, step: int) -> bool:
+    """Whether ``step`` is protected by parity now (see :meth:`protected_steps`)."""
+    return step in self.protected_steps()
+
+  def wait_until_protected(self, step: int | None = None,
+                           timeout_secs: float | None = None) -> None:
+    """Blocks until ``step`` (default: this process's newest committed one) is protected.
+
+    Raises:
+      ValueError: parity is off.
+      SnapshotTimeoutError: naming the hosts whose parity was late, and why.
+    """
+    if self.options.parity is None:
+      raise ValueError("wait_until_protected(): parity is off; set "
+                       "CheckpointOptions(parity=jaxckpt.ParityOptions(...))")
+    self.wait_until_finished()
+    if step is None:
+      held = self._store.steps()
+      if not held:
+        return
+      step = held[-1]
+    timeout = timeout_secs or self.options.timeout_secs
+    _tiers.wait_protected(self._store, step, timeout_secs=timeout)
+
   def latest_step(self) -> int | None:
     """The newest restorable step, or None."""
     steps = self.all_steps()
@@ -240,13 +282,13 @@ class CheckpointManager:
     t0 = time.perf_counter()
     step, tier = _tiers.choose_step(self._store, self.directory, step,
                                     timeout_secs=self.options.timeout_secs)
-    if tier == "host":
+    if tier in ("host", "parity"):
       try:
-        out, nbytes = self._restore_host(step, target)
-      except errors.CorruptSnapshotError as e:
+        out, nbytes = self._restore_host(step, target, rebuild=tier == "parity")
+      except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
         if step not in _tiers.storage_steps(self.directory):
           raise
-        logger.warning("step %d: host snapshot damaged (%s); reading storage instead", step, e)
+        logger.warning("step %d: %s tier failed (%s); reading storage instead", step, tier, e)
         tier = "storage"
     if tier == "storage":
       source = _tiers.StorageSource(self.directory, step)
@@ -258,8 +300,8 @@ class CheckpointManager:
                 self.last_restore.seconds)
     return out
 
-  def _restore_host(self, step: int, target: Any) -> tuple[Any, int]:
-    with _tiers.host_pieces(self._store, step) as pieces:
+  def _restore_host(self, step: int, target: Any, *, rebuild: bool) -> tuple[Any, int]:
+    with _tiers.host_pieces(self._store, step, rebuild=rebuild) as pieces:
       _restore.verify_all(pieces[:1])     # local bytes: check all before restoring any
       source = _restore.HostSource(pieces)
       out = _restore.restore_tree(source, target)

@@ -41,6 +41,10 @@ class CheckpointOptions:
       a multiple of this is also written to storage in the universal format
       (None: every snapshot).
     max_to_keep: persisted steps kept on storage (None: all).
+    parity: Reed-Solomon parity across the hosts' agents
+      (``jaxckpt.ParityOptions``): after each committed snapshot the agents
+      exchange parity among themselves, so a restore rebuilds up to
+      ``parity.parity`` lost hosts per group; needs ``agent``. None: off.
     handle_sigterm: turn SIGTERM into a preemption notice that
       ``reached_preemption(step)`` reports (the process is not killed), so the
       loop can take a last snapshot and exit cleanly. Installed only from the
@@ -63,6 +67,7 @@ class CheckpointOptions:
   persist_interval_steps: int | None = None
   max_to_keep: int | None = None
   handle_sigterm: bool = True
+  parity: "ParityOptions | None" = None
 
   def __post_init__(self) -> None:
     _at_least(self, "max_snapshots", 1)
@@ -77,6 +82,15 @@ class CheckpointOptions:
     for name in ("persist_interval_steps", "max_to_keep"):
       if getattr(self, name) is not None:
         _at_least(self, name, 1)
+    if self.parity is not None:
+      from jaxckpt.parity.placement import ParityOptions  # pylint: disable=import-outside-toplevel
+      if not isinstance(self.parity, ParityOptions):
+        raise ValueError(f"CheckpointOptions.parity must be a jaxckpt.ParityOptions or None, "
+                         f"got parity={self.parity!r}")
+      if self.agent is None:
+        raise ValueError(f"CheckpointOptions.parity={self.parity!r} needs agents (parity is "
+                         "exchanged between the hosts' snapshot agents); set "
+                         "agent=jaxckpt.AgentOptions(job_name=...) or parity=None")
 
 
 def _at_least(obj: object, name: str, lo: int) -> None:

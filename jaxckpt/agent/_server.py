@@ -55,8 +55,9 @@ class Agent:
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
     self.stopping = False
-    self.lock = threading.RLock()      # the persist thread pins slots too
+    self.lock = threading.RLock()      # the persist and parity threads use it too
     self.persister = None
+    self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
 
   # -- helpers --------------------------------------------------------------
 
@@ -77,6 +78,8 @@ class Agent:
       self.slots.append(_Slot(i, _paths.slot_file(self.dir, i)))
 
   def _drop(self, s: _Slot) -> None:
+    if s.state == "committed" and self.parity is not None:
+      self.parity.drop(s.step)
     self.manifests.pop(s.step, None)
     s.state, s.step, s.owner = "free", None, None
 
@@ -97,11 +100,14 @@ class Agent:
 
   def op_hello(self, pid: int, max_snapshots: int | None = None,
                limit_bytes: int | None = None,
-               persist: dict[str, Any] | None = None) -> dict[str, Any]:
+               persist: dict[str, Any] | None = None,
+               parity: dict[str, Any] | None = None) -> dict[str, Any]:
     self.reap()
     if persist and (self.persister is None or self.persister.config.to_obj() != persist):
       from jaxckpt import _persist  # pylint: disable=import-outside-toplevel
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned)
+    if parity:
+      self._configure_parity(parity)
     self.trainers.add(pid)
     if max_snapshots:
       self.max_snapshots = max(self.max_snapshots, int(max_snapshots))
@@ -110,13 +116,30 @@ class Agent:
     self._ensure_slots()
     return {"pid": os.getpid(), "steps": self.steps(), "slots": len(self.slots)}
 
+  def _configure_parity(self, parity: dict[str, Any]) -> None:
+    """Starts the parity thread, or updates its timeouts (parity already held stays)."""
+    from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
+    config = _parity.ParityConfig(**parity)
+    if self.parity is not None and self.parity.config.options == config.options:
+      self.parity.config = config
+      return
+    if self.parity is not None:
+      logger.warning("parity options changed from %s to %s; dropping the parity held",
+                     self.parity.config.options, config.options)
+      self.parity.close()
+    self.parity = _parity.ParityWorker(self, config)
+
   def op_reserve(self, pid: int, step: int, nbytes: int) -> dict[str, Any]:
     self._ensure_slots()
     need = len(self.slots) * nbytes
+    what = f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB"
+    if self.parity is not None:
+      pbytes = self.parity.estimate_bytes(nbytes)
+      need += len(self.slots) * pbytes
+      what += f" + {len(self.slots)} parity slots x {pbytes / 2**20:.1f} MiB"
     if need > self.limit_bytes:
       raise errors.HostMemoryBudgetError(
-          f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB = "
-          f"{need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
+          f"{what} = {need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
           f"({self.limit_bytes / 2**20:.1f} MiB) on host {self.host}; lower "
           "max_snapshots, shard the state over more hosts, or raise the limit")
     free = [s for s in self.slots if s.state == "free" and not s.pins]
@@ -153,6 +176,8 @@ class Agent:
       self._drop(old)
     if self.persister is not None:
       self.persister.on_commit(m.step)
+    if self.parity is not None and m.step in self.manifests:
+      self.parity.on_commit(m.step, manifest)
     return {"steps": self.steps()}
 
   @contextlib.contextmanager
@@ -228,11 +253,36 @@ class Agent:
     with open(s.path, "rb") as f, mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
       return {}, [bytes(mm[o:o + n]) for o, n in ranges]
 
+  def op_peer_manifest(self, step: int) -> dict[str, Any]:
+    """A peer's parity thread asks: have you committed ``step``? (its manifest if so)."""
+    steps = self.steps()
+    return {"manifest": self.manifests.get(step), "newest": steps[-1] if steps else None}
+
+  def op_parity_status(self) -> dict[str, Any]:
+    if self.parity is None:
+      return {"steps": [], "bytes": 0, "config": None}
+    return self.parity.status()
+
+  def op_parity_info(self, step: int) -> dict[str, Any]:
+    return self._parity_worker().info(step)
+
+  def op_parity_fetch(self, step: int, stripe: int) -> tuple[dict[str, Any], list[bytes]]:
+    return {}, [self._parity_worker().read_block(step, stripe)]
+
+  def _parity_worker(self) -> Any:
+    if self.parity is None:
+      raise errors.StepNotFoundError(
+          f"agent of job {self.job!r} host {self.host} holds no parity (no trainer "
+          "asked for it: CheckpointOptions(parity=ParityOptions(...)))")
+    return self.parity
+
   def op_status(self) -> dict[str, Any]:
+    parity_bytes = 0 if self.parity is None else self.parity.bytes_held()
     return {"pid": os.getpid(), "job": self.job, "host": self.host, "steps": self.steps(),
             "slots": [{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size}
                       for s in self.slots],
-            "bytes": sum(s.size for s in self.slots), "trainers": sorted(self.trainers),
+            "bytes": sum(s.size for s in self.slots) + parity_bytes,
+            "parity_bytes": parity_bytes, "trainers": sorted(self.trainers),
             "max_snapshots": self.max_snapshots, "limit_bytes": self.limit_bytes}
 
   def op_stop(self) -> dict[str, Any]:
@@ -293,6 +343,8 @@ def serve(agent: Agent) -> None:
     sock.close(linger=1000)
     if agent.persister is not None:
       agent.persister.close(agent.persister.config.timeout_secs)
+    if agent.parity is not None:
+      agent.parity.close()
     agent.cleanup()
     logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
 

@@ -103,16 +103,22 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
 
 
 class AgentStore(HostStore):
-  """A HostStore whose slots are the shared memory of this host's agent."""
+  """A HostStore whose slots are the shared memory of this host's agent.
+
+  ``persist`` and ``parity`` (a ``_parity.ParityConfig.to_obj()``) are handed
+  to the agent at hello: it then persists and exchanges parity on its own.
+  """
 
   def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
-               limit_bytes: int, persist: dict[str, Any] | None = None) -> None:
+               limit_bytes: int, persist: dict[str, Any] | None = None,
+               parity: dict[str, Any] | None = None) -> None:
     self.opts = opts
     self.host = host
     self.run_root = opts.run_root or _paths.default_run_root()
     self._max = max_snapshots
     self._limit = limit_bytes
     self._persist = persist
+    self._parity = parity
     self._maps: dict[int, tuple[str, int, np.memmap]] = {}
     self.restarts = 0
     self._connect()
@@ -140,7 +146,7 @@ class AgentStore(HostStore):
                           f"{self.opts.job_name!r} host {self.host}",
                           timeout_secs=self.opts.request_timeout_secs)
     self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
-                      limit_bytes=self._limit, persist=self._persist)
+                      limit_bytes=self._limit, persist=self._persist, parity=self._parity)
     self._maps.clear()
 
   def ensure_alive(self) -> None:

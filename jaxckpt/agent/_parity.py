@@ -1,0 +1,475 @@
+"""Reed-Solomon parity across the agents of a job, and recovery of lost hosts.
+
+Agent side (:class:`ParityWorker`, one per agent with parity on): after a step
+commits on this host, a background thread of the agent (never the request
+thread, never the trainer) waits until every host of its parity group has
+committed the step, pulls the data chunks of the stripes it holds parity for
+from their agents, encodes them, and stores its parity blocks in its own
+shared-memory files. It also keeps every group member's manifest and the
+checksums of every piece of its stripes: restore needs both to rebuild a lost
+host. A step is *protected* when every host holds its parity for it.
+
+Restore side (:func:`survey`, :func:`recover`): which steps the survivors can
+rebuild, and the rebuilt, checksum-verified snapshots of lost hosts.
+
+Hosts are the saving processes: parity needs each agent's host id to equal
+its trainer's ``jax.process_index()`` (the default).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import mmap
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from jaxckpt import errors
+from jaxckpt.agent._protocol import Client
+from jaxckpt.snapshot import SnapshotManifest, checksum
+
+if TYPE_CHECKING:
+  from jaxckpt.parity.placement import ParityOptions, Piece, StripeLayout
+
+
+def _lib() -> Any:
+  """``jaxckpt.parity``, imported on first use: its compiled codec takes a while to
+  load, and an agent answers its trainer's hello before that (see ParityWorker)."""
+  import jaxckpt.parity  # pylint: disable=import-outside-toplevel
+  return jaxckpt.parity
+
+logger = logging.getLogger("jaxckpt.agent.parity")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityConfig:
+  """What the trainer tells its agent at hello (``CheckpointOptions.parity``)."""
+
+  group_size: int
+  parity: int
+  timeout_secs: float = 300.0
+  poll_secs: float = 0.005
+
+  @property
+  def options(self) -> ParityOptions:
+    return _lib().ParityOptions(group_size=self.group_size, parity=self.parity)
+
+  def to_obj(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _ParitySlot:
+  """A reused shared-memory file holding one step's parity blocks."""
+
+  index: int
+  path: str
+  size: int = 0
+  step: int | None = None
+
+
+@dataclasses.dataclass
+class Record:
+  """This host's parity state for one committed step."""
+
+  step: int
+  committed_at: float
+  state: str = "pending"                      # pending | done | failed
+  slot: _ParitySlot | None = None
+  blocks: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+  manifests: dict[int, str] = dataclasses.field(default_factory=dict)   # group host -> JSON
+  checksums: list[list[Any]] = dataclasses.field(default_factory=list)
+  process_count: int = 0
+  secs: float | None = None
+  error: str | None = None
+
+
+def _warm_up(config: ParityConfig) -> None:
+  """Loads the compiled codec (seconds on a busy machine) before the first step needs it."""
+  k = max(config.group_size - config.parity, 1)
+  _lib().codec.codec(k, config.parity).encode([np.zeros(64, np.uint8)] * k)
+
+
+class _Superseded(Exception):
+  """A newer step committed here while this one waited: skip it."""
+
+
+class ParityWorker:
+  """Computes and holds this agent's parity, on its own thread.
+
+  ``agent`` is the :class:`jaxckpt.agent._server.Agent`; its ``lock`` guards
+  ``records`` and the parity slots, and is never held during network I/O or
+  encoding.
+  """
+
+  def __init__(self, agent: Any, config: ParityConfig) -> None:
+    self.agent = agent
+    self.config = config
+    self.records: dict[int, Record] = {}
+    self.slots: list[_ParitySlot] = []
+    self.process_count: int | None = None
+    self._newest = -1
+    self._peers: dict[int, tuple[int, Client]] = {}
+    self._scratch: list[np.ndarray] = []
+    self._stop = threading.Event()
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-parity")
+    self._pool.submit(_warm_up, config)   # load the codec off the request thread
+
+  # -- called by the agent, under its lock ------------------------------------
+
+  def on_commit(self, step: int, manifest: str) -> None:
+    """Schedules the parity of a just-committed step; returns at once."""
+    rec = self.records[step] = Record(step, time.monotonic())
+    self._newest = step
+    self._pool.submit(self._run, rec, SnapshotManifest.from_json(manifest), manifest)
+
+  def drop(self, step: int) -> None:
+    """Forgets a dropped step's parity (its slot is reused once no thread writes it)."""
+    rec = self.records.pop(step, None)
+    if rec is not None and rec.slot is not None and rec.state != "pending":
+      rec.slot.step = None
+
+  def bytes_held(self) -> int:
+    return sum(s.size for s in self.slots)
+
+  def estimate_bytes(self, nbytes: int) -> int:
+    """Parity bytes of a snapshot of ``nbytes`` on this host (for the memory budget)."""
+    n = self.process_count or self.config.group_size
+    smallest_group = n // -(-n // self.config.group_size)     # as placement.groups splits
+    k = max(smallest_group - self.config.parity, 1)
+    return self.config.parity * -(-nbytes // k)
+
+  def status(self) -> dict[str, Any]:
+    return {"steps": [[r.step, r.state, r.secs, r.error, r.process_count]
+                      for r in sorted(self.records.values(), key=lambda r: r.step)],
+            "bytes": self.bytes_held(), "config": self.config.to_obj()}
+
+  def info(self, step: int) -> dict[str, Any]:
+    rec = self._done(step)
+    return {"process_count": rec.process_count, "config": self.config.to_obj(),
+            "manifests": rec.manifests, "checksums": rec.checksums,
+            "stripes": sorted(rec.blocks)}
+
+  def read_block(self, step: int, stripe: int) -> bytes:
+    rec = self._done(step)
+    if stripe not in rec.blocks:
+      raise errors.StepNotFoundError(
+          f"host {self.agent.host} holds no parity of stripe {stripe} of step {step} "
+          f"(it holds stripes {sorted(rec.blocks)})")
+    off, n = rec.blocks[stripe]
+    with open(rec.slot.path, "rb") as f, mmap.mmap(f.fileno(), rec.slot.size,
+                                                    prot=mmap.PROT_READ) as mm:
+      return bytes(mm[off:off + n])
+
+  def close(self) -> None:
+    self._stop.set()
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  def _done(self, step: int) -> Record:
+    rec = self.records.get(step)
+    if rec is None or rec.state != "done":
+      raise errors.StepNotFoundError(
+          f"host {self.agent.host} holds no finished parity of step {step} (parity "
+          f"states: { {r.step: r.state for r in self.records.values()} })")
+    return rec
+
+  # -- the parity thread ----------------------------------------------------
+
+  def _run(self, rec: Record, manifest: SnapshotManifest, manifest_json: str) -> None:
+    try:
+      self._protect(rec, manifest, manifest_json)
+    except _Superseded:
+      self._finish(rec, "failed", f"superseded by step {self._newest} before its peers committed")
+      logger.info("step %d: parity skipped, superseded by step %d", rec.step, self._newest)
+    except Exception as e:  # pylint: disable=broad-except  (recorded; a save never fails on it)
+      self._finish(rec, "failed", f"{type(e).__name__}: {e}")
+      logger.warning("step %d: parity on host %d failed: %s", rec.step, self.agent.host, e)
+    else:
+      self._finish(rec, "done", None)
+      logger.info("step %d: parity stored on host %d (%.3f s after commit)", rec.step,
+                  self.agent.host, rec.secs)
+
+  def _finish(self, rec: Record, state: str, error: str | None) -> None:
+    with self.agent.lock:
+      rec.state, rec.error = state, error
+      rec.secs = time.monotonic() - rec.committed_at
+      if rec.slot is not None and (state != "done" or self.records.get(rec.step) is not rec):
+        rec.slot.step = None            # failed, or dropped while we computed it
+
+  def _protect(self, rec: Record, manifest: SnapshotManifest, manifest_json: str) -> None:
+    me, n = manifest.process_index, manifest.process_count
+    self.process_count = rec.process_count = n
+    if me != self.agent.host:
+      raise ValueError(
+          f"parity needs the agent's host id to equal the saving process index, but host "
+          f"{self.agent.host} got the snapshot of process {me}; leave AgentOptions.host_id "
+          "unset (it defaults to jax.process_index())")
+    group = next(g for g in _lib().groups(n, self.config.group_size) if me in g)
+    rec.manifests = self._gather(rec.step, group, me, manifest_json)
+    sizes = [0] * n
+    for h, js in rec.manifests.items():
+      sizes[h] = SnapshotManifest.from_json(js).nbytes
+    layout = _lib().StripeLayout.build(sizes, self.config.options)
+    mine = layout.parity_pieces(me)
+    slot = self._reserve(rec, sum(p.nbytes for p in mine))
+    buf = np.memmap(slot.path, np.uint8, mode="r+", shape=(slot.size,))
+    try:
+      self._encode(rec, layout, mine, buf)
+    finally:
+      del buf
+
+  def _encode(self, rec: Record, layout: StripeLayout, mine: tuple[Piece, ...],
+              buf: np.ndarray) -> None:
+    off = 0
+    for piece in mine:
+      stripe = layout.stripes[piece.stripe]
+      block = stripe.block_bytes
+      data = [self._pull(rec.step, p) for p in stripe.data]
+      rec.checksums += [_ck(p, checksum(d)) for p, d in zip(stripe.data, data)]
+      out = buf[off:off + block]
+      outs = [out if p is piece else self._scratch_block(t, block)
+              for t, p in enumerate(stripe.parity)]
+      rs = _lib().codec.codec(len(stripe.data), len(stripe.parity))
+      rs.encode_into([_lib().placement.padded(d, block) for d in data], outs)
+      rec.checksums.append(_ck(piece, checksum(out)))
+      rec.blocks[stripe.id] = (off, block)
+      off += block
+
+  def _scratch_block(self, t: int, nbytes: int) -> np.ndarray:
+    """Reused buffers for the parity rows other holders keep (m > 1)."""
+    while len(self._scratch) <= t:
+      self._scratch.append(np.empty(0, np.uint8))
+    if self._scratch[t].size < nbytes:
+      self._scratch[t] = np.empty(nbytes, np.uint8)
+    return self._scratch[t][:nbytes]
+
+  def _reserve(self, rec: Record, nbytes: int) -> _ParitySlot:
+    with self.agent.lock:
+      if self.records.get(rec.step) is not rec:
+        raise _Superseded()
+      free = [s for s in self.slots if s.step is None]
+      if not free:
+        i = len(self.slots)
+        self.slots.append(_ParitySlot(i, os.path.join(self.agent.dir, f"parity{i}.bin")))
+        free = [self.slots[-1]]
+      slot = max(free, key=lambda s: s.size >= nbytes)
+      if slot.size < nbytes:
+        with open(slot.path, "ab") as f:
+          f.truncate(nbytes)
+        slot.size = nbytes
+      slot.step, rec.slot = rec.step, slot
+      return slot
+
+  def _pull(self, step: int, piece: Piece) -> np.ndarray:
+    if piece.nbytes == 0:
+      return np.empty(0, np.uint8)
+    _, frames = self._peer(piece.host).call("fetch", step=step,
+                                            ranges=[[piece.start, piece.nbytes]])
+    return np.frombuffer(frames[0].buffer, np.uint8)
+
+  def _gather(self, step: int, group: tuple[int, ...], me: int,
+              manifest_json: str) -> dict[int, str]:
+    """Every group member's manifest of ``step``, once each has committed it."""
+    out = {me: manifest_json}
+    deadline = time.monotonic() + self.config.timeout_secs
+    while True:
+      for h in [h for h in group if h not in out]:
+        r = self._ask(h, "peer_manifest", step=step)
+        if r is None:
+          continue
+        if r["manifest"] is not None:
+          out[h] = r["manifest"]
+        elif r["newest"] is not None and r["newest"] > step:
+          raise errors.StepNotFoundError(
+              f"host {h} committed step {r['newest']} but not step {step} (it skipped or "
+              f"dropped it), so step {step} cannot be protected")
+      late = [h for h in group if h not in out]
+      if not late:
+        return out
+      if self._newest > step or self._stop.is_set():
+        raise _Superseded()
+      if time.monotonic() > deadline:
+        raise errors.SnapshotTimeoutError(
+            f"parity of step {step} on host {me}: hosts {late} of parity group "
+            f"{list(group)} did not commit step {step} within {self.config.timeout_secs} s")
+      time.sleep(self.config.poll_secs)
+
+  def _ask(self, host: int, op: str, **kw: Any) -> dict[str, Any] | None:
+    try:
+      return self._peer(host).call(op, timeout_secs=min(5.0, self.config.timeout_secs), **kw)[0]
+    except errors.AgentUnavailableError as e:
+      logger.debug("host %d: %s", host, e)
+      self._peers.pop(host, None)
+      return None
+
+  def _peer(self, host: int) -> Client:
+    """A client of ``host``'s live agent (over TCP, as between machines); a new one
+    when the host's agent was replaced."""
+    from jaxckpt.agent.client import read_address  # pylint: disable=import-outside-toplevel
+    d = os.path.join(os.path.dirname(self.agent.dir), f"host{host}")
+    info = read_address(d)
+    cached = self._peers.pop(host, None)
+    if info is None:
+      if cached is not None:
+        cached[1].close()
+      raise errors.AgentUnavailableError(
+          f"host {host} of job {self.agent.job!r} has no live snapshot agent at {d}")
+    if cached is not None and cached[0] == info["pid"]:
+      self._peers[host] = cached
+      return cached[1]
+    if cached is not None:
+      cached[1].close()
+    client = Client(info["tcp"], who=f"snapshot agent of host {host} (pid {info['pid']})",
+                    timeout_secs=self.config.timeout_secs)
+    self._peers[host] = (info["pid"], client)
+    return client
+
+
+def _ck(piece: Piece, value: str) -> list[Any]:
+  return [piece.stripe, piece.slot, piece.host, piece.start, piece.stop, value]
+
+
+# -- restore side -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepParity:
+  """What the live agents of a job say about one step.
+
+  Attributes:
+    step: The step.
+    process_count: Saving processes (hosts) of the step.
+    options: The parity options it was protected with.
+    held: Hosts whose agent holds the step's snapshot.
+    done: Hosts whose agent holds all of its parity for the step.
+  """
+
+  step: int
+  process_count: int
+  options: ParityOptions
+  held: set[int] = dataclasses.field(default_factory=set)
+  done: set[int] = dataclasses.field(default_factory=set)
+  errors: dict[int, str] = dataclasses.field(default_factory=dict)
+
+  @property
+  def lost(self) -> list[int]:
+    return sorted(set(range(self.process_count)) - self.held)
+
+  @property
+  def protected(self) -> bool:
+    return self.done == set(range(self.process_count))
+
+  def check(self) -> None:
+    """Raises unless the survivors can rebuild every lost host of this step.
+
+    Raises:
+      UnrecoverableLossError: a group lost more hosts than parity (naming the
+        groups and hosts), or a survivor of a damaged group has no parity.
+    """
+    layout = _lib().StripeLayout.build([0] * self.process_count, self.options)
+    try:
+      _lib().check_recoverable(layout, self.lost)
+    except errors.UnrecoverableLossError as e:
+      raise errors.UnrecoverableLossError(f"step {self.step}: {e}") from None
+    hit = [g for g in layout.groups if set(g) & set(self.lost)]
+    missing = sorted(h for g in hit for h in g if h in self.held and h not in self.done)
+    if missing:
+      raise errors.UnrecoverableLossError(
+          f"step {self.step}: hosts {self.lost} are lost and survivors {missing} of their "
+          "parity groups hold no finished parity of it (it was never protected); restore "
+          "an older protected step or from storage")
+
+
+def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
+  """Steps that some live agent holds parity (or a parity record) for."""
+  out: dict[int, StepParity] = {}
+  held: dict[int, set[int]] = {}
+  for host, c in clients.items():
+    try:
+      status = c.call("parity_status")[0]
+      for step, index, _ in c.call("held")[0]["held"]:
+        held.setdefault(step, set()).add(index)
+    except errors.AgentUnavailableError as e:
+      logger.warning("skipping host %d: %s", host, e)
+      continue
+    if status.get("config") is None:
+      continue
+    cfg = ParityConfig(**status["config"])
+    for step, state, _, error, count in status["steps"]:
+      if count:
+        sp = out.setdefault(step, StepParity(step, count, cfg.options))
+        if state == "done":
+          sp.done.add(host)
+        elif error:
+          sp.errors[host] = error
+  for step, sp in out.items():
+    sp.held = held.get(step, set())
+  return out
+
+
+def recover(clients: dict[int, Client], step: int,
+            lost: list[int]) -> dict[int, tuple[SnapshotManifest, np.ndarray]]:
+  """Rebuilds the snapshots of ``lost`` hosts of ``step`` from the survivors.
+
+  Every fetched piece and every rebuilt piece is checked against the checksum
+  saved when the parity was made (a corrupted survivor is left out while
+  others can stand in); the caller checks each shard against its manifest
+  checksum again before use.
+
+  Raises:
+    UnrecoverableLossError: too many hosts lost, or too few survivors answer.
+    CorruptSnapshotError: too few survivors pass their checksums.
+  """
+  infos = {}
+  for host, c in clients.items():
+    try:
+      infos[host] = c.call("parity_info", step=step)[0]
+    except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
+      logger.info("step %d: host %d has no parity to offer: %s", step, host, e)
+  if not infos:
+    raise errors.UnrecoverableLossError(
+        f"step {step}: no live agent holds parity of it; cannot rebuild hosts {lost}")
+  first = next(iter(infos.values()))
+  cfg = ParityConfig(**first["config"])
+  manifests: dict[int, str] = {}
+  checksums: dict[Piece, str] = {}
+  for info in infos.values():
+    manifests.update({int(h): js for h, js in info["manifests"].items()})
+    for stripe, slot, host, start, stop, value in info["checksums"]:
+      checksums[_lib().Piece(host, stripe, slot, start, stop)] = value
+  sizes = [0] * first["process_count"]
+  for h, js in manifests.items():
+    sizes[h] = SnapshotManifest.from_json(js).nbytes
+  missing = [h for h in lost if h not in manifests]
+  if missing:
+    raise errors.UnrecoverableLossError(
+        f"step {step}: no survivor holds the manifest of lost hosts {missing}")
+  layout = _lib().StripeLayout.build(sizes, cfg.options)
+  rebuilt = _lib().recover_hosts(layout, lost, _fetcher(clients, layout, step), checksums)
+  return {h: (SnapshotManifest.from_json(manifests[h]), buf) for h, buf in rebuilt.items()}
+
+
+def _fetcher(clients: dict[int, Client], layout: StripeLayout,
+             step: int) -> Callable[[Piece], Any]:
+  """Fetches a survivor's piece: a data chunk of its snapshot or a parity block."""
+  def fetch(piece: Piece) -> Any:
+    c = clients.get(piece.host)
+    if c is None:
+      return None
+    try:
+      if piece.slot < len(layout.stripes[piece.stripe].data):
+        if piece.nbytes == 0:
+          return np.empty(0, np.uint8)
+        _, frames = c.call("fetch", step=step, ranges=[[piece.start, piece.nbytes]])
+      else:
+        _, frames = c.call("parity_fetch", step=step, stripe=piece.stripe)
+    except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
+      logger.warning("step %d: could not fetch %s: %s", step, piece, e)
+      return None
+    return np.frombuffer(frames[0].buffer, np.uint8)
+  return fetch

@@ -1,0 +1,271 @@
+"""Parity across snapshot agents: four "hosts" (agents 0..3 of one job) lose some,
+a restarted job rebuilds them from the survivors' data and parity.
+
+One test process drives four AgentStores, each writing its own per-process
+manifest (process_index i of 4) holding different shards of the same global
+arrays, as four trainers would. Losing a host = SIGKILL its agent by pid and
+delete its directory (its shared memory); its replacement is a fresh agent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt as jc
+from jaxckpt import errors
+from jaxckpt.agent import _parity, _paths
+from jaxckpt.agent.client import AgentStore
+from jaxckpt.parity.placement import StripeLayout
+from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
+from jaxckpt.testing import processes
+
+HOSTS = 4
+# Global arrays; host i holds rows ROWS[i] of "w", and CUTS[i] of "u" (uneven sizes).
+ROWS = [(16 * i, 16 * i + 16) for i in range(HOSTS)]
+CUTS = [(0, 100), (100, 350), (350, 700), (700, 1000)]
+
+
+def state(step: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(step)
+  return {"u": rng.standard_normal(1000).astype(np.float32),
+          "w": rng.standard_normal((64, 24)).astype(np.float32)}
+
+
+def host_shards(h: int, values: dict[str, np.ndarray]) -> list[tuple[str, tuple, np.ndarray]]:
+  (r0, r1), (c0, c1) = ROWS[h], CUTS[h]
+  return [("['u']", ((c0, c1),), values["u"][c0:c1]),
+          ("['w']", ((r0, r1), (0, 24)), values["w"][r0:r1])]
+
+
+class Cluster:
+  """Four hosts' stores (one agent each) saving hand-made per-process snapshots."""
+
+  def __init__(self, root: str, job: str, parity: int, *, timeout_secs: float = 60.0):
+    self.root, self.job = root, job
+    self.options = jc.ParityOptions(group_size=4, parity=parity)
+    self.config = _parity.ParityConfig(4, parity, timeout_secs).to_obj()
+    self.stores = [self._store(h) for h in range(HOSTS)]
+
+  def _store(self, h: int) -> AgentStore:
+    return AgentStore(jc.AgentOptions(job_name=self.job, run_root=self.root), host=h,
+                      max_snapshots=2, limit_bytes=1 << 30, parity=self.config)
+
+  def save(self, step: int, hosts=range(HOSTS)) -> None:
+    values = state(step)
+    for h in hosts:
+      leaves, offset, records = [], 0, {}
+      for path, box, arr in host_shards(h, values):
+        records[path] = (box, offset, arr)
+        offset = align(offset + arr.nbytes)
+      slot = self.stores[h].reserve(step, offset, timeout_secs=10)
+      for path, (box, off, arr) in records.items():
+        slot.buffer[off:off + arr.nbytes] = arr.view(np.uint8).reshape(-1)
+        shape = values[path[2]].shape
+        leaves.append(LeafRecord(path=path, kind="jax", shape=shape, dtype="float32",
+                                 shards=(ShardRecord(box, off, arr.nbytes, checksum(arr)),)))
+      self.stores[h].commit(slot, SnapshotManifest(step=step, leaves=tuple(leaves),
+                                                   nbytes=offset, process_index=h,
+                                                   process_count=HOSTS))
+
+  def lose(self, hosts) -> None:
+    """SIGKILLs the hosts' agents, wipes their shared memory, starts empty replacements."""
+    for h in hosts:
+      pid = self.stores[h].pid
+      self.stores[h].close()
+      os.kill(pid, signal.SIGKILL)
+      processes.wait_gone(pid, 10, f"killed agent of host {h}")
+      shutil.rmtree(_paths.agent_dir(self.root, self.job, h))
+    for h in hosts:
+      self.stores[h] = self._store(h)
+
+  def manager(self, directory=None) -> jc.CheckpointManager:
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=self.job, run_root=self.root,
+                                                      host_id=0),
+                                parity=self.options, timeout_secs=60.0, handle_sigterm=False)
+    return jc.CheckpointManager(directory, opts)
+
+  def parity_status(self, h: int) -> dict:
+    return self.stores[h].call("parity_status")
+
+  def close(self) -> None:
+    for s in self.stores:
+      s.close()
+
+
+@pytest.fixture
+def sandbox():
+  with processes.agent_sandbox("jp") as (root, job):
+    yield root, job
+
+
+def target():
+  s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  return {"u": jax.ShapeDtypeStruct((1000,), np.float32, sharding=s),
+          "w": jax.ShapeDtypeStruct((64, 24), np.float32, sharding=s)}
+
+
+def assert_restores(mgr: jc.CheckpointManager, step: int, tier: str) -> None:
+  out = mgr.restore(target=target())
+  assert (mgr.last_restore.step, mgr.last_restore.tier) == (step, tier)
+  want = state(step)
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(out[k]), want[k], err_msg=f"{k} of step {step}")
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_every_single_lost_host_is_rebuilt_and_the_next_step_protected(sandbox, m):
+  c = Cluster(*sandbox, m)
+  step = 1
+  try:
+    c.save(step)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(step, timeout_secs=60)
+      assert mgr.protected_steps() == [step]
+    for lost in itertools.combinations(range(HOSTS), 1):
+      step = _lose_restore_and_protect(c, lost, step)
+  finally:
+    c.close()
+
+
+@pytest.mark.slow
+def test_every_pair_of_lost_hosts_is_rebuilt_with_parity_2(sandbox):
+  c = Cluster(*sandbox, 2)
+  step = 1
+  try:
+    c.save(step)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(step, timeout_secs=60)
+    for lost in itertools.combinations(range(HOSTS), 2):
+      step = _lose_restore_and_protect(c, lost, step)
+  finally:
+    c.close()
+
+
+def _lose_restore_and_protect(c: Cluster, lost: tuple[int, ...], step: int) -> int:
+  c.lose(lost)
+  with c.manager() as mgr:                        # the restarted job
+    assert not mgr.is_protected(step)             # lost hosts took their parity along
+    assert_restores(mgr, step, "parity")
+    c.save(step + 1)                              # replacements are empty agents
+    mgr.wait_until_protected(step + 1, timeout_secs=60)
+    assert mgr.is_protected(step + 1)
+  return step + 1
+
+
+def test_one_more_lost_host_than_parity_names_the_group_and_hosts(sandbox):
+  c = Cluster(*sandbox, 1)
+  try:
+    c.save(1)
+    c.save(2)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(2, timeout_secs=60)
+    c.lose([1, 3])
+    with c.manager() as mgr:
+      with pytest.raises(errors.UnrecoverableLossError,
+                         match=r"step 2: parity=1 rebuilds at most 1 lost host\(s\) per group, "
+                         r"but group 0 \(hosts \[0, 1, 2, 3\]\) lost hosts \[1, 3\]"):
+        mgr.restore(target=target())
+      with pytest.raises(errors.UnrecoverableLossError, match=r"step 1: .* lost hosts \[1, 3\]"):
+        mgr.restore(step=1, target=target())
+  finally:
+    c.close()
+
+
+def test_unrecoverable_loss_falls_back_to_storage(sandbox, tmp_path):
+  root, job = sandbox
+  c = Cluster(root, job, 1)
+  try:
+    c.save(1)
+    for h in range(HOSTS):      # what the agents' persist thread writes, one step on storage
+      with c.stores[h].read(1) as (manifest, buf):
+        jc.universal.write_process_shards(str(tmp_path), manifest, buf)
+    jc.universal.commit_step(str(tmp_path), 1, process_count=HOSTS, timeout_secs=30)
+    c.save(2)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(2, timeout_secs=60)
+    c.lose([0, 2])
+    with c.manager(str(tmp_path)) as mgr:
+      assert_restores(mgr, 1, "storage")
+  finally:
+    c.close()
+
+
+def test_corrupted_parity_block_is_detected(sandbox):
+  c = Cluster(*sandbox, 1)
+  try:
+    c.save(1)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(1, timeout_secs=60)
+    # Host 1 holds the parity of stripe 1, in which host 2 is a data host.
+    with open(os.path.join(_paths.agent_dir(c.root, c.job, 1), "parity0.bin"), "r+b") as f:
+      block = bytearray(f.read(16))
+      f.seek(0)
+      f.write(bytes(b ^ 0xFF for b in block))
+    c.lose([2])
+    with c.manager() as mgr:
+      with pytest.raises(errors.CorruptSnapshotError,
+                         match=r"stripe 1 of group 0 lost hosts \[2\] .*failed its checksum"):
+        mgr.restore(target=target())
+  finally:
+    c.close()
+
+
+def test_corrupted_parity_block_is_left_out_when_another_can_stand_in(sandbox):
+  c = Cluster(*sandbox, 2)
+  try:
+    c.save(1)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(1, timeout_secs=60)
+    with open(os.path.join(_paths.agent_dir(c.root, c.job, 1), "parity0.bin"), "r+b") as f:
+      f.write(b"\xff" * 16)
+    c.lose([3])
+    with c.manager() as mgr:
+      assert_restores(mgr, 1, "parity")
+  finally:
+    c.close()
+
+
+def test_parity_memory_per_host_is_what_the_layout_says(sandbox):
+  c = Cluster(*sandbox, 1)
+  try:
+    c.save(1)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(1, timeout_secs=60)
+    sizes = [c.stores[h].call("manifest", step=1)["manifest"] for h in range(HOSTS)]
+    sizes = [SnapshotManifest.from_json(js).nbytes for js in sizes]
+    want = StripeLayout.build(sizes, c.options).parity_bytes_per_host()
+    got = tuple(c.stores[h].call("status")["parity_bytes"] for h in range(HOSTS))
+    assert got == want
+    # m / (g - m) = 1/3 of the group's snapshot bytes, up to the padding of uneven hosts.
+    assert sum(sizes) / 3 <= sum(got) <= max(sizes) * 4 / 3 + 64 * 4, (got, sizes)
+  finally:
+    c.close()
+
+
+def test_a_host_that_never_commits_is_named_by_the_timeout(sandbox):
+  c = Cluster(*sandbox, 1, timeout_secs=1.0)
+  try:
+    c.save(1, hosts=[0, 1, 2])
+    deadline = time.monotonic() + 30
+    while c.parity_status(0)["steps"][0][1] == "pending" and time.monotonic() < deadline:
+      time.sleep(0.05)
+    _, state_, _, error, _ = c.parity_status(0)["steps"][0]
+    assert state_ == "failed"
+    assert ("SnapshotTimeoutError: parity of step 1 on host 0: hosts [3] of parity group "
+            "[0, 1, 2, 3] did not commit step 1 within 1.0 s") in error
+  finally:
+    c.close()
+
+
+def test_parity_needs_agents():
+  with pytest.raises(ValueError, match="needs agents"):
+    jc.CheckpointOptions(parity=jc.ParityOptions(group_size=4, parity=1))
