@@ -96,12 +96,19 @@ def make_train_step(graphdef, tx):
   return jax.jit(step_fn, donate_argnums=(0, 1))
 
 
+def agent_job_name(args) -> str | None:
+  """The agent job of this process: ``--job-name``, suffixed by the group id in a replica group."""
+  if args.job_name and getattr(args, "group_id", None):
+    return f"{args.job_name}-{args.group_id}"
+  return args.job_name
+
+
 def manager_for(args) -> jc.CheckpointManager:
+  job = agent_job_name(args)
   opts = jc.CheckpointOptions(max_snapshots=args.max_snapshots,
                               save_interval_steps=args.snapshot_interval,
-                              agent=jc.AgentOptions(job_name=args.job_name,
-                                                    run_root=args.agent_run_root)
-                              if args.job_name else None)
+                              agent=jc.AgentOptions(job_name=job, run_root=args.agent_run_root)
+                              if job else None)
   return jc.CheckpointManager(options=opts)
 
 
@@ -109,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
   mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",),
                        axis_types=(jax.sharding.AxisType.Auto,))
   graphdef, tx, state = init_state(args, mesh)
+  if args.lighthouse:
+    return run_replica_group(args, mesh, graphdef, tx, state)
   train_step = make_train_step(graphdef, tx)
   with manager_for(args) as mgr:
     if args.resume and mgr.latest_step() is not None:
@@ -149,6 +158,74 @@ def run(args: argparse.Namespace) -> int:
     logger.info("done: %d steps in %.2f s; snapshots %s", args.steps, secs, mgr.stats)
   if args.dump:
     dump(args.dump, state)
+  return 0
+
+
+def make_ft_fns(graphdef, tx, params):
+  """``grad_fn(params, tokens) -> (loss, grads)`` and ``apply_fn(train, grads) -> train``.
+
+  The gradient keeps the parameters' shardings, so an update applied after the
+  fault-tolerant all-reduce and one replayed during catch-up run the same program.
+  """
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+
+  def loss_fn(p, tokens):
+    logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn), out_shardings=(None, shardings))
+
+  @jax.jit
+  def apply_fn(train, grads):
+    updates, opt_state = tx.update(grads, train["opt_state"], train["params"])
+    return {"params": optax.apply_updates(train["params"], updates), "opt_state": opt_state}
+
+  return grad_fn, apply_fn
+
+
+def run_replica_group(args, mesh, graphdef, tx, state) -> int:
+  """Trains as replica group ``--group-id``: grads -> ft.allreduce -> apply if committed.
+
+  Every committed step is snapshotted into this group's agent (job
+  ``{--job-name}-{--group-id}``), which serves it to groups that catch up.
+  A group that starts late or restarts joins at the quorum's step.
+  """
+  from jaxckpt import ft as jft  # pylint: disable=import-outside-toplevel
+  from datetime import timedelta  # pylint: disable=import-outside-toplevel
+  train = {"params": state["params"], "opt_state": state["opt_state"]}
+  grad_fn, apply_fn = make_ft_fns(graphdef, tx, train["params"])
+  options = jft.ReplicaGroupOptions(ring_size=args.ring_size,
+                                    heartbeat_interval=timedelta(milliseconds=200))
+  source = jft.AgentSnapshotSource(run_root=args.agent_run_root, job_name=agent_job_name(args))
+  losses = np.full((args.steps,), np.nan, np.float32)
+  tokens = jnp.asarray(make_batch(args.seed, 0, args.batch, args.seq_len, args.vocab),
+                       device=NamedSharding(mesh, P("fsdp")))
+  jax.block_until_ready(apply_fn(train, grad_fn(train["params"], tokens)[1]))  # compile first
+  with manager_for(args) as mgr, jft.ReplicaGroup(
+      lighthouse=args.lighthouse, group_id=args.group_id, manager=mgr, options=options,
+      timeout=timedelta(seconds=args.ft_timeout), snapshot_source=source) as group:
+    mgr.save(0, dict(train, data={"next_step": 0, "seed": args.seed}))  # warms the snapshot path
+    mgr.wait_until_finished()
+    while group.step < args.steps:
+      train = group.start_step(train, apply_fn, grads_like=train["params"])
+      index = group.batch_index()
+      tokens = jnp.asarray(make_batch(args.seed, index, args.batch, args.seq_len, args.vocab),
+                           device=NamedSharding(mesh, P("fsdp")))
+      loss, grads = grad_fn(train["params"], tokens)
+      grads = group.allreduce(grads)
+      if not group.should_commit():
+        continue
+      train = apply_fn(train, grads)
+      losses[group.step - 1] = float(loss)
+      mgr.save(group.step, dict(train, data={"next_step": group.step, "seed": args.seed}))
+      logger.info("step %d loss %.6f batch %d contributors %s", group.step, float(loss), index,
+                  ",".join(group.metrics.contributors))
+      if args.sleep_per_step:
+        time.sleep(args.sleep_per_step)
+    mgr.wait_until_finished()
+    logger.info("done: group %s at step %d; %s", args.group_id, group.step, group.counters)
+  if args.dump:
+    dump(args.dump, dict(train, losses=losses))
   return 0
 
 

@@ -8,6 +8,11 @@ the batches the original run saw and its loss trajectory is bit-equal.
   python examples/train_flax.py --steps 20 --dump /tmp/run.json
   python examples/train_flax.py --steps 20 --rollback-at 12 --rollback-to 10
   python examples/train_flax.py --steps 50 --job-name demo --resume   # with the agent
+
+As one replica group of a fault-tolerant job (start `jaxckpt lighthouse --bind
+127.0.0.1:29510` first, then one process per group):
+
+  python examples/train_flax.py --lighthouse 127.0.0.1:29510 --group-id g0 --job-name demo
 """
 
 from __future__ import annotations
@@ -43,8 +48,22 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seq-len", type=int, default=32)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                 help="run as one replica group of a fault-tolerant job (needs --group-id, --job-name)")
+  p.add_argument("--group-id", default=None, help="this replica group's unique name")
+  p.add_argument("--ft-timeout", type=float, default=10.0,
+                 help="replica group: the longest any wait of a step may take, in seconds")
+  p.add_argument("--ring-size", type=int, default=16,
+                 help="replica group: averaged gradients of this many recent steps kept for peers")
   p.add_argument("--sleep-per-step", type=float, default=0.0, help=argparse.SUPPRESS)
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.lighthouse and not (args.group_id and args.job_name):
+    p.error("--lighthouse needs --group-id and --job-name (each group snapshots into the "
+            "agent of job JOB_NAME-GROUP_ID)")
+  if args.lighthouse and (args.resume or args.rollback_at is not None):
+    p.error("--resume and --rollback-at do not apply to a replica group: a restarted group "
+            "catches up from a healthy group's snapshot agent")
+  return args
 
 
 def main(argv=None) -> int:

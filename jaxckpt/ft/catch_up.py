@@ -12,8 +12,11 @@ never its training thread):
 It then replays the averaged gradients with the user's ``apply_fn`` and joins
 the quorum with bit-identical state. Snapshots go through the
 :class:`SnapshotSource` protocol: in tests an :class:`InMemorySnapshotSource`
-held by the healthy peer backs it; the snapshot agent will back it in
-production.
+held by the healthy peer backs it; in production an
+:class:`~jaxckpt.ft.agent_source.AgentSnapshotSource` does: the healthy peer
+answers ``snap_where`` with its agents' locator (run_root, job name) and the
+recovering group reads the snapshot from those agent processes, not from the
+peer's trainer.
 """
 
 from __future__ import annotations
@@ -138,6 +141,9 @@ class CatchUpServer:
     if op == "digest":
       return {"op": "digest", "digest": self.digests.get(int(header["step"]))}, ()
     source = self.snapshots()
+    if op == "snap_where":
+      locator = getattr(source, "locator", None)
+      return {"op": "snap_where", "agent": locator() if locator is not None else None}, ()
     if op == "snap_latest":
       step = source.latest_step() if source is not None else None
       digest = self.digests.get(step) if step is not None else None

@@ -153,8 +153,7 @@ class ReplicaGroup:
       self._lighthouse = LighthouseClient(self._ctx, lighthouse, drop=self._dropping)
       self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
                                   drop=self._dropping)
-    self._peer_source = peer_source or (
-        lambda m: RemoteSnapshotSource(self._sender, m.address, self.timeout.total_seconds()))
+    self._peer_source = peer_source or self._default_peer_source
 
   # ---- the training-loop API --------------------------------------------------------------------
 
@@ -409,7 +408,7 @@ class ReplicaGroup:
       if self._comm.is_talker:
         try:
           plan = self._fetch_plan(quorum)
-        except (TimeoutError, KeyError, ValueError) as e:
+        except (OSError, KeyError, ValueError) as e:
           error = e
       plan = self._share_plan(plan, state, like)
       if plan is None:
@@ -427,7 +426,7 @@ class ReplicaGroup:
       if (step, digest) != (quorum.max_step, quorum.leader.digest):
         raise errors.QuorumError(f"catch-up reached step {step} digest {digest:#x}, not the quorum's "
                                  f"step {quorum.max_step} digest {quorum.leader.digest:#x}")
-    except (TimeoutError, KeyError, ValueError, errors.QuorumError) as e:
+    except (OSError, KeyError, ValueError, errors.QuorumError) as e:
       logger.warning("group %s could not catch up to step %d: %s; sitting this attempt out",
                      self.group_id, quorum.max_step, e, extra=self._extra())
       attempt.catch_up_secs = time.monotonic() - t0
@@ -479,6 +478,17 @@ class ReplicaGroup:
       raise KeyError(f"peer {peer.group_id}'s ring does not cover steps {snap_step}..{quorum.max_step}")
     return {"step": snap_step, "digest": snap_digest, "snapshot": source.fetch(snap_step),
             "entries": entries}
+
+  def _default_peer_source(self, peer: Member) -> SnapshotSource:
+    """The peer's snapshot agents when it advertises them (``snap_where``), else its serving thread."""
+    secs = self.timeout.total_seconds()
+    reply = self._sender.request(peer.address, {"op": "snap_where"}, secs)
+    if reply is not None and reply[0].get("agent"):
+      from jaxckpt.ft.agent_source import AgentSnapshotSource  # pylint: disable=import-outside-toplevel
+      logger.info("group %s fetches its snapshot from the snapshot agents of group %s (%s)",
+                  self.group_id, peer.group_id, reply[0]["agent"], extra=self._extra())
+      return AgentSnapshotSource(**reply[0]["agent"], timeout_secs=secs)
+    return RemoteSnapshotSource(self._sender, peer.address, secs)
 
   def _share_plan(self, plan: dict[str, Any] | None, state: Any, like: tuple[list[Any], Any]
                   ) -> dict[str, Any] | None:
