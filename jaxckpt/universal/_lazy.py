@@ -12,11 +12,10 @@ type); the functions here take and give logical numpy arrays.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import math
 import threading
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -27,15 +26,9 @@ from jaxckpt.universal import _layout as lay
 
 READ_CHUNK_TARGET_BYTES = 4 << 20
 
-RegionFn = Callable[[Box], Awaitable[np.ndarray]]
-
-
-@functools.lru_cache(maxsize=1)
-def _loop() -> asyncio.AbstractEventLoop:
-  """The event loop that runs every virtual view's read coroutine (one daemon thread)."""
-  loop = asyncio.new_event_loop()
-  threading.Thread(target=loop.run_forever, name="jaxckpt-lazy-views", daemon=True).start()
-  return loop
+Read = tuple[ts.TensorStore, Box, np.dtype]  # a source view, the region of it, its logical dtype
+Plan = tuple[list[Read], Callable[[list[np.ndarray]], np.ndarray]]
+PlanFn = Callable[[Box], Plan]
 
 
 def is_native(dtype_name: str) -> bool:
@@ -80,27 +73,83 @@ def read_chunk(view: ts.TensorStore, itemsize: int) -> tuple[int, ...]:
   return tuple(int(c) for c in shape)
 
 
-async def read_logical(view: ts.TensorStore, box: Box, dtype: np.dtype) -> np.ndarray:
-  """Reads ``box`` of a storage-dtype view as a logical numpy array."""
-  raw = await view[tuple(slice(a, b) for a, b in box)].read()
-  return lay.logical_view(np.asarray(raw), dtype)
+def _slices(box: Box) -> tuple[slice, ...]:
+  return tuple(slice(a, b) for a, b in box)
 
 
-def virtual(fn: RegionFn, shape: Sequence[int], dtype_name: str,
+class _Gather:
+  """Completes ``promise`` once every read is in and ``finish`` has filled the output."""
+
+  def __init__(self, n: int, finish: Callable[[list[np.ndarray]], None], promise: Any):
+    self._left, self._finish, self._promise = n, finish, promise
+    self._parts: list[Any] = [None] * n
+    self._lock = threading.Lock()
+    self._settled = False
+
+  def done(self, k: int, dtype: np.dtype, future: Any) -> None:
+    try:
+      self._parts[k] = lay.logical_view(np.asarray(future.result()), dtype)
+    except Exception as e:  # pylint: disable=broad-except
+      self._settle(e)
+      return
+    with self._lock:
+      self._left -= 1
+      last = self._left == 0
+    if last:
+      self.run()
+
+  def run(self) -> None:
+    try:
+      self._finish(self._parts)
+    except Exception as e:  # pylint: disable=broad-except
+      self._settle(e)
+      return
+    self._settle(None)
+
+  def _settle(self, error: BaseException | None) -> None:
+    with self._lock:
+      if self._settled:
+        return
+      self._settled = True
+    if error is None:
+      self._promise.set_result(None)
+    else:
+      self._promise.set_exception(error)
+
+
+def virtual(plan: PlanFn, shape: Sequence[int], dtype_name: str,
             chunk: Sequence[int]) -> ts.TensorStore:
-  """A lazy view whose regions ``fn(box)`` computes (logical dtype in, storage dtype out)."""
+  """A lazy view whose regions are computed from other views' regions.
+
+  ``plan(box)`` names the source regions ``box`` needs, as (view, box, logical
+  dtype), and a function from those regions (logical numpy arrays) to the
+  values of ``box``. The reads are started at once and the result is filled
+  in from their completion callbacks: no thread ever blocks on another read,
+  so views nest (a pad of an average of ...) without exhausting executors.
+  """
   storage = ts.dtype(lay.storage_dtype(dtype_name))
 
-  async def read(domain: ts.IndexDomain, array: np.ndarray, params: object) -> None:
+  def read(domain: ts.IndexDomain, array: np.ndarray, params: object) -> Any:
     del params
     box = tuple((int(lo), int(lo) + int(n)) for lo, n in zip(domain.inclusive_min, domain.shape))
-    out = np.asarray(await fn(box))
-    array[...] = out if out.dtype == array.dtype else out.view(array.dtype)
+    reads, compute = plan(box)
+
+    def finish(parts: list[np.ndarray]) -> None:
+      out = np.asarray(compute(parts))
+      array[...] = out if out.dtype == array.dtype else out.view(array.dtype)
+
+    promise, future = ts.Promise.new()
+    gather = _Gather(len(reads), finish, promise)
+    if not reads:
+      gather.run()
+    for k, (view, src, dtype) in enumerate(reads):
+      view[_slices(src)].read().add_done_callback(functools.partial(gather.done, k, dtype))
+    return future
 
   return ts.virtual_chunked(
       read, dtype=storage, domain=ts.IndexDomain(shape=list(shape)),
       chunk_layout=ts.ChunkLayout(read_chunk_shape=[max(1, int(c)) for c in chunk]),
-      context=lay.context(), loop=_loop())
+      context=lay.context())
 
 
 def pad(view: ts.TensorStore, dtype: np.dtype, dtype_name: str, shape: Sequence[int],
@@ -108,14 +157,18 @@ def pad(view: ts.TensorStore, dtype: np.dtype, dtype_name: str, shape: Sequence[
   """``view`` grown to ``shape`` at the high end of each dimension, filled with ``value``."""
   src = snap.full_box(view.shape)
 
-  async def region(box: Box) -> np.ndarray:
-    out = np.full(snap.box_shape(box), value, dtype=dtype)
+  def plan(box: Box) -> Plan:
     inter = snap.box_intersection(box, src)
-    if inter is not None:
-      out[snap.relative_slices(inter, box)] = await read_logical(view, inter, dtype)
-    return out
 
-  return virtual(region, shape, dtype_name, read_chunk(view, dtype.itemsize))
+    def compute(parts: list[np.ndarray]) -> np.ndarray:
+      out = np.full(snap.box_shape(box), value, dtype=dtype)
+      if inter is not None:
+        out[snap.relative_slices(inter, box)] = parts[0]
+      return out
+
+    return ([] if inter is None else [(view, inter, dtype)]), compute
+
+  return virtual(plan, shape, dtype_name, read_chunk(view, dtype.itemsize))
 
 
 def reshape(view: ts.TensorStore, dtype: np.dtype, dtype_name: str,
@@ -123,27 +176,27 @@ def reshape(view: ts.TensorStore, dtype: np.dtype, dtype_name: str,
   """``view`` in C order with a new shape; each region reads its source bounding box."""
   src_shape = tuple(view.shape)
 
-  async def region(box: Box) -> np.ndarray:
+  def plan(box: Box) -> Plan:
     if any(a == b for a, b in box):
-      return np.zeros(snap.box_shape(box), dtype)
+      return [], lambda parts: np.zeros(snap.box_shape(box), dtype)
     grids = np.meshgrid(*[np.arange(a, b) for a, b in box], indexing="ij")
     idx = np.unravel_index(np.ravel_multi_index(grids, shape), src_shape)
     cover = tuple((int(i.min()), int(i.max()) + 1) for i in idx)
-    data = await read_logical(view, cover, dtype)
-    return data[tuple(i - lo for i, (lo, _) in zip(idx, cover))]
+    local = tuple(i - lo for i, (lo, _) in zip(idx, cover))
+    return [(view, cover, dtype)], lambda parts: parts[0][local]
 
-  return virtual(region, shape, dtype_name, contiguous_chunk(shape, dtype.itemsize))
+  return virtual(plan, shape, dtype_name, contiguous_chunk(shape, dtype.itemsize))
 
 
 def average(views: Sequence[ts.TensorStore], dtype: np.dtype, dtype_name: str) -> ts.TensorStore:
   """The elementwise mean of equal-shaped views, in float64 (complex128), rounded once."""
   acc = np.complex128 if np.issubdtype(dtype, np.complexfloating) else np.float64
 
-  async def region(box: Box) -> np.ndarray:
-    parts = await asyncio.gather(*[read_logical(v, box, dtype) for v in views])
-    return np.mean(np.stack(parts), axis=0, dtype=acc).astype(dtype)
+  def plan(box: Box) -> Plan:
+    return ([(v, box, dtype) for v in views],
+            lambda parts: np.mean(np.stack(parts), axis=0, dtype=acc).astype(dtype))
 
-  return virtual(region, views[0].shape, dtype_name, read_chunk(views[0], dtype.itemsize))
+  return virtual(plan, views[0].shape, dtype_name, read_chunk(views[0], dtype.itemsize))
 
 
 def cast(view: ts.TensorStore, src: np.dtype, src_name: str, dst_name: str) -> ts.TensorStore:
@@ -152,10 +205,10 @@ def cast(view: ts.TensorStore, src: np.dtype, src_name: str, dst_name: str) -> t
     return ts.cast(view, ts.dtype(dst_name))
   dst = snap.dtype_from_name(dst_name)
 
-  async def region(box: Box) -> np.ndarray:
-    return (await read_logical(view, box, src)).astype(dst)
+  def plan(box: Box) -> Plan:
+    return [(view, box, src)], lambda parts: parts[0].astype(dst)
 
-  return virtual(region, view.shape, dst_name, read_chunk(view, max(src.itemsize, dst.itemsize)))
+  return virtual(plan, view.shape, dst_name, read_chunk(view, max(src.itemsize, dst.itemsize)))
 
 
 def checked_size(shape: Sequence[int], new: Sequence[int]) -> tuple[int, ...] | None:

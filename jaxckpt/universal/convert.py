@@ -49,6 +49,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -173,6 +174,7 @@ class ConvertedView:
     self.process_count = 1
     self.leaves: dict[str, man.LeafInfo] = {p: leaf.info for p, leaf in tree.items()}
     self.bytes_needed = 0
+    self._lock = threading.Lock()
 
   def _leaf(self, path: str) -> _Leaf:
     leaf = self._tree.get(path)
@@ -206,7 +208,8 @@ class ConvertedView:
           f"reading {path!r} {list(box)} of the converted step {self.step} from "
           f"{self.source.directory!r} failed ({e}); run `jaxckpt verify` on it") from None
     arr = lay.logical_view(np.asarray(raw), info.numpy_dtype)
-    self.bytes_needed += arr.nbytes
+    with self._lock:
+      self.bytes_needed += arr.nbytes
     return arr
 
 

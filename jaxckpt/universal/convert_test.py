@@ -298,3 +298,30 @@ def test_the_yaml_example_in_the_docs_applies_as_documented(tmp_path):
   assert view.leaves["['params']['embed']"].shape == (50257, 2)
   assert view.read("['params']['embed']", ((50000, 50257), (0, 2))).tobytes() == (
       embed[50000:50257].astype(ml_dtypes.bfloat16).tobytes())
+
+
+def test_nested_virtual_views_compose_and_damage_in_a_source_is_reported(tmp_path):
+  d = str(tmp_path)
+  a, b = (RNG.standard_normal((40, 30)).astype(np.float32) for _ in range(2))
+  save(d, 7, {"['a']": a, "['b']": b}, inner=256)
+  spec = cv.ConversionSpec(rules=(
+      cv.Average(srcs=["['a']", "['b']"], dst="['m']"),
+      cv.Pad(src="['m']", axis=1, to_multiple=16, value=2.0),
+      cv.Reshape(src="['m']", shape=[-1, 8]),
+      cv.Cast(src="['m']", dtype="bfloat16")))
+  mean = np.mean(np.stack([a, b]), axis=0, dtype=np.float64).astype(np.float32)
+  want = np.pad(mean, ((0, 0), (0, 2)), constant_values=2.0).reshape(-1, 8)
+  want = want.astype(ml_dtypes.bfloat16)
+  view = cv.apply(spec, u.open_step(d, 7))
+  assert view.read("['m']").tobytes() == want.tobytes()
+  assert view.read("['m']", ((37, 90), (3, 7))).tobytes() == want[37:90, 3:7].tobytes()
+  info = u.open_step(d, 7).leaves["['b']"]
+  chunk_dir = os.path.join(d, "step_0000000007", "arrays", info.array, "c")
+  victim = os.path.join(chunk_dir, *["0"] * 2)
+  with open(victim, "r+b") as f:
+    f.seek(40)
+    byte = f.read(1)
+    f.seek(40)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  with pytest.raises(errors.CorruptSnapshotError, match=r"\['m'\].*jaxckpt verify"):
+    cv.apply(spec, u.open_step(d, 7)).read("['m']")
