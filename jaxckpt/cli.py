@@ -9,6 +9,7 @@ from jaxckpt.agent import cli as agent_cli
 from jaxckpt.ft import cli as ft_cli
 from jaxckpt.ft import simulate
 from jaxckpt.universal import cli as universal_cli
+from jaxckpt.universal import convert_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
   agent_cli.register(sub)
   universal_cli.register(sub)
+  convert_cli.register(sub)
   ft_cli.register(sub)
   simulate.register_cli(sub)
   return p

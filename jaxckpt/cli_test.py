@@ -8,7 +8,7 @@ import pytest
 from jaxckpt import cli
 
 
-@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "lighthouse", "simulate"])
+@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate"])
 def test_each_subcommand_has_help(command, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main([command, "--help"])
