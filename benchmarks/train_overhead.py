@@ -1,15 +1,17 @@
 """Step time of the example's training loop with a snapshot every step vs none (issue 2 (d)).
 
 Builds the loop of ``examples/train_flax.py`` from ``examples._model``
-(``init_state``, ``make_train_step``, ``make_batch``) with a bigger model so a
-step takes >= ~100 ms on the 8-device CPU mesh, and times each step (batch,
+(``init_state``, ``make_train_step``, ``make_batch``) with a bigger model than
+the example's default (d_model 128, 4 layers, seq 64, batch 16; d_model 256
+and seq 128 took 2-11 s per step on the shared 2-core machine, too slow to
+repeat), and times each step (batch,
 train step, loss fetched to host, ``save()``) three ways, side by side:
 no manager at all, a manager on the in-process store, and a manager on the
 snapshot agent. The modes run in interleaved rounds so they see the same
 machine load. ``save()`` is called every step with the default
 ``on_busy="skip"``, so the achieved snapshot interval is steps / committed.
 
-  python benchmarks/train_overhead.py [--quick] [--rounds 4] [--steps-per-round 10]
+  python benchmarks/train_overhead.py [--quick] [--rounds 8] [--steps-per-round 4]
 
 Prints one JSON object.
 """
@@ -78,22 +80,22 @@ class Loop:
 def parse_args() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="small model, 2 rounds of 4 steps")
-  p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4)")
-  p.add_argument("--steps-per-round", type=int, default=None, help="default 10")
+  p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 8)")
+  p.add_argument("--steps-per-round", type=int, default=None, help="default 4")
   p.add_argument("--warmup-steps", type=int, default=3)
-  p.add_argument("--d-model", type=int, default=None, help="default 256")
+  p.add_argument("--d-model", type=int, default=None, help="default 128")
   p.add_argument("--layers", type=int, default=None, help="default 4")
-  p.add_argument("--seq-len", type=int, default=None, help="default 128")
+  p.add_argument("--seq-len", type=int, default=None, help="default 64")
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--vocab", type=int, default=256)
   p.add_argument("--seed", type=int, default=0)
   a = p.parse_args()
   quick = a.quick
-  a.rounds = a.rounds or (2 if quick else 4)
-  a.steps_per_round = a.steps_per_round or (4 if quick else 10)
-  a.d_model = a.d_model or (128 if quick else 256)
+  a.rounds = a.rounds or (2 if quick else 8)
+  a.steps_per_round = a.steps_per_round or 4
+  a.d_model = a.d_model or 128
   a.layers = a.layers or (2 if quick else 4)
-  a.seq_len = a.seq_len or (64 if quick else 128)
+  a.seq_len = a.seq_len or 64
   a.steps = a.warmup_steps + a.rounds * a.steps_per_round + 1   # size of the losses array
   return a
 
