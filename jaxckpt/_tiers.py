@@ -143,8 +143,9 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
     if step in why:
       raise why[step]
     raise errors.StepNotFoundError(
-        f"restore(step={step}): step {step} is not held (held steps: {held}; rebuildable "
-        f"from parity: {rebuilt}; on storage: {stored})")
+        f"restore(step={step}): step {step} is not held (held steps: {held})"
+        + (f"; rebuildable from parity: {rebuilt}" if rebuilt else "")
+        + (f"; on storage: {stored}" if directory else ""))
   if jax.process_count() > 1:
     step = agree(step, timeout_secs=timeout_secs)
   tier = "host" if step in held else "parity" if step in rebuilt else "storage"

@@ -182,6 +182,8 @@ class ParityWorker:
 
   def _run(self, rec: Record, manifest: SnapshotManifest, manifest_json: str) -> None:
     try:
+      if self._newest > rec.step:        # fell behind: protect the newest step instead
+        raise _Superseded()
       self._protect(rec, manifest, manifest_json)
     except _Superseded:
       self._finish(rec, "failed", f"superseded by step {self._newest} before its peers committed")

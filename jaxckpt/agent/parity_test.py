@@ -121,7 +121,7 @@ def assert_restores(mgr: jc.CheckpointManager, step: int, tier: str) -> None:
     np.testing.assert_array_equal(np.asarray(out[k]), want[k], err_msg=f"{k} of step {step}")
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_every_single_lost_host_is_rebuilt_and_the_next_step_protected(sandbox, m):
   c = Cluster(*sandbox, m)
   step = 1
@@ -164,10 +164,11 @@ def _lose_restore_and_protect(c: Cluster, lost: tuple[int, ...], step: int) -> i
 def test_one_more_lost_host_than_parity_names_the_group_and_hosts(sandbox):
   c = Cluster(*sandbox, 1)
   try:
-    c.save(1)
-    c.save(2)
     with c.manager() as mgr:
-      mgr.wait_until_protected(2, timeout_secs=60)
+      for step in (1, 2):
+        c.save(step)
+        mgr.wait_until_protected(step, timeout_secs=60)
+      assert mgr.protected_steps() == [1, 2]
     c.lose([1, 3])
     with c.manager() as mgr:
       with pytest.raises(errors.UnrecoverableLossError,
@@ -219,6 +220,7 @@ def test_corrupted_parity_block_is_detected(sandbox):
     c.close()
 
 
+@pytest.mark.slow
 def test_corrupted_parity_block_is_left_out_when_another_can_stand_in(sandbox):
   c = Cluster(*sandbox, 2)
   try:
