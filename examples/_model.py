@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import time
@@ -161,13 +162,15 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def make_ft_fns(graphdef, tx, params):
+def make_ft_fns(graphdef, tx, train):
   """``grad_fn(params, tokens) -> (loss, grads)`` and ``apply_fn(train, grads) -> train``.
 
-  The gradient keeps the parameters' shardings, so an update applied after the
-  fault-tolerant all-reduce and one replayed during catch-up run the same program.
+  Gradients keep the parameters' shardings and updates keep the state's, so an
+  update applied after the fault-tolerant all-reduce, one replayed during
+  catch-up and one on a state rebuilt from a snapshot run the same program.
   """
-  shardings = jax.tree.map(lambda x: x.sharding, params)
+  shardings = jax.tree.map(lambda x: x.sharding, train["params"])
+  train_shardings = jax.tree.map(lambda x: x.sharding, train)
 
   def loss_fn(p, tokens):
     logits = nnx.merge(graphdef, p)(tokens[:, :-1])
@@ -175,7 +178,7 @@ def make_ft_fns(graphdef, tx, params):
 
   grad_fn = jax.jit(jax.value_and_grad(loss_fn), out_shardings=(None, shardings))
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=train_shardings)
   def apply_fn(train, grads):
     updates, opt_state = tx.update(grads, train["opt_state"], train["params"])
     return {"params": optax.apply_updates(train["params"], updates), "opt_state": opt_state}
@@ -192,15 +195,21 @@ def run_replica_group(args, mesh, graphdef, tx, state) -> int:
   """
   from jaxckpt import ft as jft  # pylint: disable=import-outside-toplevel
   from datetime import timedelta  # pylint: disable=import-outside-toplevel
-  train = {"params": state["params"], "opt_state": state["opt_state"]}
-  grad_fn, apply_fn = make_ft_fns(graphdef, tx, train["params"])
+  replicated = NamedSharding(mesh, P())
+  train = jax.tree.map(lambda x: x if len(x.sharding.device_set) == mesh.size
+                       else jax.device_put(x, replicated),
+                       {"params": state["params"], "opt_state": state["opt_state"]})
+  grad_fn, apply_fn = make_ft_fns(graphdef, tx, train)
   options = jft.ReplicaGroupOptions(ring_size=args.ring_size,
                                     heartbeat_interval=timedelta(milliseconds=200))
   source = jft.AgentSnapshotSource(run_root=args.agent_run_root, job_name=agent_job_name(args))
   losses = np.full((args.steps,), np.nan, np.float32)
   tokens = jnp.asarray(make_batch(args.seed, 0, args.batch, args.seq_len, args.vocab),
                        device=NamedSharding(mesh, P("fsdp")))
+  t0 = time.perf_counter()
   jax.block_until_ready(apply_fn(train, grad_fn(train["params"], tokens)[1]))  # compile first
+  logger.info("group %s compiled in %.1f s; joining the lighthouse at %s", args.group_id,
+              time.perf_counter() - t0, args.lighthouse)
   with manager_for(args) as mgr, jft.ReplicaGroup(
       lighthouse=args.lighthouse, group_id=args.group_id, manager=mgr, options=options,
       timeout=timedelta(seconds=args.ft_timeout), snapshot_source=source) as group:

@@ -7,6 +7,7 @@ import os
 import pathlib
 import re
 import signal
+import tempfile
 import time
 from datetime import timedelta
 
@@ -17,7 +18,8 @@ from jaxckpt.ft import Lighthouse, LighthouseOptions
 from jaxckpt.testing.processes import Proc, agent_sandbox
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STEPS = 40
+STEPS = 150           # the others must still train when the restarted group is up (~20 s)
+SNAPSHOT_EVERY = 5     # so a catch-up usually replays ring steps on top of the snapshot
 GROUPS = ("g0", "g1", "g2")
 LIGHTHOUSE = LighthouseOptions(min_replicas=2, heartbeat_timeout=timedelta(seconds=2),
                                join_timeout=timedelta(seconds=0.5),
@@ -30,8 +32,9 @@ def spawn(lighthouse: str, group: str, run_root: str, job: str, out: pathlib.Pat
   args = [str(ROOT / "examples" / "train_flax.py"), "--lighthouse", lighthouse, "--group-id", group,
           "--job-name", job, "--agent-run-root", run_root, "--steps", str(STEPS), "--devices", "2",
           "--layers", "1", "--d-model", "32", "--seq-len", "16", "--batch", "8",
-          "--max-snapshots", "4", "--ring-size", "4", "--ft-timeout", "4",
-          "--sleep-per-step", "0.1", "--dump", str(out / f"{group}.json")]
+          "--max-snapshots", "3", "--snapshot-interval", str(SNAPSHOT_EVERY),
+          "--ring-size", "8", "--ft-timeout", "4",
+          "--sleep-per-step", "0.2", "--dump", str(out / f"{group}.json")]
   env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAX_COMPILATION_CACHE_DIR": str(cache),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": str(ROOT)}
   return Proc(args, env=env, cwd=str(ROOT))
@@ -50,25 +53,28 @@ def wait_step(proc: Proc, step: int, timeout_secs: float) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_killed_group_catches_up_from_an_agent_and_ends_bit_identical(tmp_path):
-  cache = tmp_path / "jax-cache"
+  cache = pathlib.Path(tempfile.gettempdir()) / f"jaxckpt-test-jax-cache-{os.getuid()}"  # kept across runs
   lighthouse = Lighthouse("127.0.0.1:0", LIGHTHOUSE).start()
   procs: list[Proc] = []
   try:
     with agent_sandbox() as (run_root, job):
       start = lambda g: procs.append(spawn(lighthouse.address, g, run_root, job, tmp_path, cache)) or procs[-1]
-      g0, g1, g2 = (start(g) for g in GROUPS)
-      wait_step(g2, 8, 120)
+      g0 = start("g0")
+      g0.wait_for("compiled in", 120)          # the others then load its programs from the cache
+      g1, g2 = start("g1"), start("g2")
+      at_kill = wait_step(g2, 8, 90)
       os.kill(g2.p.pid, signal.SIGKILL)
       g2.p.wait(timeout=30)
-      at_kill = wait_step(g0, 0, 30)
-      wait_step(g0, at_kill + 6, 60)           # the others keep training without g2
-      wait_step(g1, at_kill + 6, 60)
+      wait_step(g0, at_kill + 3, 60)           # the others keep training without g2
+      wait_step(g1, at_kill + 3, 60)
       g2b = start("g2")
       fetched = g2b.wait_for("from the snapshot agent(s) of job", 90)
       assert f"{job}-g" in fetched and f"{job}-g2" not in fetched, fetched
       caught = g2b.wait_for("caught up to step", 60)
-      joined_at = int(re.search(r"caught up to step (\d+)", caught).group(1))
-      assert joined_at > at_kill + 6 - 1, caught
+      joined_at, replayed, snap = map(int, re.search(
+          r"caught up to step (\d+) in \S+ \((\d+) steps replayed, snapshot (\d+)\)", caught).groups())
+      assert joined_at >= at_kill + 3 and snap % SNAPSHOT_EVERY == 0, caught
+      assert f"snapshot of step {snap} " in fetched and replayed == joined_at - snap, (fetched, caught)
       outputs = {g: p.finish(120) for g, p in zip(GROUPS, (g0, g1, g2b))}
       for g, out in outputs.items():
         assert f"done: group {g} at step {STEPS}" in out, out[-2000:]
