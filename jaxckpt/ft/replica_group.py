@@ -485,9 +485,17 @@ class ReplicaGroup:
     reply = self._sender.request(peer.address, {"op": "snap_where"}, secs)
     if reply is not None and reply[0].get("agent"):
       from jaxckpt.ft.agent_source import AgentSnapshotSource  # pylint: disable=import-outside-toplevel
-      logger.info("group %s fetches its snapshot from the snapshot agents of group %s (%s)",
-                  self.group_id, peer.group_id, reply[0]["agent"], extra=self._extra())
-      return AgentSnapshotSource(**reply[0]["agent"], timeout_secs=secs)
+      source = AgentSnapshotSource(**reply[0]["agent"], timeout_secs=secs)
+      try:
+        source.latest_step()
+      except (OSError, KeyError) as e:
+        logger.warning("group %s cannot reach the snapshot agents of group %s (%s): %s; asking "
+                       "its serving thread instead", self.group_id, peer.group_id,
+                       reply[0]["agent"], e, extra=self._extra())
+      else:
+        logger.info("group %s fetches its snapshot from the snapshot agents of group %s (%s)",
+                    self.group_id, peer.group_id, reply[0]["agent"], extra=self._extra())
+        return source
     return RemoteSnapshotSource(self._sender, peer.address, secs)
 
   def _share_plan(self, plan: dict[str, Any] | None, state: Any, like: tuple[list[Any], Any]
