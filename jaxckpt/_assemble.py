@@ -28,14 +28,17 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype,
   """A jax.Array of ``shape`` on ``sharding`` whose values come from ``read_region``.
 
   ``read_region`` must return a fresh array (never a view of memory that is
-  reused later): on CPU, ``device_put`` may alias the host buffer it is given.
+  reused later): XLA:CPU keeps an aligned host buffer given to ``device_put``
+  instead of copying it. For the same reason each device gets its own host
+  array: a box held by several devices is read once and copied for the others.
   """
   boxes = device_boxes(shape, sharding)
-  cache: dict[Box, np.ndarray] = {}
+  read: dict[Box, np.ndarray] = {}
   arrays = []
   for device, box in boxes.items():
-    host = cache.get(box)
-    if host is None:
-      host = cache[box] = np.asarray(read_region(box), dtype=dtype)
+    if box in read:
+      host = np.array(read[box], copy=True)
+    else:
+      host = read[box] = np.asarray(read_region(box), dtype=dtype)
     arrays.append(jax.device_put(host, device))
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -27,17 +26,22 @@ class RestoreInfo:
   nbytes: int
 
 
-@functools.cache
-def device_put_copies() -> bool:
-  """Whether jax.device_put copies a host numpy array (rather than aliasing it).
+_XLA_ALIGN = 64
 
-  Decides if restore may hand views of snapshot memory straight to device_put.
+
+def private_copy(view: np.ndarray) -> np.ndarray:
+  """A fresh, 64-byte-aligned copy of ``view``.
+
+  XLA:CPU keeps (does not copy) a 64-byte-aligned host buffer handed to
+  ``device_put``, so restored arrays must never be views of snapshot memory
+  that a later save overwrites. Aligning the one private copy lets
+  ``device_put`` keep it, so a restore copies each byte once.
   """
-  host = np.zeros(1 << 18, dtype=np.float32)
-  x = jax.device_put(host, jax.local_devices()[0])
-  x.block_until_ready()
-  host[0] = 1.0
-  return float(x[0]) == 0.0
+  raw = np.empty(view.nbytes + _XLA_ALIGN, np.uint8)
+  lo = -raw.ctypes.data % _XLA_ALIGN
+  out = raw[lo:lo + view.nbytes].view(view.dtype).reshape(view.shape)
+  np.copyto(out, view)
+  return out
 
 
 class BufferPiece:
@@ -85,13 +89,10 @@ class HostSource:
     dtype = rec.numpy_dtype
     shards = [(p, p.manifest.leaves[i], s) for p in self.pieces
               for s in p.manifest.leaves[i].shards]
-    zero_copy = device_put_copies()
-
     def read_region(box: Box) -> np.ndarray:
       for p, leaf, s in shards:
         if s.index == box:
-          view = p.shard_array(leaf, s)
-          return view if zero_copy else view.copy()
+          return private_copy(p.shard_array(leaf, s))
       overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
                      if box_intersection(s.index, box) is not None]
       return assemble_region(box, dtype, overlapping, path=rec.path)

@@ -225,6 +225,20 @@ def test_scalar_and_numpy_leaves_are_captured_per_save():
       assert (out["i"], out["name"], out["pos"].tolist()) == (step, f"s{step}", [step])
 
 
+def test_restored_arrays_never_alias_snapshot_memory():
+  with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
+    src = put(X, mesh((8,), ("x",)), "x")
+    save_now(m, 1, {"w": src})
+    out = m.restore(target={"w": src})
+    rep = m.restore(target={"w": put(np.zeros_like(X), mesh((8,), ("x",)))})
+    for step in range(2, 6):
+      save_now(m, step, {"w": put(X * step, mesh((8,), ("x",)), "x")})
+    assert_same(out["w"], X)
+    assert_same(rep["w"], X)
+    ptrs = {s.data.unsafe_buffer_pointer() for s in rep["w"].addressable_shards}
+    assert len(ptrs) == 8                       # replicated: one private buffer per device
+
+
 def test_keeps_max_snapshots_and_reuses_slot_buffers(mgr):
   buffers = set()
   for step in range(1, 8):

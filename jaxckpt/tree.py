@@ -43,8 +43,17 @@ def flatten(state: PyTree) -> tuple[list[Leaf], Any]:
   Raises:
     UnsupportedLeafError: for a leaf of a type jaxckpt cannot snapshot.
   """
-  with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
-  return [_classify(jax.tree_util.keystr(p), x) for p, x in with_paths], treedef
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  paths = _PATHS.get(treedef)
+  if paths is None:            # building path strings is the slow part: once per structure
+    if len(_PATHS) > 16:
+      _PATHS.pop(next(iter(_PATHS)))
+    paths = _PATHS[treedef] = [jax.tree_util.keystr(p) for p, _ in
+                               jax.tree_util.tree_flatten_with_path(state)[0]]
+  return [_classify(p, x) for p, x in zip(paths, leaves)], treedef
+
+
+_PATHS: dict[Any, list[str]] = {}
 
 
 def _classify(path: str, x: Any) -> Leaf:

@@ -62,6 +62,20 @@ def test_snapshots_outlive_the_manager_and_rollback_works(sandbox):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+def test_restored_arrays_never_alias_agent_memory(sandbox):
+  root, job = sandbox
+  with jc.CheckpointManager(options=jc.CheckpointOptions(
+      max_snapshots=1, agent=agent_opts(root, job))) as m:
+    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+    m.save(1, {"w": jax.device_put(np.ones(1 << 16, np.float32), s)})
+    m.wait_until_finished()
+    out = m.restore(target={"w": jax.ShapeDtypeStruct((1 << 16,), jnp.float32, sharding=s)})
+    for step in range(2, 6):       # reuse every slot the restore read from
+      m.save(step, {"w": jax.device_put(np.full(1 << 16, float(step), np.float32), s)})
+      m.wait_until_finished()
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.ones(1 << 16, np.float32))
+
+
 def test_resume_after_sigkill_is_bit_equal_to_uninterrupted_run(sandbox, tmp_path):
   root, job = sandbox
   env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jit-cache"),   # compile once, not 5x

@@ -26,7 +26,7 @@ from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest
 from jaxckpt.tree import Leaf, scalar_to_json
 
 logger = logging.getLogger(__name__)
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 1 << 20     # hash each chunk while it is still in L2
 
 
 def _host_copy(x: jax.Array) -> jax.Array:

@@ -39,7 +39,7 @@ def _signature(leaves: Sequence[Leaf]) -> tuple:
       sig.append((leaf.path, "scalar"))
     else:
       x = leaf.value
-      sig.append((leaf.path, leaf.kind, x.shape, str(x.dtype),
+      sig.append((leaf.path, leaf.kind, x.shape, x.dtype,
                   getattr(x, "sharding", None), leaf.key_impl))
   return tuple(sig)
 
