@@ -92,7 +92,7 @@ def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
     if sp is not None and sp.protected:
       return
     if time.monotonic() > deadline:
-      late = "all hosts" if sp is None else sorted(set(range(sp.process_count)) - sp.done)
+      late = "all hosts" if sp is None else f"hosts {sorted(set(range(sp.process_count)) - sp.done)}"
       why = "" if sp is None else "; ".join(f"host {h}: {e}" for h, e in sp.errors.items())
       raise errors.SnapshotTimeoutError(
           f"step {step} was not protected within {timeout_secs} s: {late} hold no finished "

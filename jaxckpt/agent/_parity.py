@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+import xxhash
 
 from jaxckpt import errors
 from jaxckpt.agent._protocol import Client
@@ -54,6 +55,7 @@ class ParityConfig:
   parity: int
   timeout_secs: float = 300.0
   poll_secs: float = 0.005
+  sub_block_bytes: int = 4 << 20     # pulled and encoded per data host at a time
 
   @property
   def options(self) -> ParityOptions:
@@ -115,7 +117,7 @@ class ParityWorker:
     self.process_count: int | None = None
     self._newest = -1
     self._peers: dict[int, tuple[int, Client]] = {}
-    self._scratch: list[np.ndarray] = []
+    self._scratch_bufs: list[np.ndarray] = []
     self._stop = threading.Event()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-parity")
     self._pool.submit(_warm_up, config)   # load the codec off the request thread
@@ -227,28 +229,36 @@ class ParityWorker:
 
   def _encode(self, rec: Record, layout: StripeLayout, mine: tuple[Piece, ...],
               buf: np.ndarray) -> None:
+    """Streams each stripe in sub-blocks: pull k data ranges, encode them into the
+    parity file. Small, equal-sized transfers reuse memory the allocator already
+    touched (first touch of fresh memory costs seconds per GiB) and bound what is
+    in flight to k sub-blocks."""
     off = 0
     for piece in mine:
       stripe = layout.stripes[piece.stripe]
-      block = stripe.block_bytes
-      data = [self._pull(rec.step, p) for p in stripe.data]
-      rec.checksums += [_ck(p, checksum(d)) for p, d in zip(stripe.data, data)]
+      block, k = stripe.block_bytes, len(stripe.data)
       out = buf[off:off + block]
-      outs = [out if p is piece else self._scratch_block(t, block)
-              for t, p in enumerate(stripe.parity)]
-      rs = _lib().codec.codec(len(stripe.data), len(stripe.parity))
-      rs.encode_into([_lib().placement.padded(d, block) for d in data], outs)
+      hashes = [xxhash.xxh3_64() for _ in range(k)]
+      rs = _lib().codec.codec(k, len(stripe.parity))
+      sub = self.config.sub_block_bytes
+      for lo in range(0, block, sub):
+        hi = min(block, lo + sub)
+        data = [self._pull(rec.step, p, lo, hi, h) for p, h in zip(stripe.data, hashes)]
+        outs = [out[lo:hi] if p is piece else self._scratch(t + k, hi - lo)
+                for t, p in enumerate(stripe.parity)]
+        rs.encode_into(data, outs)
+      rec.checksums += [_ck(p, h.hexdigest()) for p, h in zip(stripe.data, hashes)]
       rec.checksums.append(_ck(piece, checksum(out)))
       rec.blocks[stripe.id] = (off, block)
       off += block
 
-  def _scratch_block(self, t: int, nbytes: int) -> np.ndarray:
-    """Reused buffers for the parity rows other holders keep (m > 1)."""
-    while len(self._scratch) <= t:
-      self._scratch.append(np.empty(0, np.uint8))
-    if self._scratch[t].size < nbytes:
-      self._scratch[t] = np.empty(nbytes, np.uint8)
-    return self._scratch[t][:nbytes]
+  def _scratch(self, i: int, nbytes: int) -> np.ndarray:
+    """Reused buffer ``i`` (padded data ranges, parity rows other holders keep)."""
+    while len(self._scratch_bufs) <= i:
+      self._scratch_bufs.append(np.empty(0, np.uint8))
+    if self._scratch_bufs[i].size < nbytes:
+      self._scratch_bufs[i] = np.empty(max(nbytes, self.config.sub_block_bytes), np.uint8)
+    return self._scratch_bufs[i][:nbytes]
 
   def _reserve(self, rec: Record, nbytes: int) -> _ParitySlot:
     with self.agent.lock:
@@ -267,12 +277,21 @@ class ParityWorker:
       slot.step, rec.slot = rec.step, slot
       return slot
 
-  def _pull(self, step: int, piece: Piece) -> np.ndarray:
-    if piece.nbytes == 0:
-      return np.empty(0, np.uint8)
-    _, frames = self._peer(piece.host).call("fetch", step=step,
-                                            ranges=[[piece.start, piece.nbytes]])
-    return np.frombuffer(frames[0].buffer, np.uint8)
+  def _pull(self, step: int, piece: Piece, lo: int, hi: int, hasher: Any) -> np.ndarray:
+    """Bytes [lo, hi) of a data piece from its host, zero past the piece's end."""
+    n = max(0, min(hi, piece.nbytes) - lo)
+    data = np.empty(0, np.uint8)
+    if n:
+      _, frames = self._peer(piece.host).call("fetch", step=step,
+                                              ranges=[[piece.start + lo, n]])
+      data = np.frombuffer(frames[0].buffer, np.uint8)
+      hasher.update(data)
+    if n == hi - lo:
+      return data
+    out = self._scratch(piece.slot, hi - lo)
+    out[:n] = data
+    out[n:] = 0
+    return out
 
   def _gather(self, step: int, group: tuple[int, ...], me: int,
               manifest_json: str) -> dict[int, str]:

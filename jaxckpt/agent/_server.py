@@ -338,7 +338,7 @@ def serve(agent: Agent) -> None:
         continue
       ident, empty, *frames = sock.recv_multipart()
       agent.last_active = time.monotonic()
-      sock.send_multipart([ident, empty, *handle(agent, frames)])
+      sock.send_multipart([ident, empty, *handle(agent, frames)], copy=False)  # no 2nd copy
   finally:
     sock.close(linger=1000)
     if agent.persister is not None:

@@ -52,7 +52,8 @@ class Cluster:
   def __init__(self, root: str, job: str, parity: int, *, timeout_secs: float = 60.0):
     self.root, self.job = root, job
     self.options = jc.ParityOptions(group_size=4, parity=parity)
-    self.config = _parity.ParityConfig(4, parity, timeout_secs).to_obj()
+    # Small sub-blocks: each stripe is pulled and encoded in several ranges, the last padded.
+    self.config = _parity.ParityConfig(4, parity, timeout_secs, sub_block_bytes=320).to_obj()
     self.stores = [self._store(h) for h in range(HOSTS)]
 
   def _store(self, h: int) -> AgentStore:
@@ -91,7 +92,7 @@ class Cluster:
     opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=self.job, run_root=self.root,
                                                       host_id=0),
                                 parity=self.options, timeout_secs=60.0, handle_sigterm=False)
-    return jc.CheckpointManager(directory, opts)
+    return jc.CheckpointManager(directory, opts, store=self._store(0))
 
   def parity_status(self, h: int) -> dict:
     return self.stores[h].call("parity_status")
@@ -271,3 +272,17 @@ def test_a_host_that_never_commits_is_named_by_the_timeout(sandbox):
 def test_parity_needs_agents():
   with pytest.raises(ValueError, match="needs agents"):
     jc.CheckpointOptions(parity=jc.ParityOptions(group_size=4, parity=1))
+
+
+def test_memory_budget_counts_parity_slots(sandbox):
+  root, job = sandbox
+  config = _parity.ParityConfig(4, 1).to_obj()
+  store = AgentStore(jc.AgentOptions(job_name=job, run_root=root), host=0, max_snapshots=2,
+                     limit_bytes=1 << 20, parity=config)
+  try:
+    with pytest.raises(errors.HostMemoryBudgetError,
+                       match=r"3 snapshot slots x 0\.3 MiB \+ 3 parity slots x 0\.1 MiB = "
+                       r"1\.2 MiB exceed host_memory_limit_bytes=1048576"):
+      store.reserve(1, 300 << 10, timeout_secs=0)     # 0.9 MiB of slots alone would fit
+  finally:
+    store.close()
