@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxckpt.snapshot import Box, box_from_index
+from jaxckpt.snapshot import Box, aligned_empty, box_from_index
 
 
 def device_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict:
@@ -37,7 +37,8 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype,
   arrays = []
   for device, box in boxes.items():
     if box in read:
-      host = np.array(read[box], copy=True)
+      host = aligned_empty(read[box].shape, read[box].dtype)
+      np.copyto(host, read[box])
     else:
       host = read[box] = np.asarray(read_region(box), dtype=dtype)
     arrays.append(jax.device_put(host, device))

@@ -11,7 +11,8 @@ import numpy as np
 from jaxckpt import errors
 from jaxckpt._assemble import make_array
 from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest,
-                              assemble_region, box_intersection, full_box, shard_view,
+                              aligned_empty, assemble_region, box_intersection, full_box,
+                              shard_view,
                               verify_shard)
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
 
@@ -26,20 +27,15 @@ class RestoreInfo:
   nbytes: int
 
 
-_XLA_ALIGN = 64
-
-
 def private_copy(view: np.ndarray) -> np.ndarray:
-  """A fresh, 64-byte-aligned copy of ``view``.
+  """A fresh, aligned copy of ``view``: restored arrays never alias snapshot memory.
 
   XLA:CPU keeps (does not copy) a 64-byte-aligned host buffer handed to
-  ``device_put``, so restored arrays must never be views of snapshot memory
-  that a later save overwrites. Aligning the one private copy lets
-  ``device_put`` keep it, so a restore copies each byte once.
+  ``device_put``, so a view of a slot that a later save overwrites must never
+  reach it; aligning the one private copy lets ``device_put`` adopt it, so a
+  restore copies each byte once.
   """
-  raw = np.empty(view.nbytes + _XLA_ALIGN, np.uint8)
-  lo = -raw.ctypes.data % _XLA_ALIGN
-  out = raw[lo:lo + view.nbytes].view(view.dtype).reshape(view.shape)
+  out = aligned_empty(view.shape, view.dtype)
   np.copyto(out, view)
   return out
 

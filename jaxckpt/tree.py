@@ -34,7 +34,9 @@ class Leaf:
 
 def is_prng_key(x: Any) -> bool:
   dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  if dtype is None or isinstance(dtype, np.dtype):   # numpy/ml_dtypes: never a key (fast)
+    return False
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def flatten(state: PyTree) -> tuple[list[Leaf], Any]:

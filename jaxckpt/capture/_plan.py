@@ -20,7 +20,8 @@ class ShardSlot:
   box: Box
   offset: int
   nbytes: int
-  device: Any = None          # the jax device holding it (None for numpy)
+  data_index: int = 0         # its position in ``x.addressable_data(i)`` (jax leaves)
+  on_cpu: bool = True         # host-resident device memory: zero-copy views
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,21 +85,27 @@ def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
     templates.append(LeafRecord(path=leaf.path, kind=leaf.kind, shape=tuple(x.shape),
                                 dtype=dtype.name, sharding=sharding_info(x),
                                 key_impl=leaf.key_impl))
-    for box, device in _stored_boxes(x):
+    on_cpu = not isinstance(x, jax.Array) or all(
+        d.platform == "cpu" for d in x.sharding.device_set)
+    for box, data_index in _stored_boxes(x):
       nbytes = int(np.prod(box_shape(box), dtype=np.int64)) * dtype.itemsize
-      shards.append(ShardSlot(i, box, offset, nbytes, device))
+      shards.append(ShardSlot(i, box, offset, nbytes, data_index, on_cpu))
       offset = align(offset + nbytes)
   return CapturePlan(tuple(templates), tuple(shards), offset)
 
 
-def _stored_boxes(x: Any) -> list[tuple[Box, Any]]:
-  """This process's replica-0 shards of ``x``, each box once."""
+def _stored_boxes(x: Any) -> list[tuple[Box, int]]:
+  """This process's replica-0 shards of ``x``, each box once, with their data index.
+
+  Computed once per layout: ``addressable_shards`` is slow (it builds a Shard
+  per device), so saves index ``addressable_data`` with these positions.
+  """
   if not isinstance(x, jax.Array):
-    return [(full_box(x.shape), None)]
+    return [(full_box(x.shape), 0)]
   seen, out = set(), []
-  for s in x.addressable_shards:
+  for i, s in enumerate(x.addressable_shards):
     box = box_from_index(s.index, x.shape)
     if s.replica_id == 0 and box not in seen:
       seen.add(box)
-      out.append((box, s.device))
+      out.append((box, i))
   return out
