@@ -34,12 +34,13 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype,
   """
   boxes = device_boxes(shape, sharding)
   read: dict[Box, np.ndarray] = {}
-  arrays = []
-  for device, box in boxes.items():
+  hosts = []
+  for box in boxes.values():
     if box in read:
       host = aligned_empty(read[box].shape, read[box].dtype)
       np.copyto(host, read[box])
     else:
       host = read[box] = np.asarray(read_region(box), dtype=dtype)
-    arrays.append(jax.device_put(host, device))
+    hosts.append(host)
+  arrays = jax.device_put(hosts, list(boxes))        # one batched transfer
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
