@@ -1,6 +1,6 @@
 """Reed-Solomon codec throughput (one thread) vs reedsolo, zfec and np.copyto; parity memory.
 
-Usage: python benchmarks/parity_codec.py [--quick] [--block-mib N] [--reps N]
+Usage: python benchmarks/parity_codec.py [--quick] [--block-mib N] [--reps N] [--plot PATH]
 
 Prints one JSON object. Throughputs are MB/s (1e6 bytes/s) of data bytes
 (k blocks) per call, medians of --reps interleaved runs after a warm-up, all
@@ -139,12 +139,40 @@ def bench_memory(host_mib: float, m: int, hosts: int = 8, group_size: int = 4) -
   }
 
 
+_PLOTTED = (("encode_into", "jaxckpt encode"), ("decode_into_m_lost", "jaxckpt decode (m lost)"),
+            ("zfec_encode", "zfec encode"), ("zfec_decode_m_lost", "zfec decode (m lost)"),
+            ("reedsolo_encode", "reedsolo encode"), ("np_copyto", "np.copyto"))
+
+
+def plot(result: dict[str, object], path: str) -> None:
+  """Grouped bars of MB/s per (k, m) and codec, log scale, written as a PNG."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  codec = result["codec"]
+  fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=100)
+  width = 0.8 / len(_PLOTTED)
+  for i, (key, label) in enumerate(_PLOTTED):
+    xs = [c + (i - (len(_PLOTTED) - 1) / 2) * width for c in range(len(codec))]
+    ax.bar(xs, [r["MBps"][key] for r in codec], width, label=label)
+  ax.set_xticks(range(len(codec)), [f"k={r['k']}, m={r['m']}" for r in codec])
+  ax.set_yscale("log")
+  ax.set_ylabel("MB/s of data, one thread")
+  block = codec[0]["block_bytes"] / 2**20
+  ax.set_title(f"Reed-Solomon codec throughput ({block:g} MiB blocks, {result['kernel']})")
+  ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small blocks, few runs (< 60 s)")
   parser.add_argument("--block-mib", type=float, default=64)
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--reedsolo-bytes", type=int, default=8192)
+  parser.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG bar chart")
   args = parser.parse_args()
   block_mib, reps, sample = args.block_mib, args.reps, args.reedsolo_bytes
   if args.quick:
@@ -160,6 +188,8 @@ def main() -> None:
       "codec": [bench_codec(k, m, nbytes, reps, sample) for k, m in CONFIGS],
       "memory": [bench_memory(block_mib / 4, m) for m in (1, 2)],
   }
+  if args.plot:
+    plot(result, args.plot)
   print(json.dumps(result, indent=1))
 
 

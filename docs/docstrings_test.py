@@ -1,0 +1,47 @@
+"""Runs the ``>>>`` examples in the docstrings of every jaxckpt module.
+
+The examples are part of the API reference (``docs/api.md``), so they must run
+as written. Test modules, ``__main__`` modules and the shipped multi-process
+worker scripts are not imported.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pathlib
+import pkgutil
+
+import pytest
+
+import jaxckpt
+
+_SKIP_SUFFIXES = ("_test", "__main__")
+_SKIP = {"jaxckpt.testing.multihost_worker"}   # a script run in child processes
+
+
+def _modules() -> list[str]:
+  root = pathlib.Path(jaxckpt.__file__).parent
+  names = ["jaxckpt"]
+  for info in pkgutil.walk_packages([str(root)], prefix="jaxckpt."):
+    if info.name.endswith(_SKIP_SUFFIXES) or info.name in _SKIP:
+      continue
+    names.append(info.name)
+  return sorted(names)
+
+
+def test_every_module_is_collected():
+  names = _modules()
+  assert "jaxckpt.manager" in names and "jaxckpt.universal.convert" in names
+  assert not [n for n in names if n.endswith("_test")]
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples(name: str):
+  module = importlib.import_module(name)
+  finder = doctest.DocTestFinder(exclude_empty=True)
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  for test in finder.find(module, name):
+    runner.run(test)
+  results = runner.summarize(verbose=False)
+  assert results.failed == 0, f"{results.failed} docstring example(s) of {name} failed (see stdout)"
