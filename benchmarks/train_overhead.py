@@ -11,7 +11,13 @@ snapshot agent. The modes run in interleaved rounds so they see the same
 machine load. ``save()`` is called every step with the default
 ``on_busy="skip"``, so the achieved snapshot interval is steps / committed.
 
+``--intervals 1,2,4,8`` sweeps the snapshot interval: each store mode runs once
+per interval I, calling ``save()`` on every I-th step (as
+``save_interval_steps=I`` does), all interleaved with the no-manager baseline.
+``--plot PATH`` writes the overhead against the interval as a PNG.
+
   python benchmarks/train_overhead.py [--quick] [--rounds 8] [--steps-per-round 4]
+      [--intervals 1,2,4,8] [--stores inproc,agent] [--plot PATH]
 
 Prints one JSON object.
 """
@@ -45,13 +51,17 @@ TARGET_OVERHEAD = 0.10
 class Loop:
   """One training run of the example's model, stepped a few steps at a time."""
 
-  def __init__(self, args: argparse.Namespace, mesh, mgr) -> None:
-    self.args, self.mesh, self.mgr = args, mesh, mgr
+  def __init__(self, args: argparse.Namespace, mesh, mgr, interval: int = 1,
+               train_step: Any = None) -> None:
+    self.args, self.mesh, self.mgr, self.interval = args, mesh, mgr, interval
     graphdef, tx, self.state = _model.init_state(args, mesh)
-    self.train_step = _model.make_train_step(graphdef, tx)
+    self.train_step = train_step or _model.make_train_step(graphdef, tx)
     self.step = 0
     self.times: list[float] = []
     self.saves = self.committed = 0
+
+  def steps_recorded(self) -> int:
+    return len(self.times)
 
   def run(self, n: int, *, record: bool) -> None:
     a = self.args
@@ -68,12 +78,12 @@ class Loop:
       self.step += 1
       self.state = dict(s, params=params, opt_state=opt_state, rng=rng, losses=losses,
                         data=dict(s["data"], next_step=self.step))
-      if self.mgr is not None:
+      if self.mgr is not None and self.step % self.interval == 0:
         self.mgr.save(self.step, self.state)
       if record:
         self.times.append(time.perf_counter() - t0)
     if record and self.mgr is not None:
-      self.saves += n
+      self.saves += n // self.interval
       self.committed += self.mgr.stats.committed - committed0
 
 
@@ -89,10 +99,22 @@ def parse_args() -> argparse.Namespace:
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--vocab", type=int, default=256)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--intervals", default="1",
+                 help="comma-separated snapshot intervals to sweep, e.g. 1,2,4,8")
+  p.add_argument("--stores", default="inproc,agent", help="store modes to time: inproc, agent")
+  p.add_argument("--plot", default=None, metavar="PATH",
+                 help="write overhead vs snapshot interval as a PNG")
   a = p.parse_args()
+  a.intervals = [int(i) for i in a.intervals.split(",")]
+  a.stores = a.stores.split(",")
+  if any(i < 1 for i in a.intervals) or not set(a.stores) <= set(MODES[1:]):
+    p.error(f"--intervals must be >= 1 and --stores among {MODES[1:]}, got "
+            f"{a.intervals} and {a.stores}")
   quick = a.quick
   a.rounds = a.rounds or (2 if quick else 8)
-  a.steps_per_round = a.steps_per_round or 4
+  a.steps_per_round = a.steps_per_round or max(4, max(a.intervals))
+  if a.steps_per_round % max(a.intervals):
+    p.error(f"--steps-per-round={a.steps_per_round} must be a multiple of every interval")
   a.d_model = a.d_model or 128
   a.layers = a.layers or (2 if quick else 4)
   a.seq_len = a.seq_len or 64
@@ -109,11 +131,40 @@ def mode_report(loop: Loop, base: float | None) -> dict[str, Any]:
   if loop.mgr is not None:
     st = loop.mgr.stats
     out.update(saves=loop.saves, committed=loop.committed,
-               achieved_interval_steps=round(loop.saves / max(loop.committed, 1), 3),
+               interval_steps=loop.interval,
+               achieved_interval_steps=round(loop.steps_recorded() / max(loop.committed, 1), 3),
                last_blocking_s=round(st.last_blocking_secs, 4),
                last_snapshot_s=round(st.last_snapshot_secs, 4),
                snapshot_bytes=st.last_nbytes)
   return out
+
+
+def mode_names(a: argparse.Namespace) -> list[tuple[str, str, int]]:
+  """(mode name, store, interval): ``agent`` at interval 1, ``agent@4`` at 4."""
+  return [(s if i == 1 else f"{s}@{i}", s, i) for i in a.intervals for s in a.stores]
+
+
+def plot(a: argparse.Namespace, res: dict[str, Any], path: str) -> None:
+  """Median step-time overhead against the snapshot interval, one line per store."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+  for store in a.stores:
+    pts = [(i, res[n]["overhead_median_pct"]) for n, s, i in mode_names(a) if s == store]
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=store)
+  ax.axhline(100 * TARGET_OVERHEAD, color="gray", linestyle="--", linewidth=1, label="10% target")
+  ax.axhline(0, color="black", linewidth=0.5)
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(a.intervals, [str(i) for i in a.intervals])
+  ax.set_xlabel("snapshot interval (steps)")
+  ax.set_ylabel("median step-time overhead (%)")
+  ax.set_title(f"Snapshot overhead, d_model={a.d_model}, {a.layers} layers, "
+               f"{len(jax.devices())} CPU devices")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
 
 
 def main() -> None:
@@ -121,14 +172,18 @@ def main() -> None:
   mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",),
                        axis_types=(jax.sharding.AxisType.Auto,))
   with contextlib.ExitStack() as stack:
-    loops = {m: Loop(a, mesh, None if m == "none" else stack.enter_context(c.manager(m)))
-             for m in MODES}
+    first = Loop(a, mesh, None)
+    loops = {"none": first}
+    for name, store, interval in mode_names(a):
+      loops[name] = Loop(a, mesh, stack.enter_context(c.manager(store)), interval,
+                         first.train_step)
     for loop in loops.values():
       loop.run(a.warmup_steps, record=False)
       if loop.mgr is not None:
         loop.mgr.wait_until_finished()
-    for _ in range(a.rounds):
-      for loop in loops.values():
+    order = list(loops.values())
+    for r in range(a.rounds):
+      for loop in order[r % len(order):] + order[:r % len(order)]:   # rotate: no mode always first
         loop.run(a.steps_per_round, record=True)
         if loop.mgr is not None:
           loop.mgr.wait_until_finished()   # keep one mode's copy out of the next's steps
@@ -136,16 +191,18 @@ def main() -> None:
     res = {m: mode_report(loop, None if m == "none" else base) for m, loop in loops.items()}
   state_bytes = c.tree_nbytes({k: loops["none"].state[k] for k in ("params", "opt_state")})
   met = {f"{m}_overhead_le_10pct": res[m]["overhead_median_pct"] <= 100 * TARGET_OVERHEAD
-         for m in MODES[1:]}
+         for m in res if m != "none"}
+  if a.plot:
+    plot(a, res, a.plot)
   print(json.dumps({
       "model": {"d_model": a.d_model, "layers": a.layers, "seq_len": a.seq_len,
                 "batch": a.batch, "vocab": a.vocab, "state_bytes": state_bytes},
       "devices": len(jax.devices()), "cpu_count": os.cpu_count(),
-      "rounds": a.rounds, "steps_per_round": a.steps_per_round,
+      "rounds": a.rounds, "steps_per_round": a.steps_per_round, "intervals": a.intervals,
       "load_avg_1m": round(os.getloadavg()[0], 2),
       "modes": res, "target_overhead_pct": 100 * TARGET_OVERHEAD, "targets_met": met,
       "notes": "step = batch + jitted train step (donating) + float(loss) + save(); modes "
-               "interleaved per round; medians over all recorded steps",
+               "interleaved per round, order rotated each round; medians over all recorded steps",
   }, indent=1))
 
 
