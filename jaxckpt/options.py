@@ -123,6 +123,10 @@ class AgentOptions:
     idle_timeout_secs: the agent exits this long after its last trainer died.
     request_timeout_secs: the longest wait for one agent reply.
     start_timeout_secs: the longest wait for a new agent to come up.
+    tcp_host: the address the agent serves other hosts on (restores that read
+      another host's pieces, parity exchange, replica-group catch-up). The
+      loopback default suits one machine; on a cluster use this host's
+      routable address.
   """
 
   job_name: str
@@ -132,6 +136,7 @@ class AgentOptions:
   idle_timeout_secs: float = 3600.0
   request_timeout_secs: float = 60.0
   start_timeout_secs: float = 60.0
+  tcp_host: str = "127.0.0.1"
 
   def __post_init__(self) -> None:
     from jaxckpt.agent._paths import check_job_name  # pylint: disable=import-outside-toplevel

@@ -45,8 +45,10 @@ class Agent:
   """The agent's state and request handlers (no sockets here; see ``serve``)."""
 
   def __init__(self, *, job: str, host: int, directory: str, max_snapshots: int,
-               limit_bytes: int, idle_timeout_secs: float) -> None:
+               limit_bytes: int, idle_timeout_secs: float,
+               tcp_host: str = "127.0.0.1") -> None:
     self.job, self.host, self.dir = job, host, directory
+    self.tcp_host = tcp_host
     self.max_snapshots = max_snapshots
     self.limit_bytes = limit_bytes
     self.idle_timeout_secs = idle_timeout_secs
@@ -327,7 +329,7 @@ def serve(agent: Agent) -> None:
   signal.signal(signal.SIGINT, lambda *_: stop.append(1))
   try:
     sock.bind(_paths.ipc_endpoint(agent.dir))
-    tcp_port = sock.bind_to_random_port("tcp://127.0.0.1")
+    tcp_port = sock.bind_to_random_port(f"tcp://{agent.tcp_host}")
     _write_address(agent, tcp_port)
     logger.info("agent of job %s host %d serving (pid %d)", agent.job, agent.host, os.getpid())
     while not stop and not agent.stopping:
@@ -351,7 +353,7 @@ def serve(agent: Agent) -> None:
 
 def _write_address(agent: Agent, tcp_port: int) -> None:
   info = {"pid": os.getpid(), "job": agent.job, "host": agent.host,
-          "ipc": _paths.ipc_endpoint(agent.dir), "tcp": f"tcp://127.0.0.1:{tcp_port}"}
+          "ipc": _paths.ipc_endpoint(agent.dir), "tcp": f"tcp://{agent.tcp_host}:{tcp_port}"}
   tmp = _paths.address_file(agent.dir) + ".tmp"
   with open(tmp, "w") as f:
     json.dump(info, f)

@@ -33,6 +33,9 @@ def add_agent_commands(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--limit-bytes", type=int, default=None,
                  help="host-memory budget for snapshot slots (default: half the free RAM)")
   p.add_argument("--idle-timeout-secs", type=float, default=3600.0)
+  p.add_argument("--tcp-host", default="127.0.0.1",
+                 help="address to serve other hosts on (this host's routable address "
+                      "on a multi-host cluster)")
   p.set_defaults(func=_start)
   p = sub.add_parser("status", help="print what the agent holds, as JSON",
                      description="Ask the agent of JOB on this host what it holds.")
@@ -49,6 +52,7 @@ def add_agent_commands(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--max-snapshots", type=int, default=2)
   p.add_argument("--limit-bytes", type=int, default=None)
   p.add_argument("--idle-timeout-secs", type=float, default=3600.0)
+  p.add_argument("--tcp-host", default="127.0.0.1")
   p.set_defaults(func=_serve)
 
 
@@ -74,7 +78,8 @@ def _start(args) -> int:
   from jaxckpt.agent.client import start_agent  # pylint: disable=import-outside-toplevel
   info = start_agent(job=args.job_name, host=args.host_id, run_root=_root(args),
                      max_snapshots=args.max_snapshots, limit_bytes=_limit(args),
-                     idle_timeout_secs=args.idle_timeout_secs, start_timeout_secs=60)
+                     idle_timeout_secs=args.idle_timeout_secs, start_timeout_secs=60,
+                     tcp_host=args.tcp_host)
   print(json.dumps(info))
   return 0
 
@@ -126,7 +131,7 @@ def _serve(args) -> int:
   os.makedirs(d, exist_ok=True)
   serve(Agent(job=args.job_name, host=args.host_id, directory=d,
               max_snapshots=args.max_snapshots, limit_bytes=_limit(args),
-              idle_timeout_secs=args.idle_timeout_secs))
+              idle_timeout_secs=args.idle_timeout_secs, tcp_host=args.tcp_host))
   return 0
 
 

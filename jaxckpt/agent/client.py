@@ -56,7 +56,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
-                limit_bytes: int, idle_timeout_secs: float,
+                limit_bytes: int, idle_timeout_secs: float, tcp_host: str = "127.0.0.1",
                 start_timeout_secs: float) -> dict[str, Any]:
   """Finds the running agent of (job, host) or spawns a detached one.
 
@@ -80,7 +80,7 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
     cmd = [sys.executable, "-m", "jaxckpt.agent", "serve", "--job-name", job,
            "--host-id", str(host), "--run-root", run_root,
            "--max-snapshots", str(max_snapshots), "--limit-bytes", str(limit_bytes),
-           "--idle-timeout-secs", str(idle_timeout_secs)]
+           "--idle-timeout-secs", str(idle_timeout_secs), "--tcp-host", tcp_host]
     with open(log, "ab") as out:
       proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                               start_new_session=True, close_fds=True)
@@ -139,6 +139,7 @@ class AgentStore(HostStore):
       info = start_agent(job=self.opts.job_name, host=self.host, run_root=self.run_root,
                          max_snapshots=self._max, limit_bytes=self._limit,
                          idle_timeout_secs=self.opts.idle_timeout_secs,
+                         tcp_host=self.opts.tcp_host,
                          start_timeout_secs=self.opts.start_timeout_secs)
     self.pid = info["pid"]
     self.info = info
