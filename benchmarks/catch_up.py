@@ -1,0 +1,118 @@
+"""Catch-up from a healthy group's snapshot agent against a restart from storage (issue 6).
+
+A healthy replica group snapshots its state into its agent every step and persists
+every ``--persist-interval`` steps to the universal format. A failed group comes
+back either (a) by FT-HSDP catch-up: fetch the newest host snapshot from the
+healthy group's agent (``AgentSnapshotSource``) and replay the averaged
+gradients of the steps since (``--behind`` steps, from the gradient ring), or
+(b) by a synchronous restart from storage: restore the newest persisted step
+and recompute the steps since it (on average half a persist interval, timed
+with the same update). Prints JSON with medians.
+
+  python benchmarks/catch_up.py [--quick] [--size-mib 256] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxckpt as jc  # noqa: E402
+from jaxckpt.ft.agent_source import AgentSnapshotSource  # noqa: E402
+from jaxckpt.ft.catch_up import replay  # noqa: E402
+
+
+def make_state(size_mib: int, sharding):
+  leaves = 12
+  rows = max(8, (size_mib << 20) // (4 * 1024 * leaves) // 8 * 8)
+  return {"params": {f"w{i}": jax.device_put(
+      np.random.default_rng(i).standard_normal((rows, 1024), np.float32), sharding)
+      for i in range(leaves)}}
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--size-mib", type=int, default=256)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--behind", type=int, default=3, help="steps the recovering group missed")
+  p.add_argument("--persist-interval", type=int, default=100)
+  a = p.parse_args()
+  if a.quick:
+    a.size_mib, a.repeats = 32, 3
+  sharding = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  state = make_state(a.size_mib, sharding)
+  update = jax.jit(lambda s, g: jax.tree.map(lambda x, y: x - 1e-3 * y, s, g))
+  grads = jax.tree.map(jnp.ones_like, state)
+  base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+  root = os.path.join(base, f"jaxckpt-catchup-{uuid.uuid4().hex[:6]}")
+  job = "healthy-g0"
+  ckpt = tempfile.mkdtemp(prefix="jaxckpt-catchup-")
+  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root),
+                              persist_interval_steps=1)
+  out = {"size_mib": a.size_mib, "behind_steps": a.behind,
+         "persist_interval_steps": a.persist_interval, "repeats": a.repeats}
+  try:
+    with jc.CheckpointManager(ckpt, options=opts) as mgr:
+      mgr.save(1, state)
+      mgr.wait_until_persisted(1)
+    step_secs = []
+    for _ in range(a.repeats + 1):
+      t0 = time.perf_counter()
+      jax.block_until_ready(update(state, grads))
+      step_secs.append(time.perf_counter() - t0)
+    step = statistics.median(step_secs[1:])
+    catch_up, storage = [], []
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+    for _ in range(a.repeats + 1):          # the first round warms up
+      t0 = time.perf_counter()
+      src = AgentSnapshotSource(run_root=root, job_name=job)
+      host = src.fetch(src.latest_step())
+      s = {"params": {k.split("'")[-2]: jax.device_put(v, sharding)
+                      for k, v in host.items()}}
+      jax.block_until_ready(replay(s, [grads] * a.behind, update))
+      catch_up.append(time.perf_counter() - t0)
+      t0 = time.perf_counter()
+      with jc.CheckpointManager(ckpt) as fresh:       # no host tier: storage only
+        s = fresh.restore(target=target)
+        assert fresh.last_restore.tier == "storage"
+      jax.block_until_ready(s)
+      storage.append(time.perf_counter() - t0)
+    med = lambda xs: round(statistics.median(xs[1:]), 4)   # noqa: E731
+    recompute = step * a.persist_interval / 2
+    out.update({"step_secs": round(step, 4), "catch_up_secs": med(catch_up),
+                "storage_read_secs": med(storage),
+                "storage_recompute_secs_expected": round(recompute, 4),
+                "restart_from_storage_secs": round(med(storage) + recompute, 4)})
+    out["catch_up_speedup_over_storage_restart"] = round(
+        out["restart_from_storage_secs"] / out["catch_up_secs"], 2)
+    out["catch_up_speedup_over_storage_read_alone"] = round(
+        out["storage_read_secs"] / out["catch_up_secs"], 2)
+  finally:
+    subprocess.run([sys.executable, "-m", "jaxckpt.agent", "stop", "--job-name", job,
+                    "--run-root", root], capture_output=True, timeout=60)
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(ckpt, ignore_errors=True)
+  print(json.dumps(out, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
