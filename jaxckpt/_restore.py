@@ -11,7 +11,8 @@ import numpy as np
 from jaxckpt import errors
 from jaxckpt._assemble import make_array
 from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest,
-                              aligned_empty, assemble_region, box_intersection, full_box,
+                              aligned_empty, assemble_region, box_intersection, box_shape,
+                              copy_and_hash, full_box,
                               shard_view,
                               verify_shard)
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
@@ -53,19 +54,24 @@ class BufferPiece:
     self._verified: set[int] = set()
 
   def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
+    """A zero-copy view of a verified shard (for assembling other regions)."""
     if shard.offset not in self._verified:
       verify_shard(self.buffer, shard, path=leaf.path, step=self.manifest.step)
       self._verified.add(shard.offset)
       self.bytes_read += shard.nbytes
     return shard_view(self.buffer, shard, leaf.numpy_dtype)
 
-
-def verify_all(pieces: Sequence[Any]) -> None:
-  """Checks every shard of every piece up front (cheap for local buffers)."""
-  for piece in pieces:
-    for leaf in piece.manifest.leaves:
-      for shard in leaf.shards:
-        piece.shard_array(leaf, shard)
+  def shard_copy(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
+    """A private aligned copy of a shard, verified while copying (one pass)."""
+    if shard.offset in self._verified:
+      return private_copy(shard_view(self.buffer, shard, leaf.numpy_dtype))
+    out = aligned_empty(box_shape(shard.index), leaf.numpy_dtype)
+    src = np.frombuffer(self.buffer, np.uint8, count=shard.nbytes, offset=shard.offset)
+    if copy_and_hash(src, out.reshape(-1).view(np.uint8)) != shard.checksum:
+      verify_shard(self.buffer, shard, path=leaf.path, step=self.manifest.step)  # raises
+    self._verified.add(shard.offset)
+    self.bytes_read += shard.nbytes
+    return out
 
 
 class HostSource:
@@ -88,7 +94,8 @@ class HostSource:
     def read_region(box: Box) -> np.ndarray:
       for p, leaf, s in shards:
         if s.index == box:
-          return private_copy(p.shard_array(leaf, s))
+          copy = getattr(p, "shard_copy", None)
+          return copy(leaf, s) if copy else private_copy(p.shard_array(leaf, s))
       overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
                      if box_intersection(s.index, box) is not None]
       return assemble_region(box, dtype, overlapping, path=rec.path)
@@ -116,10 +123,10 @@ def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> A
     return scalar_from_json(rec.value)
   read_region = source.reader(i)
   if t is not None and t.mode == "jax" and t.sharding is None:
-    data = jax.device_put(np.array(read_region(full_box(rec.shape)), copy=True))
+    data = jax.device_put(np.asarray(read_region(full_box(rec.shape))))   # a fresh array
     return jax.random.wrap_key_data(data, impl=rec.key_impl) if rec.kind == "prng_key" else data
   if t is None or t.mode == "numpy":
-    host = np.array(read_region(full_box(rec.shape)), copy=True)
+    host = np.asarray(read_region(full_box(rec.shape)))   # already a fresh array
     if rec.kind == "prng_key":
       return jax.random.wrap_key_data(host, impl=rec.key_impl)
     return host[()] if t is not None and t.numpy_scalar else host

@@ -302,7 +302,6 @@ class CheckpointManager:
 
   def _restore_host(self, step: int, target: Any, *, rebuild: bool) -> tuple[Any, int]:
     with _tiers.host_pieces(self._store, step, rebuild=rebuild) as pieces:
-      _restore.verify_all(pieces[:1])     # local bytes: check all before restoring any
       source = _restore.HostSource(pieces)
       out = _restore.restore_tree(source, target)
       jax.block_until_ready(out)

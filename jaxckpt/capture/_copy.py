@@ -19,14 +19,12 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-import xxhash
 
 from jaxckpt.capture._plan import CapturePlan
-from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest
+from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, copy_and_hash
 from jaxckpt.tree import Leaf, scalar_to_json
 
 logger = logging.getLogger(__name__)
-_CHUNK_BYTES = 1 << 20     # hash each chunk while it is still in L2
 
 
 def _host_copy(x: jax.Array) -> jax.Array:
@@ -89,7 +87,7 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
     if flat.size != shard.nbytes:
       raise ValueError(f"shard {shard.box} of leaf {plan.templates[shard.leaf].path} "
                        f"has {flat.size} bytes, planned {shard.nbytes}")
-    digest = _copy_and_hash(flat, dst[shard.offset:shard.offset + shard.nbytes])
+    digest = copy_and_hash(flat, dst[shard.offset:shard.offset + shard.nbytes])
     records[shard.leaf].append(ShardRecord(shard.box, shard.offset, shard.nbytes, digest))
   leaves = tuple(LeafRecord(path=t.path, kind=t.kind, shape=t.shape, dtype=t.dtype,
                             shards=tuple(r), sharding=t.sharding, value=v,
@@ -98,13 +96,3 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
   return SnapshotManifest(step=step, leaves=leaves, nbytes=plan.nbytes,
                           process_index=process_index, process_count=process_count,
                           metadata=dict(metadata or {}))
-
-
-def _copy_and_hash(src: np.ndarray, dst: np.ndarray) -> str:
-  """Copies in cache-sized chunks and hashes each chunk while it is hot."""
-  h = xxhash.xxh3_64()
-  for lo in range(0, src.size, _CHUNK_BYTES):
-    hi = min(lo + _CHUNK_BYTES, src.size)
-    np.copyto(dst[lo:hi], src[lo:hi])
-    h.update(memoryview(dst[lo:hi]))
-  return h.hexdigest()
