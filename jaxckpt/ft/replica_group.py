@@ -137,6 +137,7 @@ class ReplicaGroup:
     self.metrics: StepMetrics | None = None
     self._injector = injector
     self._attempts = 0
+    self._attempt_index = 0  # of the attempt begun last: what the injector's drops key on
     self._current: _Attempt | None = None
     self._committed = False
     self._retries = 0
@@ -171,6 +172,7 @@ class ReplicaGroup:
     if self._current is not None:
       self._abstain(self._current)
     index, self._attempts = self._attempts, self._attempts + 1
+    self._attempt_index = index  # before _join: the quorum request belongs to this attempt too
     self.counters.attempts += 1
     self._committed = False
     if self._injector is not None:
@@ -247,10 +249,10 @@ class ReplicaGroup:
   # ---- quorum --------------------------------------------------------------------------------------
 
   def _dropping(self) -> bool:
+    """Whether the injector cuts this group off in the attempt begun last (join, catch-up, reduce)."""
     if self._injector is None:
       return False
-    index = self._current.index if self._current is not None else self._attempts
-    return self._injector.drops(self.group_id, index)
+    return self._injector.drops(self.group_id, self._attempt_index)
 
   def _me(self) -> Member:
     return Member(group_id=self.group_id, address=self.address, step=self.step, digest=self.digest)
@@ -457,7 +459,11 @@ class ReplicaGroup:
 
   def _fetch_plan(self, quorum: Quorum) -> dict[str, Any]:
     healthy = [m for m in quorum.healthy if m.group_id != self.group_id]
-    peer = healthy[-1]
+    # Each failed attempt in a row asks the next healthy peer, so one that is slow to answer
+    # (busy serving someone else, or gone) delays catch-up by one attempt, never for good.
+    peer = healthy[-1 - self._retries % len(healthy)]
+    logger.info("group %s catches up from %s (%s) to step %d", self.group_id, peer.group_id,
+                peer.address, quorum.max_step, extra=self._extra())
     secs = self.timeout.total_seconds()
     entries = None
     if self.step < quorum.max_step:

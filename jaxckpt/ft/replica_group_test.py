@@ -139,3 +139,19 @@ def test_ring_digest_and_mean():
     batch_index(3, 4, 4)
   with pytest.raises(ValueError, match="ring_size"):
     ReplicaGroupOptions(ring_size=0)
+
+
+def test_dropped_attempts_cut_off_exactly_those_attempts_quorum_request_included():
+  # The quorum request of attempt k must be keyed on k, not on k + 1: otherwise a group's last
+  # partitioned attempt gets a quorum and then loses its catch-up requests, and the attempt just
+  # before the partition gets none.
+  state = _toy.init_state(_toy.make_mesh(jax.devices()[:2]))
+  committed = []
+  with Lighthouse("127.0.0.1:0", LH) as lh, ReplicaGroup(
+      lighthouse=lh.address, group_id="g0", timeout=timedelta(seconds=1), options=OPTS,
+      injector=EventInjector().drop_messages("g0", [1])) as ft:
+    for _ in range(3):
+      state = ft.start_step(state, _toy.apply_fn, grads_like=state["params"])
+      ft.allreduce(_toy.grad_fn(state, *_toy.batch(ft.batch_index())))
+      committed.append((ft.metrics.attempt, ft.metrics.quorum_id is not None, ft.should_commit()))
+  assert committed == [(0, True, True), (1, False, False), (2, True, True)]
