@@ -45,12 +45,15 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
   """
   sources: list[Any] = []
   on_host: dict[int, Any] = {}
+  arrays, arrays_of = None, -1
   for shard in plan.shards:
     x = leaves[shard.leaf].value
     if not isinstance(x, jax.Array):
       sources.append(np.array(x, copy=True))    # numpy leaves are mutable
     elif shard.on_cpu:
-      sources.append(np.asarray(_single_device_arrays(x)[shard.data_index]))
+      if arrays_of != shard.leaf:               # shards of a leaf are consecutive
+        arrays, arrays_of = _single_device_arrays(x), shard.leaf
+      sources.append(np.asarray(arrays[shard.data_index]))
     else:
       h = on_host.get(shard.leaf)
       if h is None:
