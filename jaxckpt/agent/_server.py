@@ -8,6 +8,7 @@ been checked against its checksum, in the agent, after the trainer's commit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -58,6 +59,7 @@ class Agent:
     self.last_active = time.monotonic()
     self.stopping = False
     self.lock = threading.RLock()      # the persist and parity threads use it too
+    self._hash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="verify")
     self.persister = None
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
 
@@ -211,10 +213,11 @@ class Agent:
       raise errors.CorruptSnapshotError(f"step {m.step}: {m.nbytes} bytes > slot {s.size}")
     if m.nbytes == 0:
       return
+    shards = [(leaf, shard) for leaf in m.leaves for shard in leaf.shards]
     with open(s.path, "rb") as f, mmap.mmap(f.fileno(), m.nbytes, prot=mmap.PROT_READ) as mm:
-      for leaf in m.leaves:
-        for shard in leaf.shards:
-          verify_shard(mm, shard, path=leaf.path, step=m.step)
+      # xxhash releases the GIL: hash on two threads (the trainer's copy is done by now).
+      list(self._hash_pool.map(
+          lambda ls: verify_shard(mm, ls[1], path=ls[0].path, step=m.step), shards))
 
   def op_abort(self, index: int) -> dict[str, Any]:
     s = self.slots[index]
