@@ -37,14 +37,29 @@ class GroupComm:
     if self.size == 1:
       return obj
     data = msgpack.packb(obj) if self.is_talker else b""
-    n = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
-    buf = np.frombuffer(data, np.uint8) if self.is_talker else np.zeros(n, np.uint8)
-    return msgpack.unpackb(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+    buf = np.zeros(_padded(n), np.uint8)  # few distinct lengths: few compilations of the broadcast
+    if self.is_talker:
+      buf[:n] = np.frombuffer(data, np.uint8)
+    return msgpack.unpackb(np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes())
 
   def share_arrays(self, arrays: Sequence[np.ndarray] | None,
                    like: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
-    """Process 0's ``arrays`` on every process (others pass None and the shapes in ``like``)."""
+    """Process 0's ``arrays`` on every process (others pass None and the shapes in ``like``).
+
+    Bit-exact: the broadcast sums zeros into the source's values, so it moves raw
+    bytes (``-0.0 + 0.0`` would turn into ``0.0``, NaN payloads could change).
+    """
     if self.size == 1:
       return list(arrays or ())
-    source = list(arrays) if self.is_talker else [np.zeros(s, d) for s, d in like]
-    return [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(source)]
+    if self.is_talker:
+      source = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    else:
+      source = [np.zeros(int(np.prod(s)) * np.dtype(d).itemsize, np.uint8) for s, d in like]
+    out = multihost_utils.broadcast_one_to_all(source)
+    return [np.asarray(x).view(np.dtype(d)).reshape(s) for x, (s, d) in zip(out, like)]
+
+
+def _padded(n: int) -> int:
+  """The next power of two >= ``n`` (at least 256)."""
+  return max(256, 1 << (n - 1).bit_length())

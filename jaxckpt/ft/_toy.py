@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import xxhash
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 BATCH, DIM, HIDDEN = 8, 16, 32
@@ -66,9 +67,19 @@ def apply_fn(state: dict[str, Any], grads: Any) -> dict[str, Any]:
   return {"params": optax.apply_updates(state["params"], updates), "opt": opt}
 
 
+def host_values(tree: Any) -> Any:
+  """Whole values of ``tree``'s leaves as numpy arrays, also when they span several processes.
+
+  With several processes this is a collective: every process of the job must call it.
+  """
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
 def fingerprint(state: Any) -> str:
   """xxh3-64 hex of every leaf's bytes: equal fingerprints mean bit-identical states."""
   h = xxhash.xxh3_64()
-  for leaf in jax.tree.leaves(jax.device_get(state)):
+  for leaf in jax.tree.leaves(host_values(state)):
     h.update(np.ascontiguousarray(leaf).tobytes())
   return h.hexdigest()
