@@ -6,7 +6,8 @@ every decision (quorum, outcome, averaged gradient, catch-up data) to the
 group's other processes with ``broadcast_one_to_all``. So every process of a
 group takes the same decision at the same point, and the group's processes run
 the same collectives in the same order. With one process per group (the common
-case on a single host, and in the tests) all of this is the identity.
+case on a single host) all of this is the identity; multiprocess_group_test.py
+runs a group of two processes.
 """
 
 from __future__ import annotations
