@@ -25,37 +25,29 @@ logger = logging.getLogger(__name__)
 _agreements = [0]
 
 
-def _agents(store: HostStore) -> dict[int, Any]:
-  """Clients of every live agent of the store's job, by host id (agent stores only)."""
+def is_agent_store(store: HostStore) -> bool:
+  return hasattr(store, "run_root")
+
+
+@contextlib.contextmanager
+def agent_clients(store: HostStore) -> Iterator[dict[int, Any]]:
+  """Clients of every live agent of the store's job, by host id (none for other stores)."""
+  if not is_agent_store(store):
+    yield {}
+    return
   from jaxckpt.agent import client as agent_client  # pylint: disable=import-outside-toplevel
-  from jaxckpt.agent._protocol import Client  # pylint: disable=import-outside-toplevel
-  out = {}
-  for host, info in agent_client.job_agents(store.run_root, store.opts.job_name).items():
-    endpoint = info["ipc"] if host == store.host else info["tcp"]
-    out[host] = Client(endpoint, who=f"snapshot agent of host {host} (pid {info['pid']})",
-                       timeout_secs=store.opts.request_timeout_secs)
-  return out
+  with agent_client.job_clients(store.run_root, store.opts.job_name, local_host=store.host,
+                                timeout_secs=store.opts.request_timeout_secs) as clients:
+    yield clients
 
 
 def complete_steps(store: HostStore) -> list[int]:
   """Steps whose every saving process's snapshot is held by some live agent."""
-  if not hasattr(store, "run_root"):
+  if not is_agent_store(store):
     return store.steps()
-  seen: dict[int, tuple[int, set[int]]] = {}
-  clients = _agents(store)
-  try:
-    for host, c in clients.items():
-      try:
-        held = c.call("held")[0]["held"]
-      except errors.AgentUnavailableError as e:
-        logger.warning("skipping host %d: %s", host, e)
-        continue
-      for step, index, count in held:
-        seen.setdefault(step, (count, set()))[1].add(index)
-  finally:
-    for c in clients.values():
-      c.close()
-  return sorted(s for s, (count, idx) in seen.items() if idx == set(range(count)))
+  from jaxckpt.agent.client import complete_steps_of  # pylint: disable=import-outside-toplevel
+  with agent_clients(store) as clients:
+    return complete_steps_of(clients)
 
 
 def storage_steps(directory: str | None) -> list[int]:
@@ -68,15 +60,11 @@ def storage_steps(directory: str | None) -> list[int]:
 def parity_steps(store: HostStore) -> dict[int, Any]:
   """What the live agents say about the parity of each step they protect
   ({step: ``_parity.StepParity``}); empty without agents or parity."""
-  if not hasattr(store, "run_root"):
+  if not is_agent_store(store):
     return {}
   from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
-  clients = _agents(store)
-  try:
+  with agent_clients(store) as clients:
     return _parity.survey(clients)
-  finally:
-    for c in clients.values():
-      c.close()
 
 
 def protected_steps(store: HostStore) -> list[int]:
@@ -212,30 +200,27 @@ def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterat
       if manifest.process_count == 1:
         yield pieces
         return
-    if not hasattr(store, "run_root"):
+    if not is_agent_store(store):
       raise errors.StepNotFoundError(f"step {step} is not held in this process")
-    clients = _agents(store)
-    for c in clients.values():
-      stack.callback(c.close)
-    pieces += _remote_pieces(store, clients, step, local_index)
+    clients = stack.enter_context(agent_clients(store))
+    pieces += _remote_pieces(store, clients, step, local_index, stack)
     if rebuild:
       pieces += _rebuilt_pieces(clients, step, pieces)
     yield pieces
 
 
 def _remote_pieces(store: HostStore, clients: dict[int, Any], step: int,
-                   local_index: int | None) -> list[Any]:
-  from jaxckpt.agent.client import RemotePiece  # pylint: disable=import-outside-toplevel
-  from jaxckpt.snapshot import SnapshotManifest  # pylint: disable=import-outside-toplevel
+                   local_index: int | None, stack: contextlib.ExitStack) -> list[Any]:
+  """Other agents' pieces of ``step``, each saving process once, pinned while restoring."""
+  from jaxckpt.agent.client import open_remote_piece  # pylint: disable=import-outside-toplevel
   out, found = [], set() if local_index is None else {local_index}
   for host, c in clients.items():
     if host == store.host and local_index is not None:
       continue
-    held = {s: i for s, i, _ in c.call("held")[0]["held"]}
-    if step in held and held[step] not in found:
-      manifest = SnapshotManifest.from_json(c.call("manifest", step=step)[0]["manifest"])
-      out.append(RemotePiece(c, manifest))
-      found.add(manifest.process_index)
+    piece = open_remote_piece(c, step, stack)
+    if piece is not None and piece.manifest.process_index not in found:
+      out.append(piece)
+      found.add(piece.manifest.process_index)
   return out
 
 

@@ -115,10 +115,10 @@ class CheckpointManager:
     if not force and step % self.options.save_interval_steps:
       self.stats.skipped_interval += 1
       return False
+    if not self._wait_for_previous(step):   # before any per-leaf work: skips stay cheap
+      return False
     leaves, _ = tree.flatten(state)
     plan = self._planner.plan(leaves)
-    if not self._wait_for_previous(step):
-      return False
     slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout())
     if slot is None:
       self.stats.skipped_busy += 1

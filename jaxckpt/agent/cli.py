@@ -7,9 +7,7 @@ import json
 import logging
 import os
 import sys
-import time
 
-import psutil
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths
@@ -108,15 +106,8 @@ def _stop(args) -> int:
     return 0
   pid = c.call("status")[0]["pid"]
   c.call("stop")
-  deadline = time.monotonic() + args.timeout_secs
-  while psutil.pid_exists(pid) and time.monotonic() < deadline:
-    try:
-      if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-        break
-    except psutil.NoSuchProcess:
-      break
-    time.sleep(0.02)
-  if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+  from jaxckpt.agent.client import wait_exited  # pylint: disable=import-outside-toplevel
+  if not wait_exited(pid, args.timeout_secs):
     raise errors.SnapshotTimeoutError(
         f"agent pid {pid} of job {args.job_name!r} did not exit within {args.timeout_secs} s")
   print(f"stopped agent pid {pid} of job {args.job_name!r} host {args.host_id}")

@@ -32,7 +32,8 @@ from jaxckpt import errors
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.options import AgentOptions
-from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, verify_shard
+from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
+                              verify_shard)
 from jaxckpt.store import HostStore, Slot
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,16 @@ def pid_alive(pid: int) -> bool:
     return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
   except (psutil.NoSuchProcess, ValueError):
     return False
+
+
+def wait_exited(pid: int, timeout_secs: float) -> bool:
+  """Waits up to ``timeout_secs`` for ``pid`` to exit; True if it did."""
+  deadline = time.monotonic() + timeout_secs
+  while pid_alive(pid):
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.02)
+  return True
 
 
 def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
@@ -227,7 +238,6 @@ class RemotePiece:
       verify_shard(data, raw, path=leaf.path, step=self.manifest.step)
       buf = self._cache[shard.offset] = data
       self.bytes_read += shard.nbytes
-    from jaxckpt.snapshot import box_shape  # pylint: disable=import-outside-toplevel
     return buf.view(leaf.numpy_dtype).reshape(box_shape(shard.index))
 
 
@@ -242,3 +252,55 @@ def job_agents(run_root: str, job: str) -> dict[int, dict[str, Any]]:
         if info is not None:
           out[int(name[4:])] = info
   return out
+
+
+@contextlib.contextmanager
+def job_clients(run_root: str, job: str, *, timeout_secs: float,
+                local_host: int | None = None) -> Iterator[dict[int, Client]]:
+  """Clients of every live agent of ``job``, by host id, closed on exit.
+
+  ``local_host``'s agent is reached through its ipc socket, the others over tcp.
+  """
+  clients = {}
+  for host, info in job_agents(run_root, job).items():
+    endpoint = info["ipc"] if host == local_host else info["tcp"]
+    clients[host] = Client(endpoint, who=f"snapshot agent of job {job!r} host {host} "
+                           f"(pid {info['pid']})", timeout_secs=timeout_secs)
+  try:
+    yield clients
+  finally:
+    for c in clients.values():
+      c.close()
+
+
+def complete_steps_of(clients: dict[int, Client]) -> list[int]:
+  """Steps for which the agents together hold every saving process's snapshot.
+
+  An agent that does not answer is left out (with a warning): its pieces count as lost.
+  """
+  seen: dict[int, tuple[int, set[int]]] = {}
+  for host, c in clients.items():
+    try:
+      held = c.call("held")[0]["held"]
+    except errors.AgentUnavailableError as e:
+      logger.warning("skipping host %d: %s", host, e)
+      continue
+    for step, index, count in held:
+      seen.setdefault(step, (count, set()))[1].add(index)
+  return sorted(s for s, (count, idx) in seen.items() if idx == set(range(count)))
+
+
+def open_remote_piece(client: Client, step: int,
+                      stack: contextlib.ExitStack) -> RemotePiece | None:
+  """The agent's snapshot of ``step``, pinned until ``stack`` closes; None if it holds none."""
+  if step not in {s for s, _, _ in client.call("held")[0]["held"]}:
+    return None
+  manifest = SnapshotManifest.from_json(client.call("open", pid=os.getpid(),
+                                                    step=step)[0]["manifest"])
+  stack.callback(_unpin, client, step)
+  return RemotePiece(client, manifest)
+
+
+def _unpin(client: Client, step: int) -> None:
+  with contextlib.suppress(OSError):
+    client.call("close", pid=os.getpid(), step=step)

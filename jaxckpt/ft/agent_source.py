@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Any, Iterator
 
 from jaxckpt import _restore
 from jaxckpt.agent import _paths
-from jaxckpt.agent._protocol import Client
-from jaxckpt.agent.client import RemotePiece, job_agents
+from jaxckpt.agent.client import complete_steps_of, job_clients, open_remote_piece
 from jaxckpt.ft.catch_up import HostLeaves
-from jaxckpt.snapshot import SnapshotManifest
 
 logger = logging.getLogger(__name__)
 
@@ -54,29 +51,21 @@ class AgentSnapshotSource:
 
   def latest_step(self) -> int | None:
     """The newest step every saving process of which some live agent holds."""
-    seen: dict[int, tuple[int, set[int]]] = {}
     with self._clients() as clients:
-      for c in clients.values():
-        for step, index, count in c.call("held")[0]["held"]:
-          seen.setdefault(step, (count, set()))[1].add(index)
-    complete = [s for s, (count, idx) in seen.items() if idx == set(range(count))]
-    return max(complete, default=None)
+      return max(complete_steps_of(clients), default=None)
 
   def fetch(self, step: int) -> HostLeaves:
     """Every leaf of ``step`` read from the agents (checksum-verified), by tree path."""
     t0 = time.monotonic()
     with self._clients() as clients, contextlib.ExitStack() as pins:
-      pieces: dict[int, RemotePiece] = {}
+      pieces: dict[int, Any] = {}
       count = None
       for c in clients.values():
-        held = {s: (i, n) for s, i, n in c.call("held")[0]["held"]}
-        if step not in held or held[step][0] in pieces:
+        piece = open_remote_piece(c, step, pins)
+        if piece is None or piece.manifest.process_index in pieces:
           continue
-        reply = c.call("open", pid=os.getpid(), step=step)[0]
-        pins.callback(_unpin, c, step)
-        manifest = SnapshotManifest.from_json(reply["manifest"])
-        pieces[manifest.process_index] = RemotePiece(c, manifest)
-        count = manifest.process_count
+        pieces[piece.manifest.process_index] = piece
+        count = piece.manifest.process_count
       missing = sorted(set(range(count or 1)) - set(pieces))
       if missing:
         raise KeyError(f"step {step} of job {self.job_name!r}: no live agent under {self.run_root} "
@@ -91,19 +80,7 @@ class AgentSnapshotSource:
 
   @contextlib.contextmanager
   def _clients(self) -> Iterator[dict[int, Any]]:
-    agents = job_agents(self.run_root, self.job_name)
-    if not agents:
-      raise KeyError(f"no live snapshot agent of job {self.job_name!r} under {self.run_root}")
-    clients = {host: Client(info["tcp"], who=f"snapshot agent of job {self.job_name!r} host {host} "
-                            f"(pid {info['pid']})", timeout_secs=self.timeout_secs)
-               for host, info in agents.items()}
-    try:
+    with job_clients(self.run_root, self.job_name, timeout_secs=self.timeout_secs) as clients:
+      if not clients:
+        raise KeyError(f"no live snapshot agent of job {self.job_name!r} under {self.run_root}")
       yield clients
-    finally:
-      for c in clients.values():
-        c.close()
-
-
-def _unpin(client: Client, step: int) -> None:
-  with contextlib.suppress(OSError):
-    client.call("close", pid=os.getpid(), step=step)

@@ -18,7 +18,8 @@ import time
 import uuid
 from typing import Iterator
 
-import psutil
+
+from jaxckpt.agent.client import pid_alive, wait_exited
 
 
 def free_port() -> int:
@@ -53,19 +54,12 @@ def agent_pids(root: str) -> list[int]:
       with contextlib.suppress(OSError, ValueError):
         with open(os.path.join(dirpath, "agent.json")) as f:
           pids.append(int(json.load(f)["pid"]))
-  return [p for p in pids if psutil.pid_exists(p)]
+  return [p for p in pids if pid_alive(p)]
 
 
 def wait_gone(pid: int, timeout_secs: float, what: str) -> None:
-  deadline = time.monotonic() + timeout_secs
-  while time.monotonic() < deadline:
-    try:
-      if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-        return
-    except psutil.NoSuchProcess:
-      return
-    time.sleep(0.02)
-  raise TimeoutError(f"{what} (pid {pid}) still running after {timeout_secs} s")
+  if not wait_exited(pid, timeout_secs):
+    raise TimeoutError(f"{what} (pid {pid}) still running after {timeout_secs} s")
 
 
 class Proc:
