@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxckpt.snapshot import Box, aligned_empty, box_from_index
+from jaxckpt.snapshot import Box, aligned_copy, box_from_index
 
 
 def device_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict:
@@ -37,8 +37,7 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype,
   hosts = []
   for box in boxes.values():
     if box in read:
-      host = aligned_empty(read[box].shape, read[box].dtype)
-      np.copyto(host, read[box])
+      host = aligned_copy(read[box])
     else:
       host = read[box] = np.asarray(read_region(box), dtype=dtype)
     hosts.append(host)

@@ -10,11 +10,9 @@ import numpy as np
 
 from jaxckpt import errors
 from jaxckpt._assemble import make_array
-from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest,
+from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
-                              copy_and_hash, full_box,
-                              shard_view,
-                              verify_shard)
+                              copy_and_hash, full_box, shard_view, verify_shard)
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
 
 
@@ -26,19 +24,6 @@ class RestoreInfo:
   tier: str          # "host" | "parity" | "storage"
   seconds: float
   nbytes: int
-
-
-def private_copy(view: np.ndarray) -> np.ndarray:
-  """A fresh, aligned copy of ``view``: restored arrays never alias snapshot memory.
-
-  XLA:CPU keeps (does not copy) a 64-byte-aligned host buffer handed to
-  ``device_put``, so a view of a slot that a later save overwrites must never
-  reach it; aligning the one private copy lets ``device_put`` adopt it, so a
-  restore copies each byte once.
-  """
-  out = aligned_empty(view.shape, view.dtype)
-  np.copyto(out, view)
-  return out
 
 
 class BufferPiece:
@@ -64,7 +49,7 @@ class BufferPiece:
   def shard_copy(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
     """A private aligned copy of a shard, verified while copying (one pass)."""
     if shard.offset in self._verified:
-      return private_copy(shard_view(self.buffer, shard, leaf.numpy_dtype))
+      return aligned_copy(shard_view(self.buffer, shard, leaf.numpy_dtype))
     out = aligned_empty(box_shape(shard.index), leaf.numpy_dtype)
     src = np.frombuffer(self.buffer, np.uint8, count=shard.nbytes, offset=shard.offset)
     if copy_and_hash(src, out.reshape(-1).view(np.uint8)) != shard.checksum:
@@ -95,7 +80,7 @@ class HostSource:
       for p, leaf, s in shards:
         if s.index == box:
           copy = getattr(p, "shard_copy", None)
-          return copy(leaf, s) if copy else private_copy(p.shard_array(leaf, s))
+          return copy(leaf, s) if copy else aligned_copy(p.shard_array(leaf, s))
       overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
                      if box_intersection(s.index, box) is not None]
       return assemble_region(box, dtype, overlapping, path=rec.path)

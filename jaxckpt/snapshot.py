@@ -260,6 +260,17 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype, alignment: int = ALIGN_
   return raw[lo:lo + nbytes].view(dtype).reshape(tuple(shape))
 
 
+def aligned_copy(a: np.ndarray) -> np.ndarray:
+  """A fresh aligned copy of ``a``: what restore hands to ``device_put``.
+
+  Restored arrays must never be views of snapshot memory that a later save
+  overwrites (``device_put`` adopts aligned host buffers instead of copying).
+  """
+  out = aligned_empty(a.shape, a.dtype)
+  np.copyto(out, a)
+  return out
+
+
 def assemble_region(region: Box, dtype: np.dtype,
                     pieces: Iterable[tuple[Box, np.ndarray]],
                     *, path: str = "") -> np.ndarray:
