@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxckpt.snapshot import Box, aligned_copy, box_from_index
+from jaxckpt.snapshot import Box, box_from_index
 
 
 def device_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict:
@@ -27,18 +27,19 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype,
                read_region: Callable[[Box], np.ndarray]) -> jax.Array:
   """A jax.Array of ``shape`` on ``sharding`` whose values come from ``read_region``.
 
-  ``read_region`` must return a fresh array (never a view of memory that is
-  reused later): XLA:CPU keeps an aligned host buffer given to ``device_put``
-  instead of copying it. For the same reason each device gets its own host
-  array: a box held by several devices is read once and copied for the others.
+  Each distinct box is read once. ``read_region`` must return memory that is
+  never written again when the devices are CPUs: XLA:CPU keeps (adopts) an
+  aligned host buffer given to ``device_put`` instead of copying it, and
+  devices that hold the same box share that one buffer. This is safe because
+  XLA:CPU never donates an adopted buffer in place (a donating computation
+  writes a new buffer; pinned by ``manager_test.py``).
   """
   boxes = device_boxes(shape, sharding)
   read: dict[Box, np.ndarray] = {}
   hosts = []
   for box in boxes.values():
-    if box in read:
-      host = aligned_copy(read[box])
-    else:
+    host = read.get(box)
+    if host is None:
       host = read[box] = np.asarray(read_region(box), dtype=dtype)
     hosts.append(host)
   arrays = jax.device_put(hosts, list(boxes))        # one batched transfer

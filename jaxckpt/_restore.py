@@ -30,32 +30,52 @@ class BufferPiece:
   """One saving process's snapshot held in a local buffer (memory or shm).
 
   Each shard is checked against its checksum the first time it is read.
+  ``private`` says the buffer is never written again (a rebuilt piece); else
+  ``lend``, when given, makes it so on first use (the in-process store retires
+  the slot from its pool) and returns whether it could.
   """
 
-  def __init__(self, manifest: SnapshotManifest, buffer: Any) -> None:
+  def __init__(self, manifest: SnapshotManifest, buffer: Any, *, private: bool = False,
+               lend: Callable[[], bool] | None = None) -> None:
     self.manifest = manifest
     self.buffer = buffer
     self.bytes_read = 0
     self._verified: set[int] = set()
+    self._private = private
+    self._lend = lend
+
+  def _mark_read(self, shard: ShardRecord) -> None:
+    self._verified.add(shard.offset)
+    self.bytes_read += shard.nbytes
 
   def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
     """A zero-copy view of a verified shard (for assembling other regions)."""
     if shard.offset not in self._verified:
       verify_shard(self.buffer, shard, path=leaf.path, step=self.manifest.step)
-      self._verified.add(shard.offset)
-      self.bytes_read += shard.nbytes
+      self._mark_read(shard)
     return shard_view(self.buffer, shard, leaf.numpy_dtype)
 
-  def shard_copy(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
-    """A private aligned copy of a shard, verified while copying (one pass)."""
+  def is_private(self) -> bool:
+    """Whether views of this buffer may be kept by restored arrays (lends on first ask)."""
+    if not self._private and self._lend is not None:
+      self._private, self._lend = self._lend(), None
+    return self._private
+
+  def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
+    """Verified values of a shard in memory that nothing writes again.
+
+    A view when the buffer is private (or could be lent), else an aligned
+    copy verified while copying (one pass over the bytes).
+    """
+    if self.is_private():
+      return self.shard_array(leaf, shard)
     if shard.offset in self._verified:
-      return aligned_copy(shard_view(self.buffer, shard, leaf.numpy_dtype))
+      return aligned_copy(self.shard_array(leaf, shard))
     out = aligned_empty(box_shape(shard.index), leaf.numpy_dtype)
     src = np.frombuffer(self.buffer, np.uint8, count=shard.nbytes, offset=shard.offset)
     if copy_and_hash(src, out.reshape(-1).view(np.uint8)) != shard.checksum:
       verify_shard(self.buffer, shard, path=leaf.path, step=self.manifest.step)  # raises
-    self._verified.add(shard.offset)
-    self.bytes_read += shard.nbytes
+    self._mark_read(shard)
     return out
 
 
@@ -71,7 +91,14 @@ class HostSource:
   def bytes_read(self) -> int:
     return sum(p.bytes_read for p in self.pieces)
 
-  def reader(self, i: int) -> Callable[[Box], np.ndarray]:
+  def reader(self, i: int, *, private: bool = True) -> Callable[[Box], np.ndarray]:
+    """``read_region(box)`` for leaf ``i``: verified values of ``box``.
+
+    With ``private`` (what XLA:CPU and numpy targets need: both keep the array
+    they are given) the result is memory nothing writes again; without it
+    (accelerator targets, which copy), a box stored whole may come back as a
+    view of the snapshot, valid while the step is pinned.
+    """
     rec = self.leaves[i]
     dtype = rec.numpy_dtype
     shards = [(p, p.manifest.leaves[i], s) for p in self.pieces
@@ -79,8 +106,10 @@ class HostSource:
     def read_region(box: Box) -> np.ndarray:
       for p, leaf, s in shards:
         if s.index == box:
-          copy = getattr(p, "shard_copy", None)
-          return copy(leaf, s) if copy else aligned_copy(p.shard_array(leaf, s))
+          if not private:
+            return p.shard_array(leaf, s)
+          own = getattr(p, "shard_private", None)     # remote pieces fetch private copies
+          return own(leaf, s) if own else p.shard_array(leaf, s)
       overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
                      if box_intersection(s.index, box) is not None]
       return assemble_region(box, dtype, overlapping, path=rec.path)
@@ -99,6 +128,8 @@ def restore_tree(source: Any, target: Any) -> Any:
   if target is None:
     return {rec.path: _leaf_value(source, i, rec, None) for i, rec in enumerate(saved)}
   targets, treedef = match_target(target, saved, source.step)
+  # One thread on purpose: restoring into fresh memory is bound by page faults,
+  # and two threads faulting in one process took twice as long (measured).
   values = [_leaf_value(source, i, rec, t) for i, (rec, t) in enumerate(zip(saved, targets))]
   return jax.tree_util.tree_unflatten(treedef, values)
 
@@ -106,12 +137,12 @@ def restore_tree(source: Any, target: Any) -> Any:
 def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> Any:
   if rec.kind == "scalar":
     return scalar_from_json(rec.value)
-  read_region = source.reader(i)
+  read_region = source.reader(i, private=_keeps_host_memory(t))
   if t is not None and t.mode == "jax" and t.sharding is None:
-    data = jax.device_put(np.asarray(read_region(full_box(rec.shape))))   # a fresh array
+    data = jax.device_put(read_region(full_box(rec.shape)))
     return jax.random.wrap_key_data(data, impl=rec.key_impl) if rec.kind == "prng_key" else data
   if t is None or t.mode == "numpy":
-    host = np.asarray(read_region(full_box(rec.shape)))   # already a fresh array
+    host = np.array(read_region(full_box(rec.shape)), copy=True)   # the caller's to write
     if rec.kind == "prng_key":
       return jax.random.wrap_key_data(host, impl=rec.key_impl)
     return host[()] if t is not None and t.numpy_scalar else host
@@ -120,6 +151,20 @@ def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> A
                       read_region)
     return jax.random.wrap_key_data(data, impl=rec.key_impl)
   return make_array(rec.shape, rec.numpy_dtype, t.sharding, read_region)
+
+
+def _keeps_host_memory(t: TargetLeaf | None) -> bool:
+  """Whether the restored leaf may keep the host array it is built from.
+
+  True for CPU devices (XLA:CPU adopts aligned host buffers instead of copying
+  them); False when every target device is an accelerator, and for numpy
+  targets, which get a copy of their own.
+  """
+  if t is None or t.mode != "jax":
+    return False
+  if t.sharding is None:
+    return jax.default_backend() == "cpu"
+  return any(d.platform == "cpu" for d in t.sharding.device_set)
 
 
 def _key_data_sharding(s: jax.sharding.Sharding) -> jax.sharding.Sharding:

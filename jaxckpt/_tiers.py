@@ -12,6 +12,7 @@ rebuilds them (tier "parity", ``jaxckpt.agent._parity``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Iterator
@@ -156,7 +157,8 @@ class StorageSource:
   def bytes_read(self) -> int:
     return self.reader_.bytes_read
 
-  def reader(self, i: int):
+  def reader(self, i: int, *, private: bool = True):   # reads are fresh arrays: always private
+    del private
     path = self.leaves[i].path
     return lambda box: self.reader_.read(path, box)
 
@@ -195,7 +197,8 @@ def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterat
     local_index = None
     if step in store.steps():
       manifest, buffer = stack.enter_context(store.read(step))
-      pieces.append(_restore.BufferPiece(manifest, buffer))
+      pieces.append(_restore.BufferPiece(manifest, buffer,
+                                         lend=functools.partial(store.lend, step)))
       local_index = manifest.process_index
       if manifest.process_count == 1:
         yield pieces
@@ -235,4 +238,4 @@ def _rebuilt_pieces(clients: dict[int, Any], step: int, pieces: list[Any]) -> li
     return []
   rebuilt = _parity.recover(clients, step, lost)
   logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)
-  return [_restore.BufferPiece(manifest, buf) for manifest, buf in rebuilt.values()]
+  return [_restore.BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]

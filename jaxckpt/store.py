@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.snapshot import SnapshotManifest
+from jaxckpt.snapshot import SnapshotManifest, aligned_empty
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,6 +56,14 @@ class HostStore(abc.ABC):
   def read(self, step: int) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, Any]]:
     """Pins ``step`` and yields its manifest and buffer until the context exits."""
 
+  def lend(self, step: int) -> bool:
+    """Promises that ``step``'s buffer is never written again, so restored arrays
+    may keep views of it (XLA:CPU adopts host buffers); False if this store
+    cannot (its slots are reused in place). ``step`` must be pinned by ``read``.
+    """
+    del step
+    return False
+
   def close(self) -> None:
     """Releases the store's resources (a no-op by default)."""
 
@@ -76,6 +84,9 @@ class InProcessStore(HostStore):
 
   Holds ``max_snapshots + 1`` slots: the committed snapshots plus one being
   written. Slots are allocated on first use at the snapshot's size and reused.
+  A slot lent to a restore (:meth:`lend`) keeps its step readable but is never
+  written again: when it frees up, its buffer is released (the restored arrays
+  hold it while they live) and the next save allocates a new one.
   """
 
   def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int) -> None:
@@ -86,6 +97,7 @@ class InProcessStore(HostStore):
     self._manifests: dict[int, SnapshotManifest] = {}
     self._slot_of: dict[int, int] = {}
     self._pins = [0] * (max_snapshots + 1)
+    self._lent = [False] * (max_snapshots + 1)
     self._cv = threading.Condition()
 
   def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
@@ -103,9 +115,10 @@ class InProcessStore(HostStore):
           return None
         self._cv.wait(left)
       self._state[i] = "writing"
+      lent, self._lent[i] = self._lent[i], False
     buf = self._buffers[i]
-    if buf is None or buf.size < nbytes:
-      buf = self._buffers[i] = np.empty(max(nbytes, 1), dtype=np.uint8)
+    if buf is None or buf.size < nbytes or lent:
+      buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
     return Slot(i, step, buf, nbytes)
 
   def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
@@ -132,6 +145,14 @@ class InProcessStore(HostStore):
   def steps(self) -> list[int]:
     with self._cv:
       return sorted(self._slot_of)
+
+  def lend(self, step: int) -> bool:
+    with self._cv:
+      i = self._slot_of.get(step)
+      if i is None or self._pins[i] == 0:
+        raise errors.StepNotFoundError(f"lend({step}): the step is not held and pinned")
+      self._lent[i] = True
+      return True
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
