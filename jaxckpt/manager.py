@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -152,9 +153,12 @@ class CheckpointManager:
 
   def _complete(self, step, plan, sources, slot, metadata, t0) -> None:
     try:
-      manifest = capture.complete(plan, sources, slot.buffer, step=step,
-                                  process_index=self._process[0],
-                                  process_count=self._process[1], metadata=metadata)
+      every = self._store.progress_bytes
+      manifest = capture.complete(
+          plan, sources, slot.buffer, step=step, process_index=self._process[0],
+          process_count=self._process[1], metadata=metadata,
+          on_progress=None if every is None else functools.partial(self._store.written, slot),
+          progress_bytes=every or 0)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest)
       if self._persister is not None:

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.snapshot import SnapshotManifest, aligned_empty
+from jaxckpt.snapshot import ShardRecord, SnapshotManifest, aligned_empty
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,6 +55,13 @@ class HostStore(abc.ABC):
   @abc.abstractmethod
   def read(self, step: int) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, Any]]:
     """Pins ``step`` and yields its manifest and buffer until the context exits."""
+
+  #: ``written`` is worth calling after about this many bytes (None: never call it).
+  progress_bytes: int | None = None
+
+  def written(self, slot: Slot, shards: list[ShardRecord]) -> None:
+    """``shards`` of ``slot`` are fully written (the store may verify them early)."""
+    del slot, shards
 
   def lend(self, step: int) -> bool:
     """Promises that ``step``'s buffer is never written again, so restored arrays

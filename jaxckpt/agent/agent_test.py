@@ -13,7 +13,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import psutil
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -58,6 +57,29 @@ def test_snapshots_outlive_the_manager_and_rollback_works(sandbox):
     assert m.last_restore.tier == "host" and m.last_restore.step == 2
     np.testing.assert_array_equal(np.asarray(out["w"]), x * 2)
     assert out["pos"] == 2
+
+
+def test_agent_hashes_while_the_trainer_writes_and_still_refuses_corrupt_shards(sandbox):
+  root, job = sandbox
+  x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  with mgr_for(root, job, max_snapshots=2) as m:
+    store = m._store
+    store.progress_bytes = 1                 # report every shard as soon as it is written
+    assert m.save(1, {"w": sharded(x)})
+    m.wait_until_finished()
+    assert store.call("status")["early_verified_shards"] == 8
+    np.testing.assert_array_equal(
+        np.asarray(m.restore(target={"w": sharded(np.zeros_like(x))})["w"]), x)
+
+    forward = store.written
+    def corrupt_then_report(slot, shards):   # a bit flip after the trainer hashed the bytes
+      slot.buffer[shards[0].offset] ^= 1
+      forward(slot, shards)
+    store.written = corrupt_then_report
+    assert m.save(2, {"w": sharded(x * 2)})
+    with pytest.raises(errors.CorruptSnapshotError, match=r"of leaf \"\['w'\]\" is corrupted"):
+      m.wait_until_finished()
+    assert m.all_steps() == [1]              # the torn step never became visible
 
 
 @pytest.mark.slow

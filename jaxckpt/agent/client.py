@@ -193,6 +193,14 @@ class AgentStore(HostStore):
         return None
       time.sleep(0.005)
 
+  # The agent hashes what is written while the rest is copied: commit then
+  # waits only for the last chunk's verification.
+  progress_bytes = 64 << 20
+
+  def written(self, slot: Slot, shards: list[ShardRecord]) -> None:
+    self.call("written", index=slot.index, step=slot.step,
+              shards=[[r.offset, r.nbytes, r.checksum] for r in shards])
+
   def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
     self.call("commit", index=slot.index, manifest=manifest.to_json())
 

@@ -15,16 +15,19 @@ that donates the source, so it is donation-safe too and never blocks.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from jaxckpt.capture._plan import CapturePlan
-from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, copy_and_hash
+from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, checksum,
+                              copy_and_hash)
 from jaxckpt.tree import Leaf, scalar_to_json
 
 logger = logging.getLogger(__name__)
+
+_SMALL_BYTES = 1 << 20      # shards up to this size are copied, then hashed, in two calls
 
 
 def _host_copy(x: jax.Array) -> jax.Array:
@@ -51,6 +54,9 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
     if not isinstance(x, jax.Array):
       sources.append(np.array(x, copy=True))    # numpy leaves are mutable
     elif shard.on_cpu:
+      if shard.few_of_many:                     # replicated: skip building every device's array
+        sources.append(np.asarray(x.addressable_data(shard.data_index)))
+        continue
       if arrays_of != shard.leaf:               # shards of a leaf are consecutive
         arrays, arrays_of = _single_device_arrays(x), shard.leaf
       sources.append(np.asarray(arrays[shard.data_index]))
@@ -80,18 +86,38 @@ def _single_device_arrays(x: jax.Array) -> Sequence[jax.Array]:
 
 def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: int,
              process_index: int = 0, process_count: int = 1,
-             metadata: dict[str, Any] | None = None) -> SnapshotManifest:
-  """Copies every source into ``buffer`` at its planned offset, hashing as it goes."""
+             metadata: dict[str, Any] | None = None,
+             on_progress: Callable[[list[ShardRecord]], None] | None = None,
+             progress_bytes: int = 64 << 20) -> SnapshotManifest:
+  """Copies every source into ``buffer`` at its planned offset, hashing as it goes.
+
+  ``on_progress`` gets the records of the shards written since its last call,
+  each time about ``progress_bytes`` more are written (not for the last ones).
+  """
   dst = np.frombuffer(buffer, dtype=np.uint8, count=plan.nbytes)
   records: list[list[ShardRecord]] = [[] for _ in plan.templates]
+  done: list[ShardRecord] = []
+  done_bytes = 0
   *sources, scalars = sources
   for shard, src in zip(plan.shards, sources):
-    flat = np.ascontiguousarray(np.asarray(src)).reshape(-1).view(np.uint8)
-    if flat.size != shard.nbytes:
+    src = np.asarray(src)
+    if src.nbytes != shard.nbytes:
       raise ValueError(f"shard {shard.box} of leaf {plan.templates[shard.leaf].path} "
-                       f"has {flat.size} bytes, planned {shard.nbytes}")
-    digest = copy_and_hash(flat, dst[shard.offset:shard.offset + shard.nbytes])
-    records[shard.leaf].append(ShardRecord(shard.box, shard.offset, shard.nbytes, digest))
+                       f"has {src.nbytes} bytes, planned {shard.nbytes}")
+    out = dst[shard.offset:shard.offset + shard.nbytes]
+    if shard.nbytes <= _SMALL_BYTES:     # one copy and one hash call: per-shard Python is the cost
+      np.copyto(out.view(src.dtype).reshape(src.shape), src)
+      digest = checksum(out)
+    else:
+      digest = copy_and_hash(np.ascontiguousarray(src).reshape(-1).view(np.uint8), out)
+    rec = ShardRecord(shard.box, shard.offset, shard.nbytes, digest)
+    records[shard.leaf].append(rec)
+    if on_progress is not None:
+      done.append(rec)
+      done_bytes += shard.nbytes
+      if done_bytes >= progress_bytes:
+        on_progress(done)
+        done, done_bytes = [], 0
   leaves = tuple(LeafRecord(path=t.path, kind=t.kind, shape=t.shape, dtype=t.dtype,
                             shards=tuple(r), sharding=t.sharding, value=v,
                             key_impl=t.key_impl)
