@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+import xxhash
 
+from jaxckpt.capture import _pack
 from jaxckpt.capture._plan import CapturePlan
-from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, checksum,
-                              copy_and_hash)
+from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, copy_and_hash
 from jaxckpt.tree import Leaf, scalar_to_json
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,13 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
   """Dispatches the host copies of every planned shard; returns their sources.
 
   Each source is a numpy array (a zero-copy view on CPU, a private copy of a
-  numpy leaf) or a single-device jax.Array whose host copy is in flight; the
-  last source is the list of scalar leaf values (kept in the manifest).
+  numpy leaf) or a single-device jax.Array whose host copy is in flight; then
+  comes the packed gather's output (or None), and last the list of scalar leaf
+  values (kept in the manifest).
   """
+  packed = None
+  if plan.pack is not None:      # dispatched first: one call for all small sharded leaves
+    packed = plan.pack.fn(*[leaves[i].value for i in plan.pack.leaves])
   sources: list[Any] = []
   on_host: dict[int, Any] = {}
   arrays, arrays_of = None, -1
@@ -69,6 +74,7 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
       d = h.addressable_data(shard.data_index)
       d.copy_to_host_async()
       sources.append(d)
+  sources.append(packed)
   sources.append([scalar_to_json(x.value) if x.kind == "scalar" else None for x in leaves])
   return sources
 
@@ -100,7 +106,22 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
   records: list[list[ShardRecord]] = [[] for _ in plan.templates]
   done: list[ShardRecord] = []
   done_bytes = 0
-  *sources, scalars = sources
+  *sources, packed, scalars = sources
+  if plan.pack is not None:
+    pk = plan.pack
+    for dev, view in _pack.device_buffers(packed):
+      lo = pk.base + pk.k_of_device[dev] * pk.local_bytes
+      np.copyto(dst[lo:lo + pk.local_bytes], view)
+    del packed
+    for n, e in enumerate(pk.entries):
+      if n % (4 * _YIELD_EVERY) == 4 * _YIELD_EVERY - 1:
+        time.sleep(0)
+      off = pk.base + e.k * pk.local_bytes + e.local_offset
+      rec = ShardRecord(e.box, off, e.nbytes, xxhash.xxh3_64_hexdigest(dst[off:off + e.nbytes]))
+      records[e.leaf].append(rec)
+      if on_progress is not None:
+        done.append(rec)
+    done_bytes += pk.nbytes
   for n, (shard, src) in enumerate(zip(plan.shards, sources)):
     if n % _YIELD_EVERY == _YIELD_EVERY - 1:
       time.sleep(0)     # hand the GIL to the training loop now, not after a 5 ms switch interval
@@ -111,7 +132,7 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
     out = dst[shard.offset:shard.offset + shard.nbytes]
     if shard.nbytes <= _SMALL_BYTES:     # one copy and one hash call: per-shard Python is the cost
       np.copyto(out.view(src.dtype).reshape(src.shape), src)
-      digest = checksum(out)
+      digest = xxhash.xxh3_64_hexdigest(out)   # == checksum(out): flat uint8
     else:
       digest = copy_and_hash(np.ascontiguousarray(src).reshape(-1).view(np.uint8), out)
     rec = ShardRecord(shard.box, shard.offset, shard.nbytes, digest)

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from jaxckpt.capture._pack import PackPlan, make_pack_plan, packable
 from jaxckpt.snapshot import Box, LeafRecord, align, box_from_index, box_shape, full_box
 from jaxckpt.tree import Leaf
 
@@ -30,8 +31,9 @@ class CapturePlan:
   """The byte layout of one process's snapshot of a given tree layout."""
 
   templates: tuple[LeafRecord, ...]    # leaves without shards or scalar values
-  shards: tuple[ShardSlot, ...]
+  shards: tuple[ShardSlot, ...]        # copied one by one (not the packed leaves)
   nbytes: int
+  pack: PackPlan | None = None         # small fully sharded leaves, gathered by one call
 
 
 def _signature(leaves: Sequence[Leaf]) -> tuple:
@@ -76,7 +78,11 @@ class Planner:
 
 
 def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
-  templates, shards, offset = [], [], 0
+  values = [leaf.value for leaf in leaves]
+  pack = make_pack_plan(values, [i for i, leaf in enumerate(leaves)
+                                 if leaf.kind != "scalar" and packable(leaf.value)], base=0)
+  packed = set(pack.leaves) if pack else set()
+  templates, shards, offset = [], [], pack.nbytes if pack else 0
   for i, leaf in enumerate(leaves):
     if leaf.kind == "scalar":
       templates.append(LeafRecord(path=leaf.path, kind="scalar"))   # value: per save
@@ -86,6 +92,8 @@ def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
     templates.append(LeafRecord(path=leaf.path, kind=leaf.kind, shape=tuple(x.shape),
                                 dtype=dtype.name, sharding=sharding_info(x),
                                 key_impl=leaf.key_impl))
+    if i in packed:
+      continue
     on_cpu = not isinstance(x, jax.Array) or all(
         d.platform == "cpu" for d in x.sharding.device_set)
     stored = _stored_boxes(x)
@@ -96,7 +104,7 @@ def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
       nbytes = int(np.prod(box_shape(box), dtype=np.int64)) * dtype.itemsize
       shards.append(ShardSlot(i, box, offset, nbytes, data_index, on_cpu, few))
       offset = align(offset + nbytes)
-  return CapturePlan(tuple(templates), tuple(shards), offset)
+  return CapturePlan(tuple(templates), tuple(shards), offset, pack)
 
 
 def _stored_boxes(x: Any) -> list[tuple[Box, int]]:
