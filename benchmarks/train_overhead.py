@@ -82,9 +82,11 @@ class Loop:
         self.mgr.save(self.step, self.state)
       if record:
         self.times.append(time.perf_counter() - t0)
-    if record and self.mgr is not None:
-      self.saves += n // self.interval
-      self.committed += self.mgr.stats.committed - committed0
+    if self.mgr is not None:
+      self.mgr.wait_until_finished()   # the round's last snapshot counts; keeps it out of the next mode
+      if record:
+        self.saves += n // self.interval
+        self.committed += self.mgr.stats.committed - committed0
 
 
 def parse_args() -> argparse.Namespace:
@@ -130,7 +132,7 @@ def mode_report(loop: Loop, base: float | None) -> dict[str, Any]:
     out["overhead_median_pct"] = round(100 * (med / base - 1), 2)
   if loop.mgr is not None:
     st = loop.mgr.stats
-    out.update(saves=loop.saves, committed=loop.committed,
+    out.update(saves=loop.saves, committed=loop.committed, skipped_busy=st.skipped_busy,
                interval_steps=loop.interval,
                achieved_interval_steps=round(loop.steps_recorded() / max(loop.committed, 1), 3),
                last_blocking_s=round(st.last_blocking_secs, 4),
@@ -179,14 +181,10 @@ def main() -> None:
                          first.train_step)
     for loop in loops.values():
       loop.run(a.warmup_steps, record=False)
-      if loop.mgr is not None:
-        loop.mgr.wait_until_finished()
     order = list(loops.values())
     for r in range(a.rounds):
       for loop in order[r % len(order):] + order[:r % len(order)]:   # rotate: no mode always first
         loop.run(a.steps_per_round, record=True)
-        if loop.mgr is not None:
-          loop.mgr.wait_until_finished()   # keep one mode's copy out of the next's steps
     base = statistics.median(loops["none"].times)
     res = {m: mode_report(loop, None if m == "none" else base) for m, loop in loops.items()}
   state_bytes = c.tree_nbytes({k: loops["none"].state[k] for k in ("params", "opt_state")})

@@ -43,6 +43,7 @@ class PackEntry:
   k: int
   local_offset: int
   nbytes: int
+  offset: int = 0      # in the snapshot: base + k * local_bytes + local_offset
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,7 +108,8 @@ def make_pack_plan(values: Sequence[Any], candidates: Sequence[int], base: int
     nbytes = int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize
     for d, idx in x.sharding.devices_indices_map(x.shape).items():
       entries.append(PackEntry(i, box_from_index(idx, x.shape), k_of_device[d.id], loff, nbytes))
-  entries.sort(key=lambda e: (e.k, e.local_offset))
+  entries = sorted((dataclasses.replace(e, offset=base + e.k * local + e.local_offset)
+                    for e in entries), key=lambda e: e.offset)
   specs = tuple(values[i].sharding.spec for i in chosen)
   fn = jax.jit(jax.shard_map(_concat_bytes, mesh=mesh, in_specs=specs,
                              out_specs=jax.sharding.PartitionSpec(axes), check_vma=False))
