@@ -97,9 +97,10 @@ def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
     on_cpu = not isinstance(x, jax.Array) or all(
         d.platform == "cpu" for d in x.sharding.device_set)
     stored = _stored_boxes(x)
-    # Fetching one device's array costs ~10 us; building all of them (``_arrays``)
-    # ~7 us a device: replicated leaves fetch only what they store.
-    few = isinstance(x, jax.Array) and 2 * len(stored) <= len(x.sharding.device_set)
+    # Fetching one device's array costs ~25 us; building all of them (``_arrays``)
+    # ~7 us a device: a fully replicated leaf fetches only the one it stores.
+    few = (isinstance(x, jax.Array) and len(stored) == 1
+           and len(x.sharding.device_set) > 4)
     for box, data_index in stored:
       nbytes = int(np.prod(box_shape(box), dtype=np.int64)) * dtype.itemsize
       shards.append(ShardSlot(i, box, offset, nbytes, data_index, on_cpu, few))
