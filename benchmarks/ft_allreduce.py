@@ -18,7 +18,6 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 

@@ -31,7 +31,6 @@ import os
 import shutil
 import signal
 import statistics
-import sys
 import time
 from typing import Any
 

@@ -162,8 +162,8 @@ def _keeps_host_memory(t: TargetLeaf | None) -> bool:
   """
   if t is None or t.mode != "jax":
     return False
-  if t.sharding is None:
-    return jax.default_backend() == "cpu"
+  if t.sharding is None:       # the default device (jax_default_device may point at a CPU)
+    return True
   return any(d.platform == "cpu" for d in t.sharding.device_set)
 
 

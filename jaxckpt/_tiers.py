@@ -198,7 +198,7 @@ def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterat
     if step in store.steps():
       manifest, buffer = stack.enter_context(store.read(step))
       pieces.append(_restore.BufferPiece(manifest, buffer,
-                                         lend=functools.partial(store.lend, step)))
+                                         lend=functools.partial(store.lend, step, buffer)))
       local_index = manifest.process_index
       if manifest.process_count == 1:
         yield pieces

@@ -240,35 +240,40 @@ def test_restored_arrays_never_see_later_saves():
 
 def test_cpu_restore_is_zero_copy_and_donation_never_writes_the_shared_buffer():
   # On CPU a restore from the in-process store lends the slot: restored shards
-  # are the snapshot's memory and replicated devices share one buffer. This
-  # relies on XLA:CPU never donating an adopted host buffer in place; if a jax
-  # upgrade changes that, the second restore below sees the donated result.
+  # are the snapshot's memory, and so are those of a second restore of the same
+  # step, and replicated devices share one buffer. This relies on XLA:CPU never
+  # donating an adopted host buffer in place; if a jax upgrade changes that, the
+  # donation below writes into the other restore's memory and this test fails.
   with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
     src = put(X, mesh((8,), ("x",)), "x")
     save_now(m, 1, {"w": src})
     (slot_buf,) = [b for b in m._store._buffers if b is not None]
     lo, hi = slot_buf.ctypes.data, slot_buf.ctypes.data + slot_buf.nbytes
-    same = m.restore(target={"w": src})["w"]
-    assert all(lo <= s.data.unsafe_buffer_pointer() < hi for s in same.addressable_shards)
+    in_slot = lambda a: all(lo <= s.data.unsafe_buffer_pointer() < hi for s in a.addressable_shards)
+    s1 = m.restore(target={"w": src})["w"]
+    s2 = m.restore(target={"w": src})["w"]
+    assert in_slot(s1) and in_slot(s2)
+    jax.jit(lambda x: x + 1, donate_argnums=0)(s1).block_until_ready()
+    assert s1.is_deleted()
+    assert_same(s2, X)
+    assert_same(m.restore(target={"w": src})["w"], X)
     rep_target = {"w": put(np.zeros_like(X), mesh((8,), ("x",)))}
-    a, b = m.restore(target=rep_target)["w"], m.restore(target=rep_target)["w"]
-    assert len({s.data.unsafe_buffer_pointer() for s in a.addressable_shards}) == 1
-    doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(a)
-    assert a.is_deleted()
-    assert_same(doubled, X * 2)
-    assert_same(b, X)
-    assert_same(same, X)
-    save_now(m, 2, {"w": put(X * 3, mesh((8,), ("x",)), "x")})  # a new slot, not the lent one
-    assert_same(b, X)
+    rep = m.restore(target=rep_target)["w"]
+    assert len({s.data.unsafe_buffer_pointer() for s in rep.addressable_shards}) == 1
+    for step in (2, 3):   # 2 slots: step 3 reuses the lent slot's index, with a new buffer
+      save_now(m, step, {"w": put(X * step, mesh((8,), ("x",)), "x")})
+    assert_same(s2, X)
+    assert_same(rep, X)
     assert_same(m.restore(target=rep_target)["w"], X * 3)
 
 
 def test_numpy_targets_get_arrays_of_their_own():
   with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
-    save_now(m, 1, {"w": put(X, mesh((8,), ("x",)), "x")})
+    save_now(m, 1, {"w": put(X, mesh((8,), ("x",)))})     # replicated: stored as one whole box
     out = m.restore(target={"w": np.zeros_like(X)})["w"]
     out += 1
     assert_same(m.restore(target={"w": np.zeros_like(X)})["w"], X)
+    assert_same(m.restore(target={"w": put(np.zeros_like(X), mesh((8,), ("x",)))})["w"], X)
 
 
 def test_keeps_max_snapshots_and_reuses_slot_buffers(mgr):
@@ -382,5 +387,16 @@ def test_many_small_sharded_leaves_restore_exactly_onto_another_mesh():
                                      for p in m._planner._cache.values())
     out = m.restore(target={k: put(np.zeros_like(v), dst_mesh, "d", "c")
                             for k, v in values.items()})
+  for k, v in values.items():
+    assert_same(out[k], v)
+
+
+def test_small_leaves_on_a_one_device_mesh_take_the_per_shard_path():
+  one = mesh((1,), ("x",))
+  values = {f"p{i}": np.arange(8, dtype=np.float32) + i for i in range(6)}
+  with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
+    save_now(m, 1, {k: put(v, one, "x") for k, v in values.items()})
+    assert all(p.pack is None for p in m._planner._cache.values())
+    out = m.restore(target={k: put(np.zeros_like(v), one, "x") for k, v in values.items()})
   for k, v in values.items():
     assert_same(out[k], v)

@@ -1,6 +1,5 @@
 """The persistent tier through the manager: written in the background, restored on any mesh."""
 
-import os
 import time
 
 import jax

@@ -63,12 +63,13 @@ class HostStore(abc.ABC):
     """``shards`` of ``slot`` are fully written (the store may verify them early)."""
     del slot, shards
 
-  def lend(self, step: int) -> bool:
-    """Promises that ``step``'s buffer is never written again, so restored arrays
-    may keep views of it (XLA:CPU adopts host buffers); False if this store
-    cannot (its slots are reused in place). ``step`` must be pinned by ``read``.
+  def lend(self, step: int, buffer: Any) -> bool:
+    """Promises that ``buffer`` (``step``'s, as pinned by ``read``) is never
+    written again, so restored arrays may keep views of it (XLA:CPU adopts host
+    buffers); False if this store cannot (its slots are reused in place) or
+    the buffer is no longer pinned.
     """
-    del step
+    del step, buffer
     return False
 
   def close(self) -> None:
@@ -93,7 +94,9 @@ class InProcessStore(HostStore):
   written. Slots are allocated on first use at the snapshot's size and reused.
   A slot lent to a restore (:meth:`lend`) keeps its step readable but is never
   written again: when it frees up, its buffer is released (the restored arrays
-  hold it while they live) and the next save allocates a new one.
+  hold it while they live) and the next save allocates a new one. While a
+  restored array lives, its whole old slot does too: up to one snapshot of
+  memory beyond ``host_memory_limit_bytes`` per lent slot.
   """
 
   def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int) -> None:
@@ -153,11 +156,11 @@ class InProcessStore(HostStore):
     with self._cv:
       return sorted(self._slot_of)
 
-  def lend(self, step: int) -> bool:
+  def lend(self, step: int, buffer: Any) -> bool:
     with self._cv:
-      i = self._slot_of.get(step)
+      i = next((i for i, b in enumerate(self._buffers) if b is buffer), None)
       if i is None or self._pins[i] == 0:
-        raise errors.StepNotFoundError(f"lend({step}): the step is not held and pinned")
+        return False             # the caller copies instead
       self._lent[i] = True
       return True
 

@@ -221,10 +221,10 @@ class Agent:
       raise errors.CorruptSnapshotError(
           f"written(step {step}) to slot {index} which is {s.state} (step {s.step})")
     mm = s.read_map()
-    self.early_verified += len(shards)
     recs = [ShardRecord(((0, int(n)),), int(o), int(n), str(c)) for o, n, c in shards]
     recs = [r for r in recs if r.offset + r.nbytes <= s.size
             and (r.offset, r.nbytes, r.checksum) not in s.early]
+    self.early_verified += len(recs)
     for batch in _batches([("", r) for r in recs]):
       f = self._hash_pool.submit(_verify_all, mm, batch, step)
       for _, r in batch:
@@ -384,6 +384,12 @@ class Agent:
             time.monotonic() - self.last_active > self.idle_timeout_secs)
 
   def cleanup(self) -> None:
+    self._hash_pool.shutdown(wait=True)
+    for s in self.slots:
+      if s.map is not None:
+        with contextlib.suppress(BufferError):   # a reader still holds it: freed with it
+          s.map.close()
+        s.map = None
     shutil.rmtree(self.dir, ignore_errors=True)
     with contextlib.suppress(OSError):
       os.unlink(self.dir + ".lock")

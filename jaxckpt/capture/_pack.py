@@ -68,7 +68,8 @@ def packable(x: Any) -> bool:
   if not isinstance(x, jax.Array) or not isinstance(x.sharding, jax.sharding.NamedSharding):
     return False
   s, mesh = x.sharding, x.sharding.mesh
-  if (np.dtype(x.dtype).name not in _DTYPES or not x.is_fully_addressable
+  if (mesh.size < 2 or x.size == 0 or np.dtype(x.dtype).name not in _DTYPES
+      or not x.is_fully_addressable
       or any(d.platform != "cpu" or d.process_index != jax.process_index()
              for d in mesh.devices.flat)):
     return False
@@ -100,8 +101,10 @@ def make_pack_plan(values: Sequence[Any], candidates: Sequence[int], base: int
                   * np.dtype(x.dtype).itemsize)
   axes = tuple(mesh.axis_names)
   out_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
-  k_of_device = {d.id: idx[0].start // local for d, idx in
+  k_of_device = {d.id: box_from_index(idx, (mesh.size * local,))[0][0] // local for d, idx in
                  out_sharding.devices_indices_map((mesh.size * local,)).items()}
+  if sorted(k_of_device.values()) != list(range(mesh.size)):    # one distinct block per device
+    return None
   entries = []
   for i, loff in zip(chosen, local_offsets):
     x = values[i]
