@@ -14,7 +14,11 @@ that donates the source, so it is donation-safe too and never blocks.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import logging
+import re
 import time
 from typing import Any, Callable, Sequence
 
@@ -151,6 +155,66 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
                             shards=tuple(r), sharding=t.sharding, value=v,
                             key_impl=t.key_impl)
                  for t, r, v in zip(plan.templates, records, scalars))
-  return SnapshotManifest(step=step, leaves=leaves, nbytes=plan.nbytes,
-                          process_index=process_index, process_count=process_count,
-                          metadata=dict(metadata or {}))
+  manifest = SnapshotManifest(step=step, leaves=leaves, nbytes=plan.nbytes,
+                              process_index=process_index, process_count=process_count,
+                              metadata=dict(metadata or {}))
+  if len(plan.shards) + (len(plan.pack.entries) if plan.pack else 0) >= _TEMPLATE_MIN_SHARDS:
+    text = _render_json(plan, manifest)
+    if text is not None:
+      manifest = dataclasses.replace(manifest, json_text=text)
+  return manifest
+
+
+# -- the manifest's JSON from a per-layout template ---------------------------
+#
+# Encoding a manifest of ~1,700 shard records took ~9 ms per save (in the
+# thread that competes with the training loop for the GIL), and only the
+# checksums, scalar values, step and metadata change between saves of one
+# layout. The template is the JSON of the layout with a named hole for each;
+# rendering joins the pieces (~0.5 ms). It equals ``json.dumps(to_obj())``.
+
+_TEMPLATE_MIN_SHARDS = 64
+_HOLE = re.compile(r'"@@jaxckpt:([a-z]+)(\d*)@@"')
+
+
+def _render_json(plan: CapturePlan, m: SnapshotManifest) -> str | None:
+  if not plan.json_template:
+    plan.json_template.append(_make_template(m))
+  template = plan.json_template[0]
+  if template is None:                       # a path happened to contain a hole's name
+    return None
+  pieces, holes = template
+  enc = functools.partial(json.dumps, separators=(",", ":"))
+  fixed = {"step": str(m.step), "meta": enc(m.metadata), "pi": str(m.process_index),
+           "pc": str(m.process_count)}
+  digests = [r.checksum for leaf in m.leaves for r in leaf.shards]
+  values = [leaf.value for leaf in m.leaves if leaf.kind == "scalar"]
+  out = [pieces[0]]
+  for (kind, n), piece in zip(holes, pieces[1:]):
+    if kind == "c":
+      out.append('"' + digests[n] + '"')
+    elif kind == "v":
+      out.append(enc(values[n]))
+    else:
+      out.append(fixed[kind])
+    out.append(piece)
+  return "".join(out)
+
+
+def _make_template(m: SnapshotManifest) -> tuple[list[str], list[tuple[str, int]]] | None:
+  """``(pieces, holes)``: the manifest JSON split at each per-save value."""
+  n = iter(range(1 << 62))
+  v = iter(range(1 << 62))
+  leaves = tuple(dataclasses.replace(
+      leaf, value=f"@@jaxckpt:v{next(v)}@@" if leaf.kind == "scalar" else leaf.value,
+      shards=tuple(dataclasses.replace(r, checksum=f"@@jaxckpt:c{next(n)}@@")
+                   for r in leaf.shards)) for leaf in m.leaves)
+  shaped = dataclasses.replace(m, step="@@jaxckpt:step@@", metadata="@@jaxckpt:meta@@",
+                               process_index="@@jaxckpt:pi@@",
+                               process_count="@@jaxckpt:pc@@", leaves=leaves, json_text=None)
+  text = shaped.to_json()
+  parts = _HOLE.split(text)      # [piece, kind, number, piece, kind, number, ..., piece]
+  pieces, holes = parts[0::3], [(k, int(d) if d else 0) for k, d in zip(parts[1::3], parts[2::3])]
+  want = sum(len(leaf.shards) for leaf in m.leaves) + sum(leaf.kind == "scalar"
+                                                          for leaf in m.leaves) + 4
+  return (pieces, holes) if len(holes) == want else None

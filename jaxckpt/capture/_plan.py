@@ -34,6 +34,8 @@ class CapturePlan:
   shards: tuple[ShardSlot, ...]        # copied one by one (not the packed leaves)
   nbytes: int
   pack: PackPlan | None = None         # small fully sharded leaves, gathered by one call
+  # The manifest JSON template of this layout, built by the first save that needs it.
+  json_template: list[Any] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
 
 def _signature(leaves: Sequence[Leaf]) -> tuple:

@@ -4,12 +4,15 @@ These tests pin down the platform behaviour that jaxckpt.capture relies on; if
 a JAX release changes it, they fail and the capture strategy must be revisited.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxckpt import capture, tree
+from jaxckpt.snapshot import SnapshotManifest
 
 X = np.arange(64, dtype=np.float32)
 
@@ -143,3 +146,33 @@ def test_packed_gather_holds_values_through_donation():
   assert all(state[keys[i]].is_deleted() for i in plan.pack.leaves)    # really donated
   for k, v in expected.items():
     np.testing.assert_array_equal(_stored(manifest, buf, f"['{k}']"), v)
+
+
+def test_manifest_json_from_the_layout_template_equals_a_fresh_encoding():
+  state = _small_state()
+  state.update({"step": 7, "name": 'quote " and \u00e9', "flag": True, "x": 1.5,
+                "key": jax.random.key(3), "np": np.arange(3)})
+  leaves, _ = tree.flatten(state)
+  plan = capture.Planner().plan(leaves)
+  buf = np.zeros(plan.nbytes, np.uint8)
+  for step in (1, 2):                        # the first save builds the template, the second reuses it
+    leaves, _ = tree.flatten(dict(state, step=step, name=f"run {step} \"x\""))
+    m = capture.complete(plan, capture.start(leaves, plan), buf, step=step,
+                         metadata={"seed": step, "note": "a\nb"})
+    assert m.json_text is not None and plan.json_template[0] is not None
+    fresh = dataclasses.replace(m, json_text=None).to_json()
+    assert m.to_json() == fresh
+    assert SnapshotManifest.from_json(fresh) == m
+
+
+def test_a_path_that_looks_like_a_template_hole_is_encoded_exactly():
+  # A hole is a whole JSON string; text inside a path is escaped, so it never matches.
+  state = _small_state()
+  state['"@@jaxckpt:c0@@"'] = np.zeros(2)
+  state["@@jaxckpt:step@@"] = 5
+  leaves, _ = tree.flatten(state)
+  plan = capture.Planner().plan(leaves)
+  m = capture.complete(plan, capture.start(leaves, plan), np.zeros(plan.nbytes, np.uint8), step=1)
+  assert m.json_text is not None
+  assert m.to_json() == dataclasses.replace(m, json_text=None).to_json()
+  assert SnapshotManifest.from_json(m.to_json()) == m
