@@ -181,9 +181,10 @@ class SnapshotManifest:
   process_count: int = 1
   metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
   version: int = MANIFEST_VERSION
-  # ``to_json``'s text when the writer already has it (capture renders it from a
-  # per-layout template); never compared.
-  json_text: str | None = dataclasses.field(default=None, compare=False, repr=False)
+  # Renders ``to_json``'s text faster than encoding (capture's per-layout
+  # template), or returns None; never compared.
+  json_renderer: Callable[["SnapshotManifest"], str | None] | None = dataclasses.field(
+      default=None, compare=False, repr=False)
 
   def to_obj(self) -> dict[str, Any]:
     return {"version": self.version, "step": self.step, "nbytes": self.nbytes,
@@ -204,9 +205,8 @@ class SnapshotManifest:
                leaves=tuple(LeafRecord.from_obj(x) for x in o["leaves"]))
 
   def to_json(self) -> str:
-    if self.json_text is not None:
-      return self.json_text
-    return json.dumps(self.to_obj(), separators=(",", ":"))
+    text = self.json_renderer(self) if self.json_renderer is not None else None
+    return text if text is not None else json.dumps(self.to_obj(), separators=(",", ":"))
 
   @classmethod
   def from_json(cls, s: str | bytes) -> "SnapshotManifest":

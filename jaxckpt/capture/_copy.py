@@ -155,14 +155,11 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
                             shards=tuple(r), sharding=t.sharding, value=v,
                             key_impl=t.key_impl)
                  for t, r, v in zip(plan.templates, records, scalars))
-  manifest = SnapshotManifest(step=step, leaves=leaves, nbytes=plan.nbytes,
-                              process_index=process_index, process_count=process_count,
-                              metadata=dict(metadata or {}))
-  if len(plan.shards) + (len(plan.pack.entries) if plan.pack else 0) >= _TEMPLATE_MIN_SHARDS:
-    text = _render_json(plan, manifest)
-    if text is not None:
-      manifest = dataclasses.replace(manifest, json_text=text)
-  return manifest
+  many = len(plan.shards) + (len(plan.pack.entries) if plan.pack else 0) >= _TEMPLATE_MIN_SHARDS
+  return SnapshotManifest(step=step, leaves=leaves, nbytes=plan.nbytes,
+                          process_index=process_index, process_count=process_count,
+                          metadata=dict(metadata or {}),
+                          json_renderer=functools.partial(_render_json, plan) if many else None)
 
 
 # -- the manifest's JSON from a per-layout template ---------------------------
@@ -171,7 +168,8 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
 # thread that competes with the training loop for the GIL), and only the
 # checksums, scalar values, step and metadata change between saves of one
 # layout. The template is the JSON of the layout with a named hole for each;
-# rendering joins the pieces (~0.5 ms). It equals ``json.dumps(to_obj())``.
+# rendering joins the pieces (~0.5 ms), only when a store asks for the JSON
+# (the agent). It equals ``json.dumps(to_obj())``.
 
 _TEMPLATE_MIN_SHARDS = 64
 _HOLE = re.compile(r'"@@jaxckpt:([a-z]+)(\d*)@@"')
@@ -211,7 +209,8 @@ def _make_template(m: SnapshotManifest) -> tuple[list[str], list[tuple[str, int]
                    for r in leaf.shards)) for leaf in m.leaves)
   shaped = dataclasses.replace(m, step="@@jaxckpt:step@@", metadata="@@jaxckpt:meta@@",
                                process_index="@@jaxckpt:pi@@",
-                               process_count="@@jaxckpt:pc@@", leaves=leaves, json_text=None)
+                               process_count="@@jaxckpt:pc@@", leaves=leaves,
+                               json_renderer=None)
   text = shaped.to_json()
   parts = _HOLE.split(text)      # [piece, kind, number, piece, kind, number, ..., piece]
   pieces, holes = parts[0::3], [(k, int(d) if d else 0) for k, d in zip(parts[1::3], parts[2::3])]
