@@ -194,10 +194,7 @@ class SnapshotManifest:
 
   @classmethod
   def from_obj(cls, o: dict[str, Any]) -> "SnapshotManifest":
-    if o.get("version") != MANIFEST_VERSION:
-      raise errors.ManifestError(
-          f"snapshot manifest version {o.get('version')!r} is not supported "
-          f"(this jaxckpt reads version {MANIFEST_VERSION}); upgrade jaxckpt")
+    check_manifest_version(o)
     return cls(step=int(o["step"]), nbytes=int(o["nbytes"]),
                process_index=int(o.get("process_index", 0)),
                process_count=int(o.get("process_count", 1)),
@@ -210,15 +207,29 @@ class SnapshotManifest:
 
   @classmethod
   def from_json(cls, s: str | bytes) -> "SnapshotManifest":
-    try:
-      obj = json.loads(s)
-    except ValueError as e:
-      raise errors.ManifestError(f"snapshot manifest is not valid JSON: {e}") from e
-    return cls.from_obj(obj)
+    return cls.from_obj(manifest_obj(s))
 
   @property
   def paths(self) -> tuple[str, ...]:
     return tuple(leaf.path for leaf in self.leaves)
+
+
+def manifest_obj(text: str | bytes) -> dict[str, Any]:
+  """A manifest's JSON parsed, its version checked (ManifestError otherwise)."""
+  try:
+    obj = json.loads(text)
+  except ValueError as e:
+    raise errors.ManifestError(f"snapshot manifest is not valid JSON: {e}") from e
+  check_manifest_version(obj)
+  return obj
+
+
+def check_manifest_version(o: dict[str, Any]) -> None:
+  if o.get("version") != MANIFEST_VERSION:
+    raise errors.ManifestError(
+        f"snapshot manifest version {o.get('version')!r} is not supported "
+        f"(this jaxckpt reads version {MANIFEST_VERSION}); run one jaxckpt version "
+        "for trainers and agents, or upgrade jaxckpt")
 
 
 def dtype_from_name(name: str) -> np.dtype:

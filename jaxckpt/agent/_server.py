@@ -27,7 +27,7 @@ import zmq
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths, _protocol
-from jaxckpt.snapshot import MANIFEST_VERSION, ShardRecord, SnapshotManifest, verify_shard
+from jaxckpt.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
 
 logger = logging.getLogger("jaxckpt.agent")
 
@@ -99,14 +99,7 @@ class _CommitView:
 
   @classmethod
   def parse(cls, manifest: str) -> "_CommitView":
-    try:
-      o = json.loads(manifest)
-    except ValueError as e:
-      raise errors.ManifestError(f"snapshot manifest is not valid JSON: {e}") from e
-    if o.get("version") != MANIFEST_VERSION:
-      raise errors.ManifestError(
-          f"snapshot manifest version {o.get('version')!r} is not supported by this agent "
-          f"(it reads version {MANIFEST_VERSION}); run the trainer and agent from one jaxckpt")
+    o = manifest_obj(manifest)
     shards = [(leaf["path"], ShardRecord(tuple(map(tuple, sh["index"])), int(sh["offset"]),
                                          int(sh["nbytes"]), str(sh["checksum"])))
               for leaf in o["leaves"] for sh in leaf["shards"]]
