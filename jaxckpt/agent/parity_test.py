@@ -97,9 +97,21 @@ class Cluster:
   def parity_status(self, h: int) -> dict:
     return self.stores[h].call("parity_status")
 
+  def protect(self, step: int) -> None:
+    """Saves ``step`` on every host and waits until its parity is complete."""
+    self.save(step)
+    with self.manager() as mgr:
+      mgr.wait_until_protected(step, timeout_secs=60)
+
   def close(self) -> None:
     for s in self.stores:
       s.close()
+
+  def __enter__(self) -> "Cluster":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 @pytest.fixture
@@ -124,31 +136,23 @@ def assert_restores(mgr: jc.CheckpointManager, step: int, tier: str) -> None:
 
 @pytest.mark.parametrize("m", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_every_single_lost_host_is_rebuilt_and_the_next_step_protected(sandbox, m):
-  c = Cluster(*sandbox, m)
-  step = 1
-  try:
+  with Cluster(*sandbox, m) as c:
+    step = 1
     c.save(step)
     with c.manager() as mgr:
       mgr.wait_until_protected(step, timeout_secs=60)
       assert mgr.protected_steps() == [step]
     for lost in itertools.combinations(range(HOSTS), 1):
       step = _lose_restore_and_protect(c, lost, step)
-  finally:
-    c.close()
 
 
 @pytest.mark.slow
 def test_every_pair_of_lost_hosts_is_rebuilt_with_parity_2(sandbox):
-  c = Cluster(*sandbox, 2)
-  step = 1
-  try:
-    c.save(step)
-    with c.manager() as mgr:
-      mgr.wait_until_protected(step, timeout_secs=60)
+  with Cluster(*sandbox, 2) as c:
+    step = 1
+    c.protect(step)
     for lost in itertools.combinations(range(HOSTS), 2):
       step = _lose_restore_and_protect(c, lost, step)
-  finally:
-    c.close()
 
 
 def _lose_restore_and_protect(c: Cluster, lost: tuple[int, ...], step: int) -> int:
@@ -163,8 +167,7 @@ def _lose_restore_and_protect(c: Cluster, lost: tuple[int, ...], step: int) -> i
 
 
 def test_one_more_lost_host_than_parity_names_the_group_and_hosts(sandbox):
-  c = Cluster(*sandbox, 1)
-  try:
+  with Cluster(*sandbox, 1) as c:
     with c.manager() as mgr:
       for step in (1, 2):
         c.save(step)
@@ -178,35 +181,25 @@ def test_one_more_lost_host_than_parity_names_the_group_and_hosts(sandbox):
         mgr.restore(target=target())
       with pytest.raises(errors.UnrecoverableLossError, match=r"step 1: .* lost hosts \[1, 3\]"):
         mgr.restore(step=1, target=target())
-  finally:
-    c.close()
 
 
 def test_unrecoverable_loss_falls_back_to_storage(sandbox, tmp_path):
   root, job = sandbox
-  c = Cluster(root, job, 1)
-  try:
+  with Cluster(root, job, 1) as c:
     c.save(1)
     for h in range(HOSTS):      # what the agents' persist thread writes, one step on storage
       with c.stores[h].read(1) as (manifest, buf):
         jc.universal.write_process_shards(str(tmp_path), manifest, buf)
     jc.universal.commit_step(str(tmp_path), 1, process_count=HOSTS, timeout_secs=30)
-    c.save(2)
-    with c.manager() as mgr:
-      mgr.wait_until_protected(2, timeout_secs=60)
+    c.protect(2)
     c.lose([0, 2])
     with c.manager(str(tmp_path)) as mgr:
       assert_restores(mgr, 1, "storage")
-  finally:
-    c.close()
 
 
 def test_corrupted_parity_block_is_detected(sandbox):
-  c = Cluster(*sandbox, 1)
-  try:
-    c.save(1)
-    with c.manager() as mgr:
-      mgr.wait_until_protected(1, timeout_secs=60)
+  with Cluster(*sandbox, 1) as c:
+    c.protect(1)
     # Host 1 holds the parity of stripe 1, in which host 2 is a data host.
     with open(os.path.join(_paths.agent_dir(c.root, c.job, 1), "parity0.bin"), "r+b") as f:
       block = bytearray(f.read(16))
@@ -217,32 +210,22 @@ def test_corrupted_parity_block_is_detected(sandbox):
       with pytest.raises(errors.CorruptSnapshotError,
                          match=r"stripe 1 of group 0 lost hosts \[2\] .*failed its checksum"):
         mgr.restore(target=target())
-  finally:
-    c.close()
 
 
 @pytest.mark.slow
 def test_corrupted_parity_block_is_left_out_when_another_can_stand_in(sandbox):
-  c = Cluster(*sandbox, 2)
-  try:
-    c.save(1)
-    with c.manager() as mgr:
-      mgr.wait_until_protected(1, timeout_secs=60)
+  with Cluster(*sandbox, 2) as c:
+    c.protect(1)
     with open(os.path.join(_paths.agent_dir(c.root, c.job, 1), "parity0.bin"), "r+b") as f:
       f.write(b"\xff" * 16)
     c.lose([3])
     with c.manager() as mgr:
       assert_restores(mgr, 1, "parity")
-  finally:
-    c.close()
 
 
 def test_parity_memory_per_host_is_what_the_layout_says(sandbox):
-  c = Cluster(*sandbox, 1)
-  try:
-    c.save(1)
-    with c.manager() as mgr:
-      mgr.wait_until_protected(1, timeout_secs=60)
+  with Cluster(*sandbox, 1) as c:
+    c.protect(1)
     sizes = [c.stores[h].call("manifest", step=1)["manifest"] for h in range(HOSTS)]
     sizes = [SnapshotManifest.from_json(js).nbytes for js in sizes]
     want = StripeLayout.build(sizes, c.options).parity_bytes_per_host()
@@ -250,13 +233,10 @@ def test_parity_memory_per_host_is_what_the_layout_says(sandbox):
     assert got == want
     # m / (g - m) = 1/3 of the group's snapshot bytes, up to the padding of uneven hosts.
     assert sum(sizes) / 3 <= sum(got) <= max(sizes) * 4 / 3 + 64 * 4, (got, sizes)
-  finally:
-    c.close()
 
 
 def test_a_host_that_never_commits_is_named_by_the_timeout(sandbox):
-  c = Cluster(*sandbox, 1, timeout_secs=1.0)
-  try:
+  with Cluster(*sandbox, 1, timeout_secs=1.0) as c:
     c.save(1, hosts=[0, 1, 2])
     deadline = time.monotonic() + 30
     while c.parity_status(0)["steps"][0][1] == "pending" and time.monotonic() < deadline:
@@ -265,8 +245,6 @@ def test_a_host_that_never_commits_is_named_by_the_timeout(sandbox):
     assert state_ == "failed"
     assert ("SnapshotTimeoutError: parity of step 1 on host 0: hosts [3] of parity group "
             "[0, 1, 2, 3] did not commit step 1 within 1.0 s") in error
-  finally:
-    c.close()
 
 
 def test_parity_needs_agents():

@@ -24,11 +24,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-import xxhash
 
 from jaxckpt.capture import _pack
 from jaxckpt.capture._plan import CapturePlan
-from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, copy_and_hash
+from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, checksum,
+                              copy_and_hash)
 from jaxckpt.tree import Leaf, scalar_to_json
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
         sources.append(np.asarray(x.addressable_data(shard.data_index)))
         continue
       if arrays_of != shard.leaf:               # shards of a leaf are consecutive
-        arrays, arrays_of = _single_device_arrays(x), shard.leaf
+        arrays, arrays_of = _pack.single_device_arrays(x), shard.leaf
       sources.append(np.asarray(arrays[shard.data_index]))
     else:
       h = on_host.get(shard.leaf)
@@ -81,19 +81,6 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
   sources.append(packed)
   sources.append([scalar_to_json(x.value) if x.kind == "scalar" else None for x in leaves])
   return sources
-
-
-def _single_device_arrays(x: jax.Array) -> Sequence[jax.Array]:
-  """``x``'s per-device arrays in ``addressable_shards`` order.
-
-  ``ArrayImpl._arrays`` when present (it is what ``addressable_data(i)``
-  indexes, without the per-call checks that cost ~10 us a shard), else the
-  public accessor.
-  """
-  arrays = getattr(x, "_arrays", None)
-  if arrays is None:
-    return [x.addressable_data(i) for i in range(len(x.addressable_shards))]
-  return arrays
 
 
 def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: int,
@@ -117,13 +104,12 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
       lo = pk.base + pk.k_of_device[dev] * pk.local_bytes
       np.copyto(dst[lo:lo + pk.local_bytes], view)
     del packed
-    hexdigest = xxhash.xxh3_64_hexdigest
     step_n = 8 * _YIELD_EVERY
     for lo in range(0, len(pk.entries), step_n):   # a GIL hand-off between batches
       if lo:
         time.sleep(0)
       recs = [(e.leaf, ShardRecord(e.box, e.offset, e.nbytes,
-                                   hexdigest(dst[e.offset:e.offset + e.nbytes])))
+                                   checksum(dst[e.offset:e.offset + e.nbytes])))
               for e in pk.entries[lo:lo + step_n]]
       for leaf, rec in recs:
         records[leaf].append(rec)
@@ -140,7 +126,7 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
     out = dst[shard.offset:shard.offset + shard.nbytes]
     if shard.nbytes <= _SMALL_BYTES:     # one copy and one hash call: per-shard Python is the cost
       np.copyto(out.view(src.dtype).reshape(src.shape), src)
-      digest = xxhash.xxh3_64_hexdigest(out)   # == checksum(out): flat uint8
+      digest = checksum(out)
     else:
       digest = copy_and_hash(np.ascontiguousarray(src).reshape(-1).view(np.uint8), out)
     rec = ShardRecord(shard.box, shard.offset, shard.nbytes, digest)
@@ -155,11 +141,10 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
                             shards=tuple(r), sharding=t.sharding, value=v,
                             key_impl=t.key_impl)
                  for t, r, v in zip(plan.templates, records, scalars))
-  many = len(plan.shards) + (len(plan.pack.entries) if plan.pack else 0) >= _TEMPLATE_MIN_SHARDS
   return SnapshotManifest(step=step, leaves=leaves, nbytes=plan.nbytes,
                           process_index=process_index, process_count=process_count,
                           metadata=dict(metadata or {}),
-                          json_renderer=functools.partial(_render_json, plan) if many else None)
+                          json_renderer=functools.partial(_render_json, plan))
 
 
 # -- the manifest's JSON from a per-layout template ---------------------------
@@ -171,7 +156,6 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
 # rendering joins the pieces (~0.5 ms), only when a store asks for the JSON
 # (the agent). It equals ``json.dumps(to_obj())``.
 
-_TEMPLATE_MIN_SHARDS = 64
 _HOLE = re.compile(r'"@@jaxckpt:([a-z]+)(\d*)@@"')
 
 

@@ -47,7 +47,6 @@ def main(argv=None) -> int:
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   if a.permute:
     devices = devices[::-1]
-  n = len(devices)
   mesh1 = jax.sharding.Mesh(np.array(devices), ("x",))
   mesh2 = jax.sharding.Mesh(np.array(devices).reshape(a.num_processes, 2), ("a", "b"))
   shardings = {"w": NamedSharding(mesh1, P("x")), "rep": NamedSharding(mesh1, P()),

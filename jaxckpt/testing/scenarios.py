@@ -1,7 +1,8 @@
 """Shipped test contracts: the snapshot scenarios every platform must pass.
 
 The CPU suite runs them on 8 emulated devices (scenarios_test.py); gpu_tests/
-and tpu_tests/ run the same functions on real accelerators.
+and tpu_tests/ run the same functions on real accelerators, each through
+:func:`run` over :data:`NAMES`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
+from jaxckpt.testing import processes
 
 
 def _mesh(devices: Sequence[jax.Device], shape: tuple[int, ...], names: tuple[str, ...]):
@@ -96,3 +98,24 @@ def agent_restart(devices: Sequence[jax.Device], run_root: str, job: str) -> Non
     out = mgr.restore(target={"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)})
     assert (mgr.last_restore.step, mgr.last_restore.tier) == (7, "host")
     np.testing.assert_array_equal(np.asarray(out["w"]), x)
+
+
+NAMES = ("sharded_snapshot_round_trip", "snapshot_survives_donation",
+         "restore_onto_another_mesh", "agent_restart")
+
+
+def run(name: str, devices: Sequence[jax.Device]) -> None:
+  """Runs scenario ``name`` on ``devices`` (an agent scenario in a sandbox of its own)."""
+  if name == "agent_restart":
+    with processes.agent_sandbox() as (root, job):
+      agent_restart(devices, root, job)
+  else:
+    globals()[name](devices)
+
+
+def platform_devices(platform: str) -> list[jax.Device]:
+  """The devices of ``platform`` ("gpu", "tpu"), or none where jax has no such backend."""
+  try:
+    return jax.devices(platform)
+  except RuntimeError:
+    return []

@@ -1,22 +1,11 @@
 """The shipped platform scenarios, on the 8 emulated CPU devices."""
 
 import jax
+import pytest
 
-from jaxckpt.testing import processes, scenarios
-
-
-def test_sharded_snapshot_round_trip():
-  scenarios.sharded_snapshot_round_trip(jax.devices("cpu"))
+from jaxckpt.testing import scenarios
 
 
-def test_snapshot_survives_donation():
-  scenarios.snapshot_survives_donation(jax.devices("cpu"))
-
-
-def test_restore_onto_another_mesh():
-  scenarios.restore_onto_another_mesh(jax.devices("cpu"))
-
-
-def test_agent_restart():
-  with processes.agent_sandbox() as (root, job):
-    scenarios.agent_restart(jax.devices("cpu"), root, job)
+@pytest.mark.parametrize("name", scenarios.NAMES)
+def test_scenario(name):
+  scenarios.run(name, jax.devices("cpu"))

@@ -7,9 +7,10 @@ runs the two commands on their own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import tqdm
 
@@ -109,9 +110,7 @@ def verify_command(args: argparse.Namespace) -> int:
   bad = 0
   for reader in readers:
     total = sum(i.nbytes for i in reader.leaves.values())
-    with tqdm.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"step {reader.step}", disable=args.no_progress or None,
-                   file=sys.stderr) as bar:
+    with byte_bar(args, total, f"step {reader.step}") as bar:
       problems = _read.verify_step(reader, progress=bar)
     for line in problems:
       print(f"DAMAGED step {reader.step}: {line}")
@@ -121,12 +120,26 @@ def verify_command(args: argparse.Namespace) -> int:
   return 1 if bad else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxckpt.universal.cli",
-                                   description="Inspect and verify universal-format checkpoints.")
-  register(parser.add_subparsers(dest="command", required=True))
+@contextlib.contextmanager
+def byte_bar(args: argparse.Namespace, total: int, desc: str) -> Iterator[Any]:
+  """A progress bar in bytes on stderr (off with ``--no-progress``)."""
+  with tqdm.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                 disable=args.no_progress or None, file=sys.stderr) as bar:
+    yield bar
+
+
+def run(prog: str, description: str, register_fn: Callable[[Any], None],
+        argv: Sequence[str] | None) -> int:
+  """Runs the subcommands that ``register_fn`` adds, as a standalone ``python -m`` tool."""
+  parser = argparse.ArgumentParser(prog=prog, description=description)
+  register_fn(parser.add_subparsers(dest="command", required=True))
   args: Any = parser.parse_args(argv)
   return args.handler(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  return run("python -m jaxckpt.universal.cli",
+             "Inspect and verify universal-format checkpoints.", register, argv)
 
 
 if __name__ == "__main__":

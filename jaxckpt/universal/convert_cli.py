@@ -7,16 +7,13 @@ runs the three commands on their own.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from typing import Any, Iterator, Sequence
-
-import tqdm
+from typing import Sequence
 
 from jaxckpt import errors
 from jaxckpt.universal import _read
 from jaxckpt.universal import convert as cv
-from jaxckpt.universal.cli import human_bytes
+from jaxckpt.universal.cli import byte_bar, human_bytes, run
 
 _CONVERT_HELP = """Write a converted copy of a committed step of a universal-format checkpoint.
 
@@ -92,12 +89,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
   p.set_defaults(handler=export_orbax_command)
 
 
-@contextlib.contextmanager
-def _bar(args: argparse.Namespace, total: int, desc: str) -> Iterator[Any]:
-  with tqdm.tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                 disable=args.no_progress or None, file=sys.stderr) as bar:
-    yield bar
-
 
 _EXPECTED = (errors.JaxckptError, FileNotFoundError, FileExistsError)
 
@@ -118,7 +109,7 @@ def convert_command(args: argparse.Namespace) -> int:
         print(f"  {path}  {what}")
       print(f"{len(view.leaves)} leaves, {human_bytes(cv.total_nbytes(view))}")
       return 0
-    with _bar(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:
+    with byte_bar(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:
       step = cv.convert(args.src, args.dst, spec, step=view.step, dst_step=args.dst_step,
                         progress=bar)
   except (*_EXPECTED, OSError) as e:
@@ -133,7 +124,7 @@ def import_orbax_command(args: argparse.Namespace) -> int:
   from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
   try:
     total = ox.orbax_nbytes(args.orbax_dir, step=args.step, item=args.item)
-    with _bar(args, total, "import-orbax") as bar:
+    with byte_bar(args, total, "import-orbax") as bar:
       step = ox.import_orbax(args.orbax_dir, args.dst, step=args.step, item=args.item,
                              dst_step=args.dst_step, progress=bar)
   except _EXPECTED as e:
@@ -150,7 +141,7 @@ def export_orbax_command(args: argparse.Namespace) -> int:
     reader = _read.open_step(args.src, args.step)
     total = sum(i.nbytes for i in (reader.leaves if spec is None
                                    else cv.apply(spec, reader).leaves).values())
-    with _bar(args, total, f"export-orbax step {reader.step}") as bar:
+    with byte_bar(args, total, f"export-orbax step {reader.step}") as bar:
       out = ox.export_orbax(args.src, args.orbax_dir, step=reader.step, spec=spec,
                             force=args.force, progress=bar)
   except _EXPECTED as e:
@@ -162,11 +153,8 @@ def export_orbax_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxckpt.universal.convert_cli",
-                                   description="Convert universal checkpoints; orbax interop.")
-  register(parser.add_subparsers(dest="command", required=True))
-  args: Any = parser.parse_args(argv)
-  return args.handler(args)
+  return run("python -m jaxckpt.universal.convert_cli",
+             "Convert universal checkpoints; orbax interop.", register, argv)
 
 
 if __name__ == "__main__":
