@@ -20,12 +20,14 @@ the per-shard path.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import operator
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxckpt._spans import Spans
 from jaxckpt.snapshot import Box, align, box_from_index
 
 MAX_SHARD_BYTES = 256 << 10       # bigger shards are copied from zero-copy views instead
@@ -57,6 +59,8 @@ class PackPlan:
   base: int
   local_bytes: int
   k_of_device: dict[int, int]
+  spans: Spans                       # the entries' bytes in the snapshot, in entry order
+  of_leaf: dict[int, Callable[[Sequence[Any]], tuple]]   # entry positions of each leaf
 
   @property
   def nbytes(self) -> int:
@@ -114,27 +118,58 @@ def make_pack_plan(values: Sequence[Any], candidates: Sequence[int], base: int
   entries = sorted((dataclasses.replace(e, offset=base + e.k * local + e.local_offset)
                     for e in entries), key=lambda e: e.offset)
   specs = tuple(values[i].sharding.spec for i in chosen)
-  fn = jax.jit(jax.shard_map(_concat_bytes, mesh=mesh, in_specs=specs,
+  fn = jax.jit(jax.shard_map(_concat_words, mesh=mesh, in_specs=specs,
                              out_specs=jax.sharding.PartitionSpec(axes), check_vma=False))
-  return PackPlan(fn, tuple(chosen), tuple(entries), base, local, k_of_device)
+  spans = Spans([e.offset for e in entries], [e.nbytes for e in entries])
+  positions: dict[int, list[int]] = {}
+  for n, e in enumerate(entries):
+    positions.setdefault(e.leaf, []).append(n)
+  of_leaf = {leaf: _getter(ns) for leaf, ns in positions.items()}
+  return PackPlan(fn, tuple(chosen), tuple(entries), base, local, k_of_device, spans, of_leaf)
 
 
-def _concat_bytes(*blocks: jax.Array) -> jax.Array:
+def _getter(positions: list[int]) -> Callable[[Sequence[Any]], tuple]:
+  """``seq -> tuple(seq[i] for i in positions)`` at C speed."""
+  if len(positions) == 1:
+    n = positions[0]
+    return lambda seq: (seq[n],)
+  return operator.itemgetter(*positions)
+
+
+_WORD = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def _concat_words(*blocks: jax.Array) -> jax.Array:
+  """Each block's bytes as uint32 words, padded to 64 bytes, concatenated.
+
+  Words, not bytes: XLA:CPU concatenates 4x fewer elements (~20% faster
+  gather on the example). Narrower dtypes are bitcast to their unsigned type,
+  padded to whole words and bitcast pairwise/fourwise to uint32; the bytes in
+  memory are the block's own, in order.
+  """
   parts = []
   for b in blocks:
-    u8 = b.astype(jnp.uint8) if b.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(
-        b, jnp.uint8)
-    u8 = u8.reshape(-1)
-    parts.append(u8)
-    pad = align(u8.size) - u8.size
+    size = np.dtype(b.dtype).itemsize
+    u = b.astype(jnp.uint8) if b.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(
+        b, _WORD[size])
+    u = u.reshape(-1)
+    if size < 4:
+      per_word = 4 // size
+      tail = -u.size % per_word
+      if tail:
+        u = jnp.concatenate([u, jnp.zeros((tail,), u.dtype)])
+      u = jax.lax.bitcast_convert_type(u.reshape(-1, per_word), jnp.uint32)
+    parts.append(u)
+    pad = align(4 * u.size) // 4 - u.size
     if pad:
-      parts.append(jnp.zeros((pad,), jnp.uint8))
+      parts.append(jnp.zeros((pad,), jnp.uint32))
   return jnp.concatenate(parts)
 
 
 def device_buffers(out: jax.Array) -> list[tuple[int, np.ndarray]]:
   """``(device id, host view)`` of each device's packed bytes (waits for the gather)."""
-  return [(next(iter(a.devices())).id, np.asarray(a)) for a in single_device_arrays(out)]
+  return [(next(iter(a.devices())).id, np.asarray(a).view(np.uint8))
+          for a in single_device_arrays(out)]
 
 
 def single_device_arrays(x: jax.Array) -> Sequence[jax.Array]:

@@ -86,6 +86,11 @@ def _small_state(axis_type=jax.sharding.AxisType.Explicit):
     x = rng.integers(0, 255, (8, 16), dtype=np.uint8).astype(np.float32) / 7
     x = (x > 10) if dt == "bool" else x.astype(jnp.dtype(dt))
     state[f"w{i}"] = jax.device_put(x, NamedSharding(mesh, specs[i % len(specs)]))
+  # Blocks whose bytes are no whole number of 4-byte words (gathered as uint32 words).
+  for dt, cols in (("int8", 5), ("bool", 7), ("bfloat16", 3), ("float16", 1)):
+    x = rng.integers(0, 255, (8, cols), dtype=np.uint8)
+    x = (x > 100) if dt == "bool" else x.astype(jnp.dtype(dt))
+    state[f"w_odd_{dt}"] = jax.device_put(x, NamedSharding(mesh, P(("a", "b"), None)))
   state["replicated"] = jax.device_put(np.arange(8.0), NamedSharding(mesh, P()))
   state["half"] = jax.device_put(np.arange(16.0), NamedSharding(mesh, P("b")))
   state["big"] = jax.device_put(np.arange(1 << 20, dtype=np.float32).reshape(8, -1),
@@ -131,8 +136,9 @@ def test_small_sharded_leaves_take_the_packed_gather_and_their_bytes_are_exact()
   plan, manifest, buf = _capture(state)
   keys = sorted(state)
   packed = {keys[i] for i in plan.pack.leaves}
-  assert packed == {f"w{i}" for i in range(len(PACK_DTYPES))}
-  assert len(plan.pack.entries) == 8 * len(PACK_DTYPES)        # each device's block once
+  odd = {f"w_odd_{dt}" for dt in ("int8", "bool", "bfloat16", "float16")}
+  assert packed == {f"w{i}" for i in range(len(PACK_DTYPES))} | odd
+  assert len(plan.pack.entries) == 8 * len(packed)              # each device's block once
   for k in keys:
     np.testing.assert_array_equal(_stored(manifest, buf, f"['{k}']"), expected[k])
 
