@@ -105,10 +105,9 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
       lo = pk.base + pk.k_of_device[dev] * pk.local_bytes
       np.copyto(dst[lo:lo + pk.local_bytes], view)
     del packed
-    # Thousands of small shards: one hashing call without the GIL, then ~0.3 us
-    # of Python a shard (named tuples, a C-level gather per leaf).
-    recs = list(map(ShardRecord, [e.box for e in pk.entries], pk.spans.offsets.tolist(),
-                    pk.spans.lengths.tolist(), span_checksums(dst, pk.spans)))
+    # Thousands of small shards: one hashing call without the GIL, then ~0.2 us
+    # of Python a shard (records built at C speed, a C-level gather per leaf).
+    recs = ShardRecord.many(pk.boxes, pk.offsets, pk.sizes, span_checksums(dst, pk.spans))
     for leaf, gather in pk.of_leaf.items():
       records[leaf] = gather(recs)
     if on_progress is not None:
