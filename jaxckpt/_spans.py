@@ -63,22 +63,23 @@ def _try_load() -> Callable[..., None] | None:
     return None
   try:
     from xxhash import _xxhash  # pylint: disable=import-outside-toplevel
-    from jaxckpt._spans_kernel import hash_spans  # pylint: disable=import-outside-toplevel
+    from jaxckpt._spans_kernel import hash_spans_hex  # pylint: disable=import-outside-toplevel
     fn = ctypes.cast(ctypes.CDLL(_xxhash.__file__).XXH3_64bits, ctypes.c_void_p).value
     probe = np.frombuffer(bytes(range(256)) * 40, np.uint8)
     offsets = np.array([0, 1, 64, 3000, 10240], np.uint64)
     lengths = np.array([0, 17, 240, 7000, 0], np.uint64)
-    got = np.zeros(offsets.size, np.uint64)
-    hash_spans(fn, probe.ctypes.data, offsets, lengths, got)
-    want = [xxhash.xxh3_64_intdigest(probe[o:o + n]) for o, n in
+    text = np.zeros(16 * offsets.size, np.uint8)
+    hash_spans_hex(fn, probe.ctypes.data, offsets, lengths, text)
+    got = [text[16 * i:16 * i + 16].tobytes().decode("ascii") for i in range(offsets.size)]
+    want = [xxhash.xxh3_64_hexdigest(probe[o:o + n]) for o, n in
             zip(offsets.tolist(), lengths.tolist())]
-    if got.tolist() != want:
-      raise RuntimeError(f"self-check failed: {got.tolist()} != {want}")
+    if got != want:
+      raise RuntimeError(f"self-check failed: {got} != {want}")
   except Exception as e:  # pylint: disable=broad-except
     logger.info("compiled span hashing unavailable (%s: %s); hashing a span per call",
                 type(e).__name__, e)
     return None
-  return lambda base, offsets, lengths, out: hash_spans(fn, base, offsets, lengths, out)
+  return lambda base, offsets, lengths, text: hash_spans_hex(fn, base, offsets, lengths, text)
 
 
 def compiled() -> bool:
@@ -122,6 +123,7 @@ def span_checksums(buffer: Any, spans: Spans) -> list[str]:
     with memoryview(arr) as mv, mv.cast("B") as raw:
       h = xxhash.xxh3_64_hexdigest
       return [h(raw[o:o + n]) for o, n in zip(spans.offsets.tolist(), spans.lengths.tolist())]
-  out = np.empty(len(spans), np.uint64)
-  kernel(arr.ctypes.data, spans.offsets, spans.lengths, out)
-  return ["%016x" % v for v in out.tolist()]
+  text = np.empty(16 * len(spans), np.uint8)
+  kernel(arr.ctypes.data, spans.offsets, spans.lengths, text)
+  hexes = text.tobytes().decode("ascii")
+  return [hexes[i:i + 16] for i in range(0, len(hexes), 16)]

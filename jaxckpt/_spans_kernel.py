@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -24,7 +25,12 @@ def _call_hash(typingctx, fn, addr, length):
 
 
 @numba.njit(nogil=True, cache=True)
-def hash_spans(fn, base, offsets, lengths, out):
-  """``out[i] = fn(base + offsets[i], lengths[i])`` for every span, without the GIL."""
+def hash_spans_hex(fn, base, offsets, lengths, text):
+  """``fn(base + offsets[i], lengths[i])`` for every span, without the GIL, each
+  digest written as 16 lowercase hex digits into ``text[16 * i:16 * i + 16]``
+  (ASCII): Python then only slices one string."""
   for i in range(offsets.size):
-    out[i] = _call_hash(fn, base + offsets[i], lengths[i])
+    h = _call_hash(fn, base + offsets[i], lengths[i])
+    for j in range(16):
+      d = (h >> np.uint64(60 - 4 * j)) & np.uint64(15)
+      text[16 * i + j] = d + 48 if d < 10 else d + 87
