@@ -58,6 +58,14 @@ def _load_now() -> None:
   _kernel.append(_try_load())
 
 
+def _after_fork_in_child() -> None:
+  if not _kernel:          # a load in flight died with the fork: the child starts its own
+    _loader.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _try_load() -> Callable[..., None] | None:
   if os.environ.get("JAXCKPT_SPAN_HASH", "") == "python":
     return None
@@ -94,11 +102,17 @@ class Spans:
   __slots__ = ("offsets", "lengths", "end")
 
   def __init__(self, offsets: Sequence[int], lengths: Sequence[int]) -> None:
-    self.offsets = np.asarray(offsets, dtype=np.uint64).reshape(-1)
-    self.lengths = np.asarray(lengths, dtype=np.uint64).reshape(-1)
-    if self.offsets.shape != self.lengths.shape:
-      raise ValueError(f"{self.offsets.size} span offsets but {self.lengths.size} lengths")
-    self.end = int((self.offsets + self.lengths).max()) if self.offsets.size else 0
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1)      # OverflowError past int64
+    length = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if off.shape != length.shape:
+      raise ValueError(f"{off.size} span offsets but {length.size} lengths")
+    if off.size and (off.min() < 0 or length.min() < 0):
+      i = int(np.argmin(np.minimum(off, length)))
+      raise ValueError(f"span {i} has offset {off[i]} and length {length[i]}; both must be >= 0")
+    # Python ints: no wrap-around however large the offsets.
+    self.end = max((o + n for o, n in zip(off.tolist(), length.tolist())), default=0)
+    self.offsets, self.lengths = off.astype(np.uint64), length.astype(np.uint64)
+    self.offsets.flags.writeable = self.lengths.flags.writeable = False   # ``end`` stays true
 
   def __len__(self) -> int:
     return int(self.offsets.size)

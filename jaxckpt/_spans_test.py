@@ -17,17 +17,26 @@ def _random_spans(rng, nbytes, n):
   return _spans.Spans(lo, hi - lo)
 
 
-def test_span_checksums_equal_checksum_of_each_span():
+@pytest.fixture(params=["compiled", "per_call"])
+def hashing(request, monkeypatch):
+  """Runs a test on the compiled loop (waiting for it to load) and on the per-call path."""
+  if request.param == "compiled":
+    assert _spans.compiled(), "the compiled loop should load where xxhash exports XXH3_64bits"
+  else:
+    monkeypatch.setattr(_spans, "_load", lambda block=True: None)
+  return request.param
+
+
+def test_span_checksums_equal_checksum_of_each_span(hashing):
   rng = np.random.default_rng(0)
   buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
   spans = _random_spans(rng, buf.nbytes, 500)
   got = _spans.span_checksums(buf, spans)
   want = [checksum(buf[o:o + n]) for o, n in zip(spans.offsets.tolist(), spans.lengths.tolist())]
   assert got == want
-  assert _spans.compiled(), "the compiled loop should load where xxhash exports XXH3_64bits"
 
 
-def test_a_flipped_byte_changes_only_its_spans_digest():
+def test_a_flipped_byte_changes_only_its_spans_digest(hashing):
   buf = np.zeros(4096, np.uint8)
   spans = _spans.Spans([0, 1024, 2048], [1024, 1024, 2048])
   before = _spans.span_checksums(buf, spans)
@@ -36,7 +45,7 @@ def test_a_flipped_byte_changes_only_its_spans_digest():
   assert [a == b for a, b in zip(before, after)] == [True, False, True]
 
 
-def test_bytes_objects_and_non_uint8_arrays_hash_their_raw_bytes():
+def test_bytes_objects_and_non_uint8_arrays_hash_their_raw_bytes(hashing):
   x = np.arange(10, dtype=np.float32)
   spans = _spans.Spans([0, 8], [8, 32])
   assert _spans.span_checksums(x, spans) == [checksum(x.tobytes()[:8]), checksum(x.tobytes()[8:])]
@@ -50,6 +59,13 @@ def test_a_span_past_the_end_is_an_error_not_a_read():
     _spans.span_checksums(np.zeros((64, 64), np.uint8)[:, ::2], _spans.Spans([0], [8]))
   with pytest.raises(ValueError, match="2 span offsets but 1 lengths"):
     _spans.Spans([0, 1], [1])
+  # Negative offsets or lengths (a corrupt manifest) never wrap around to pass the bounds check.
+  with pytest.raises(ValueError, match=r"span 0 has offset -8 and length 16; both must be >= 0"):
+    _spans.Spans(np.array([-8]), np.array([16]))
+  with pytest.raises(ValueError, match="both must be >= 0"):
+    _spans.Spans([0, 64], [8, -1])
+  with pytest.raises(ValueError, match="spans reach byte"):
+    _spans.span_checksums(np.zeros(16, np.uint8), _spans.Spans([1 << 62], [1 << 62]))
 
 
 def test_the_python_fallback_gives_the_same_digests():

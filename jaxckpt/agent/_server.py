@@ -78,8 +78,8 @@ def _verify_all(buf: Any, items: list[tuple[str, ShardRecord]], step: int) -> No
   """Hashes every shard in one GIL-free call; a mismatch (or a shard past the end
   of ``buf``) raises the CorruptSnapshotError of :func:`verify_shard`."""
   arr = np.frombuffer(buf, np.uint8)
-  if any(s.offset + s.nbytes > arr.nbytes for _, s in items):
-    digests = [None] * len(items)          # truncated: verify_shard names the shard
+  if any(s.offset < 0 or s.nbytes < 0 or s.offset + s.nbytes > arr.nbytes for _, s in items):
+    digests = [None] * len(items)          # truncated or nonsense: verify_shard names the shard
   else:
     digests = span_checksums(arr, Spans([s.offset for _, s in items],
                                         [s.nbytes for _, s in items]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
@@ -31,6 +32,7 @@ from jaxckpt._spans import Spans
 from jaxckpt.snapshot import Box, align, box_from_index
 
 MAX_SHARD_BYTES = 256 << 10       # bigger shards are copied from zero-copy views instead
+_LITTLE_ENDIAN = sys.byteorder == "little"   # the word gather keeps bytes in order only there
 MIN_LEAVES = 4                    # fewer leaves are not worth a compiled program
 _DTYPES = frozenset({"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
                      "uint64", "float16", "bfloat16", "float32", "float64"})
@@ -75,7 +77,7 @@ def packable(x: Any) -> bool:
   if not isinstance(x, jax.Array) or not isinstance(x.sharding, jax.sharding.NamedSharding):
     return False
   s, mesh = x.sharding, x.sharding.mesh
-  if (mesh.size < 2 or x.size == 0 or np.dtype(x.dtype).name not in _DTYPES
+  if (not _LITTLE_ENDIAN or mesh.size < 2 or x.size == 0 or np.dtype(x.dtype).name not in _DTYPES
       or not x.is_fully_addressable
       or any(d.platform != "cpu" or d.process_index != jax.process_index()
              for d in mesh.devices.flat)):

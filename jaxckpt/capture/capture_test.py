@@ -9,10 +9,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import capture, tree
-from jaxckpt.snapshot import SnapshotManifest
+from jaxckpt import _spans, capture, tree
+from jaxckpt.capture import _pack
+from jaxckpt.snapshot import SnapshotManifest, align
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_hashing():
+  """Packed shards are hashed by the compiled loop here (not its per-call stand-in
+  while it loads); _spans_test.py checks both against checksum()."""
+  assert _spans.compiled()
 
 X = np.arange(64, dtype=np.float32)
 
@@ -141,6 +150,20 @@ def test_small_sharded_leaves_take_the_packed_gather_and_their_bytes_are_exact()
   assert len(plan.pack.entries) == 8 * len(packed)              # each device's block once
   for k in keys:
     np.testing.assert_array_equal(_stored(manifest, buf, f"['{k}']"), expected[k])
+
+
+def test_word_gather_lays_out_every_dtype_byte_exact_including_8_byte_ones():
+  """_concat_words (the gather's body) against numpy's bytes, x64 on so that 8-byte
+  dtypes exist: each block's bytes in order, zero-padded to 64 bytes."""
+  rng = np.random.default_rng(1)
+  with jax.enable_x64(True):
+    for dt in sorted(_pack._DTYPES):
+      for n in (1, 2, 3, 5, 9, 17):
+        blocks = [rng.integers(0, 255, n).astype(np.uint8).astype(dt) for _ in range(3)]
+        blocks = [b > 100 if dt == "bool" else b for b in blocks]
+        got = np.asarray(jax.jit(_pack._concat_words)(*[jnp.asarray(b) for b in blocks]))
+        want = b"".join(b.tobytes() + bytes(align(b.nbytes) - b.nbytes) for b in blocks)
+        assert got.dtype == np.uint32 and got.tobytes() == want, (dt, n)
 
 
 def test_packed_gather_holds_values_through_donation():
