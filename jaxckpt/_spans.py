@@ -26,7 +26,8 @@ import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import xxhash
+
+from jaxckpt.snapshot import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,7 @@ def _try_load() -> Callable[..., None] | None:
     text = np.zeros(16 * offsets.size, np.uint8)
     hash_spans_hex(fn, probe.ctypes.data, offsets, lengths, text)
     got = [text[16 * i:16 * i + 16].tobytes().decode("ascii") for i in range(offsets.size)]
-    want = [xxhash.xxh3_64_hexdigest(probe[o:o + n]) for o, n in
-            zip(offsets.tolist(), lengths.tolist())]
+    want = [checksum(probe[o:o + n]) for o, n in zip(offsets.tolist(), lengths.tolist())]
     if got != want:
       raise RuntimeError(f"self-check failed: {got} != {want}")
   except Exception as e:  # pylint: disable=broad-except
@@ -135,8 +135,8 @@ def span_checksums(buffer: Any, spans: Spans) -> list[str]:
   kernel = _load(block=False)
   if kernel is None:
     with memoryview(arr) as mv, mv.cast("B") as raw:
-      h = xxhash.xxh3_64_hexdigest
-      return [h(raw[o:o + n]) for o, n in zip(spans.offsets.tolist(), spans.lengths.tolist())]
+      return [checksum(raw[o:o + n])
+              for o, n in zip(spans.offsets.tolist(), spans.lengths.tolist())]
   text = np.empty(16 * len(spans), np.uint8)
   kernel(arr.ctypes.data, spans.offsets, spans.lengths, text)
   hexes = text.tobytes().decode("ascii")

@@ -55,8 +55,7 @@ def flatten(state: PyTree) -> tuple[list[Leaf], Any]:
       _PATHS.pop(next(iter(_PATHS)))
     paths = _PATHS[treedef] = [jax.tree_util.keystr(p) for p, _ in
                                jax.tree_util.tree_flatten_with_path(state)[0]]
-  return [Leaf(p, "jax", x) if type(x) is _ARRAY_IMPL and isinstance(x.dtype, np.dtype)
-          else _classify(p, x) for p, x in zip(paths, leaves)], treedef
+  return [_classify(p, x) for p, x in zip(paths, leaves)], treedef
 
 
 _PATHS: dict[Any, list[str]] = {}
@@ -67,6 +66,8 @@ except ImportError:  # pragma: no cover  (a jax without it: every leaf is classi
 
 
 def _classify(path: str, x: Any) -> Leaf:
+  if type(x) is _ARRAY_IMPL and isinstance(x.dtype, np.dtype):   # the common case, first
+    return Leaf(path, "jax", x)
   if isinstance(x, jax.Array):
     if is_prng_key(x):
       return Leaf(path, "prng_key", jax.random.key_data(x),

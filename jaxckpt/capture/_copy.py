@@ -107,7 +107,8 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
     del packed
     # Thousands of small shards: one hashing call without the GIL, then ~0.2 us
     # of Python a shard (records built at C speed, a C-level gather per leaf).
-    recs = ShardRecord.many(pk.boxes, pk.offsets, pk.sizes, span_checksums(dst, pk.spans))
+    recs = ShardRecord.many(pk.boxes, pk.spans.offsets.tolist(), pk.spans.lengths.tolist(),
+                            span_checksums(dst, pk.spans))
     for leaf, gather in pk.of_leaf.items():
       records[leaf] = gather(recs)
     if on_progress is not None:

@@ -62,9 +62,7 @@ class PackPlan:
   local_bytes: int
   k_of_device: dict[int, int]
   spans: Spans                       # the entries' bytes in the snapshot, in entry order
-  boxes: tuple[Box, ...]             # the entries' boxes, offsets and sizes, in entry order
-  offsets: tuple[int, ...]
-  sizes: tuple[int, ...]
+  boxes: tuple[Box, ...]             # the entries' boxes, in entry order
   of_leaf: dict[int, Callable[[Sequence[Any]], tuple]]   # entry positions of each leaf
 
   @property
@@ -131,8 +129,7 @@ def make_pack_plan(values: Sequence[Any], candidates: Sequence[int], base: int
     positions.setdefault(e.leaf, []).append(n)
   of_leaf = {leaf: _getter(ns) for leaf, ns in positions.items()}
   return PackPlan(fn, tuple(chosen), tuple(entries), base, local, k_of_device, spans,
-                  tuple(e.box for e in entries), tuple(e.offset for e in entries),
-                  tuple(e.nbytes for e in entries), of_leaf)
+                  tuple(e.box for e in entries), of_leaf)
 
 
 def _getter(positions: list[int]) -> Callable[[Sequence[Any]], tuple]:
