@@ -14,7 +14,8 @@ from typing import Any
 import jax
 
 from jaxckpt import _persist, _preemption, _restore, _tiers, capture, errors, tree
-from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
+from jaxckpt.options import (CheckpointOptions, default_copy_threads,
+                             default_host_memory_limit_bytes)
 from jaxckpt.store import HostStore, InProcessStore
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class CheckpointManager:
       self._persister = _persist.Persister(self._persist_config, self._store.read)
     self._planner = capture.Planner()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
+    threads = self.options.copy_threads or default_copy_threads()
+    self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
+        threads, thread_name_prefix="jaxckpt-copy")
     self._pending: concurrent.futures.Future | None = None
     self._error: BaseException | None = None
     self._lock = threading.Lock()
@@ -158,7 +162,7 @@ class CheckpointManager:
           plan, sources, slot.buffer, step=step, process_index=self._process[0],
           process_count=self._process[1], metadata=metadata,
           on_progress=None if every is None else functools.partial(self._store.written, slot),
-          progress_bytes=every or 0)
+          progress_bytes=every or 0, pool=self._copy_pool)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest)
       if self._persister is not None:
@@ -340,6 +344,8 @@ class CheckpointManager:
     finally:
       self._closed = True
       self._pool.shutdown(wait=True)
+      if self._copy_pool is not None:
+        self._copy_pool.shutdown(wait=True)
       self._store.close()
       self._preemption.uninstall()
 

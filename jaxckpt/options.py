@@ -11,6 +11,11 @@ import psutil
 _ON_BUSY = ("skip", "wait")
 
 
+def default_copy_threads() -> int:
+  """A quarter of the CPU cores, at least 1 and at most 8."""
+  return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
 def default_host_memory_limit_bytes() -> int:
   """Half of the free RAM and of the free space of /dev/shm, whichever is less."""
   free = psutil.virtual_memory().available
@@ -50,6 +55,10 @@ class CheckpointOptions:
       loop can take a last snapshot and exit cleanly. Installed only from the
       main thread, and only if no other handler (e.g. JAX's preemption
       service) owns SIGTERM.
+    copy_threads: threads that copy and hash shards over 1 MiB into the
+      snapshot slot in the background (numpy's copy and xxhash release the
+      GIL); None: a quarter of the CPU cores, at least 1 and at most 8, which
+      leaves most cores to the training loop's input pipeline and dispatch.
 
   >>> CheckpointOptions(max_snapshots=0)
   Traceback (most recent call last):
@@ -68,9 +77,12 @@ class CheckpointOptions:
   max_to_keep: int | None = None
   handle_sigterm: bool = True
   parity: "ParityOptions | None" = None
+  copy_threads: int | None = None
 
   def __post_init__(self) -> None:
     _at_least(self, "max_snapshots", 1)
+    if self.copy_threads is not None:
+      _at_least(self, "copy_threads", 1)
     _at_least(self, "save_interval_steps", 1)
     if self.on_busy not in _ON_BUSY:
       raise ValueError(f"CheckpointOptions.on_busy must be one of {_ON_BUSY}, "

@@ -14,6 +14,7 @@ that donates the source, so it is donation-safe too and never blocks.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -88,16 +89,19 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
              process_index: int = 0, process_count: int = 1,
              metadata: dict[str, Any] | None = None,
              on_progress: Callable[[list[ShardRecord]], None] | None = None,
-             progress_bytes: int = 64 << 20) -> SnapshotManifest:
+             progress_bytes: int = 64 << 20,
+             pool: concurrent.futures.Executor | None = None) -> SnapshotManifest:
   """Copies every source into ``buffer`` at its planned offset, hashing as it goes.
 
   ``on_progress`` gets the records of the shards written since its last call,
   each time about ``progress_bytes`` more are written (not for the last ones).
+  With a ``pool``, shards over 1 MiB are copied and hashed on its threads
+  (numpy's copy and xxhash release the GIL), several shards at once; smaller
+  ones stay on this thread, where per-shard Python is the cost.
   """
   dst = np.frombuffer(buffer, dtype=np.uint8, count=plan.nbytes)
   records: list[Any] = [[] for _ in plan.templates]
-  done: list[ShardRecord] = []
-  done_bytes = 0
+  progress = _Progress(on_progress, progress_bytes)
   *sources, packed, scalars = sources
   if plan.pack is not None:
     pk = plan.pack
@@ -111,30 +115,38 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
                             span_checksums(dst, pk.spans))
     for leaf, gather in pk.of_leaf.items():
       records[leaf] = gather(recs)
-    if on_progress is not None:
-      done.extend(recs)
-    done_bytes += pk.nbytes
-  for n, (shard, src) in enumerate(zip(plan.shards, sources)):
-    if n % _YIELD_EVERY == _YIELD_EVERY - 1:
-      time.sleep(0)     # hand the GIL to the training loop now, not after a 5 ms switch interval
-    src = np.asarray(src)
-    if src.nbytes != shard.nbytes:
-      raise ValueError(f"shard {shard.box} of leaf {plan.templates[shard.leaf].path} "
-                       f"has {src.nbytes} bytes, planned {shard.nbytes}")
-    out = dst[shard.offset:shard.offset + shard.nbytes]
-    if shard.nbytes <= _SMALL_BYTES:     # one copy and one hash call: per-shard Python is the cost
-      np.copyto(out.view(src.dtype).reshape(src.shape), src)
-      digest = checksum(out)
-    else:
-      digest = copy_and_hash(np.ascontiguousarray(src).reshape(-1).view(np.uint8), out)
-    rec = ShardRecord(shard.box, shard.offset, shard.nbytes, digest)
-    records[shard.leaf].append(rec)
-    if on_progress is not None:
-      done.append(rec)
-      done_bytes += shard.nbytes
-      if done_bytes >= progress_bytes:
-        on_progress(done)
-        done, done_bytes = [], 0
+    progress.add_many(recs, pk.nbytes)
+  pending: list[tuple[Any, int, concurrent.futures.Future]] = []
+  try:
+    for n, (shard, src) in enumerate(zip(plan.shards, sources)):
+      if n % _YIELD_EVERY == _YIELD_EVERY - 1:
+        time.sleep(0)   # hand the GIL to the training loop now, not after a 5 ms switch interval
+      src = np.asarray(src)
+      if src.nbytes != shard.nbytes:
+        raise ValueError(f"shard {shard.box} of leaf {plan.templates[shard.leaf].path} "
+                         f"has {src.nbytes} bytes, planned {shard.nbytes}")
+      out = dst[shard.offset:shard.offset + shard.nbytes]
+      if shard.nbytes <= _SMALL_BYTES:   # one copy and one hash call: per-shard Python is the cost
+        np.copyto(out.view(src.dtype).reshape(src.shape), src)
+        digest = checksum(out)
+      else:
+        flat = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+        if pool is not None:
+          pending.append((shard, len(records[shard.leaf]), pool.submit(copy_and_hash, flat, out)))
+          records[shard.leaf].append(None)          # filled in below, in plan order
+          continue
+        digest = copy_and_hash(flat, out)
+      rec = ShardRecord(shard.box, shard.offset, shard.nbytes, digest)
+      records[shard.leaf].append(rec)
+      progress.add(rec)
+    for shard, k, fut in pending:        # submission order: about the order they finish
+      rec = records[shard.leaf][k] = ShardRecord(shard.box, shard.offset, shard.nbytes,
+                                                 fut.result())
+      progress.add(rec)
+  except BaseException:
+    # No copy may still write into the slot once the caller aborts it.
+    concurrent.futures.wait([f for _, _, f in pending])
+    raise
   leaves = tuple(LeafRecord(t.path, t.kind, t.shape, t.dtype, tuple(r), t.sharding, v,
                             t.key_impl)
                  for t, r, v in zip(plan.templates, records, scalars))
@@ -142,6 +154,28 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
                           process_index=process_index, process_count=process_count,
                           metadata=dict(metadata or {}),
                           json_renderer=functools.partial(_render_json, plan))
+
+
+class _Progress:
+  """Hands ``on_progress`` the records written since its last call, every ``every`` bytes."""
+
+  def __init__(self, on_progress: Callable[[list[ShardRecord]], None] | None,
+               every: int) -> None:
+    self._fn, self._every = on_progress, every
+    self._done: list[ShardRecord] = []
+    self._bytes = 0
+
+  def add(self, rec: ShardRecord) -> None:
+    self.add_many([rec], rec.nbytes)
+
+  def add_many(self, recs: list[ShardRecord], nbytes: int) -> None:
+    if self._fn is None:
+      return
+    self._done.extend(recs)
+    self._bytes += nbytes
+    if self._bytes >= self._every:
+      self._fn(self._done)
+      self._done, self._bytes = [], 0
 
 
 # -- the manifest's JSON from a per-layout template ---------------------------

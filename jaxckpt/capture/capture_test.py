@@ -206,3 +206,68 @@ def test_a_path_that_looks_like_a_template_hole_is_encoded_exactly():
   assert m.to_json() == dataclasses.replace(m, json_renderer=None).to_json()
   assert plan.json_template[0] is not None
   assert SnapshotManifest.from_json(m.to_json()) == m
+
+
+# -- copying and hashing large shards on several threads -------------------------
+
+def _big_state():
+  """Shards over 1 MiB (copied on the pool) beside small ones (copied inline)."""
+  mesh = jax.make_mesh((8,), ("x",))
+  rng = np.random.default_rng(1)
+  return {
+      "big": jax.device_put(rng.standard_normal((8, 1 << 19), np.float32),
+                            NamedSharding(mesh, P("x"))),            # 8 x 2 MiB shards
+      "replicated": jax.device_put(rng.standard_normal((1 << 19,), np.float32),
+                                   NamedSharding(mesh, P())),         # one 2 MiB shard
+      "small": jax.device_put(np.arange(64, dtype=np.int32), NamedSharding(mesh, P("x"))),
+      "host": rng.integers(0, 9, (3 << 18,), dtype=np.int64),         # numpy, 6 MiB
+  }
+
+
+def test_copy_pool_gives_the_same_bytes_records_and_progress_as_one_thread():
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  state = _big_state()
+  leaves, _ = tree.flatten(state)
+  plan = capture.Planner().plan(leaves)
+  assert sum(s.nbytes > (1 << 20) for s in plan.shards) >= 10
+  outs = []
+  for threads in (None, 3):
+    seen = []
+    buf = np.zeros(plan.nbytes, np.uint8)
+    pool = None if threads is None else concurrent.futures.ThreadPoolExecutor(threads)
+    try:
+      m = capture.complete(plan, capture.start(leaves, plan), buf, step=3,
+                           on_progress=lambda recs: seen.extend(recs), progress_bytes=4 << 20,
+                           pool=pool)
+    finally:
+      if pool is not None:
+        pool.shutdown()
+    outs.append((m, buf, seen))
+  (m1, b1, seen1), (m3, b3, seen3) = outs
+  assert m1.to_json() == m3.to_json()          # same records, same order, same digests
+  np.testing.assert_array_equal(b1, b3)
+  for path, value in (("['big']", state["big"]), ("['host']", state["host"])):
+    np.testing.assert_array_equal(_stored(m3, b3, path), np.asarray(value))
+  every = {(r.offset, r.checksum) for leaf in m3.leaves for r in leaf.shards}
+  # progress reports each written shard at most once, and only real ones
+  assert len(seen3) == len({(r.offset, r.checksum) for r in seen3})
+  assert {(r.offset, r.checksum) for r in seen3} <= every
+  assert {(r.offset, r.checksum) for r in seen1} <= every
+
+
+def test_a_failing_shard_waits_for_the_pool_before_raising():
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  state = _big_state()
+  leaves, _ = tree.flatten(state)
+  plan = capture.Planner().plan(leaves)
+  sources = capture.start(leaves, plan)
+  bad = len(plan.shards) - 1
+  sources[bad] = np.zeros(plan.shards[bad].nbytes + 1, np.uint8)   # one byte too many
+  buf = np.zeros(plan.nbytes, np.uint8)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with pytest.raises(ValueError, match="planned"):
+      capture.complete(plan, sources, buf, step=1, pool=pool)
+    # every copy the pool started has finished: nothing writes into the slot now
+    assert pool.submit(lambda: 1).result() == 1
+    snapshot = buf.copy()
+  np.testing.assert_array_equal(buf, snapshot)
