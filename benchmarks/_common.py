@@ -104,17 +104,20 @@ def stop_agent(job: str, run_root: str) -> None:
 
 
 @contextlib.contextmanager
-def manager(store: str, *, max_snapshots: int = 2) -> Iterator[jc.CheckpointManager]:
-  """A CheckpointManager on the in-process store ("inproc") or a fresh agent ("agent")."""
+def manager(store: str, *, max_snapshots: int = 2,
+            **options: Any) -> Iterator[jc.CheckpointManager]:
+  """A CheckpointManager on the in-process store ("inproc") or a fresh agent ("agent");
+  ``options`` are further ``CheckpointOptions`` fields."""
   if store == "inproc":
-    with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=max_snapshots)) as m:
+    with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=max_snapshots,
+                                                           **options)) as m:
       yield m
     return
   job = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
   root = tempfile.mkdtemp(prefix="jaxckpt-bench-", dir="/dev/shm")
   try:
     opts = jc.CheckpointOptions(max_snapshots=max_snapshots,
-                                agent=jc.AgentOptions(job_name=job, run_root=root))
+                                agent=jc.AgentOptions(job_name=job, run_root=root), **options)
     with jc.CheckpointManager(options=opts) as m:
       yield m
   finally:
