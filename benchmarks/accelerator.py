@@ -7,7 +7,8 @@ over a 1-D mesh of all devices; side by side in one run:
 
   host:      copy + hash throughput of this host against threads (the host-side
              limit of a snapshot: numpy copy and xxh3 both release the GIL);
-  snapshot:  ``save()`` blocking (first save of a fresh manager, and warm),
+  snapshot:  ``save()`` blocking (first save of a fresh manager, cold and after
+             ``prepare()``, and warm),
              save -> committed snapshot in GB/s, restore onto the devices in
              GB/s, for the in-process store and the snapshot agent, against
              orbax's async save / restore to local disk;
@@ -87,7 +88,19 @@ def snapshot_figures(args, abstract, make) -> tuple[dict[str, list[float]], dict
   root = tempfile.mkdtemp(prefix="bench_accel_")
   try:
     for store in STORES:
-      with _manager(store, args.copy_threads) as mgr:
+      with _manager(store, args.copy_threads) as mgr:     # a cold first save
+        seed += 1
+        tree = make(seed)
+        t0 = time.perf_counter()
+        assert mgr.save(seed, tree, force=True), mgr.stats
+        first[f"{store}_cold_blocking_s"] = time.perf_counter() - t0
+        mgr.wait_until_finished()
+        first[f"{store}_cold_snapshot_s"] = mgr.stats.last_snapshot_secs
+        del tree
+      with _manager(store, args.copy_threads) as mgr:     # prepare(), then the first save
+        t0 = time.perf_counter()
+        mgr.prepare(make(0))
+        first[f"{store}_prepare_s"] = time.perf_counter() - t0
         for rep in range(args.repeats + 1):
           seed += 1
           tree = make(seed)

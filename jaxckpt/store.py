@@ -72,6 +72,11 @@ class HostStore(abc.ABC):
     del step, buffer
     return False
 
+  def preallocate(self, nbytes: int) -> None:
+    """Allocates and touches every free slot for snapshots of ``nbytes`` now, so
+    that no save pays for it (a no-op where slots are sized on reserve)."""
+    del nbytes
+
   def close(self) -> None:
     """Releases the store's resources (a no-op by default)."""
 
@@ -130,6 +135,17 @@ class InProcessStore(HostStore):
     if buf is None or buf.size < nbytes or lent:
       buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
     return Slot(i, step, buf, nbytes)
+
+  def preallocate(self, nbytes: int) -> None:
+    check_budget(slots=len(self._buffers), nbytes=nbytes, limit_bytes=self._limit,
+                 where="in-process snapshot store")
+    with self._cv:
+      for i, buf in enumerate(self._buffers):
+        if self._state[i] == "free" and not self._pins[i] and (
+            buf is None or buf.size < nbytes or self._lent[i]):
+          buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)
+          buf.fill(0)                # first touch here, not in a save (~4 s/GiB on some VMs)
+          self._lent[i] = False
 
   def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
     with self._cv:
