@@ -10,6 +10,17 @@ bit-exact whether or not the next step donates. On accelerators ``save()``
 dispatches a device-to-pinned-host transfer (``jax.device_put`` to the
 ``pinned_host`` memory kind), which is ordered before any later computation
 that donates the source, so it is donation-safe too and never blocks.
+
+The cost on CPU, measured (jax 0.10.2, 8 emulated devices, 2 cores): ``save()``
+of a 16 MiB leaf right after dispatching a 1.8 s step blocks until the step
+is done (1.6-1.8 s), because the views wait for the values. Dispatching an
+XLA copy of the not-yet-computed leaf instead (``jax.jit(lambda x: x.copy())``
+or the eager ``x.copy()``) blocks just as long on XLA:CPU, so there is no
+dispatch-only capture on CPU; save after the step's outputs are ready (the
+usual loop fetches its loss first), or accept the wait. While a view is alive,
+XLA:CPU also skips donating that buffer (the next step allocates a new one):
+memory for one more copy of the saved leaves until the background copy ends.
+Accelerators take the pinned-host path and neither block nor lose donation.
 """
 
 from __future__ import annotations
