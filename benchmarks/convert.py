@@ -133,8 +133,8 @@ def run(root: str, total: int, runs: int) -> dict[str, Any]:
   nbytes = sum(a.nbytes for a in tree.values())
   src = os.path.join(root, "src")
   for manifest, buf in _fixtures.host_snapshots(1, tree):
-    u.write_process_shards(src, manifest, buf)
-  u.commit_step(src, 1, process_count=1, timeout_secs=60)
+    u.write_process_shards(src, manifest, buf, attempt="t")
+  u.commit_step(src, 1, process_count=1, timeout_secs=60, attempt="t")
   out = lambda name, r: os.path.join(root, f"{name}{r}")
   lazy_s, lazy_mib = timed_runs(runs, lambda r: cv.convert(src, out("lazy", r), SPEC))
   eager_s, eager_mib = timed_runs(runs, lambda r: eager_convert(src, out("eager", r)))

@@ -94,8 +94,8 @@ def main() -> None:
     d = os.path.join(root, f"run{run}")
     os.makedirs(d)
     def persist():
-      u.write_process_shards(d + "/j", manifest, buf)
-      u.commit_step(d + "/j", 0, process_count=1, timeout_secs=60)
+      u.write_process_shards(d + "/j", manifest, buf, attempt="t")
+      u.commit_step(d + "/j", 0, process_count=1, timeout_secs=60, attempt="t")
 
     def orbax_save():
       t0 = time.perf_counter()

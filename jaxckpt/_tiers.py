@@ -158,9 +158,28 @@ class StorageSource:
     return self.reader_.bytes_read
 
   def reader(self, i: int, *, private: bool = True):   # reads are fresh arrays: always private
+    """``read_region(box)`` for leaf ``i``: every stored chunk read once, verified."""
     del private
-    path = self.leaves[i].path
-    return lambda box: self.reader_.read(path, box)
+    return self.reader_.region_reader(self.leaves[i].path)
+
+
+def broadcast_from_0(name: str, make: Any, *, timeout_secs: float) -> str:
+  """``make()`` on process 0, handed to every process through jax.distributed's
+  key-value store; a process that does not hear in time names process 0."""
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  client = distributed.global_state.client
+  _agreements[0] += 1
+  key = f"jaxckpt/{name}/{_agreements[0]}"
+  if jax.process_index() == 0:
+    value = make()
+    client.key_value_set(key, value)
+    return value
+  try:
+    return client.blocking_key_value_get(key, int(timeout_secs * 1000))
+  except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
+    raise errors.SnapshotTimeoutError(
+        f"process {jax.process_index()}: process 0 did not publish the job's {name} within "
+        f"{timeout_secs} s (is it running, with the same jaxckpt version?)") from None
 
 
 def agree(step: int, *, timeout_secs: float) -> int:

@@ -63,3 +63,11 @@ class QuorumError(JaxckptError, RuntimeError):
 
 class StepExistsError(JaxckptError, FileExistsError):
   """A step is already committed in storage and would be overwritten."""
+
+
+class InvalidArgumentError(JaxckptError, ValueError):
+  """An argument or option has a value jaxckpt cannot use (the message names it and the fix)."""
+
+
+class StorageError(JaxckptError, OSError):
+  """Writing to or reading from storage failed (the message names the path and the cause)."""

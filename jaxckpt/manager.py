@@ -12,8 +12,9 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
-from jaxckpt import _persist, _preemption, _restore, _tiers, capture, errors, tree
+from jaxckpt import _persist, _preemption, _restore, _tiers, capture, errors, tree, universal
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
 from jaxckpt.store import HostStore, InProcessStore
@@ -56,12 +57,22 @@ class CheckpointManager:
                options: CheckpointOptions | None = None, *,
                store: HostStore | None = None) -> None:
     self.options = options or CheckpointOptions()
+    if not isinstance(self.options, CheckpointOptions):
+      raise errors.InvalidArgumentError(
+          f"options={self.options!r} must be a jaxckpt.CheckpointOptions")
     self.directory = None if directory is None else os.fspath(directory)
     self._persist_config = None
+    self._run_id = None
+    self._attempts: dict[int, str] = {}       # step -> this run's newest persist attempt
+    self._persist_counts: dict[int, int] = {}
+    self._on_storage: set[int] = set()
     if self.directory is not None:
+      _persist.check_directory(self.directory, timeout_secs=self.options.timeout_secs)
       self._persist_config = _persist.PersistConfig(
           self.directory, self.options.persist_interval_steps or self.options.save_interval_steps,
           self.options.max_to_keep, self.options.timeout_secs)
+      self._run_id = _agree_run_id(self.options.timeout_secs)
+      self._on_storage = set(_tiers.storage_steps(self.directory))
     self._store = store or self._make_store()
     self._persister = None
     if self._persist_config is not None and self.options.agent is None:
@@ -115,11 +126,14 @@ class CheckpointManager:
     t0 = time.perf_counter()
     self._check_open("save")
     self._raise_background_error()
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-      raise ValueError(f"save(step={step!r}): step must be a non-negative int")
+    step = check_step(step, "save")
     if not force and step % self.options.save_interval_steps:
       self.stats.skipped_interval += 1
       return False
+    persist_due = self._persist_config is not None and (
+        step % self._persist_config.interval_steps == 0)
+    if persist_due and step in self._on_storage:
+      self._refuse_committed(step)
     if not self._wait_for_previous(step):   # before any per-leaf work: skips stay cheap
       return False
     leaves, _ = tree.flatten(state)
@@ -134,8 +148,9 @@ class CheckpointManager:
     except BaseException:
       self._store.abort(slot)
       raise
+    attempt = self._new_attempt(step) if persist_due else None
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
-                                      metadata, t0)
+                                      metadata, t0, attempt)
     self.stats.started += 1
     self.stats.last_blocking_secs = time.perf_counter() - t0
     return True
@@ -171,7 +186,26 @@ class CheckpointManager:
     self._raise_background_error()
     return True
 
-  def _complete(self, step, plan, sources, slot, metadata, t0) -> None:
+  def _new_attempt(self, step: int) -> str:
+    """This run's next persist attempt of ``step`` (the same on every process)."""
+    nth = self._persist_counts.get(step, 0)
+    self._persist_counts[step] = nth + 1
+    attempt = self._attempts[step] = _persist.attempt_id(self._run_id, step, nth)
+    return attempt
+
+  def _refuse_committed(self, step: int) -> None:
+    """Raises StepExistsError if ``step`` is committed on storage (checked there)."""
+    if step not in _tiers.storage_steps(self.directory):   # deleted since (gc, delete)
+      self._on_storage.discard(step)
+      return
+    raise errors.StepExistsError(
+        f"save(step={step}): step {step} is already committed in {self.directory!r} "
+        f"(persist attempt {universal.committed_by(self.directory, step)!r}), by another job "
+        "or by this job before a rollback; a save never overwrites a committed step, so "
+        f"nothing was saved. Delete it first (jaxckpt.universal.discard_step("
+        f"{self.directory!r}, {step})), or persist into another directory")
+
+  def _complete(self, step, plan, sources, slot, metadata, t0, attempt) -> None:
     try:
       every = self._store.progress_bytes
       manifest = capture.complete(
@@ -180,9 +214,9 @@ class CheckpointManager:
           on_progress=None if every is None else functools.partial(self._store.written, slot),
           progress_bytes=every or 0, pool=self._copy_pool)
       del sources                     # release the device-buffer views at once
-      self._store.commit(slot, manifest)
+      self._store.commit(slot, manifest, persist_attempt=attempt)
       if self._persister is not None:
-        self._persister.on_commit(step)
+        self._persister.on_commit(step, attempt)
     except BaseException as e:  # surfaced by the next save / wait
       self._store.abort(slot)
       logger.exception("step %d: snapshot failed", step)
@@ -214,6 +248,21 @@ class CheckpointManager:
       err, self._error = self._error, None
     if err is not None:
       raise err
+    self._raise_persist_error()
+
+  def _raise_persist_error(self) -> None:
+    """Raises the first error of a background persist (this process's or its agent's)."""
+    if self._persist_config is None:
+      return
+    failed = (self._persister.take_errors() if self._persister is not None
+              else self._store.persist_errors())
+    if failed:
+      where = (f"process {self._process[0]}" + ("" if self._persister is not None
+                                                else f", in its snapshot agent"))
+      first = failed[0].exception(f"{where}, to {self.directory!r}")
+      for other in failed[1:]:
+        logger.error("also: persisting step %d failed: %s", other.step, other.message)
+      raise first
 
   # -- what is held ---------------------------------------------------------
 
@@ -225,23 +274,56 @@ class CheckpointManager:
 
   def wait_until_persisted(self, step: int | None = None,
                            timeout_secs: float | None = None) -> None:
-    """Blocks until ``step`` (default: the newest due snapshot) is committed on storage."""
+    """Blocks until this manager's persist of ``step`` (default: its newest due
+    snapshot) is committed on storage.
+
+    Raises:
+      StepExistsError: another writer (another job, or this one before a
+        rollback) committed ``step``; this manager's data was not stored.
+      StorageError (or the jaxckpt error that fits): the persist failed; the
+        message names the path, the cause and the process.
+      SnapshotTimeoutError: naming the processes whose part of the step is
+        missing on storage.
+    """
+    self._check_open("wait_until_persisted")
     if self.directory is None:
-      raise ValueError("wait_until_persisted(): this manager has no directory")
+      raise errors.InvalidArgumentError(
+          "wait_until_persisted(): this manager has no directory; pass "
+          "CheckpointManager(directory=...) to persist")
+    if step is not None:
+      step = check_step(step, "wait_until_persisted")
     self.wait_until_finished()
     if step is None:
-      due = [s for s in self._store.steps() if s % self._persist_config.interval_steps == 0]
-      if not due:
+      if not self._attempts:
         return
-      step = due[-1]
+      step = max(self._attempts)
+    attempt = self._attempts.get(step)
     timeout = timeout_secs or self.options.timeout_secs
     deadline = time.monotonic() + timeout
-    while step not in _tiers.storage_steps(self.directory):
+    while True:
+      self._raise_persist_error()
+      by = universal.committed_by(self.directory, step)
+      if step in _tiers.storage_steps(self.directory):
+        if attempt is None or by == attempt:
+          self._on_storage.add(step)
+          return
+        raise errors.StepExistsError(
+            f"step {step} in {self.directory!r} was committed by persist attempt {by!r}, not "
+            f"by this manager's ({attempt!r}): another writer got there first; this "
+            "manager's snapshot of it was not stored")
+      if attempt is None:
+        raise errors.StepNotFoundError(
+            f"wait_until_persisted(step={step}): this manager never saved step {step} for "
+            f"storage and it is not on {self.directory!r}")
       if time.monotonic() > deadline:
+        count = self._process[1]
+        late = universal.missing_parts(self.directory, step, attempt, count)
+        who = (f"processes {late} of {count} (their agents or trainers) did not write their "
+               "part" if late else "every process wrote its part but process 0 did not "
+               "commit it")
         raise errors.SnapshotTimeoutError(
-            f"step {step} was not persisted to {self.directory!r} within {timeout} s "
-            f"(persisted: {_tiers.storage_steps(self.directory)}); the writer of process 0 "
-            "(its agent, or this trainer) was late")
+            f"step {step} was not persisted to {self.directory!r} within {timeout} s: {who} "
+            f"(persist attempt {attempt!r})")
       time.sleep(0.02)
 
   def protected_steps(self) -> list[int]:
@@ -302,6 +384,8 @@ class CheckpointManager:
       CorruptSnapshotError: a stored shard fails its checksum.
     """
     self._check_open("restore")
+    if step is not None:
+      step = check_step(step, "restore")
     self.wait_until_finished()
     t0 = time.perf_counter()
     step, tier = _tiers.choose_step(self._store, self.directory, step,
@@ -357,6 +441,7 @@ class CheckpointManager:
         self._wait(self._pending, self.options.timeout_secs, "close")
       if self._persister is not None:
         self._persister.close(self.options.timeout_secs)
+      self._raise_background_error()
     finally:
       self._closed = True
       self._pool.shutdown(wait=True)
@@ -370,3 +455,27 @@ class CheckpointManager:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+def check_step(step: Any, where: str) -> int:
+  """``step`` as an int if it is a Python or numpy integer in [0, 2**63); else raises.
+
+  >>> check_step(np.int64(3), "save")
+  3
+  """
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+    raise errors.InvalidArgumentError(
+        f"{where}(step={step!r}): a step is a non-negative int (Python or numpy integer), "
+        f"not a {type(step).__name__}")
+  value = int(step)
+  if not 0 <= value < 2**63:
+    raise errors.InvalidArgumentError(
+        f"{where}(step={step!r}): a step must be in [0, 2**63)")
+  return value
+
+
+def _agree_run_id(timeout_secs: float) -> str:
+  """A run id that every process of the job gets alike (process 0 picks it)."""
+  if jax.process_count() == 1:
+    return _persist.new_run_id()
+  return _tiers.broadcast_from_0("run_id", _persist.new_run_id, timeout_secs=timeout_secs)

@@ -66,6 +66,14 @@ def box_shape(box: Box) -> tuple[int, ...]:
   return tuple(stop - start for start, stop in box)
 
 
+def box_size(box: Box) -> int:
+  """The number of elements in ``box``."""
+  n = 1
+  for start, stop in box:
+    n *= stop - start
+  return n
+
+
 def box_intersection(a: Box, b: Box) -> Box | None:
   """The overlap of two boxes, or None if they do not overlap."""
   out = []

@@ -33,6 +33,25 @@ class Slot:
   nbytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class PersistError:
+  """A failed persist: which step and attempt, and the error (its jaxckpt type kept)."""
+
+  step: int
+  attempt: str
+  type: str
+  message: str
+
+  def to_obj(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def exception(self, where: str) -> BaseException:
+    cls = getattr(errors, self.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.JaxckptError)):
+      cls = errors.StorageError
+    return cls(f"persisting step {self.step} ({where}) failed: {self.message}")
+
+
 class HostStore(abc.ABC):
   """What the manager needs from a host-memory snapshot store."""
 
@@ -41,8 +60,10 @@ class HostStore(abc.ABC):
     """A free slot of at least ``nbytes``; None if none frees up in time (0 = don't wait)."""
 
   @abc.abstractmethod
-  def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
-    """Makes ``slot`` the committed snapshot of ``manifest.step``."""
+  def commit(self, slot: Slot, manifest: SnapshotManifest, *,
+             persist_attempt: str | None = None) -> None:
+    """Makes ``slot`` the committed snapshot of ``manifest.step``; a store that
+    persists by itself (the agent) persists it as ``persist_attempt`` if due."""
 
   @abc.abstractmethod
   def abort(self, slot: Slot) -> None:
@@ -71,6 +92,10 @@ class HostStore(abc.ABC):
     """
     del step, buffer
     return False
+
+  def persist_errors(self) -> list[PersistError]:
+    """Errors of persists this store ran since the last call, each reported once."""
+    return []
 
   def preallocate(self, nbytes: int) -> None:
     """Allocates and touches every free slot for snapshots of ``nbytes`` now, so
@@ -147,7 +172,9 @@ class InProcessStore(HostStore):
           buf.fill(0)                # first touch here, not in a save (~4 s/GiB on some VMs)
           self._lent[i] = False
 
-  def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
+  def commit(self, slot: Slot, manifest: SnapshotManifest, *,
+             persist_attempt: str | None = None) -> None:
+    del persist_attempt          # the manager persists what this store holds
     with self._cv:
       for s in [s for s in self._slot_of if s >= manifest.step]:
         self._drop(s)            # a rolled-back timeline: newer steps are stale

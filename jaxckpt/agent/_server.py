@@ -252,7 +252,8 @@ class Agent:
         s.early[(r.offset, r.nbytes, r.checksum)] = f
     return {}
 
-  def op_commit(self, index: int, manifest: str) -> dict[str, Any]:
+  def op_commit(self, index: int, manifest: str,
+                persist_attempt: str | None = None) -> dict[str, Any]:
     s = self.slots[index]
     m = _CommitView.parse(manifest)
     if s.state != "writing" or s.step != m.step:
@@ -271,7 +272,7 @@ class Agent:
     for old in committed[:-self.max_snapshots]:      # never the newest
       self._drop(old)
     if self.persister is not None:
-      self.persister.on_commit(m.step)
+      self.persister.on_commit(m.step, persist_attempt)
     if self.parity is not None and m.step in self.manifests:
       self.parity.on_commit(m.step, manifest)
     return {"steps": self.steps()}
@@ -297,8 +298,10 @@ class Agent:
           del s.pins[me]
 
   def op_persisted(self) -> dict[str, Any]:
+    """Steps persisted, and the persist errors since the last ask (each reported once)."""
     p = self.persister
-    return {"persisted": list(p.persisted) if p else [], "errors": list(p.errors) if p else []}
+    return {"persisted": list(p.persisted) if p else [],
+            "errors": [e.to_obj() for e in p.take_errors()] if p else []}
 
   def _verify(self, s: _Slot, m: "_CommitView") -> None:
     if m.nbytes > s.size:

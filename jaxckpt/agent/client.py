@@ -34,7 +34,7 @@ from jaxckpt.agent._protocol import Client
 from jaxckpt.options import AgentOptions
 from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
                               verify_shard)
-from jaxckpt.store import HostStore, Slot
+from jaxckpt.store import HostStore, PersistError, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,13 @@ class AgentStore(HostStore):
     self.call("written", index=slot.index, step=slot.step,
               shards=[[r.offset, r.nbytes, r.checksum] for r in shards])
 
-  def commit(self, slot: Slot, manifest: SnapshotManifest) -> None:
-    self.call("commit", index=slot.index, manifest=manifest.to_json())
+  def commit(self, slot: Slot, manifest: SnapshotManifest, *,
+             persist_attempt: str | None = None) -> None:
+    self.call("commit", index=slot.index, manifest=manifest.to_json(),
+              persist_attempt=persist_attempt)
+
+  def persist_errors(self) -> list[PersistError]:
+    return [PersistError(**e) for e in self.call("persisted")["errors"]]
 
   def abort(self, slot: Slot) -> None:
     with contextlib.suppress(errors.AgentUnavailableError):

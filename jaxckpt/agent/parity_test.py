@@ -189,8 +189,8 @@ def test_unrecoverable_loss_falls_back_to_storage(sandbox, tmp_path):
     c.save(1)
     for h in range(HOSTS):      # what the agents' persist thread writes, one step on storage
       with c.stores[h].read(1) as (manifest, buf):
-        jc.universal.write_process_shards(str(tmp_path), manifest, buf)
-    jc.universal.commit_step(str(tmp_path), 1, process_count=HOSTS, timeout_secs=30)
+        jc.universal.write_process_shards(str(tmp_path), manifest, buf, attempt="t")
+    jc.universal.commit_step(str(tmp_path), 1, process_count=HOSTS, timeout_secs=30, attempt="t")
     c.protect(2)
     c.lose([0, 2])
     with c.manager(str(tmp_path)) as mgr:

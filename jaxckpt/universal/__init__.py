@@ -8,14 +8,19 @@ any sharding; housekeeping: :func:`all_steps`, :func:`latest_step`,
 
 from jaxckpt.universal._commit import all_steps
 from jaxckpt.universal._commit import commit_step
+from jaxckpt.universal._commit import committed_by
+from jaxckpt.universal._commit import discard_attempt
 from jaxckpt.universal._commit import discard_step
 from jaxckpt.universal._commit import gc_steps
 from jaxckpt.universal._commit import latest_step
+from jaxckpt.universal._commit import missing_parts
 from jaxckpt.universal._manifest import LeafInfo
+from jaxckpt.universal._read import RegionReader
 from jaxckpt.universal._read import StepReader
 from jaxckpt.universal._read import open_step
 from jaxckpt.universal._read import restore_arrays
 from jaxckpt.universal._read import verify_step
+from jaxckpt.universal._write import new_attempt
 from jaxckpt.universal._write import write_leaves
 from jaxckpt.universal._write import write_process_shards
 from jaxckpt.universal.convert import ConversionSpec
@@ -26,12 +31,17 @@ from jaxckpt.universal.convert import restore_converted
 
 __all__ = [
     "LeafInfo",
+    "RegionReader",
     "StepReader",
     "all_steps",
     "commit_step",
+    "committed_by",
+    "discard_attempt",
     "discard_step",
     "gc_steps",
     "latest_step",
+    "missing_parts",
+    "new_attempt",
     "open_step",
     "restore_arrays",
     "verify_step",

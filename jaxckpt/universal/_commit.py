@@ -1,9 +1,14 @@
 """Committing, listing and deleting steps.
 
-A step is committed by process 0 after every process wrote its part record:
-it merges them into ``manifest.json`` and then writes ``commits/<step>.json``
-(one atomic put; it records the manifest's checksum). Readers list only
-markers, so a crash at any point before the marker leaves nothing that
+A step is committed by process 0 of a persist *attempt* once every process of
+that attempt wrote its part record: it merges those (and only those) into the
+attempt's ``manifest.json`` and then writes ``commits/<step>.json`` naming the
+attempt (one put; it records the manifest's checksum). The marker decides who
+wrote the step: it is created exclusively where the store supports that, and
+read back either way, so of two writers of one step exactly one commits and
+the other gets :class:`~jaxckpt.errors.StepExistsError`; their data never
+mixes because every attempt writes keys of its own. Readers list only markers,
+so a crash at any point before the marker leaves nothing that
 :func:`latest_step` or a restore would pick.
 """
 
@@ -21,6 +26,7 @@ import tensorstore as ts
 
 from jaxckpt import errors
 from jaxckpt import snapshot as snap
+from jaxckpt.universal import _arrays
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 
@@ -30,26 +36,75 @@ _SAME_FIELDS = ("kind", "shape", "dtype", "storage_dtype", "array", "chunk_shape
                 "inner_chunk_shape")
 
 
-def _wait_for_parts(kv: ts.KvStore, step: int, process_count: int,
-                    timeout_secs: float) -> list[dict[str, Any]]:
+def read_marker(kv: ts.KvStore, directory: str, step: int) -> dict[str, Any] | None:
+  """The commit marker of ``step`` (None if the step is not committed)."""
+  marker = lay.read_json(kv, lay.commit_key(step))
+  if marker is not None and (not isinstance(marker, dict) or marker.get("step") != step):
+    raise errors.CorruptSnapshotError(
+        f"the commit marker of step {step} in {directory!r} is damaged ({marker!r}); "
+        f"restore another step, or discard_step({directory!r}, {step})")
+  return marker
+
+
+def committed_by(directory: str, step: int) -> str | None:
+  """The attempt whose data step ``step`` is (None: not committed, or format 1)."""
+  marker = read_marker(lay.open_kvstore(directory), directory, step)
+  return None if marker is None else marker.get("attempt")
+
+
+def check_not_committed(kv: ts.KvStore, directory: str, step: int, attempt: str) -> None:
+  """Raises StepExistsError if ``step`` is committed already (a committed step is
+  never written again, by another attempt or by the one that committed it)."""
+  marker = read_marker(kv, directory, step)
+  if marker is not None:
+    raise _exists(directory, step, marker, attempt)
+
+
+def _exists(directory: str, step: int, marker: dict[str, Any], attempt: str) -> errors.StepExistsError:
+  when = marker.get("committed_at")
+  when = "" if when is None else time.strftime(" at %Y-%m-%d %H:%M:%S UTC", time.gmtime(when))
+  return errors.StepExistsError(
+      f"step {step} is already committed in {directory!r} by persist attempt "
+      f"{marker.get('attempt')!r}{when}; a committed step is never written again, so "
+      f"this attempt ({attempt!r}) wrote nothing over it. Another job or an older timeline (before a rollback) owns "
+      f"it: delete it first (jaxckpt.universal.discard_step({directory!r}, {step})) or "
+      "persist into another directory")
+
+
+def missing_parts(directory: str, step: int, attempt: str, process_count: int) -> list[int]:
+  """The processes of ``attempt`` whose part records of ``step`` are not on storage."""
+  kv = lay.open_kvstore(directory)
+  return [i for i in range(process_count)
+          if kv.read(lay.part_key(step, i, attempt)).result(
+              timeout=lay.REQUEST_TIMEOUT_SECS).state != "value"]
+
+
+def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
+                    process_count: int, timeout_secs: float) -> list[dict[str, Any]]:
   deadline = time.monotonic() + timeout_secs
   parts: dict[int, dict[str, Any]] = {}
   delay = 0.02
   while True:
     for i in range(process_count):
       if i not in parts:
-        obj = lay.read_json(kv, lay.part_key(step, i))
+        obj = lay.read_json(kv, lay.part_key(step, i, attempt))
         if obj is not None:
           man.validate(obj, what=f"part record of process {i} at step {step}")
+          if obj.get("attempt") != attempt or obj.get("process_index") != i:
+            raise errors.CorruptSnapshotError(
+                f"commit of step {step}: the part record of process {i} under attempt "
+                f"{attempt!r} says attempt {obj.get('attempt')!r}, process "
+                f"{obj.get('process_index')!r}; it is damaged")
           parts[i] = obj
     missing = [i for i in range(process_count) if i not in parts]
     if not missing:
       return [parts[i] for i in range(process_count)]
+    check_not_committed(kv, directory, step, attempt)
     if time.monotonic() > deadline:
       raise errors.SnapshotTimeoutError(
-          f"commit of step {step}: processes {missing} of {process_count} did not write "
-          f"their part records within {timeout_secs} s; they are late or died while "
-          "persisting (the step stays uncommitted)")
+          f"commit of step {step} (attempt {attempt!r}): processes {missing} of "
+          f"{process_count} did not write their part records within {timeout_secs} s; "
+          "they are late or died while persisting (the step stays uncommitted)")
     time.sleep(delay)
     delay = min(delay * 2, 0.5)
 
@@ -78,56 +133,58 @@ def _finish_leaf(directory: str, step: int, leaf: dict[str, Any]) -> dict[str, A
   """Checks that the written boxes cover the leaf; hashes chunks no process hashed."""
   boxes = man.boxes_of(leaf)
   if leaf["kind"] != "scalar":
-    have = sum(int(np.prod(snap.box_shape(b))) for b in boxes)
-    need = int(np.prod(leaf["shape"]))
+    have = sum(snap.box_size(b) for b in boxes)
+    need = snap.box_size(snap.full_box(tuple(leaf["shape"])))
     if have != need:
       raise errors.ManifestError(
           f"commit of step {step}: the processes wrote {have} of the {need} elements of "
           f"leaf {leaf['path']!r} (boxes {boxes}); some shards are missing")
     if leaf.get("chunk_shape") is None:  # empty leaf: nobody wrote, create it here
-      _create_empty(directory, step, leaf)
+      info = man.LeafInfo.from_obj(dict(leaf, chunks={}))
+      _, info = _arrays.open_for_write(directory, step, info)
+      leaf["chunk_shape"] = list(info.chunk_shape)
+      leaf["inner_chunk_shape"] = list(info.inner_chunk_shape)
     info = man.LeafInfo.from_obj(leaf)
-    grid = [ix for ix in np.ndindex(*lay.chunk_grid(info.shape, info.chunk_shape))]
-    todo = [ix for ix in grid if lay.chunk_key(ix) not in leaf["chunks"]]
-    if todo:
-      from jaxckpt.universal import _read  # pylint: disable=import-outside-toplevel
-      store = _read.open_array(directory, step, info)
+    grid = lay.chunk_grid(info.shape, info.chunk_shape)
+    todo = [ix for ix in np.ndindex(*grid) if lay.chunk_key(ix) not in leaf["chunks"]]
+    if todo:   # chunks split between processes: hash what they wrote, read back
+      store = _arrays.open_for_read(directory, step, info)
       for ix in todo:
         region = lay.chunk_box(ix, info.shape, info.chunk_shape)
-        arr = store[tuple(slice(a, b) for a, b in region)].read().result()
-        leaf["chunks"][lay.chunk_key(ix)] = snap.checksum(arr)
+        arr = store[tuple(slice(a, b) for a, b in region)].read().result(
+            timeout=lay.REQUEST_TIMEOUT_SECS)
+        leaf["chunks"][lay.chunk_key(ix)] = snap.checksum(np.ascontiguousarray(arr))
   out = dict(leaf)
   out.pop("boxes", None)
   return out
 
 
-def _create_empty(directory: str, step: int, leaf: dict[str, Any]) -> None:
-  from jaxckpt.universal import _write  # pylint: disable=import-outside-toplevel
-  info = _write.plan_leaf(leaf["path"], leaf["kind"], tuple(leaf["shape"]), leaf["dtype"], [])
-  _, info = _write._open_array(directory, step, info)  # pylint: disable=protected-access
-  leaf["chunk_shape"] = list(info.chunk_shape)
-  leaf["inner_chunk_shape"] = list(info.inner_chunk_shape)
+def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: float,
+                attempt: str) -> None:
+  """Merges the part records of ``attempt`` into its manifest and commits the step.
 
-
-def commit_step(directory: str, step: int, *, process_count: int,
-                timeout_secs: float) -> None:
-  """Merges every process's part record into the manifest and commits the step.
-
-  Run by process 0 once all processes called write_process_shards. Waits up
-  to ``timeout_secs`` for the part records; the commit marker is written last,
-  in one atomic put. Committing a committed step again does nothing.
+  Run by process 0 of the attempt once all its processes called
+  write_process_shards. Waits up to ``timeout_secs`` for the part records;
+  the commit marker is written last, in one put, and read back. Committing a
+  step this attempt committed already does nothing.
 
   Raises:
+    StepExistsError: another attempt committed ``step`` (before or during this one).
     SnapshotTimeoutError: naming the processes whose part records are missing.
     ManifestError: the parts disagree or do not cover every leaf.
   """
   if process_count < 1:
-    raise ValueError(f"commit_step: process_count must be >= 1, got {process_count=}")
+    raise errors.InvalidArgumentError(
+        f"commit_step: process_count must be >= 1, got {process_count=}")
+  lay.check_attempt(attempt)
   kv = lay.open_kvstore(directory)
-  if kv.read(lay.commit_key(step)).result().state == "value":
-    log.info("step %d is already committed in %s", step, directory)
-    return
-  parts = _wait_for_parts(kv, step, process_count, timeout_secs)
+  marker = read_marker(kv, directory, step)
+  if marker is not None:
+    if marker.get("attempt") == attempt:
+      log.info("step %d is already committed in %s by this attempt", step, directory)
+      return
+    raise _exists(directory, step, marker, attempt)
+  parts = _wait_for_parts(kv, directory, step, attempt, process_count, timeout_secs)
   leaves: dict[str, dict[str, Any]] = {}
   for proc, part in enumerate(parts):
     for leaf in part["leaves"]:
@@ -140,18 +197,41 @@ def commit_step(directory: str, step: int, *, process_count: int,
   doc = man.document(step=step, process_count=process_count,
                      metadata=parts[0]["metadata"], leaves=merged)
   body = man.encode(doc, what=f"manifest of step {step}")
-  kv.write(lay.manifest_key(step), body).result()
-  marker = {"step": step, "manifest_xxh3": snap.checksum(body),
-            "process_count": process_count, "committed_at": time.time()}
-  kv.write(lay.commit_key(step), json.dumps(marker).encode()).result()
-  log.info("step %d committed in %s (%d leaves, %d processes)", step, directory,
-           len(merged), process_count)
+  kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
+          "process_count": process_count, "committed_at": time.time()}
+  check_not_committed(kv, directory, step, attempt)
+  _write_marker(kv, directory, step, mine)
+  log.info("step %d committed in %s by attempt %s (%d leaves, %d processes)", step,
+           directory, attempt, len(merged), process_count)
+
+
+def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any]) -> None:
+  """Writes the marker if none exists, then reads it back: the attempt it names won."""
+  body = json.dumps(mine).encode()
+  try:   # exclusive where the store honours it (never relied on: read back below)
+    kv.write(lay.commit_key(step), body, if_equal=b"").result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  except ValueError as e:
+    if "FAILED_PRECONDITION" not in str(e) and "precondition" not in str(e).lower():
+      raise errors.StorageError(
+          f"writing the commit marker of step {step} to {directory!r} failed: {e}") from None
+  won = read_marker(kv, directory, step)
+  if won is None or won.get("attempt") != mine["attempt"]:
+    raise _exists(directory, step, won or {}, mine["attempt"])
 
 
 def all_steps(directory: str) -> list[int]:
   """Committed steps in ``directory``, ascending."""
   kv = lay.open_kvstore(directory)
-  keys = kv.list(ts.KvStore.KeyRange(lay.COMMITS_PREFIX, "commits0")).result()
+  try:
+    keys = kv.list(ts.KvStore.KeyRange(lay.COMMITS_PREFIX, "commits0")).result(
+        timeout=lay.REQUEST_TIMEOUT_SECS)
+  except TimeoutError:
+    raise errors.StorageError(
+        f"listing the steps in {directory!r} took over {lay.REQUEST_TIMEOUT_SECS} s; is the "
+        "store reachable (endpoint, credentials)?") from None
+  except ValueError as e:
+    raise errors.StorageError(f"cannot list the steps in {directory!r}: {e}") from None
   steps = []
   for key in keys:
     name = key.decode()[len(lay.COMMITS_PREFIX):]
@@ -167,7 +247,8 @@ def latest_step(directory: str) -> int | None:
 
 
 def discard_step(directory: str, step: int) -> None:
-  """Deletes a step (marker first, so it is never listed half-deleted)."""
+  """Deletes a step, every attempt at it included (marker first, so it is never
+  listed half-deleted)."""
   kv = lay.open_kvstore(directory)
   kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
   prefix = lay.step_dir(step)
@@ -177,6 +258,22 @@ def discard_step(directory: str, step: int) -> None:
     shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
 
 
+def discard_attempt(directory: str, step: int, attempt: str) -> None:
+  """Deletes what one persist attempt wrote of ``step`` (never the committed data:
+  refuses if the marker names this attempt)."""
+  kv = lay.open_kvstore(directory)
+  marker = read_marker(kv, directory, step)
+  if marker is not None and marker.get("attempt") == attempt:
+    raise errors.StepExistsError(
+        f"attempt {attempt!r} committed step {step} in {directory!r}; discard_step deletes it")
+  for prefix in (lay.attempt_dir(step, attempt), f"{lay.step_dir(step)}arrays/{attempt}/"):
+    kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result(
+        timeout=lay.REQUEST_TIMEOUT_SECS)
+    local = lay.local_path(directory)
+    if local is not None:
+      shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+
+
 def gc_steps(directory: str, *, max_to_keep: int, keep: Iterable[int] = ()) -> list[int]:
   """Deletes committed steps older than the newest ``max_to_keep`` (except ``keep``).
 
@@ -184,8 +281,8 @@ def gc_steps(directory: str, *, max_to_keep: int, keep: Iterable[int] = ()) -> l
   ``keep``, so it can run in a background thread beside any save; it takes no
   lock. Returns the deleted steps.
   """
-  if max_to_keep < 1:
-    raise ValueError(f"gc_steps: max_to_keep must be >= 1, got {max_to_keep=}")
+  if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
+    raise errors.InvalidArgumentError(f"gc_steps: max_to_keep must be an int >= 1, got {max_to_keep=}")
   protected = set(keep)
   steps = all_steps(directory)
   doomed = [s for s in steps[:-max_to_keep] if s not in protected]

@@ -2,13 +2,18 @@
 
 Layout under ``directory`` (a local path or any tensorstore kvstore URL):
 
-  step_0000000012/manifest.json          the step's manifest (written by commit)
-  step_0000000012/parts/process_00003.json   one part record per writing process
-  step_0000000012/arrays/<leaf>/...      one zarr v3 array per array leaf
-  commits/0000000012.json                the commit marker, written last
+  step_0000000012/attempts/<A>/parts/process_00003.json  one part record per writing process
+  step_0000000012/attempts/<A>/manifest.json   the manifest (written by the commit)
+  step_0000000012/arrays/<A>/<leaf>/...  one zarr v3 array per array leaf
+  commits/0000000012.json                the commit marker, written last: names <A>
 
-A step is committed if and only if its marker exists: the marker is one small
-object written in one atomic put, which works on every kvstore (no rename).
+``<A>`` is the persist *attempt* that wrote it (the writing job's run id and
+a counter): every attempt writes only keys of its own, so two writers of one
+step, or a crashed attempt and its retry, never touch each other's bytes.
+A step is committed if and only if its marker exists, and its data is the
+attempt the marker names: the marker is one small object written in one
+put (exclusive where the store supports it, and read back to learn who won),
+which works on every kvstore (no rename).
 """
 
 from __future__ import annotations
@@ -41,6 +46,41 @@ def kvstore_url(directory: str) -> str:
   return url if url.endswith("/") else url + "/"
 
 
+def s3_endpoint() -> str | None:
+  """The S3 endpoint from the usual AWS variables (``AWS_ENDPOINT_URL_S3``, then
+  ``AWS_ENDPOINT_URL``), or None for AWS itself."""
+  return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def kvstore_spec(directory: str, sub: str = "") -> Any:
+  """The tensorstore kvstore spec of ``sub`` (a key prefix) under ``directory``.
+
+  Local paths and most URLs are kvstore URLs; ``s3://bucket/prefix`` becomes
+  an ``s3`` driver spec whose endpoint and region come from the usual AWS
+  environment variables (``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
+  ``AWS_REGION`` / ``AWS_DEFAULT_REGION``), so S3-compatible servers work.
+
+  >>> kvstore_spec("/ckpt", "step_0000000001/")
+  'file:///ckpt/step_0000000001/'
+  """
+  if directory.startswith("s3://"):
+    bucket, _, prefix = directory[len("s3://"):].partition("/")
+    if not bucket:
+      raise errors.InvalidArgumentError(
+          f"directory={directory!r} names no bucket; use s3://BUCKET/PREFIX")
+    prefix = prefix.strip("/")
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket,
+                            "path": (prefix + "/" if prefix else "") + sub}
+    endpoint = s3_endpoint()
+    if endpoint:
+      spec["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region or endpoint:
+      spec["aws_region"] = region or "us-east-1"
+    return spec
+  return kvstore_url(directory) + sub
+
+
 def local_path(directory: str) -> str | None:
   """The filesystem path of a local directory or ``file://`` URL, else None."""
   if "://" not in directory:
@@ -55,8 +95,20 @@ def context() -> ts.Context:
                      "file_io_concurrency": {"limit": 32}})
 
 
-def open_kvstore(directory: str) -> ts.KvStore:
-  return ts.KvStore.open(kvstore_url(directory), context=context()).result()
+#: The longest one storage request may take before it is an error naming the store.
+REQUEST_TIMEOUT_SECS = 120.0
+
+
+def open_kvstore(directory: str, *, timeout_secs: float = REQUEST_TIMEOUT_SECS) -> ts.KvStore:
+  try:
+    return ts.KvStore.open(kvstore_spec(directory), context=context()).result(
+        timeout=timeout_secs)
+  except TimeoutError:
+    raise errors.StorageError(
+        f"opening storage at {directory!r} took over {timeout_secs} s; is the store "
+        "reachable (endpoint, credentials)?") from None
+  except ValueError as e:
+    raise errors.StorageError(f"cannot open storage at {directory!r}: {e}") from None
 
 
 def step_dir(step: int) -> str:
@@ -67,17 +119,31 @@ def commit_key(step: int) -> str:
   return f"{COMMITS_PREFIX}{step:010d}.json"
 
 
-def part_key(step: int, process_index: int) -> str:
-  return f"{step_dir(step)}parts/process_{process_index:05d}.json"
+def attempt_dir(step: int, attempt: str) -> str:
+  """Where one persist attempt of ``step`` keeps its part records and manifest."""
+  return f"{step_dir(step)}attempts/{attempt}/"
 
 
-def manifest_key(step: int) -> str:
-  return f"{step_dir(step)}manifest.json"
+def part_key(step: int, process_index: int, attempt: str) -> str:
+  return f"{attempt_dir(step, attempt)}parts/process_{process_index:05d}.json"
+
+
+def manifest_key(step: int, attempt: str | None) -> str:
+  """The manifest of a committed attempt (``None``: a format-1 step, one per step)."""
+  return f"{step_dir(step) if attempt is None else attempt_dir(step, attempt)}manifest.json"
+
+
+def check_attempt(attempt: str) -> str:
+  """An attempt id is a short key-safe name (it becomes part of storage keys)."""
+  if not isinstance(attempt, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", attempt):
+    raise errors.InvalidArgumentError(
+        f"persist attempt id {attempt!r} must be 1-128 letters, digits, '.', '_' or '-'")
+  return attempt
 
 
 def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:
   """Reads one JSON object, or None if the key is missing."""
-  res = kv.read(key).result()
+  res = kv.read(key).result(timeout=REQUEST_TIMEOUT_SECS)
   if res.state != "value":
     return None
   try:
@@ -201,7 +267,7 @@ def zarr_spec(directory: str, step: int, array: str, *, shape: Sequence[int],
   little = {"name": "bytes", "configuration": {"endian": "little"}}
   return {
       "driver": "zarr3",
-      "kvstore": kvstore_url(directory) + step_dir(step) + "arrays/" + array + "/",
+      "kvstore": kvstore_spec(directory, step_dir(step) + "arrays/" + array + "/"),
       "metadata": {
           "shape": list(shape),
           "data_type": dtype,

@@ -1,16 +1,22 @@
-"""Reading committed steps: any region of any leaf, onto any sharding.
+"""Reading committed steps: any region of any leaf, onto any sharding, verified.
 
-Every read is verified: chunks read whole are checked against their xxh3-64
-in the manifest, and partial reads go through the zarr sharding codec's
-inner chunks, each protected by a crc32c codec that tensorstore checks.
+Every byte that reaches a caller was checked against the manifest: a read
+fetches the whole stored chunks its region touches (each at most once per
+reader while it is cached, and once per leaf in :func:`restore_arrays`),
+checks each against its xxh3-64 in the manifest, and slices locally. A
+missing chunk (read back as fill values), a swapped or foreign chunk file or a
+flipped bit is a :class:`~jaxckpt.errors.CorruptSnapshotError` naming the leaf
+and the chunk. Lazy views (:meth:`StepReader.open_leaf`, which conversions and
+orbax export build on) verify the same way.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import threading
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -20,38 +26,34 @@ from jaxckpt import _assemble
 from jaxckpt import errors
 from jaxckpt import snapshot as snap
 from jaxckpt.snapshot import Box
+from jaxckpt.universal import _arrays
+from jaxckpt.universal import _budget
 from jaxckpt.universal import _commit
 from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _lazy
 from jaxckpt.universal import _manifest as man
 
-DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
-BUDGET_TIMEOUT_SECS = 600.0
+DEFAULT_MAX_INFLIGHT_BYTES = _budget.DEFAULT_MAX_INFLIGHT_BYTES
+#: Verified chunks a reader keeps for later reads (least recently used dropped first).
+DEFAULT_CACHE_BYTES = 256 << 20
 
-
-def open_array(directory: str, step: int, info: man.LeafInfo) -> ts.TensorStore:
-  spec = lay.zarr_spec(directory, step, info.array, shape=info.shape,
-                       dtype=info.storage_dtype or info.dtype,
-                       chunk=info.chunk_shape, inner=info.inner_chunk_shape)
-  try:
-    return ts.open(spec, open=True, read=True, context=lay.context()).result()
-  except ValueError as e:
-    raise errors.CorruptSnapshotError(
-        f"step {step}: zarr array of leaf {info.path!r} cannot be opened ({e}); "
-        "the step is damaged: restore another step") from None
+Index = tuple[int, ...]
 
 
 class StepReader:
   """A committed step: its manifest, and verified reads of any region.
 
   Attributes:
-    step: the step. metadata: user metadata saved with it.
+    step: the step. metadata: user metadata saved with it. attempt: the
+      persist attempt whose data the step is (None for format-1 steps).
     leaves: path -> LeafInfo. process_count: processes that wrote it.
-    bytes_read: bytes fetched from storage by :meth:`read` (whole chunks, or
-      the inner chunks covering a partial read). bytes_needed: bytes asked for.
+    bytes_read: bytes fetched from storage (whole stored chunks).
+    bytes_needed: bytes of the distinct regions asked for.
   """
 
-  def __init__(self, directory: str, step: int, manifest: dict[str, Any]):
-    self.directory, self.step = directory, step
+  def __init__(self, directory: str, step: int, manifest: dict[str, Any], *,
+               attempt: str | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES):
+    self.directory, self.step, self.attempt = directory, step, attempt
     self.metadata: dict[str, Any] = manifest["metadata"]
     self.process_count: int = manifest["process_count"]
     self.leaves: dict[str, man.LeafInfo] = {
@@ -60,6 +62,9 @@ class StepReader:
     self.bytes_needed = 0
     self._lock = threading.Lock()
     self._stores: dict[str, ts.TensorStore] = {}
+    self._views: dict[str, ts.TensorStore] = {}
+    self._cache: collections.OrderedDict[tuple[str, Index], np.ndarray] = collections.OrderedDict()
+    self._cache_bytes, self._cached = cache_bytes, 0
 
   def _info(self, path: str) -> man.LeafInfo:
     info = self.leaves.get(path)
@@ -71,51 +76,206 @@ class StepReader:
           f"leaf {path!r} of step {self.step} is a {info.kind} (value {info.value!r}), not an array")
     return info
 
-  def open_leaf(self, path: str) -> ts.TensorStore:
-    """A read-only tensorstore view of one leaf (stored dtype; lazy)."""
+  def raw_leaf(self, path: str) -> ts.TensorStore:
+    """The stored zarr array of a leaf, unverified (stored dtype): for tools that
+    check it themselves. Callers that use values want :meth:`read` or :meth:`open_leaf`."""
     info = self._info(path)
     with self._lock:
       if path not in self._stores:
-        self._stores[path] = open_array(self.directory, self.step, info)
+        self._stores[path] = _arrays.open_for_read(self.directory, self.step, info)
       return self._stores[path]
+
+  # -- verified chunks ----------------------------------------------------------
+
+  def _check(self, info: man.LeafInfo, idx: Index, raw: np.ndarray) -> np.ndarray:
+    """The chunk's values if they match the manifest's checksum, else raises."""
+    arr = lay.logical_view(np.require(raw, requirements="C"), info.numpy_dtype)  # rank 0 stays
+    key = lay.chunk_key(idx)
+    want = info.chunks.get(key)
+    got = snap.checksum(arr)
+    if want is None or got != want:
+      cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
+      why = ("the manifest records no checksum for it" if want is None else
+             f"checksum {got} != saved {want}: the chunk is missing, damaged, swapped or "
+             "from another leaf")
+      raise errors.CorruptSnapshotError(
+          f"step {self.step}: leaf {info.path!r} region {[list(p) for p in cbox]} (chunk "
+          f"{key}) in {self.directory!r} is damaged ({why}); restore another step "
+          f"(`jaxckpt verify {self.directory}` lists every damaged chunk)")
+    return arr
+
+  def _load(self, info: man.LeafInfo, idxs: list[Index]) -> dict[Index, np.ndarray]:
+    """Reads stored chunks ``idxs`` of a leaf concurrently and verifies each."""
+    if not idxs:
+      return {}
+    store = self.raw_leaf(info.path)
+    futures = {}
+    for idx in idxs:
+      box = lay.chunk_box(idx, info.shape, info.chunk_shape)
+      futures[idx] = store[tuple(slice(a, b) for a, b in box)].read()
+    out = {}
+    for idx, fut in futures.items():
+      try:
+        raw = fut.result(timeout=lay.REQUEST_TIMEOUT_SECS)
+      except TimeoutError:
+        raise errors.SnapshotTimeoutError(
+            f"step {self.step}: reading leaf {info.path!r} chunk {lay.chunk_key(idx)} from "
+            f"{self.directory!r} took over {lay.REQUEST_TIMEOUT_SECS} s") from None
+      except ValueError as e:
+        cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
+        raise errors.CorruptSnapshotError(
+            f"step {self.step}: leaf {info.path!r} region {[list(p) for p in cbox]} (chunk "
+            f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({e}); restore another "
+            f"step (`jaxckpt verify {self.directory}` lists every damaged chunk)") from None
+      out[idx] = self._check(info, idx, raw)
+    with self._lock:
+      self.bytes_read += sum(a.nbytes for a in out.values())
+    return out
+
+  def _fetch(self, path: str, idxs: Iterable[Index]) -> dict[Index, np.ndarray]:
+    """Verified chunks ``idxs`` of a leaf: from the cache, the rest read and cached."""
+    info = self._info(path)
+    out: dict[Index, np.ndarray] = {}
+    todo = []
+    with self._lock:
+      for idx in idxs:
+        hit = self._cache.get((path, idx))
+        if hit is None:
+          todo.append(idx)
+        else:
+          self._cache.move_to_end((path, idx))
+          out[idx] = hit
+    loaded = self._load(info, todo)
+    out.update(loaded)
+    with self._lock:
+      for idx, arr in loaded.items():
+        self._remember(path, idx, arr)
+    return out
+
+  def _remember(self, path: str, idx: Index, arr: np.ndarray) -> None:
+    if arr.nbytes > self._cache_bytes:
+      return
+    key = (path, idx)
+    if key not in self._cache:
+      self._cache[key] = arr
+      self._cached += arr.nbytes
+    while self._cached > self._cache_bytes:
+      _, old = self._cache.popitem(last=False)
+      self._cached -= old.nbytes
+
+  def _assemble(self, info: man.LeafInfo, box: Box, chunks: Mapping[Index, np.ndarray]) -> np.ndarray:
+    out = snap.aligned_empty(snap.box_shape(box), info.numpy_dtype)
+    for idx in lay.chunks_in(box, info.chunk_shape):
+      cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
+      inter = snap.box_intersection(cbox, box)
+      if inter is not None:
+        out[snap.relative_slices(inter, box)] = chunks[idx][snap.relative_slices(inter, cbox)]
+    return out
+
+  # -- reads ------------------------------------------------------------------
+
+  def _box(self, info: man.LeafInfo, box: Box | None) -> Box:
+    if box is None:
+      return snap.full_box(info.shape)
+    box = tuple((int(lo), int(hi)) for lo, hi in box)
+    if len(box) != len(info.shape) or any(not 0 <= lo <= hi <= d
+                                           for (lo, hi), d in zip(box, info.shape)):
+      raise errors.InvalidArgumentError(
+          f"box {[list(p) for p in box]} is not inside leaf {info.path!r} of shape "
+          f"{list(info.shape)}")
+    return box
+
+  def _chunks_of(self, info: man.LeafInfo, box: Box) -> list[Index]:
+    return lay.chunks_in(box, info.chunk_shape) if snap.box_size(box) else []
 
   def read(self, path: str, box: Box | None = None) -> np.ndarray:
     """A fresh array holding ``box`` (default: all) of leaf ``path``, verified."""
     info = self._info(path)
-    box = snap.full_box(info.shape) if box is None else tuple(tuple(p) for p in box)
-    sl = tuple(slice(a, b) for a, b in box)
-    try:
-      arr = self.open_leaf(path)[sl].read().result()
-    except ValueError as e:
-      raise self._damaged(info, box, str(e)) from None
-    arr = lay.logical_view(arr, info.numpy_dtype)
-    nread = 0
-    for idx in lay.chunks_in(box, info.chunk_shape) if arr.size else []:
-      cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
-      inter = snap.box_intersection(cbox, box)
-      if inter == cbox:
-        got = snap.checksum(arr[snap.relative_slices(cbox, box)])
-        want = info.chunks.get(lay.chunk_key(idx))
-        if got != want:
-          raise self._damaged(info, cbox, f"checksum {got} != saved {want}")
-        nread += int(np.prod(snap.box_shape(cbox))) * arr.itemsize
-      else:
-        nread += lay.aligned_cover_nbytes(inter, info.inner_chunk_shape, info.shape, arr.itemsize)
+    box = self._box(info, box)
+    out = self._assemble(info, box, self._fetch(path, self._chunks_of(info, box)))
     with self._lock:
-      self.bytes_read += nread
-      self.bytes_needed += arr.nbytes
-    return arr
+      self.bytes_needed += out.nbytes
+    return out
 
-  def _damaged(self, info: man.LeafInfo, box: Box, why: str) -> errors.CorruptSnapshotError:
-    return errors.CorruptSnapshotError(
-        f"step {self.step}: leaf {info.path!r} region {[list(p) for p in box]} is damaged "
-        f"in storage ({why}); restore another step (`jaxckpt verify {self.directory}` "
-        "lists every damaged chunk)")
+  def region_reader(self, path: str, *, budget: _budget.ByteBudget | None = None
+                    ) -> "RegionReader":
+    """``read_region(box)`` for one restore of leaf ``path``: each stored chunk it
+    touches is read and verified once for the life of the returned reader,
+    whatever the boxes (targets that cut across chunks read no byte twice)."""
+    return RegionReader(self, self._info(path), budget)
+
+  def open_leaf(self, path: str) -> ts.TensorStore:
+    """A lazy read-only view of one leaf (stored dtype) whose every read is verified.
+
+    Reads fetch the stored chunks they touch and check each against the
+    manifest, as :meth:`read` does; conversions and orbax export build on it.
+    """
+    info = self._info(path)
+    with self._lock:
+      view = self._views.get(path)
+    if view is not None:
+      return view
+    raw = self.raw_leaf(path)
+    dtype = info.numpy_dtype
+
+    def plan(box: Box) -> _lazy.Plan:
+      idxs = lay.chunks_in(box, info.chunk_shape) if snap.box_size(box) else []
+      cboxes = [lay.chunk_box(i, info.shape, info.chunk_shape) for i in idxs]
+
+      def compute(parts: list[np.ndarray]) -> np.ndarray:
+        chunks = {i: self._check(info, i, p) for i, p in zip(idxs, parts)}
+        with self._lock:
+          self.bytes_read += sum(p.nbytes for p in chunks.values())
+        return self._assemble(info, box, chunks)
+
+      return [(raw, cb, dtype) for cb in cboxes], compute
+
+    view = _lazy.virtual(plan, info.shape, info.dtype, info.chunk_shape)
+    with self._lock:
+      return self._views.setdefault(path, view)
 
   def iter_chunks(self, path: str) -> Iterator[tuple[str, Box]]:
     info = self._info(path)
     for ix in np.ndindex(*lay.chunk_grid(info.shape, info.chunk_shape)):
       yield lay.chunk_key(ix), lay.chunk_box(ix, info.shape, info.chunk_shape)
+
+
+class RegionReader:
+  """Verified regions of one leaf for one restore (see :meth:`StepReader.region_reader`).
+
+  Keeps the verified chunks it read until it is dropped, and holds their
+  bytes in the in-flight ``budget`` meanwhile (:meth:`close` gives them back).
+  """
+
+  def __init__(self, reader: StepReader, info: man.LeafInfo,
+               budget: _budget.ByteBudget | None) -> None:
+    self._reader, self._info, self._budget = reader, info, budget
+    self._chunks: dict[Index, np.ndarray] = {}
+    self._held = 0
+    self._asked: set[Box] = set()
+
+  def __call__(self, box: Box | None = None) -> np.ndarray:
+    r, info = self._reader, self._info
+    box = r._box(info, box)                       # pylint: disable=protected-access
+    todo = [i for i in r._chunks_of(info, box) if i not in self._chunks]  # pylint: disable=protected-access
+    if todo and self._budget is not None:
+      n = sum(snap.box_size(lay.chunk_box(i, info.shape, info.chunk_shape)) for i in todo)
+      n *= info.numpy_dtype.itemsize
+      self._budget.acquire(n, f"leaf {info.path!r} {[list(p) for p in box]}", own=self._held)
+      self._held += n
+    self._chunks.update(r._load(info, todo))      # pylint: disable=protected-access
+    out = r._assemble(info, box, self._chunks)    # pylint: disable=protected-access
+    if box not in self._asked:
+      self._asked.add(box)
+      with r._lock:                               # pylint: disable=protected-access
+        r.bytes_needed += out.nbytes
+    return out
+
+  def close(self) -> None:
+    self._chunks.clear()
+    if self._budget is not None and self._held:
+      self._budget.release(self._held)
+      self._held = 0
 
 
 def open_step(directory: str, step: int | None = None) -> StepReader:
@@ -130,47 +290,28 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
     step = _commit.latest_step(directory)
     if step is None:
       raise errors.StepNotFoundError(f"no committed step in {directory!r}")
-  marker = lay.read_json(kv, lay.commit_key(step))
+  marker = _commit.read_marker(kv, directory, step)
   if marker is None:
     raise errors.StepNotFoundError(
         f"step {step} is not committed in {directory!r}; committed steps: "
         f"{_commit.all_steps(directory)}")
-  body = kv.read(lay.manifest_key(step)).result()
-  if body.state != "value" or snap.checksum(body.value) != marker["manifest_xxh3"]:
+  attempt = marker.get("attempt")
+  body = kv.read(lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  if body.state != "value" or snap.checksum(body.value) != marker.get("manifest_xxh3"):
     raise errors.CorruptSnapshotError(
-        f"step {step} in {directory!r}: manifest.json is missing or does not match the "
-        "checksum in its commit marker; restore another step")
+        f"step {step} in {directory!r}: the manifest of attempt {attempt!r} is missing or "
+        "does not match the checksum in its commit marker; restore another step")
   doc = json.loads(body.value)
   man.validate(doc, what=f"manifest of step {step} in {directory!r}")
-  return StepReader(directory, step, doc)
+  if doc["step"] != step:
+    raise errors.CorruptSnapshotError(
+        f"step {step} in {directory!r}: its manifest says step {doc['step']}; restore "
+        "another step")
+  return StepReader(directory, step, doc, attempt=attempt)
 
 
-class _ByteBudget:
-  """Caps bytes read from storage and not yet handed to devices."""
-
-  def __init__(self, max_bytes: int):
-    if max_bytes <= 0:
-      raise ValueError(f"max_inflight_bytes must be positive, got {max_bytes=}")
-    self._max, self._used = max_bytes, 0
-    self._cv = threading.Condition()
-
-  def acquire(self, n: int, what: str) -> None:
-    with self._cv:
-      ok = self._cv.wait_for(lambda: self._used == 0 or self._used + n <= self._max,
-                             timeout=BUDGET_TIMEOUT_SECS)
-      if not ok:
-        raise errors.SnapshotTimeoutError(
-            f"reading {what} waited {BUDGET_TIMEOUT_SECS} s for {n} bytes of the "
-            f"in-flight budget ({self._used} of {self._max} held by other reads)")
-      self._used += n
-
-  def release(self, n: int) -> None:
-    with self._cv:
-      self._used -= n
-      self._cv.notify_all()
-
-
-def _restore_one(reader: StepReader, path: str, target: Any, budget: _ByteBudget) -> Any:
+def _restore_one(reader: StepReader, path: str, target: Any,
+                 budget: _budget.ByteBudget) -> Any:
   info = reader.leaves[path]
   if not info.is_array:
     return info.value
@@ -178,31 +319,26 @@ def _restore_one(reader: StepReader, path: str, target: Any, budget: _ByteBudget
   if target is not None and tuple(target.shape) != info.shape:
     raise errors.StructureMismatchError(
         f"leaf {path!r}: target shape {tuple(target.shape)} != saved shape {info.shape}")
-  held = [0]
-
-  def read_region(box: Box) -> np.ndarray:
-    budget.release(held[0])
-    held[0] = int(np.prod(snap.box_shape(box))) * info.numpy_dtype.itemsize
-    budget.acquire(held[0], f"{path!r} {list(box)}")
-    return reader.read(path, box)
-
+  if target is not None and np.dtype(target.dtype) != info.numpy_dtype:
+    raise errors.StructureMismatchError(
+        f"leaf {path!r}: target dtype {np.dtype(target.dtype)} != saved dtype {info.dtype}; "
+        "restore with the saved dtype and cast afterwards")
+  read_region = reader.region_reader(path, budget=budget)
   try:
     if sharding is None:
-      return read_region(snap.full_box(info.shape))
-    dtype = np.dtype(target.dtype)
-    if dtype != info.numpy_dtype:
-      raise errors.StructureMismatchError(
-          f"leaf {path!r}: target dtype {dtype} != saved dtype {info.dtype}; "
-          "restore with the saved dtype and cast afterwards")
-    return _assemble.make_array(info.shape, dtype, sharding, read_region)
+      return read_region(None)
+    return _assemble.make_array(info.shape, info.numpy_dtype, sharding, read_region)
   finally:
-    budget.release(held[0])
+    read_region.close()
 
 
 def restore_arrays(reader: StepReader, targets: Mapping[str, Any], *,
                    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
                    max_workers: int = 4) -> dict[str, Any]:
   """Restores leaves onto target shardings, each process reading only what it needs.
+
+  Every stored chunk a leaf's targets touch is read once and verified against
+  the manifest before any of its bytes are used.
 
   Args:
     reader: from :func:`open_step`.
@@ -219,7 +355,7 @@ def restore_arrays(reader: StepReader, targets: Mapping[str, Any], *,
   if missing:
     raise errors.StructureMismatchError(
         f"step {reader.step} has no leaves {missing}; it has {sorted(reader.leaves)[:20]}")
-  budget = _ByteBudget(max_inflight_bytes)
+  budget = _budget.ByteBudget(max_inflight_bytes, what=f"restore of step {reader.step}")
   with concurrent.futures.ThreadPoolExecutor(max_workers) as pool:
     futures = {p: pool.submit(_restore_one, reader, p, t, budget) for p, t in targets.items()}
     return {p: f.result() for p, f in futures.items()}
@@ -237,7 +373,7 @@ def verify_step(reader: StepReader, *, progress: Any = None) -> list[str]:
       except errors.CorruptSnapshotError as e:
         problems.append(f"leaf {path!r} chunk {key}: {e}")
       if progress is not None:
-        progress.update(int(np.prod(snap.box_shape(box))) * info.numpy_dtype.itemsize)
+        progress.update(snap.box_size(box) * info.numpy_dtype.itemsize)
   return problems
 
 

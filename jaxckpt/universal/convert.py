@@ -187,6 +187,13 @@ class ConvertedView:
     """The lazy tensorstore view of one converted leaf (storage dtype, origin 0)."""
     return self._leaf(path).view
 
+  def region_reader(self, path: str, *, budget: Any = None) -> Any:
+    """``read_region(box)`` for one restore of leaf ``path`` (see StepReader.region_reader)."""
+    leaf = self._leaf(path)
+    if leaf.origin is not None:
+      return self.source.region_reader(leaf.origin, budget=budget)
+    return _ViewRegions(self, path)
+
   def read(self, path: str, box: Box | None = None) -> np.ndarray:
     """A fresh logical-dtype array holding ``box`` (default: all) of leaf ``path``."""
     leaf = self._leaf(path)
@@ -211,6 +218,19 @@ class ConvertedView:
     with self._lock:
       self.bytes_needed += arr.nbytes
     return arr
+
+
+class _ViewRegions:
+  """``read_region(box)`` of a converted leaf (its view verifies every stored chunk it reads)."""
+
+  def __init__(self, view: "ConvertedView", path: str) -> None:
+    self._view, self._path = view, path
+
+  def __call__(self, box: Box | None = None) -> np.ndarray:
+    return self._view.read(self._path, box)
+
+  def close(self) -> None:
+    pass
 
 
 def _stored_leaves(reader: _read.StepReader) -> dict[str, _Leaf]:

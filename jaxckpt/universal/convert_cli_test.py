@@ -32,8 +32,8 @@ def src(tmp_path):
   d = str(tmp_path / "src")
   leaves = {"['layers']['w']": W, "['embed']": EMBED, "['step']": 5}
   for manifest, buf in _fixtures.host_snapshots(5, leaves):
-    u.write_process_shards(d, manifest, buf)
-  u.commit_step(d, 5, process_count=1, timeout_secs=10)
+    u.write_process_shards(d, manifest, buf, attempt="t")
+  u.commit_step(d, 5, process_count=1, timeout_secs=10, attempt="t")
   return d
 
 

@@ -26,8 +26,8 @@ WRITER = textwrap.dedent("""
       host = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024) * step
       leaves = {"w": jax.device_put(host, NamedSharding(mesh, P("x"))), "b": np.full(7, step)}
       for manifest, buf in _fixtures.host_snapshots(step, leaves, process_count=2):
-        u.write_process_shards(d, manifest, buf, max_inflight_bytes=1 << 18)
-      u.commit_step(d, step, process_count=2, timeout_secs=30)
+        u.write_process_shards(d, manifest, buf, max_inflight_bytes=1 << 18, attempt="t")
+      u.commit_step(d, step, process_count=2, timeout_secs=30, attempt="t")
       print("committed", step, flush=True)
 """)
 
@@ -48,7 +48,7 @@ def test_sigkill_mid_persist_leaves_only_whole_committed_steps(tmp_path, delay_s
     while "committed 2" not in line:
       assert time.monotonic() < deadline and proc.poll() is None, "writer did not reach step 3"
       line = proc.stdout.readline()
-    arrays = os.path.join(d, "step_0000000003", "arrays")
+    arrays = os.path.join(d, "step_0000000003", "arrays", "t")
     while not (os.path.isdir(arrays) and any("w-" in n for n in os.listdir(arrays))):
       assert time.monotonic() < deadline, "writer did not start writing step 3"
       time.sleep(0.001)  # step 3 chunks are being written now

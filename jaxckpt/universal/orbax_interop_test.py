@@ -98,8 +98,8 @@ def universal_dir(tmp_path):
             **{f"['params']['layers'][{i}].x": x for i, x in enumerate(LAYERS)},
             "['step']": 4, "['name']": "run"}
   for manifest, buf in _fixtures.host_snapshots(4, leaves):
-    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=128)
-  u.commit_step(d, 4, process_count=1, timeout_secs=10)
+    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=128, attempt="t")
+  u.commit_step(d, 4, process_count=1, timeout_secs=10, attempt="t")
   return d
 
 

@@ -62,8 +62,8 @@ def saved(tmp_path_factory):
       leaves[leaf(name, dtype)] = jax.device_put(host, NamedSharding(m, spec))
       expect[leaf(name, dtype)] = host
   for manifest, buf in _fixtures.host_snapshots(7, leaves, process_count=3):
-    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=64)
-  u.commit_step(d, 7, process_count=3, timeout_secs=10)
+    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=64, attempt="t")
+  u.commit_step(d, 7, process_count=3, timeout_secs=10, attempt="t")
   return d, expect
 
 

@@ -20,9 +20,9 @@ from jaxckpt.universal import _layout
 def persist(d, step, leaves, *, processes=1, metadata=None, commit=True):
   for manifest, buf in _fixtures.host_snapshots(step, leaves, process_count=processes,
                                                 metadata=metadata):
-    u.write_process_shards(d, manifest, buf)
+    u.write_process_shards(d, manifest, buf, attempt="t")
   if commit:
-    u.commit_step(d, step, process_count=processes, timeout_secs=10)
+    u.commit_step(d, step, process_count=processes, timeout_secs=10, attempt="t")
 
 
 def test_only_committed_steps_are_listed_and_opened(tmp_path):
@@ -33,7 +33,7 @@ def test_only_committed_steps_are_listed_and_opened(tmp_path):
   assert u.all_steps(d) == [1] and u.latest_step(d) == 1
   with pytest.raises(errors.StepNotFoundError, match=r"step 2 is not committed.*\[1\]"):
     u.open_step(d, 2)
-  u.commit_step(d, 2, process_count=2, timeout_secs=10)
+  u.commit_step(d, 2, process_count=2, timeout_secs=10, attempt="t")
   assert u.all_steps(d) == [1, 2]
   np.testing.assert_array_equal(u.open_step(d).read("w"), np.arange(6.0) + 1)
 
@@ -42,9 +42,9 @@ def test_commit_timeout_names_the_missing_processes(tmp_path):
   d = str(tmp_path)
   snaps = _fixtures.host_snapshots(3, {"w": np.arange(4.0)}, process_count=4)
   for manifest, buf in [snaps[0], snaps[2]]:
-    u.write_process_shards(d, manifest, buf)
+    u.write_process_shards(d, manifest, buf, attempt="t")
   with pytest.raises(errors.SnapshotTimeoutError, match=r"processes \[1, 3\] of 4"):
-    u.commit_step(d, 3, process_count=4, timeout_secs=0.2)
+    u.commit_step(d, 3, process_count=4, timeout_secs=0.2, attempt="t")
   assert u.all_steps(d) == []
 
 
@@ -54,14 +54,14 @@ def test_commit_rejects_parts_that_do_not_cover_a_leaf(tmp_path):
   x = jax.device_put(np.arange(16.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
   snaps = _fixtures.host_snapshots(4, {"x": x}, process_count=2)
   manifest, buf = snaps[0]
-  u.write_process_shards(d, manifest, buf)
+  u.write_process_shards(d, manifest, buf, attempt="t")
   # Process 1 claims to be done but lost its shards.
   lost = snap.SnapshotManifest(step=4, nbytes=0, process_index=1, process_count=2,
                                leaves=(snap.LeafRecord(path="x", kind="jax", shape=(16,),
                                                        dtype=x.dtype.name),))
-  u.write_process_shards(d, lost, b"")
+  u.write_process_shards(d, lost, b"", attempt="t")
   with pytest.raises(errors.ManifestError, match=r"wrote 8 of the 16 elements of leaf 'x'"):
-    u.commit_step(d, 4, process_count=2, timeout_secs=5)
+    u.commit_step(d, 4, process_count=2, timeout_secs=5, attempt="t")
 
 
 def test_persisting_onto_a_committed_step_is_refused(tmp_path):
@@ -80,8 +80,8 @@ def test_gc_keeps_newest_and_protected_steps(tmp_path):
   assert u.gc_steps(d, max_to_keep=2, keep=[2]) == [1, 3]
   assert u.all_steps(d) == [2, 4, 5]
   assert not os.path.exists(os.path.join(d, "step_0000000001"))
-  assert os.path.exists(os.path.join(d, "step_0000000006", "parts", "process_00000.json"))
-  u.commit_step(d, 6, process_count=1, timeout_secs=5)
+  assert os.path.exists(os.path.join(d, "step_0000000006", "attempts", "t", "parts", "process_00000.json"))
+  u.commit_step(d, 6, process_count=1, timeout_secs=5, attempt="t")
   np.testing.assert_array_equal(u.open_step(d, 2).read("w"), np.full(3, 2))
   with pytest.raises(ValueError, match="max_to_keep=0"):
     u.gc_steps(d, max_to_keep=0)
@@ -90,20 +90,20 @@ def test_gc_keeps_newest_and_protected_steps(tmp_path):
 def test_tampered_or_off_schema_manifest_is_refused(tmp_path):
   d = str(tmp_path)
   persist(d, 1, {"w": np.arange(3.0)})
-  path = os.path.join(d, "step_0000000001", "manifest.json")
+  path = os.path.join(d, "step_0000000001", "attempts", "t", "manifest.json")
   doc = json.load(open(path))
   doc["leaves"][0]["shape"] = [4]
   open(path, "w").write(json.dumps(doc))
   with pytest.raises(errors.CorruptSnapshotError, match="does not match the checksum"):
     u.open_step(d, 1)
   snaps = _fixtures.host_snapshots(2, {"w": np.arange(3.0)})
-  u.write_process_shards(d, *snaps[0])
-  part = os.path.join(d, "step_0000000002", "parts", "process_00000.json")
+  u.write_process_shards(d, *snaps[0], attempt="t")
+  part = os.path.join(d, "step_0000000002", "attempts", "t", "parts", "process_00000.json")
   doc = json.load(open(part))
   doc["leaves"][0]["kind"] = "tensor"
   open(part, "w").write(json.dumps(doc))
   with pytest.raises(errors.ManifestError, match=r"at leaves/0/kind: 'tensor' is not one of"):
-    u.commit_step(d, 2, process_count=1, timeout_secs=5)
+    u.commit_step(d, 2, process_count=1, timeout_secs=5, attempt="t")
 
 
 def uneven_snapshots(step, full, boxes_per_proc):
@@ -133,8 +133,8 @@ def test_uneven_shards_from_several_processes_round_trip(tmp_path, order):
   boxes = [[((0, 3), (0, 6)), ((3, 6), (0, 6))], [((6, 9), (0, 6)), ((9, 10), (0, 6))]]
   snaps = uneven_snapshots(1, full, boxes)
   for i in order:  # whichever process creates the array fixes the layout
-    u.write_process_shards(d, *snaps[i])
-  u.commit_step(d, 1, process_count=2, timeout_secs=5)
+    u.write_process_shards(d, *snaps[i], attempt="t")
+  u.commit_step(d, 1, process_count=2, timeout_secs=5, attempt="t")
   reader = u.open_step(d, 1)
   np.testing.assert_array_equal(reader.read("u"), full)
   np.testing.assert_array_equal(reader.read("u", ((2, 7), (1, 4))), full[2:7, 1:4])
