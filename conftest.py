@@ -13,3 +13,27 @@ def pytest_sessionstart(session):
         f"conftest.py wanted 8 CPU devices but JAX has {n}: something started "
         "the JAX backend before conftest.py ran (a plugin or a sitecustomize?). "
         "Run pytest from the repository root.")
+
+
+# -- storage backends: one test body over a local directory and a real S3 server --
+
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+  """A SeaweedFS S3 server on loopback for the whole session (killed at the end)."""
+  from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
+  with SeaweedS3() as server:
+    yield server
+
+
+@pytest.fixture(params=["file", "s3"])
+def storage_dir(request, tmp_path):
+  """A fresh checkpoint directory: a local path, or a prefix on the S3 server."""
+  if request.param == "file":
+    return str(tmp_path / "ckpt")
+  server = request.getfixturevalue("s3_server")
+  return server.url(uuid.uuid4().hex[:12])

@@ -96,13 +96,10 @@ class Persister:
         self.persisted.append(step)
       logger.info("step %d persisted to %s (attempt %s)", step, directory, attempt)
     except Exception as e:  # pylint: disable=broad-except  (handed to the trainer)
-      if isinstance(e, errors.StepExistsError):
-        _discard_quietly(directory, step, attempt)
+      _discard_quietly(directory, step, attempt)   # never the committed data (it refuses)
       logger.error("step %d: persisting to %s failed: %s", step, directory, e)
-      err = e if isinstance(e, errors.JaxckptError) else errors.StorageError(
-          f"{type(e).__name__}: {e}")
       with self._lock:
-        self._errors.append(PersistError(step, attempt, type(err).__name__, str(err)))
+        self._errors.append(PersistError.of(step, attempt, e))
 
   def take_errors(self) -> list[PersistError]:
     """The errors since the last call (each is handed out once)."""
@@ -131,6 +128,8 @@ def _discard_quietly(directory: str, step: int, attempt: str) -> None:
   """Removes what a losing attempt wrote (best effort: it is unreachable anyway)."""
   try:
     universal.discard_attempt(directory, step, attempt)
+  except errors.StepExistsError:
+    pass                          # it committed (a later stage failed): keep it
   except Exception as e:  # pylint: disable=broad-except
     logger.warning("step %d: could not remove attempt %s from %s: %s", step, attempt,
                    directory, e)
@@ -154,7 +153,7 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
   if local is None:
     try:
       kv = _layout.open_kvstore(directory, timeout_secs=timeout_secs)
-      kv.list(_layout.COMMITS_PREFIX).result(timeout=timeout_secs)
+      kv.list(_layout.prefix_range(_layout.COMMITS_PREFIX)).result(timeout=timeout_secs)
     except TimeoutError:
       raise errors.StorageError(
           f"storage at {directory!r} did not answer within {timeout_secs} s; check the "

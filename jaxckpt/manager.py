@@ -66,6 +66,7 @@ class CheckpointManager:
     self._attempts: dict[int, str] = {}       # step -> this run's newest persist attempt
     self._persist_counts: dict[int, int] = {}
     self._on_storage: set[int] = set()
+    self._told: set[str] = set()              # persist attempts whose failure was raised
     if self.directory is not None:
       _persist.check_directory(self.directory, timeout_secs=self.options.timeout_secs)
       self._persist_config = _persist.PersistConfig(
@@ -254,15 +255,37 @@ class CheckpointManager:
     """Raises the first error of a background persist (this process's or its agent's)."""
     if self._persist_config is None:
       return
-    failed = (self._persister.take_errors() if self._persister is not None
-              else self._store.persist_errors())
+    self._raise_failed(self._persister.take_errors() if self._persister is not None
+                       else self._store.persist_errors())
+
+  def _raise_failed(self, failed: list[Any]) -> None:
+    failed = [e for e in failed if e.attempt not in self._told]   # raised once only
+    self._told.update(e.attempt for e in failed)
     if failed:
       where = (f"process {self._process[0]}" + ("" if self._persister is not None
-                                                else f", in its snapshot agent"))
+                                                else ", in its snapshot agent"))
       first = failed[0].exception(f"{where}, to {self.directory!r}")
       for other in failed[1:]:
         logger.error("also: persisting step %d failed: %s", other.step, other.message)
       raise first
+
+  def _wait_for_agent_persists(self, timeout: float) -> None:
+    """Waits until the agent persisted (or failed) every due step this manager saved."""
+    want = {s for s, a in self._attempts.items() if a not in self._told}
+    failed: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while want:
+      failed += self._store.persist_errors()
+      left = want - set(self._store.persisted_steps()) - {e.step for e in failed}
+      if not left:
+        break
+      if time.monotonic() > deadline:
+        self._raise_failed(failed)
+        raise errors.SnapshotTimeoutError(
+            f"close: the snapshot agent of process {self._process[0]} did not persist steps "
+            f"{sorted(left)} to {self.directory!r} within {timeout} s (it goes on trying)")
+      time.sleep(0.02)
+    self._raise_failed(failed)
 
   # -- what is held ---------------------------------------------------------
 
@@ -307,10 +330,11 @@ class CheckpointManager:
         if attempt is None or by == attempt:
           self._on_storage.add(step)
           return
+        self._told.add(attempt)
         raise errors.StepExistsError(
-            f"step {step} in {self.directory!r} was committed by persist attempt {by!r}, not "
-            f"by this manager's ({attempt!r}): another writer got there first; this "
-            "manager's snapshot of it was not stored")
+            f"step {step} is already committed in {self.directory!r} by persist attempt "
+            f"{by!r}, not by this manager's ({attempt!r}): another writer got there first; "
+            "this manager's snapshot of it was not stored")
       if attempt is None:
         raise errors.StepNotFoundError(
             f"wait_until_persisted(step={step}): this manager never saved step {step} for "
@@ -441,6 +465,8 @@ class CheckpointManager:
         self._wait(self._pending, self.options.timeout_secs, "close")
       if self._persister is not None:
         self._persister.close(self.options.timeout_secs)
+      elif self._persist_config is not None:
+        self._wait_for_agent_persists(self.options.timeout_secs)
       self._raise_background_error()
     finally:
       self._closed = True

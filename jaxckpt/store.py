@@ -35,21 +35,36 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class PersistError:
-  """A failed persist: which step and attempt, and the error (its jaxckpt type kept)."""
+  """A failed persist: which step and attempt, and the error (its jaxckpt type and errno kept)."""
 
   step: int
   attempt: str
   type: str
   message: str
+  errno: int | None = None
 
   def to_obj(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
+  @classmethod
+  def of(cls, step: int, attempt: str, e: BaseException) -> "PersistError":
+    if not isinstance(e, errors.JaxckptError):
+      e = errors.StorageError(*((e.errno, f"{type(e).__name__}: {e.strerror}")
+                                if isinstance(e, OSError) and e.errno else
+                                (f"{type(e).__name__}: {e}",)))
+    return cls(step, attempt, type(e).__name__,
+               e.strerror if isinstance(e, OSError) and e.errno else str(e),
+               e.errno if isinstance(e, OSError) else None)
+
   def exception(self, where: str) -> BaseException:
+    """The error to raise in the trainer: the same jaxckpt class, errno and message."""
     cls = getattr(errors, self.type, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.JaxckptError)):
       cls = errors.StorageError
-    return cls(f"persisting step {self.step} ({where}) failed: {self.message}")
+    msg = f"persisting step {self.step} ({where}) failed: {self.message}"
+    if self.errno and issubclass(cls, OSError):
+      return cls(self.errno, msg)
+    return cls(msg)
 
 
 class HostStore(abc.ABC):
@@ -95,6 +110,10 @@ class HostStore(abc.ABC):
 
   def persist_errors(self) -> list[PersistError]:
     """Errors of persists this store ran since the last call, each reported once."""
+    return []
+
+  def persisted_steps(self) -> list[int]:
+    """Steps this store persisted (its part written, and committed by process 0)."""
     return []
 
   def preallocate(self, nbytes: int) -> None:

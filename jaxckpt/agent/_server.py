@@ -285,23 +285,29 @@ class Agent:
       s = self._slot_of(step)
       s.pins[me] = s.pins.get(me, 0) + 1
       manifest = SnapshotManifest.from_json(self.manifests[step])
+    mm = None
     try:
       if not s.size:
         yield manifest, b""
       else:
-        with open(s.path, "rb") as f, mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
-          yield manifest, mm
+        with open(s.path, "rb") as f:
+          mm = mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ)
+        yield manifest, mm
     finally:
+      if mm is not None:
+        with contextlib.suppress(BufferError):   # views of a failed write live on a while:
+          mm.close()                             # the map goes with the last of them
       with self.lock:
         s.pins[me] -= 1
         if not s.pins[me]:
           del s.pins[me]
 
-  def op_persisted(self) -> dict[str, Any]:
-    """Steps persisted, and the persist errors since the last ask (each reported once)."""
+  def op_persisted(self, errors: bool = True) -> dict[str, Any]:
+    """Steps persisted, and (``errors``) the persist errors since the last ask,
+    each reported once."""
     p = self.persister
     return {"persisted": list(p.persisted) if p else [],
-            "errors": [e.to_obj() for e in p.take_errors()] if p else []}
+            "errors": [e.to_obj() for e in p.take_errors()] if p and errors else []}
 
   def _verify(self, s: _Slot, m: "_CommitView") -> None:
     if m.nbytes > s.size:

@@ -206,6 +206,9 @@ class AgentStore(HostStore):
     self.call("commit", index=slot.index, manifest=manifest.to_json(),
               persist_attempt=persist_attempt)
 
+  def persisted_steps(self) -> list[int]:
+    return list(self.call("persisted", errors=False)["persisted"])
+
   def persist_errors(self) -> list[PersistError]:
     return [PersistError(**e) for e in self.call("persisted")["errors"]]
 

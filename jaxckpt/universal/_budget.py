@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -90,6 +91,8 @@ def _with_context(e: BaseException, what: str) -> BaseException:
   """A storage error as the jaxckpt error that fits it, naming ``what``."""
   if isinstance(e, errors.JaxckptError):
     return e
-  err = errors.StorageError(f"writing {what} to storage failed: {e}")
+  code = re.search(r"os_error_code='(\d+)'", str(e))
+  msg = f"writing {what} to storage failed: {e}"
+  err = errors.StorageError(int(code.group(1)), msg) if code else errors.StorageError(msg)
   err.__cause__ = e
   return err

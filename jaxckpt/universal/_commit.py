@@ -224,7 +224,7 @@ def all_steps(directory: str) -> list[int]:
   """Committed steps in ``directory``, ascending."""
   kv = lay.open_kvstore(directory)
   try:
-    keys = kv.list(ts.KvStore.KeyRange(lay.COMMITS_PREFIX, "commits0")).result(
+    keys = kv.list(lay.prefix_range(lay.COMMITS_PREFIX)).result(
         timeout=lay.REQUEST_TIMEOUT_SECS)
   except TimeoutError:
     raise errors.StorageError(
@@ -252,7 +252,7 @@ def discard_step(directory: str, step: int) -> None:
   kv = lay.open_kvstore(directory)
   kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
   prefix = lay.step_dir(step)
-  kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+  kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   local = lay.local_path(directory)
   if local is not None:  # the file kvstore leaves empty directories behind
     shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
@@ -267,8 +267,7 @@ def discard_attempt(directory: str, step: int, attempt: str) -> None:
     raise errors.StepExistsError(
         f"attempt {attempt!r} committed step {step} in {directory!r}; discard_step deletes it")
   for prefix in (lay.attempt_dir(step, attempt), f"{lay.step_dir(step)}arrays/{attempt}/"):
-    kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result(
-        timeout=lay.REQUEST_TIMEOUT_SECS)
+    kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
     local = lay.local_path(directory)
     if local is not None:
       shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)

@@ -111,6 +111,11 @@ def open_kvstore(directory: str, *, timeout_secs: float = REQUEST_TIMEOUT_SECS) 
     raise errors.StorageError(f"cannot open storage at {directory!r}: {e}") from None
 
 
+def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+  """Every key that starts with ``prefix``."""
+  return ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
 def step_dir(step: int) -> str:
   return f"step_{step:010d}/"
 

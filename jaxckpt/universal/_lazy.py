@@ -80,8 +80,10 @@ def _slices(box: Box) -> tuple[slice, ...]:
 class _Gather:
   """Completes ``promise`` once every read is in and ``finish`` has filled the output."""
 
-  def __init__(self, n: int, finish: Callable[[list[np.ndarray]], None], promise: Any):
+  def __init__(self, n: int, finish: Callable[[list[np.ndarray]], None], promise: Any,
+               damaged: Callable[[int, Exception], Exception] | None = None):
     self._left, self._finish, self._promise = n, finish, promise
+    self._damaged = damaged
     self._parts: list[Any] = [None] * n
     self._lock = threading.Lock()
     self._settled = False
@@ -90,7 +92,7 @@ class _Gather:
     try:
       self._parts[k] = lay.logical_view(np.asarray(future.result()), dtype)
     except Exception as e:  # pylint: disable=broad-except
-      self._settle(e)
+      self._settle(e if self._damaged is None else self._damaged(k, e))
       return
     with self._lock:
       self._left -= 1
@@ -118,7 +120,8 @@ class _Gather:
 
 
 def virtual(plan: PlanFn, shape: Sequence[int], dtype_name: str,
-            chunk: Sequence[int]) -> ts.TensorStore:
+            chunk: Sequence[int], *,
+            damaged: Callable[[Box, Exception], Exception] | None = None) -> ts.TensorStore:
   """A lazy view whose regions are computed from other views' regions.
 
   ``plan(box)`` names the source regions ``box`` needs, as (view, box, logical
@@ -126,6 +129,8 @@ def virtual(plan: PlanFn, shape: Sequence[int], dtype_name: str,
   values of ``box``. The reads are started at once and the result is filled
   in from their completion callbacks: no thread ever blocks on another read,
   so views nest (a pad of an average of ...) without exhausting executors.
+  ``damaged(src_box, error)``, if given, turns a failed source read into the
+  error to raise (naming what was being read).
   """
   storage = ts.dtype(lay.storage_dtype(dtype_name))
 
@@ -139,7 +144,8 @@ def virtual(plan: PlanFn, shape: Sequence[int], dtype_name: str,
       array[...] = out if out.dtype == array.dtype else out.view(array.dtype)
 
     promise, future = ts.Promise.new()
-    gather = _Gather(len(reads), finish, promise)
+    gather = _Gather(len(reads), finish, promise,
+                     None if damaged is None else lambda k, e: damaged(reads[k][1], e))
     if not reads:
       gather.run()
     for k, (view, src, dtype) in enumerate(reads):

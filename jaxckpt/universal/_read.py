@@ -230,7 +230,14 @@ class StepReader:
 
       return [(raw, cb, dtype) for cb in cboxes], compute
 
-    view = _lazy.virtual(plan, info.shape, info.dtype, info.chunk_shape)
+    def damaged(box: Box, e: Exception) -> Exception:
+      idx = lay.chunks_in(box, info.chunk_shape)[0]
+      return errors.CorruptSnapshotError(
+          f"step {self.step}: leaf {info.path!r} region {[list(p) for p in box]} (chunk "
+          f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({e}); restore another "
+          f"step (`jaxckpt verify {self.directory}` lists every damaged chunk)")
+
+    view = _lazy.virtual(plan, info.shape, info.dtype, info.chunk_shape, damaged=damaged)
     with self._lock:
       return self._views.setdefault(path, view)
 

