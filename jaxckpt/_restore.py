@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt._assemble import make_array
+from jaxckpt._assemble import device_boxes, make_array
 from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
                               copy_and_hash, full_box, shard_view, verify_shard)
@@ -91,7 +91,8 @@ class HostSource:
   def bytes_read(self) -> int:
     return sum(p.bytes_read for p in self.pieces)
 
-  def reader(self, i: int, *, private: bool = True) -> Callable[[Box], np.ndarray]:
+  def reader(self, i: int, *, private: bool = True,
+             boxes: Any = None) -> Callable[[Box], np.ndarray]:
     """``read_region(box)`` for leaf ``i``: verified values of ``box``.
 
     With ``private`` (what XLA:CPU and numpy targets need: both keep the array
@@ -99,6 +100,7 @@ class HostSource:
     (accelerator targets, which copy), a box stored whole may come back as a
     view of the snapshot, valid while the step is pinned.
     """
+    del boxes                  # host memory: nothing to fetch ahead
     rec = self.leaves[i]
     dtype = rec.numpy_dtype
     shards = [(p, p.manifest.leaves[i], s) for p in self.pieces
@@ -137,7 +139,11 @@ def restore_tree(source: Any, target: Any) -> Any:
 def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> Any:
   if rec.kind == "scalar":
     return scalar_from_json(rec.value)
-  read_region = source.reader(i, private=_keeps_host_memory(t))
+  boxes = None
+  if t is not None and t.mode == "jax" and t.sharding is not None:
+    sharding = (_key_data_sharding(t.sharding) if rec.kind == "prng_key" else t.sharding)
+    boxes = set(device_boxes(rec.shape, sharding).values())
+  read_region = source.reader(i, private=_keeps_host_memory(t), boxes=boxes)
   if t is not None and t.mode == "jax" and t.sharding is None:
     data = jax.device_put(read_region(full_box(rec.shape)))
     return jax.random.wrap_key_data(data, impl=rec.key_impl) if rec.kind == "prng_key" else data

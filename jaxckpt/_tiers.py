@@ -157,10 +157,11 @@ class StorageSource:
   def bytes_read(self) -> int:
     return self.reader_.bytes_read
 
-  def reader(self, i: int, *, private: bool = True):   # reads are fresh arrays: always private
-    """``read_region(box)`` for leaf ``i``: every stored chunk read once, verified."""
+  def reader(self, i: int, *, private: bool = True, boxes: Any = None):
+    """``read_region(box)`` for leaf ``i``: every stored chunk read once, verified
+    (reads are fresh arrays: always private); ``boxes`` are fetched at once."""
     del private
-    return self.reader_.region_reader(self.leaves[i].path)
+    return self.reader_.region_reader(self.leaves[i].path, boxes=boxes)
 
 
 def broadcast_from_0(name: str, make: Any, *, timeout_secs: float) -> str:

@@ -75,7 +75,7 @@ class SeaweedS3:
     ports = self._ports = {name: _free_port(self.host) for name in _PORTS}
     cmd = [weed, f"-logdir={self._dir}", "-alsologtostderr=false", "server",
            f"-dir={self._dir}", f"-ip={self.host}", f"-ip.bind={self.host}", "-s3",
-           "-master.volumeSizeLimitMB=64"]
+           "-master.volumeSizeLimitMB=64", "-volume.max=0"]
     cmd += [f"-{name}.port={port}" if "." not in name else
             f"-{name.replace('.grpc', '')}.port.grpc={port}" for name, port in ports.items()]
     self.endpoint = f"http://{self.host}:{ports['s3']}"

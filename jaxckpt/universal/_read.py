@@ -197,12 +197,14 @@ class StepReader:
       self.bytes_needed += out.nbytes
     return out
 
-  def region_reader(self, path: str, *, budget: _budget.ByteBudget | None = None
-                    ) -> "RegionReader":
+  def region_reader(self, path: str, *, boxes: Iterable[Box] | None = None,
+                    budget: _budget.ByteBudget | None = None) -> "RegionReader":
     """``read_region(box)`` for one restore of leaf ``path``: each stored chunk it
     touches is read and verified once for the life of the returned reader,
-    whatever the boxes (targets that cut across chunks read no byte twice)."""
-    return RegionReader(self, self._info(path), budget)
+    whatever the boxes (targets that cut across chunks read no byte twice).
+    ``boxes``, the regions the restore will ask for, lets the first read fetch
+    every chunk they need at once (concurrently)."""
+    return RegionReader(self, self._info(path), budget, boxes)
 
   def open_leaf(self, path: str) -> ts.TensorStore:
     """A lazy read-only view of one leaf (stored dtype) whose every read is verified.
@@ -255,16 +257,19 @@ class RegionReader:
   """
 
   def __init__(self, reader: StepReader, info: man.LeafInfo,
-               budget: _budget.ByteBudget | None) -> None:
+               budget: _budget.ByteBudget | None, boxes: Iterable[Box] | None = None) -> None:
     self._reader, self._info, self._budget = reader, info, budget
     self._chunks: dict[Index, np.ndarray] = {}
     self._held = 0
     self._asked: set[Box] = set()
+    self._ahead = [] if boxes is None else list(boxes)
 
   def __call__(self, box: Box | None = None) -> np.ndarray:
     r, info = self._reader, self._info
     box = r._box(info, box)                       # pylint: disable=protected-access
-    todo = [i for i in r._chunks_of(info, box) if i not in self._chunks]  # pylint: disable=protected-access
+    wanted = {i for b in [box, *self._ahead] for i in r._chunks_of(info, r._box(info, b))}  # pylint: disable=protected-access
+    self._ahead = []
+    todo = sorted(i for i in wanted if i not in self._chunks)
     if todo and self._budget is not None:
       n = sum(snap.box_size(lay.chunk_box(i, info.shape, info.chunk_shape)) for i in todo)
       n *= info.numpy_dtype.itemsize
@@ -330,7 +335,8 @@ def _restore_one(reader: StepReader, path: str, target: Any,
     raise errors.StructureMismatchError(
         f"leaf {path!r}: target dtype {np.dtype(target.dtype)} != saved dtype {info.dtype}; "
         "restore with the saved dtype and cast afterwards")
-  read_region = reader.region_reader(path, budget=budget)
+  boxes = None if sharding is None else set(_assemble.device_boxes(info.shape, sharding).values())
+  read_region = reader.region_reader(path, boxes=boxes, budget=budget)
   try:
     if sharding is None:
       return read_region(None)
