@@ -14,12 +14,14 @@ so a crash at any point before the marker leaves nothing that
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import random
 import shutil
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import tensorstore as ts
@@ -200,10 +202,65 @@ def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: 
   kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
           "process_count": process_count, "committed_at": time.time()}
-  check_not_committed(kv, directory, step, attempt)
-  _write_marker(kv, directory, step, mine)
+  with _claimed(kv, directory, step, attempt, timeout_secs):
+    check_not_committed(kv, directory, step, attempt)
+    _write_marker(kv, directory, step, mine)
   log.info("step %d committed in %s by attempt %s (%d leaves, %d processes)", step,
            directory, attempt, len(merged), process_count)
+
+
+@contextlib.contextmanager
+def _claimed(kv: ts.KvStore, directory: str, step: int, attempt: str,
+             timeout_secs: float) -> Iterator[None]:
+  """Holds the right to write ``step``'s marker: mutual exclusion of the writers of
+  one step on any store that reads its own writes and lists them (no compare-and-swap).
+
+  Each writer puts ``claims/<attempt>`` and then lists the claims: it goes on only
+  if it sees no other live claim, and keeps its claim until its marker is
+  written. Of two writers that overlap, the later one's listing sees the
+  earlier claim (or, once that claim is gone, its marker), so at most one
+  writes a marker; two that see each other both step back, delete their claim
+  and retry after a random pause. A claim older than ``timeout_secs`` is a
+  crashed writer's and is ignored.
+  """
+  key = lay.claims_prefix(step) + attempt
+  deadline = time.monotonic() + timeout_secs
+  pause = 0.05
+  while True:
+    kv.write(key, json.dumps({"attempt": attempt, "at": time.time()}).encode()).result(
+        timeout=lay.REQUEST_TIMEOUT_SECS)
+    others = _live_claims(kv, step, key, timeout_secs)
+    if not others:
+      break
+    _delete(kv, key)
+    check_not_committed(kv, directory, step, attempt)
+    if time.monotonic() > deadline:
+      raise errors.SnapshotTimeoutError(
+          f"commit of step {step} (attempt {attempt!r}) in {directory!r}: other writers "
+          f"{others} kept claiming the step for {timeout_secs} s")
+    time.sleep(random.uniform(pause, 2 * pause))
+    pause = min(2 * pause, 1.0)
+  try:
+    yield
+  finally:
+    _delete(kv, key)
+
+
+def _live_claims(kv: ts.KvStore, step: int, mine: str, max_age_secs: float) -> list[str]:
+  keys = kv.list(lay.prefix_range(lay.claims_prefix(step))).result(
+      timeout=lay.REQUEST_TIMEOUT_SECS)
+  live = []
+  for k in (k.decode() for k in keys):
+    if k == mine:
+      continue
+    claim = lay.read_json(kv, k)
+    if claim is not None and time.time() - float(claim.get("at", 0)) < max_age_secs:
+      live.append(claim.get("attempt"))
+  return live
+
+
+def _delete(kv: ts.KvStore, key: str) -> None:
+  kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(timeout=lay.REQUEST_TIMEOUT_SECS)
 
 
 def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any]) -> None:

@@ -138,6 +138,11 @@ def manifest_key(step: int, attempt: str | None) -> str:
   return f"{step_dir(step) if attempt is None else attempt_dir(step, attempt)}manifest.json"
 
 
+def claims_prefix(step: int) -> str:
+  """Where the writers of ``step`` that are about to commit announce themselves."""
+  return f"{step_dir(step)}claims/"
+
+
 def check_attempt(attempt: str) -> str:
   """An attempt id is a short key-safe name (it becomes part of storage keys)."""
   if not isinstance(attempt, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", attempt):

@@ -187,11 +187,11 @@ class ConvertedView:
     """The lazy tensorstore view of one converted leaf (storage dtype, origin 0)."""
     return self._leaf(path).view
 
-  def region_reader(self, path: str, *, budget: Any = None) -> Any:
+  def region_reader(self, path: str, *, boxes: Any = None, budget: Any = None) -> Any:
     """``read_region(box)`` for one restore of leaf ``path`` (see StepReader.region_reader)."""
     leaf = self._leaf(path)
     if leaf.origin is not None:
-      return self.source.region_reader(leaf.origin, budget=budget)
+      return self.source.region_reader(leaf.origin, boxes=boxes, budget=budget)
     return _ViewRegions(self, path)
 
   def read(self, path: str, box: Box | None = None) -> np.ndarray:
