@@ -71,6 +71,8 @@ class BufferPiece:
       return self.shard_array(leaf, shard)
     if shard.offset in self._verified:
       return aligned_copy(self.shard_array(leaf, shard))
+    if shard.offset + shard.nbytes > memoryview(self.buffer).nbytes:
+      verify_shard(self.buffer, shard, path=leaf.path, step=self.manifest.step)  # raises
     out = aligned_empty(box_shape(shard.index), leaf.numpy_dtype)
     src = np.frombuffer(self.buffer, np.uint8, count=shard.nbytes, offset=shard.offset)
     if copy_and_hash(src, out.reshape(-1).view(np.uint8)) != shard.checksum:

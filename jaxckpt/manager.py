@@ -325,8 +325,8 @@ class CheckpointManager:
     deadline = time.monotonic() + timeout
     while True:
       self._raise_persist_error()
-      by = universal.committed_by(self.directory, step)
       if step in _tiers.storage_steps(self.directory):
+        by = universal.committed_by(self.directory, step)
         if attempt is None or by == attempt:
           self._on_storage.add(step)
           return
@@ -373,7 +373,7 @@ class CheckpointManager:
       SnapshotTimeoutError: naming the hosts whose parity was late, and why.
     """
     if self.options.parity is None:
-      raise ValueError("wait_until_protected(): parity is off; set "
+      raise errors.InvalidArgumentError("wait_until_protected(): parity is off; set "
                        "CheckpointOptions(parity=jaxckpt.ParityOptions(...))")
     self.wait_until_finished()
     if step is None:

@@ -8,6 +8,8 @@ import shutil
 
 import psutil
 
+from jaxckpt import errors
+
 _ON_BUSY = ("skip", "wait")
 
 
@@ -63,7 +65,7 @@ class CheckpointOptions:
   >>> CheckpointOptions(max_snapshots=0)
   Traceback (most recent call last):
   ...
-  ValueError: CheckpointOptions.max_snapshots must be >= 1, got max_snapshots=0
+  jaxckpt.errors.InvalidArgumentError: CheckpointOptions.max_snapshots must be >= 1, got max_snapshots=0
   """
 
   max_snapshots: int = 2
@@ -85,7 +87,7 @@ class CheckpointOptions:
       _at_least(self, "copy_threads", 1)
     _at_least(self, "save_interval_steps", 1)
     if self.on_busy not in _ON_BUSY:
-      raise ValueError(f"CheckpointOptions.on_busy must be one of {_ON_BUSY}, "
+      raise errors.InvalidArgumentError(f"CheckpointOptions.on_busy must be one of {_ON_BUSY}, "
                        f"got on_busy={self.on_busy!r}")
     _positive(self, "busy_timeout_secs")
     _positive(self, "timeout_secs")
@@ -97,10 +99,10 @@ class CheckpointOptions:
     if self.parity is not None:
       from jaxckpt.parity.placement import ParityOptions  # pylint: disable=import-outside-toplevel
       if not isinstance(self.parity, ParityOptions):
-        raise ValueError(f"CheckpointOptions.parity must be a jaxckpt.ParityOptions or None, "
+        raise errors.InvalidArgumentError(f"CheckpointOptions.parity must be a jaxckpt.ParityOptions or None, "
                          f"got parity={self.parity!r}")
       if self.agent is None:
-        raise ValueError(f"CheckpointOptions.parity={self.parity!r} needs agents (parity is "
+        raise errors.InvalidArgumentError(f"CheckpointOptions.parity={self.parity!r} needs agents (parity is "
                          "exchanged between the hosts' snapshot agents); set "
                          "agent=jaxckpt.AgentOptions(job_name=...) or parity=None")
 
@@ -108,13 +110,13 @@ class CheckpointOptions:
 def _at_least(obj: object, name: str, lo: int) -> None:
   v = getattr(obj, name)
   if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-    raise ValueError(f"{type(obj).__name__}.{name} must be >= {lo}, got {name}={v!r}")
+    raise errors.InvalidArgumentError(f"{type(obj).__name__}.{name} must be >= {lo}, got {name}={v!r}")
 
 
 def _positive(obj: object, name: str) -> None:
   v = getattr(obj, name)
   if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-    raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {name}={v!r}")
+    raise errors.InvalidArgumentError(f"{type(obj).__name__}.{name} must be > 0, got {name}={v!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

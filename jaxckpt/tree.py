@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.snapshot import LeafRecord
+from jaxckpt.snapshot import LeafRecord, dtype_from_name
 
 PyTree = Any
 _SCALAR_TYPES = (bool, int, float, complex, str, bytes)
@@ -74,10 +75,7 @@ def _classify(path: str, x: Any) -> Leaf:
                   str(jax.random.key_impl(x)))
     return Leaf(path, "jax", x)
   if isinstance(x, (np.ndarray, np.generic)):
-    if x.dtype.hasobject:
-      raise errors.UnsupportedLeafError(
-          f"leaf {path} is a numpy array of dtype=object; store its values as "
-          "a numeric array or plain Python scalars")
+    _check_restorable(path, x.dtype)
     return Leaf(path, "numpy", np.asarray(x))
   if isinstance(x, _SCALAR_TYPES):
     return Leaf(path, "scalar", x)
@@ -86,6 +84,29 @@ def _classify(path: str, x: Any) -> Leaf:
       "jaxckpt cannot snapshot; leaves must be jax.Array, numpy arrays, or "
       "bool/int/float/complex/str/bytes. Convert it, or register its class as "
       "a pytree node (jax.tree_util.register_dataclass) so its fields are leaves")
+
+
+@functools.lru_cache(maxsize=256)
+def _restorable(dtype: np.dtype) -> bool:
+  """Whether every tier can store ``dtype`` and give it back by name, bit-exact."""
+  if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+    return False
+  if dtype.kind in "OSUa":
+    return False
+  if dtype.kind == "V" and not dtype.type.__module__.startswith("ml_dtypes"):
+    return False          # raw void bytes (ml_dtypes' bfloat16 & co are kind "V" too)
+  try:
+    return dtype_from_name(dtype.name) == dtype
+  except errors.ManifestError:
+    return False
+
+
+def _check_restorable(path: str, dtype: np.dtype) -> None:
+  if not _restorable(dtype):
+    raise errors.UnsupportedLeafError(
+        f"leaf {path} is a numpy array of dtype={dtype.name} ({dtype.str}), which jaxckpt "
+        "cannot restore (object, string, bytes and structured arrays are refused before "
+        "anything is saved); store numeric arrays, or plain Python str/bytes scalars")
 
 
 def scalar_to_json(x: Any) -> dict[str, Any]:
@@ -182,6 +203,11 @@ def _target_leaf(path: str, x: Any, rec: LeafRecord, step: int) -> TargetLeaf:
   if rec.kind == "prng_key":
     if not is_prng_key(x):
       raise _mismatch(path, step, f"dtype {dtype}", f"a PRNG key ({rec.key_impl})")
+    impl = _key_impl_name(x)
+    if rec.key_impl is not None and impl is not None and impl != rec.key_impl:
+      raise _mismatch(path, step, f"a {impl!r} PRNG key",
+                      f"a {rec.key_impl!r} PRNG key (a key's bits mean nothing to another "
+                      "implementation)")
     dtype = np.dtype(rec.dtype)
   elif is_prng_key(x) or np.dtype(dtype) != rec.numpy_dtype:
     raise _mismatch(path, step, f"dtype {dtype}", f"dtype {rec.dtype}")
@@ -191,6 +217,14 @@ def _target_leaf(path: str, x: Any, rec: LeafRecord, step: int) -> TargetLeaf:
   if isinstance(x, jax.Array) and not getattr(x, "_committed", True):
     sharding = None      # an uncommitted array: restore it uncommitted too
   return TargetLeaf(path, "jax", shape, dtype, sharding)
+
+
+def _key_impl_name(x: Any) -> str | None:
+  """The PRNG implementation of a key array or of a key's ShapeDtypeStruct."""
+  if isinstance(x, jax.Array):
+    return str(jax.random.key_impl(x))
+  impl = getattr(getattr(x, "dtype", None), "_impl", None)   # ShapeDtypeStruct: no public way
+  return None if impl is None else str(getattr(impl, "name", impl))
 
 
 def _mismatch(path: str, step: int, got: str, want: str) -> errors.StructureMismatchError:

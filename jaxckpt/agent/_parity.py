@@ -209,7 +209,7 @@ class ParityWorker:
     me, n = manifest.process_index, manifest.process_count
     self.process_count = rec.process_count = n
     if me != self.agent.host:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"parity needs the agent's host id to equal the saving process index, but host "
           f"{self.agent.host} got the snapshot of process {me}; leave AgentOptions.host_id "
           "unset (it defaults to jax.process_index())")

@@ -11,6 +11,8 @@ import os
 import re
 import tempfile
 
+from jaxckpt import errors
+
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -21,7 +23,7 @@ def default_run_root() -> str:
 
 def check_job_name(job: str) -> str:
   if not isinstance(job, str) or not _JOB_RE.match(job):
-    raise ValueError(f"job_name={job!r} must be 1-64 characters of letters, digits, "
+    raise errors.InvalidArgumentError(f"job_name={job!r} must be 1-64 characters of letters, digits, "
                      "'.', '_' or '-', starting with a letter or digit")
   return job
 

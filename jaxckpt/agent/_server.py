@@ -227,8 +227,7 @@ class Agent:
         return {"index": None}
     s = max(free, key=lambda s: s.size >= nbytes)   # prefer one that is big enough
     if s.size < nbytes:
-      with open(s.path, "ab") as f:
-        f.truncate(nbytes)
+      _allocate(s.path, s.size, nbytes, host=self.host)
       s.size = nbytes
     s.state, s.step, s.owner = "writing", step, pid
     return {"index": s.index, "path": s.path, "size": s.size}
@@ -425,6 +424,25 @@ class Agent:
     with contextlib.suppress(OSError):
       os.unlink(self.dir + ".lock")
       os.rmdir(os.path.dirname(self.dir))       # the job's directory, once empty
+
+
+def _allocate(path: str, old: int, nbytes: int, *, host: int) -> None:
+  """Grows a slot file to ``nbytes`` with memory that exists now (not a sparse file:
+  a full /dev/shm would kill the trainer writing through its map with SIGBUS)."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    os.fchmod(fd, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+  except OSError as e:
+    os.ftruncate(fd, old)                     # give back what was taken
+    where = os.path.dirname(path)
+    free = shutil.disk_usage(where).free
+    raise errors.HostMemoryBudgetError(
+        f"host {host}: cannot reserve a {nbytes / 2**20:.1f} MiB snapshot slot in {where} "
+        f"({e.strerror}; {free / 2**20:.1f} MiB free there); free shared memory, lower "
+        "max_snapshots, or point AgentOptions.run_root at a larger filesystem") from None
+  finally:
+    os.close(fd)
 
 
 def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:

@@ -224,8 +224,7 @@ class AgentStore(HostStore):
     r = self.call("open", pid=os.getpid(), step=step)
     try:
       manifest = SnapshotManifest.from_json(r["manifest"])
-      yield manifest, (np.memmap(r["path"], dtype=np.uint8, mode="r") if manifest.nbytes
-                       else np.empty(0, np.uint8))
+      yield manifest, _map_slot(r["path"], manifest)
     finally:
       with contextlib.suppress(errors.AgentUnavailableError):
         self.call("close", pid=os.getpid(), step=step)
@@ -233,6 +232,24 @@ class AgentStore(HostStore):
   def close(self) -> None:
     self._maps.clear()
     self._client.close()
+
+
+def _map_slot(path: str, manifest: SnapshotManifest) -> np.ndarray:
+  """A read-only map of a committed slot file; a missing or short one is corrupt."""
+  if not manifest.nbytes:
+    return np.empty(0, np.uint8)
+  try:
+    size = os.path.getsize(path)
+    if size < manifest.nbytes:
+      raise errors.CorruptSnapshotError(
+          f"step {manifest.step}: the snapshot file {path} has {size} bytes, its manifest "
+          f"needs {manifest.nbytes}; it was truncated (restore another tier)")
+    return np.memmap(path, dtype=np.uint8, mode="r")
+  except (OSError, ValueError) as e:
+    if isinstance(e, errors.JaxckptError):
+      raise
+    raise errors.CorruptSnapshotError(
+        f"step {manifest.step}: the snapshot file {path} cannot be mapped ({e})") from None
 
 
 class RemotePiece:

@@ -25,6 +25,7 @@ from jaxckpt import _restore
 from jaxckpt.agent import _paths
 from jaxckpt.agent.client import complete_steps_of, job_clients, open_remote_piece
 from jaxckpt.ft.catch_up import HostLeaves
+from jaxckpt import errors
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class AgentSnapshotSource:
 
   def __init__(self, *, run_root: str | None, job_name: str, timeout_secs: float = 30.0):
     if timeout_secs <= 0:
-      raise ValueError(f"AgentSnapshotSource timeout_secs must be > 0, got {timeout_secs!r}")
+      raise errors.InvalidArgumentError(f"AgentSnapshotSource timeout_secs must be > 0, got {timeout_secs!r}")
     self.run_root = run_root or _paths.default_run_root()
     self.job_name = _paths.check_job_name(job_name)
     self.timeout_secs = timeout_secs

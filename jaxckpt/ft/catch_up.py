@@ -32,6 +32,7 @@ from jaxckpt import _assemble
 from jaxckpt.ft import _peer, _wire
 from jaxckpt.ft.ring import DigestLog, GradientRing, RingEntry
 from jaxckpt.snapshot import relative_slices
+from jaxckpt import errors
 
 HostLeaves = Mapping[str, np.ndarray]
 """A state's leaves on the host, keyed by ``jax.tree_util.keystr`` of their tree path."""
@@ -58,7 +59,7 @@ class InMemorySnapshotSource:
 
   def __init__(self, keep: int = 2):
     if keep < 1:
-      raise ValueError(f"InMemorySnapshotSource keep must be >= 1, got {keep=}")
+      raise errors.InvalidArgumentError(f"InMemorySnapshotSource keep must be >= 1, got {keep=}")
     self._keep = keep
     self._states: dict[int, Any] = {}
     self._lock = threading.Lock()
@@ -103,7 +104,7 @@ def rebuild_leaf(like: Any, host: np.ndarray) -> Any:
   """``host`` placed like ``like`` (a jax.Array or ShapeDtypeStruct keeps its sharding)."""
   if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)) and getattr(like, "sharding", None):
     if tuple(host.shape) != tuple(like.shape) or host.dtype != like.dtype:
-      raise ValueError(f"cannot place a {host.dtype}{list(host.shape)} value on a leaf of "
+      raise errors.InvalidArgumentError(f"cannot place a {host.dtype}{list(host.shape)} value on a leaf of "
                        f"{like.dtype}{list(like.shape)}")
     return _assemble.make_array(tuple(like.shape), like.dtype, like.sharding,
                                 lambda box: np.array(host[relative_slices(box, _full(host))]))
@@ -153,7 +154,7 @@ class CatchUpServer:
         return {"op": "missing", "held": []}, ()
       leaves = source.fetch(int(header["step"]))
       return {"op": "snapshot", "paths": list(leaves)}, list(leaves.values())
-    raise ValueError(f"unknown catch-up request op={op!r}")
+    raise errors.InvalidArgumentError(f"unknown catch-up request op={op!r}")
 
 
 class RemoteSnapshotSource:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import zmq
 
 from jaxckpt.ft import _wire
+from jaxckpt import errors
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,11 @@ class LighthouseOptions:
 
   def __post_init__(self):
     if self.min_replicas < 1:
-      raise ValueError(f"LighthouseOptions.min_replicas must be >= 1, got {self.min_replicas=}")
+      raise errors.InvalidArgumentError(f"LighthouseOptions.min_replicas must be >= 1, got {self.min_replicas=}")
     for name in ("heartbeat_timeout", "join_timeout", "straggler_timeout"):
       value = getattr(self, name)
       if not isinstance(value, timedelta) or value <= timedelta(0):
-        raise ValueError(f"LighthouseOptions.{name} must be a positive timedelta, got {value!r}")
+        raise errors.InvalidArgumentError(f"LighthouseOptions.{name} must be a positive timedelta, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,7 +144,7 @@ class Lighthouse:
     self._sock = _wire.socket(self._ctx, zmq.ROUTER)
     host, _, port = bind.rpartition(":")
     if not host or not port.isdigit():
-      raise ValueError(f"Lighthouse bind must be HOST:PORT, got {bind=}")
+      raise errors.InvalidArgumentError(f"Lighthouse bind must be HOST:PORT, got {bind=}")
     if port == "0":
       port = str(self._sock.bind_to_random_port(f"tcp://{host}"))
     else:

@@ -78,17 +78,17 @@ class ReplicaGroupOptions:
   def __post_init__(self):
     for name in ("ring_size", "max_groups"):
       if getattr(self, name) < 1:
-        raise ValueError(f"ReplicaGroupOptions.{name} must be >= 1, got {getattr(self, name)!r}")
+        raise errors.InvalidArgumentError(f"ReplicaGroupOptions.{name} must be >= 1, got {getattr(self, name)!r}")
     for name in ("heartbeat_interval", "contribution_timeout", "lighthouse_timeout"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, timedelta) or value <= timedelta(0)):
-        raise ValueError(f"ReplicaGroupOptions.{name} must be a positive timedelta, got {value!r}")
+        raise errors.InvalidArgumentError(f"ReplicaGroupOptions.{name} must be a positive timedelta, got {value!r}")
 
 
 def batch_index(step: int, rank: int, max_groups: int) -> int:
   """The batch a group of quorum position ``rank`` uses at ``step``: ``step * max_groups + rank``."""
   if not 0 <= rank < max_groups:
-    raise ValueError(f"quorum {rank=} is outside [0, {max_groups=}): raise "
+    raise errors.InvalidArgumentError(f"quorum {rank=} is outside [0, {max_groups=}): raise "
                      "ReplicaGroupOptions.max_groups above the number of groups")
   return step * max_groups + rank
 
@@ -125,7 +125,7 @@ class ReplicaGroup:
                snapshot_source: SnapshotSource | None = None, injector: Any = None,
                peer_source: PeerSourceFactory | None = None):
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-      raise ValueError(f"ReplicaGroup timeout must be a positive timedelta, got {timeout!r}")
+      raise errors.InvalidArgumentError(f"ReplicaGroup timeout must be a positive timedelta, got {timeout!r}")
     self.group_id, self.manager, self.timeout = group_id, manager, timeout
     self.options = options or ReplicaGroupOptions()
     self.snapshot_source = snapshot_source
@@ -454,7 +454,7 @@ class ReplicaGroup:
       return [_like(x) for x in leaves], treedef
     if self._layout is not None:
       return self._layout
-    raise ValueError(f"group {self.group_id} must replay averaged gradients but does not know their "
+    raise errors.InvalidArgumentError(f"group {self.group_id} must replay averaged gradients but does not know their "
                      "layout: pass grads_like= (e.g. the params) to start_step()")
 
   def _fetch_plan(self, quorum: Quorum) -> dict[str, Any]:
@@ -536,7 +536,7 @@ def mean_in_order(contributions: Sequence[Sequence[np.ndarray]]) -> list[np.ndar
   for leaves in zip(*contributions):
     dtype = leaves[0].dtype
     if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(f"allreduce averages floating gradients only, got a leaf of {dtype=}")
+      raise errors.UnsupportedLeafError(f"allreduce averages floating gradients only, got a leaf of {dtype=}")
     acc = np.array(leaves[0], dtype=np.promote_types(dtype, np.float32))
     for x in leaves[1:]:
       np.add(acc, x, out=acc)

@@ -19,6 +19,8 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
+from jaxckpt import errors
+
 INITIAL_DIGEST = 0
 """Digest of step 0: every group must start from the same initial state."""
 
@@ -52,7 +54,7 @@ class GradientRing:
 
   def __init__(self, capacity: int):
     if capacity < 1:
-      raise ValueError(f"GradientRing capacity must be >= 1, got {capacity=}")
+      raise errors.InvalidArgumentError(f"GradientRing capacity must be >= 1, got {capacity=}")
     self.capacity = capacity
     self._entries: collections.OrderedDict[int, RingEntry] = collections.OrderedDict()
     self._lock = threading.Lock()

@@ -80,6 +80,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt import errors
+
 logger = logging.getLogger(__name__)
 
 _HOUR = 3600.0
@@ -144,21 +146,21 @@ class SimulationConfig:
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"SimulationConfig.{f.name} must be a finite number, got {value!r}.")
+        raise errors.InvalidArgumentError(f"SimulationConfig.{f.name} must be a finite number, got {value!r}.")
       positive = f.name.endswith(("_hours", "_days", "interval_secs")) or f.type == "int"
       if value < 0 or (positive and value <= 0):
         need = "> 0" if positive else ">= 0"
-        raise ValueError(f"SimulationConfig.{f.name} must be {need}, got {value!r}.")
+        raise errors.InvalidArgumentError(f"SimulationConfig.{f.name} must be {need}, got {value!r}.")
     for name in ("accelerators", "replica_groups"):
       if not isinstance(getattr(self, name), int):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"SimulationConfig.{name} must be an int, got {getattr(self, name)!r}.")
     if not 2 <= self.replica_groups <= self.accelerators:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"SimulationConfig.replica_groups must be in [2, accelerators={self.accelerators}], "
           f"got {self.replica_groups!r}: use fewer groups or more accelerators.")
     if self.spare_fraction > 1:
-      raise ValueError(f"SimulationConfig.spare_fraction must be <= 1, got {self.spare_fraction!r}.")
+      raise errors.InvalidArgumentError(f"SimulationConfig.spare_fraction must be <= 1, got {self.spare_fraction!r}.")
 
   @property
   def spares(self) -> int:
@@ -372,7 +374,7 @@ def simulate(config: SimulationConfig, mode: Mode | str, seed: int = 0) -> Simul
   try:
     mode = Mode(mode)
   except ValueError:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"simulate(mode={mode!r}) is not a mode: use one of {[m.value for m in MODES]}.") from None
   result = _Job(config, mode, seed).run()
   logger.debug("simulated %s: %s", mode.value, result)

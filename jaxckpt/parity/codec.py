@@ -31,7 +31,7 @@ def as_u8(buf: Buffer, *, name: str = "block", writable: bool = False) -> np.nda
   """A zero-copy 1-D uint8 view of a contiguous bytes-like object or array."""
   if isinstance(buf, np.ndarray):
     if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"{name} must be a contiguous 1-D uint8 array, got dtype={buf.dtype} "
           f"shape={buf.shape} contiguous={buf.flags.c_contiguous}; use "
           "np.ascontiguousarray(x).view(np.uint8).reshape(-1)")
@@ -39,7 +39,7 @@ def as_u8(buf: Buffer, *, name: str = "block", writable: bool = False) -> np.nda
   else:
     arr = np.frombuffer(buf, np.uint8)
   if writable and not arr.flags.writeable:
-    raise ValueError(f"{name} must be writable (got a read-only buffer)")
+    raise errors.InvalidArgumentError(f"{name} must be writable (got a read-only buffer)")
   return arr
 
 
@@ -64,11 +64,11 @@ class ReedSolomon:
 
   def __init__(self, k: int, m: int):
     if not isinstance(k, int) or k < 1:
-      raise ValueError(f"k must be an int >= 1, got k={k!r}")
+      raise errors.InvalidArgumentError(f"k must be an int >= 1, got k={k!r}")
     if not isinstance(m, int) or m < 1:
-      raise ValueError(f"m must be an int >= 1, got m={m!r}")
+      raise errors.InvalidArgumentError(f"m must be an int >= 1, got m={m!r}")
     if k + m > MAX_BLOCKS:
-      raise ValueError(f"k + m must be <= {MAX_BLOCKS} in GF(2^8), got k={k} m={m}")
+      raise errors.InvalidArgumentError(f"k + m must be <= {MAX_BLOCKS} in GF(2^8), got k={k} m={m}")
     self.k = k
     self.m = m
     self.matrix = _gf.parity_matrix(k, m)
@@ -118,7 +118,7 @@ class ReedSolomon:
     arrs, nbytes = self._check_blocks(blocks)
     lost = sorted(i for i in range(self.k) if arrs[i] is None)
     if sorted(out) != lost:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"decode_into needs an out buffer for exactly the lost data blocks "
           f"{lost}, got keys {sorted(out)}")
     outs = {i: self._check_out([out[i]], 1, nbytes, f"out[{i}]")[0] for i in lost}
@@ -173,7 +173,7 @@ class ReedSolomon:
 
   def _check_data(self, data_blocks: Sequence[Buffer]) -> list[np.ndarray]:
     if len(data_blocks) != self.k:
-      raise ValueError(f"{self!r} encodes k={self.k} data blocks, got {len(data_blocks)}")
+      raise errors.InvalidArgumentError(f"{self!r} encodes k={self.k} data blocks, got {len(data_blocks)}")
     data = [as_u8(b, name=f"data block {i}") for i, b in enumerate(data_blocks)]
     _check_lengths({i: a.size for i, a in enumerate(data)})
     return data
@@ -181,7 +181,7 @@ class ReedSolomon:
   def _check_blocks(self, blocks: Sequence[Buffer | None]) -> tuple[list[np.ndarray | None], int]:
     n = self.k + self.m
     if len(blocks) != n:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"{self!r} decodes a list of k + m = {n} blocks (None for lost ones), "
           f"got {len(blocks)}")
     arrs = [None if b is None else as_u8(b, name=f"block {i}") for i, b in enumerate(blocks)]
@@ -197,17 +197,17 @@ class ReedSolomon:
   @staticmethod
   def _check_out(out: Sequence[Buffer], count: int, nbytes: int, what: str) -> list[np.ndarray]:
     if len(out) != count:
-      raise ValueError(f"expected {count} {what} out buffer(s), got {len(out)}")
+      raise errors.InvalidArgumentError(f"expected {count} {what} out buffer(s), got {len(out)}")
     arrs = [as_u8(b, name=f"{what} out buffer {i}", writable=True) for i, b in enumerate(out)]
     bad = {i: a.size for i, a in enumerate(arrs) if a.size != nbytes}
     if bad:
-      raise ValueError(f"{what} out buffers must be {nbytes} bytes long, got sizes {bad}")
+      raise errors.InvalidArgumentError(f"{what} out buffers must be {nbytes} bytes long, got sizes {bad}")
     return arrs
 
 
 def _check_lengths(sizes: dict[int, int]) -> None:
   if len(set(sizes.values())) > 1:
-    raise ValueError(f"blocks must all have one length, got lengths by index {sizes}")
+    raise errors.InvalidArgumentError(f"blocks must all have one length, got lengths by index {sizes}")
 
 
 @functools.lru_cache(maxsize=64)

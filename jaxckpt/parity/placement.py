@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxckpt import errors
 from jaxckpt.parity import codec as codec_lib
 
 CHUNK_ALIGN_BYTES = 64
@@ -45,13 +46,13 @@ class ParityOptions:
     for name in ("group_size", "parity"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"ParityOptions.{name} must be an int, got {name}={value!r}")
+        raise errors.InvalidArgumentError(f"ParityOptions.{name} must be an int, got {name}={value!r}")
     if not 2 <= self.group_size <= codec_lib.MAX_BLOCKS:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"ParityOptions.group_size must be in [2, {codec_lib.MAX_BLOCKS}], got "
           f"group_size={self.group_size}")
     if not 1 <= self.parity < self.group_size:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"ParityOptions.parity must be in [1, group_size - 1] = [1, "
           f"{self.group_size - 1}], got parity={self.parity}")
 
@@ -102,7 +103,7 @@ def groups(num_hosts: int, group_size: int) -> tuple[tuple[int, ...], ...]:
   ((0, 1, 2), (3, 4, 5))
   """
   if num_hosts < 1 or group_size < 1:
-    raise ValueError(f"need num_hosts >= 1 and group_size >= 1, got {num_hosts=} {group_size=}")
+    raise errors.InvalidArgumentError(f"need num_hosts >= 1 and group_size >= 1, got {num_hosts=} {group_size=}")
   count = -(-num_hosts // group_size)
   small, extra = divmod(num_hosts, count)
   out, start = [], 0
@@ -134,11 +135,11 @@ class StripeLayout:
     """Lays out stripes for hosts 0..len(host_bytes)-1."""
     sizes = tuple(int(n) for n in host_bytes)
     if any(n < 0 for n in sizes):
-      raise ValueError(f"host_bytes must be >= 0, got {sizes}")
+      raise errors.InvalidArgumentError(f"host_bytes must be >= 0, got {sizes}")
     grouping = groups(len(sizes), options.group_size)
     too_small = [g for g in grouping if len(g) <= options.parity]
     if too_small:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"{len(sizes)} hosts in groups of at most {options.group_size} give groups "
           f"{too_small} with no more hosts than parity={options.parity}; use fewer "
           "parity or more hosts")
@@ -152,7 +153,7 @@ class StripeLayout:
     for gid, hosts in enumerate(self.groups):
       if host in hosts:
         return gid
-    raise ValueError(f"host {host} is not in the layout of {len(self.host_bytes)} hosts")
+    raise errors.InvalidArgumentError(f"host {host} is not in the layout of {len(self.host_bytes)} hosts")
 
   def data_pieces(self, host: int) -> tuple[Piece, ...]:
     """The host's k snapshot chunks, in snapshot order."""
@@ -199,7 +200,7 @@ def padded(buf: Any, nbytes: int) -> np.ndarray:
   if arr.size == nbytes:
     return arr
   if arr.size > nbytes:
-    raise ValueError(f"piece of {arr.size} bytes is longer than its stripe's {nbytes} bytes")
+    raise errors.InvalidArgumentError(f"piece of {arr.size} bytes is longer than its stripe's {nbytes} bytes")
   out = np.zeros(nbytes, np.uint8)
   out[:arr.size] = arr
   return out
@@ -211,10 +212,10 @@ def encode_stripe(stripe: Stripe, data: Sequence[Any]) -> list[np.ndarray]:
   Shorter pieces are zero-padded to ``stripe.block_bytes``.
   """
   if len(data) != len(stripe.data):
-    raise ValueError(f"stripe {stripe.id} has {len(stripe.data)} data pieces, got {len(data)}")
+    raise errors.InvalidArgumentError(f"stripe {stripe.id} has {len(stripe.data)} data pieces, got {len(data)}")
   for piece, buf in zip(stripe.data, data):
     size = codec_lib.as_u8(buf, name="piece").size
     if size != piece.nbytes:
-      raise ValueError(f"data piece {piece} is {piece.nbytes} bytes, got {size}")
+      raise errors.InvalidArgumentError(f"data piece {piece} is {piece.nbytes} bytes, got {size}")
   rs = codec_lib.codec(len(stripe.data), len(stripe.parity))
   return rs.encode([padded(b, stripe.block_bytes) for b in data])

@@ -28,12 +28,12 @@ Fetch = Callable[[Piece], Any]
 def piece_checksums(pieces: Sequence[Piece], bufs: Sequence[Any]) -> dict[Piece, str]:
   """Checksums of pieces (data: their ``nbytes``; parity: the whole block)."""
   if len(pieces) != len(bufs):
-    raise ValueError(f"got {len(pieces)} pieces but {len(bufs)} buffers")
+    raise errors.InvalidArgumentError(f"got {len(pieces)} pieces but {len(bufs)} buffers")
   out = {}
   for piece, buf in zip(pieces, bufs):
     arr = codec_lib.as_u8(buf, name=f"piece {piece}")
     if arr.size != piece.nbytes:
-      raise ValueError(f"piece {piece} is {piece.nbytes} bytes, got a buffer of {arr.size}")
+      raise errors.InvalidArgumentError(f"piece {piece} is {piece.nbytes} bytes, got a buffer of {arr.size}")
     out[piece] = checksum(arr)
   return out
 
@@ -48,7 +48,7 @@ def check_recoverable(layout: StripeLayout, lost_hosts: Sequence[int]) -> None:
   lost = set(lost_hosts)
   unknown = sorted(h for h in lost if not 0 <= h < len(layout.host_bytes))
   if unknown:
-    raise ValueError(f"lost hosts {unknown} are not in the layout of {len(layout.host_bytes)} hosts")
+    raise errors.InvalidArgumentError(f"lost hosts {unknown} are not in the layout of {len(layout.host_bytes)} hosts")
   m = layout.options.parity
   bad = [(gid, hosts, sorted(lost.intersection(hosts)))
          for gid, hosts in enumerate(layout.groups) if len(lost.intersection(hosts)) > m]

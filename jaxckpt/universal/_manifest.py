@@ -56,7 +56,7 @@ class LeafInfo:
 
   def __post_init__(self):
     if self.kind not in ("jax", "numpy", "prng_key", "scalar"):
-      raise ValueError(f"LeafInfo.kind must be jax, numpy, prng_key or scalar, got {self.kind=}")
+      raise errors.InvalidArgumentError(f"LeafInfo.kind must be jax, numpy, prng_key or scalar, got {self.kind=}")
 
   @property
   def is_array(self) -> bool:

@@ -200,7 +200,7 @@ class ConvertedView:
     info = leaf.info
     box = snap.full_box(info.shape) if box is None else tuple(tuple(p) for p in box)
     if len(box) != len(info.shape):
-      raise ValueError(f"box {list(box)} has {len(box)} dimensions; {path!r} has shape "
+      raise errors.InvalidArgumentError(f"box {list(box)} has {len(box)} dimensions; {path!r} has shape "
                        f"{list(info.shape)}")
     if leaf.origin is not None:
       return self.source.read(leaf.origin, box)
