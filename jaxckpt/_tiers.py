@@ -38,6 +38,7 @@ def agent_clients(store: HostStore) -> Iterator[dict[int, Any]]:
     return
   from jaxckpt.agent import client as agent_client  # pylint: disable=import-outside-toplevel
   with agent_client.job_clients(store.run_root, store.opts.job_name, local_host=store.host,
+                                secret=store.secret,
                                 timeout_secs=store.opts.request_timeout_secs) as clients:
     yield clients
 

@@ -71,3 +71,8 @@ class InvalidArgumentError(JaxckptError, ValueError):
 
 class StorageError(JaxckptError, OSError):
   """Writing to or reading from storage failed (the message names the path and the cause)."""
+
+
+class PermissionDeniedError(JaxckptError, PermissionError):
+  """Refused for safety: a request without the job's secret, a run root that other users
+  could write, or a second live trainer of one job and host."""

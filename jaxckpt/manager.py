@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxckpt import _persist, _preemption, _restore, _tiers, capture, errors, tree, universal
+from jaxckpt.agent import _paths
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
 from jaxckpt.store import HostStore, InProcessStore
@@ -100,11 +101,18 @@ class CheckpointManager:
                             host_memory_limit_bytes=limit)
     from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
     host = jax.process_index() if a.host_id is None else a.host_id
+    secret = None
+    if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
+      # One secret for the whole job, each host's run root being private: process 0's.
+      root = a.run_root or _paths.default_run_root()
+      secret = _tiers.broadcast_from_0(
+          "agent_secret", lambda: _paths.job_secret(root, a.job_name).decode(),
+          timeout_secs=self.options.timeout_secs)
     return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
                       limit_bytes=limit,
                       persist=None if self._persist_config is None
                       else self._persist_config.to_obj(),
-                      parity=self._parity_config())
+                      parity=self._parity_config(), secret=secret)
 
   def _parity_config(self) -> dict[str, Any] | None:
     p = self.options.parity

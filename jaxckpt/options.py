@@ -141,6 +141,10 @@ class AgentOptions:
       another host's pieces, parity exchange, replica-group catch-up). The
       loopback default suits one machine; on a cluster use this host's
       routable address.
+    secret: the job's secret, which every request to its agents must prove
+      (an HMAC). None: ``$JAXCKPT_JOB_SECRET``, else the 0600 file
+      ``RUN_ROOT/JOB/secret`` made at the job's first start; under
+      ``jax.distributed`` process 0's secret is handed to every process.
   """
 
   job_name: str
@@ -151,6 +155,7 @@ class AgentOptions:
   request_timeout_secs: float = 60.0
   start_timeout_secs: float = 60.0
   tcp_host: str = "127.0.0.1"
+  secret: str | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self) -> None:
     from jaxckpt.agent._paths import check_job_name  # pylint: disable=import-outside-toplevel
@@ -159,3 +164,7 @@ class AgentOptions:
       _at_least(self, "host_id", 0)
     for name in ("idle_timeout_secs", "request_timeout_secs", "start_timeout_secs"):
       _positive(self, name)
+    if self.secret is not None and (not isinstance(self.secret, str) or len(self.secret) < 16):
+      raise errors.InvalidArgumentError(
+          "AgentOptions.secret must be a string of at least 16 characters (e.g. "
+          "secrets.token_hex(32)), or None")

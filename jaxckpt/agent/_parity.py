@@ -346,7 +346,7 @@ class ParityWorker:
     if cached is not None:
       cached[1].close()
     client = Client(info["tcp"], who=f"snapshot agent of host {host} (pid {info['pid']})",
-                    timeout_secs=self.config.timeout_secs)
+                    timeout_secs=self.config.timeout_secs, secret=self.agent.secret)
     self._peers[host] = (info["pid"], client)
     return client
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
+import stat
 import tempfile
 
 from jaxckpt import errors
@@ -42,3 +44,61 @@ def ipc_endpoint(d: str) -> str:
 
 def slot_file(d: str, index: int) -> str:
   return os.path.join(d, f"slot{index}.bin")
+
+
+SECRET_ENV = "JAXCKPT_JOB_SECRET"
+
+
+def secure_dir(path: str) -> str:
+  """Creates ``path`` (and missing parents) 0700, or checks an existing one is safe:
+  owned by this user and writable by no one else. Refuses anything else."""
+  os.makedirs(path, mode=0o700, exist_ok=True)
+  st = os.stat(path)
+  if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    raise errors.PermissionDeniedError(
+        f"{path} is owned by uid {st.st_uid} with mode {oct(st.st_mode & 0o777)}; jaxckpt "
+        f"keeps snapshots and the job's secret there, so it must be owned by you (uid "
+        f"{os.getuid()}) and writable by no one else: `chmod 700 {path}` (if it is yours), "
+        "or set AgentOptions(run_root=...) to a directory of your own")
+  return path
+
+
+def job_dir(run_root: str, job: str) -> str:
+  return os.path.join(run_root, check_job_name(job))
+
+
+def job_secret(run_root: str, job: str, given: str | None = None) -> bytes:
+  """The job's secret: ``given`` (or $JAXCKPT_JOB_SECRET), else the 0600 file
+  ``RUN_ROOT/JOB/secret``, created at the job's first start.
+
+  A given secret is written to the file when there is none there yet, and must
+  match it when there is (one secret per job: every agent and client of it).
+  """
+  secure_dir(run_root)
+  d = secure_dir(job_dir(run_root, job))
+  path = os.path.join(d, "secret")
+  given = given or os.environ.get(SECRET_ENV) or None
+  if not os.path.exists(path):            # first start: publish it whole, atomically
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+      f.write(given or secrets.token_hex(32))
+    try:
+      os.link(tmp, path)                    # fails if another process published first
+    except FileExistsError:
+      pass
+    finally:
+      os.unlink(tmp)
+  st = os.stat(path)
+  if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    raise errors.PermissionDeniedError(
+        f"the job secret {path} has mode {oct(st.st_mode & 0o777)} and owner uid "
+        f"{st.st_uid}; it must be yours and 0600: remove it (stop the job's agents first)")
+  with open(path) as f:
+    have = f.read().strip()
+  if given is not None and given != have:
+    raise errors.PermissionDeniedError(
+        f"the secret given for job {job!r} differs from the one in {path}; the job's "
+        "agents use that one: give the same secret to every process, or stop the agents "
+        "and remove the file")
+  return have.encode()

@@ -110,9 +110,12 @@ class Agent:
   """The agent's state and request handlers (no sockets here; see ``serve``)."""
 
   def __init__(self, *, job: str, host: int, directory: str, max_snapshots: int,
-               limit_bytes: int, idle_timeout_secs: float,
+               limit_bytes: int, idle_timeout_secs: float, secret: bytes,
                tcp_host: str = "127.0.0.1") -> None:
     self.job, self.host, self.dir = job, host, directory
+    self.secret = secret
+    self.lease: tuple[int, int] | None = None   # (trainer pid, generation)
+    self.generation = 0
     self.tcp_host = tcp_host
     self.max_snapshots = max_snapshots
     self.limit_bytes = limit_bytes
@@ -180,6 +183,7 @@ class Agent:
                persist: dict[str, Any] | None = None,
                parity: dict[str, Any] | None = None) -> dict[str, Any]:
     self.reap()
+    self._take_lease(int(pid))
     if persist and (self.persister is None or self.persister.config.to_obj() != persist):
       from jaxckpt import _persist  # pylint: disable=import-outside-toplevel
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned)
@@ -191,7 +195,25 @@ class Agent:
     if limit_bytes:
       self.limit_bytes = int(limit_bytes)
     self._ensure_slots()
-    return {"pid": os.getpid(), "steps": self.steps(), "slots": len(self.slots)}
+    return {"pid": os.getpid(), "steps": self.steps(), "slots": len(self.slots),
+            "generation": self.generation}
+
+  def _take_lease(self, pid: int) -> None:
+    """One trainer per job and host: a live holder other than ``pid`` keeps the lease;
+    a dead one's lease passes on (the generation counts the holders)."""
+    if self.lease is not None:
+      holder, gen = self.lease
+      if holder == pid:
+        return
+      if psutil.pid_exists(holder):
+        raise errors.PermissionDeniedError(
+            f"job {self.job!r} host {self.host} already has a live trainer, pid {holder} "
+            f"(lease generation {gen}); one trainer per job and host: stop it, or give "
+            "this one another AgentOptions(job_name=...)")
+      logger.warning("trainer pid %d (lease generation %d) is gone; pid %d takes over",
+                     holder, gen, pid)
+    self.generation += 1
+    self.lease = (pid, self.generation)
 
   def _configure_parity(self, parity: dict[str, Any]) -> None:
     """Starts the parity thread, or updates its timeouts (parity already held stays)."""
@@ -402,6 +424,8 @@ class Agent:
             "bytes": sum(s.size for s in self.slots) + parity_bytes,
             "parity_bytes": parity_bytes, "trainers": sorted(self.trainers),
             "max_snapshots": self.max_snapshots, "limit_bytes": self.limit_bytes,
+            "lease": None if self.lease is None else {"pid": self.lease[0],
+                                                      "generation": self.lease[1]},
             "early_verified_shards": self.early_verified}
 
   def op_stop(self) -> dict[str, Any]:
@@ -421,9 +445,12 @@ class Agent:
           s.map.close()
         s.map = None
     shutil.rmtree(self.dir, ignore_errors=True)
+    job = os.path.dirname(self.dir)
     with contextlib.suppress(OSError):
       os.unlink(self.dir + ".lock")
-      os.rmdir(os.path.dirname(self.dir))       # the job's directory, once empty
+      if set(os.listdir(job)) <= {"secret"}:    # the last agent of the job on this run root
+        os.unlink(os.path.join(job, "secret"))
+      os.rmdir(job)                             # the job's directory, once empty
 
 
 def _allocate(path: str, old: int, nbytes: int, *, host: int) -> None:
@@ -446,7 +473,14 @@ def _allocate(path: str, old: int, nbytes: int, *, host: int) -> None:
 
 
 def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
-  req = _protocol.unpack(frames[0])
+  try:
+    req = _protocol.verify(agent.secret, frames)
+  except Exception as e:  # pylint: disable=broad-except  (refused, logged, never run)
+    logger.warning("refused a request: %s", e)
+    err = e if isinstance(e, errors.PermissionDeniedError) else errors.PermissionDeniedError(
+        f"malformed request refused ({type(e).__name__})")
+    return [_protocol.pack({"ok": False, "error": str(err), "type": type(err).__name__})]
+  frames = frames[1:]
   op = req.pop("op", "")
   fn = getattr(agent, "op_" + str(op), None)
   try:

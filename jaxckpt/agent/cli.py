@@ -87,7 +87,8 @@ def _client(args) -> Client | None:
   info = read_address(_paths.agent_dir(_root(args), args.job_name, args.host_id))
   if info is None:
     return None
-  return Client(info["ipc"], who=f"agent pid {info['pid']}", timeout_secs=10)
+  return Client(info["ipc"], who=f"agent pid {info['pid']}", timeout_secs=10,
+                secret=_paths.job_secret(_root(args), args.job_name))
 
 
 def _status(args) -> int:
@@ -119,10 +120,12 @@ def _serve(args) -> int:
   logging.basicConfig(level=logging.INFO,
                       format="%(asctime)s agent[%(process)d] %(levelname)s %(message)s")
   d = _paths.agent_dir(_root(args), args.job_name, args.host_id)
-  os.makedirs(d, exist_ok=True)
+  secret = _paths.job_secret(_root(args), args.job_name)
+  _paths.secure_dir(d)
   serve(Agent(job=args.job_name, host=args.host_id, directory=d,
               max_snapshots=args.max_snapshots, limit_bytes=_limit(args),
-              idle_timeout_secs=args.idle_timeout_secs, tcp_host=args.tcp_host))
+              idle_timeout_secs=args.idle_timeout_secs, tcp_host=args.tcp_host,
+              secret=secret))
   return 0
 
 

@@ -122,10 +122,11 @@ class AgentStore(HostStore):
 
   def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
                limit_bytes: int, persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None) -> None:
+               parity: dict[str, Any] | None = None, secret: str | None = None) -> None:
     self.opts = opts
     self.host = host
     self.run_root = opts.run_root or _paths.default_run_root()
+    self.secret = _paths.job_secret(self.run_root, opts.job_name, secret or opts.secret)
     self._max = max_snapshots
     self._limit = limit_bytes
     self._persist = persist
@@ -156,7 +157,7 @@ class AgentStore(HostStore):
     self.info = info
     self._client = Client(info["ipc"], who=f"snapshot agent pid {self.pid} of job "
                           f"{self.opts.job_name!r} host {self.host}",
-                          timeout_secs=self.opts.request_timeout_secs)
+                          timeout_secs=self.opts.request_timeout_secs, secret=self.secret)
     self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
                       limit_bytes=self._limit, persist=self._persist, parity=self._parity)
     self._maps.clear()
@@ -289,16 +290,19 @@ def job_agents(run_root: str, job: str) -> dict[int, dict[str, Any]]:
 
 @contextlib.contextmanager
 def job_clients(run_root: str, job: str, *, timeout_secs: float,
-                local_host: int | None = None) -> Iterator[dict[int, Client]]:
+                local_host: int | None = None,
+                secret: bytes | None = None) -> Iterator[dict[int, Client]]:
   """Clients of every live agent of ``job``, by host id, closed on exit.
 
-  ``local_host``'s agent is reached through its ipc socket, the others over tcp.
+  ``local_host``'s agent is reached through its ipc socket, the others over tcp;
+  requests carry the job's ``secret`` (default: the one in the run root).
   """
+  secret = secret or _paths.job_secret(run_root, job)
   clients = {}
   for host, info in job_agents(run_root, job).items():
     endpoint = info["ipc"] if host == local_host else info["tcp"]
     clients[host] = Client(endpoint, who=f"snapshot agent of job {job!r} host {host} "
-                           f"(pid {info['pid']})", timeout_secs=timeout_secs)
+                           f"(pid {info['pid']})", timeout_secs=timeout_secs, secret=secret)
   try:
     yield clients
   finally:

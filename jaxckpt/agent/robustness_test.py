@@ -49,7 +49,7 @@ def test_a_truncated_slot_file_is_corrupt_and_restore_falls_back_to_storage(tmp_
 @contextlib.contextmanager
 def _tmpfs(path, size):
   os.makedirs(path, exist_ok=True)
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                      capture_output=True, text=True, check=False)
   if r.returncode:
     pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}); needs root")

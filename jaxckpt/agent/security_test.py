@@ -1,0 +1,161 @@
+"""Nobody without the job's secret can read, stop, redirect or forge an agent's snapshots;
+run roots others could write are refused; one live trainer per job and host."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import jaxckpt as jc
+from jaxckpt import errors
+from jaxckpt.agent import _paths, _protocol
+from jaxckpt.testing import processes
+
+
+@pytest.fixture
+def held(tmp_path):
+  """A running agent holding step 1 of a 64x8 float32 ``w``; yields (opts, root, job, info)."""
+  with processes.agent_sandbox() as (root, job):
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root))
+    with jc.CheckpointManager(options=opts) as m:
+      assert m.save(1, {"w": np.arange(512, dtype=np.float32).reshape(64, 8)})
+      m.wait_until_finished()
+    with open(_paths.address_file(_paths.agent_dir(root, job, 0))) as f:
+      yield opts, root, job, json.load(f)
+
+
+def _raw(endpoint: str, frames: list[bytes]) -> dict:
+  """One request sent by hand (an attacker's client), its reply header."""
+  sock = zmq.Context.instance().socket(zmq.REQ)
+  sock.setsockopt(zmq.LINGER, 0)
+  sock.connect(endpoint)
+  try:
+    sock.send_multipart(frames)
+    assert sock.poll(20000), "the agent did not answer"
+    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+  finally:
+    sock.close()
+
+
+FORGED = [("fetch", {"step": 1, "ranges": [[0, 2048]]}), ("stop", {}),
+          ("hello", {"pid": 1, "persist": {"directory": "/tmp/evil", "interval_steps": 1}}),
+          ("reserve", {"pid": 1, "step": 9, "nbytes": 64}),
+          ("commit", {"index": 0, "manifest": "{}"})]
+
+
+@pytest.mark.parametrize("how", ["no mac", "wrong secret", "mac of another header"])
+def test_requests_without_the_secret_are_refused_and_change_nothing(held, how):
+  opts, root, job, info = held
+  for endpoint in (info["tcp"], info["ipc"]):
+    for op, args in FORGED:
+      header = msgpack.packb({"op": op, "ts": time.time(), **args}, use_bin_type=True)
+      if how == "no mac":
+        frames = [header]
+      elif how == "wrong secret":
+        frames = [_protocol.sign(b"not the secret", header), header]
+      else:
+        good = _protocol.request(_paths.job_secret(root, job), "steps", {})
+        frames = [good[0], header]
+      reply = _raw(endpoint, frames)
+      assert not reply["ok"] and reply["type"] == "PermissionDeniedError", (op, reply)
+  assert processes.pid_alive(info["pid"])                       # not stopped
+  assert not os.path.exists("/tmp/evil")                        # not redirected
+  with jc.CheckpointManager(options=opts) as m:                 # the real state, intact
+    out = m.restore(step=1, target={"w": np.zeros((64, 8), np.float32)})
+    assert m.all_steps() == [1] and m.last_restore.tier == "host"
+  np.testing.assert_array_equal(out["w"], np.arange(512, dtype=np.float32).reshape(64, 8))
+
+
+def test_a_replayed_old_request_is_refused(held):
+  _, root, job, info = held
+  secret = _paths.job_secret(root, job)
+  header = msgpack.packb({"op": "stop", "ts": time.time() - 3600, "nonce": b"x"}, use_bin_type=True)
+  reply = _raw(info["ipc"], [_protocol.sign(secret, header), header])
+  assert not reply["ok"] and "too old" in reply["error"]
+  assert processes.pid_alive(info["pid"])
+
+
+def test_the_secret_and_slot_files_are_private_to_the_user(held):
+  _, root, job, _ = held
+  secret = os.path.join(root, job, "secret")
+  assert os.stat(secret).st_mode & 0o777 == 0o600
+  assert os.stat(os.path.join(root, job)).st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-writable", "another user"])
+def test_a_run_root_others_could_write_is_refused_with_the_fix(tmp_path, how):
+  root = tmp_path / "run"
+  root.mkdir()
+  if how == "another user":
+    if os.getuid() != 0:
+      pytest.skip("needs root to give the directory to another user")
+    os.chown(root, pwd.getpwnam("nobody").pw_uid, -1)
+    os.chmod(root, 0o700)
+  else:
+    os.chmod(root, 0o777 if how == "world-writable" else 0o770)
+  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name="j", run_root=str(root)))
+  with pytest.raises(errors.PermissionDeniedError, match=r"must be owned by you .*chmod 700") as e:
+    jc.CheckpointManager(options=opts)
+  assert isinstance(e.value, PermissionError)
+  assert not os.path.exists(root / "j")
+
+
+def test_another_os_user_cannot_read_the_snapshot_or_the_secret(held):
+  _, root, job, _ = held
+  if os.getuid() != 0:
+    pytest.skip("needs root to run a probe as another user")
+  nobody = pwd.getpwnam("nobody")
+  host = _paths.agent_dir(root, job, 0)
+  targets = [os.path.join(root, job, "secret")] + [
+      os.path.join(host, f) for f in os.listdir(host) if f.startswith("slot")]
+  probe = 'for p in "$@"; do if head -c1 "$p" >/dev/null 2>&1; then echo READ; else echo DENIED; fi; done'
+  r = subprocess.run(["/bin/sh", "-c", probe, "sh", *targets], capture_output=True, text=True,
+                     timeout=60, user=nobody.pw_uid, group=nobody.pw_gid, check=False, cwd="/")
+  assert r.stdout.count("DENIED") == len(targets) and "READ" not in r.stdout, (r.stdout, r.stderr)
+
+
+TRAINER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import jaxckpt as jc
+    root, job, value, hold = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root))
+    try:
+      with jc.CheckpointManager(options=opts) as m:
+        m.save(int(value), {"w": np.full(8, value)})
+        m.wait_until_finished()
+        print("SAVED", m.all_steps(), flush=True)
+        if hold == "hold":
+          sys.stdin.readline()
+    except jc.errors.PermissionDeniedError as e:
+      print("REFUSED", e, flush=True)
+""")
+
+
+def test_one_live_trainer_per_job_and_host_and_a_dead_ones_lease_passes_on():
+  with processes.agent_sandbox() as (root, job):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    a = subprocess.Popen([sys.executable, "-c", TRAINER, root, job, "100", "hold"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+      assert a.stdout.readline().startswith("SAVED [100]")
+      b = subprocess.run([sys.executable, "-c", TRAINER, root, job, "5", "go"],
+                         capture_output=True, text=True, timeout=120, env=env)
+      assert f"already has a live trainer, pid {a.pid}" in b.stdout, b.stdout + b.stderr
+      assert "REFUSED" in b.stdout and "SAVED" not in b.stdout
+    finally:
+      a.kill()
+      a.wait(timeout=30)
+    c = subprocess.run([sys.executable, "-c", TRAINER, root, job, "200", "go"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert "SAVED [100, 200]" in c.stdout, c.stdout + c.stderr      # A's step 100 kept
