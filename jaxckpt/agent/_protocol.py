@@ -41,10 +41,21 @@ def sign(secret: bytes, header: bytes) -> bytes:
   return hmac.new(secret, header, hashlib.sha256).digest()
 
 
-def request(secret: bytes, op: str, args: dict[str, Any]) -> list[bytes]:
-  """The signed frames of a request (before its raw frames)."""
-  header = pack({"op": op, "ts": time.time(), "nonce": os.urandom(8), **args})
+def request(secret: bytes, op: str, args: dict[str, Any],
+            timeout_secs: float | None = None) -> list[bytes]:
+  """The signed frames of a request (before its raw frames). A request with a
+  ``timeout_secs`` carries its deadline: an agent that gets to it later (it was
+  stopped, or hung) does not apply it, since the caller has given up."""
+  now = time.time()
+  header = pack({"op": op, "ts": now, "nonce": os.urandom(8),
+                 "deadline": None if timeout_secs is None else now + timeout_secs, **args})
   return [sign(secret, header), header]
+
+
+def expired(req: dict[str, Any]) -> bool:
+  """Whether the caller of ``req`` has given up on it (its deadline passed)."""
+  deadline = req.pop("deadline", None)
+  return deadline is not None and time.time() > float(deadline)
 
 
 def verify(secret: bytes, frames: list[bytes]) -> dict[str, Any]:
@@ -87,7 +98,7 @@ class Client:
     with self._lock:
       sock = self._socket()
       try:
-        sock.send_multipart([*request(self._secret, op, args), *frames], copy=False)
+        sock.send_multipart([*request(self._secret, op, args, timeout), *frames], copy=False)
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
           raise errors.AgentUnavailableError(
               f"{self.who} did not answer {op!r} within {timeout} s at {self.endpoint}; "

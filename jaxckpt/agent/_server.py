@@ -241,6 +241,11 @@ class Agent:
           f"{what} = {need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
           f"({self.limit_bytes / 2**20:.1f} MiB) on host {self.host}; lower "
           "max_snapshots, shard the state over more hosts, or raise the limit")
+    for s in self.slots:        # a trainer reserves only once its previous save is over:
+      if s.state == "writing" and s.owner == pid:     # any slot it still writes is stale
+        logger.warning("slot %d: trainer pid %d moved on from step %s; freeing it",
+                       s.index, pid, s.step)
+        self._drop(s)
     free = [s for s in self.slots if s.state == "free" and not s.pins]
     if not free:
       self.reap()
@@ -480,8 +485,11 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
     err = e if isinstance(e, errors.PermissionDeniedError) else errors.PermissionDeniedError(
         f"malformed request refused ({type(e).__name__})")
     return [_protocol.pack({"ok": False, "error": str(err), "type": type(err).__name__})]
-  frames = frames[1:]
   op = req.pop("op", "")
+  if _protocol.expired(req):
+    logger.warning("request %s arrived after its caller gave up; not applied", op)
+    return [_protocol.pack({"ok": False, "type": "AgentUnavailableError",
+                            "error": f"{op!r} arrived after its deadline; not applied"})]
   fn = getattr(agent, "op_" + str(op), None)
   try:
     if fn is None:

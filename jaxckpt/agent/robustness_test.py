@@ -111,3 +111,27 @@ def test_slot_files_and_their_directory_are_private(tmp_path):
       slots = [os.path.join(host, f) for f in os.listdir(host) if f.startswith("slot")]
       assert slots and all(os.stat(p).st_mode & 0o777 == 0o600 for p in slots), \
           [oct(os.stat(p).st_mode) for p in slots]
+
+
+def test_saves_resume_after_the_agent_hung_past_the_request_timeout():
+  import signal  # pylint: disable=import-outside-toplevel
+  x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  with processes.agent_sandbox() as (root, job):
+    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(
+        job_name=job, run_root=root, request_timeout_secs=2))
+    with jc.CheckpointManager(options=opts) as m:
+      assert m.save(1, {"w": sharded(x)})
+      m.wait_until_finished()
+      pid = m._store.pid                                 # pylint: disable=protected-access
+      os.kill(pid, signal.SIGSTOP)
+      try:
+        with pytest.raises(jc.errors.AgentUnavailableError, match="did not answer 'reserve'"):
+          m.save(2, {"w": sharded(x * 2)})
+      finally:
+        os.kill(pid, signal.SIGCONT)
+      for step in (3, 4, 5):                             # the reserve it gave up on is void
+        assert m.save(step, {"w": sharded(x * step)}), m.stats
+        m.wait_until_finished()
+      assert m.all_steps() == [4, 5] and m.stats.skipped_busy == 0
+      out = m.restore(step=5, target={"w": sharded(np.zeros_like(x))})
+    np.testing.assert_array_equal(np.asarray(out["w"]), x * 5)
