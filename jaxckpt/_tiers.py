@@ -90,6 +90,11 @@ def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
     time.sleep(0.005)
 
 
+def rebuildable_steps(held: list[int], store: HostStore) -> list[int]:
+  """Steps not held complete that the survivors' parity can rebuild."""
+  return _rebuildable(held, store)[0]
+
+
 def _rebuildable(held: list[int], store: HostStore) -> tuple[list[int], dict[int, Exception]]:
   """Steps not held complete that parity can rebuild, and why the others cannot."""
   ok, why = [], {}

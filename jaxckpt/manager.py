@@ -298,10 +298,12 @@ class CheckpointManager:
   # -- what is held ---------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """Restorable steps (complete on every host that saved them, or on storage)."""
+    """Restorable steps: complete on every host that saved them, rebuildable from
+    the survivors' parity (parity on), or on storage."""
     self._check_open("all_steps")
-    return sorted(set(_tiers.complete_steps(self._store)) |
-                  set(_tiers.storage_steps(self.directory)))
+    held = _tiers.complete_steps(self._store)
+    rebuilt = _tiers.rebuildable_steps(held, self._store) if self.options.parity else []
+    return sorted(set(held) | set(rebuilt) | set(_tiers.storage_steps(self.directory)))
 
   def wait_until_persisted(self, step: int | None = None,
                            timeout_secs: float | None = None) -> None:

@@ -159,6 +159,7 @@ def _lose_restore_and_protect(c: Cluster, lost: tuple[int, ...], step: int) -> i
   c.lose(lost)
   with c.manager() as mgr:                        # the restarted job
     assert not mgr.is_protected(step)             # lost hosts took their parity along
+    assert step in mgr.all_steps() and mgr.latest_step() == step   # counted: parity rebuilds it
     assert_restores(mgr, step, "parity")
     c.save(step + 1)                              # replacements are empty agents
     mgr.wait_until_protected(step + 1, timeout_secs=60)
