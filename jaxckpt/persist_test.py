@@ -208,3 +208,21 @@ def test_an_unreachable_object_store_fails_within_the_timeout(monkeypatch):
   monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
   with pytest.raises(errors.StorageError, match=r"s3://nobody/ckpt"):
     jc.CheckpointManager("s3://nobody/ckpt", jc.CheckpointOptions(timeout_secs=20))
+
+
+def test_gc_keeps_the_newest_and_a_restore_onto_another_mesh_is_exact(storage_dir):
+  with jc.CheckpointManager(storage_dir, jc.CheckpointOptions(max_to_keep=2)) as mgr:
+    for step in (1, 2, 3, 4):
+      mgr.save(step, _state(step))
+      mgr.wait_until_persisted(step)
+  assert u.all_steps(storage_dir) == [3, 4]
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  target = {"w": jax.ShapeDtypeStruct((16, 4), np.float32,
+                                      sharding=NamedSharding(mesh, P("b", "a"))),
+            "b": np.zeros(3, np.int64)}
+  with jc.CheckpointManager(storage_dir) as mgr:
+    out = mgr.restore(step=4, target=target)
+    assert mgr.last_restore.tier == "storage"
+  np.testing.assert_array_equal(np.asarray(out["w"]), np.full((16, 4), 4.0, np.float32))
+  np.testing.assert_array_equal(out["b"], np.full(3, 4))
+  assert u.verify_step(u.open_step(storage_dir, 3)) == []

@@ -1,4 +1,4 @@
-"""A persist SIGKILLed mid-write never leaves a step that is listed or restored."""
+"""A persist SIGKILLed mid-write never leaves a step that is listed or restored (file and S3)."""
 
 import os
 import signal
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxckpt.universal as u
+from jaxckpt.universal import _layout
 
 WRITER = textwrap.dedent("""
     import sys
@@ -36,20 +37,24 @@ def expected(step):
   return np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024) * step
 
 
+def _keys(d, prefix):
+  kv = _layout.open_kvstore(d)
+  return [k.decode() for k in kv.list(_layout.prefix_range(prefix)).result()]
+
+
 @pytest.mark.parametrize("delay_secs", [0.0, 0.02, 0.08])
-def test_sigkill_mid_persist_leaves_only_whole_committed_steps(tmp_path, delay_secs):
-  d = str(tmp_path / "ckpt")
+def test_sigkill_mid_persist_leaves_only_whole_committed_steps(storage_dir, delay_secs):
+  d = storage_dir
   env = dict(os.environ, PYTHONPATH=os.getcwd())
   proc = subprocess.Popen([sys.executable, "-c", WRITER, d], stdout=subprocess.PIPE,
                           env=env, text=True)
   try:
-    deadline = time.monotonic() + 50
+    deadline = time.monotonic() + 120
     line = ""
     while "committed 2" not in line:
       assert time.monotonic() < deadline and proc.poll() is None, "writer did not reach step 3"
       line = proc.stdout.readline()
-    arrays = os.path.join(d, "step_0000000003", "arrays", "t")
-    while not (os.path.isdir(arrays) and any("w-" in n for n in os.listdir(arrays))):
+    while not any("/w-" in k for k in _keys(d, "step_0000000003/arrays/t/")):
       assert time.monotonic() < deadline, "writer did not start writing step 3"
       time.sleep(0.001)  # step 3 chunks are being written now
     time.sleep(delay_secs)
@@ -65,8 +70,8 @@ def test_sigkill_mid_persist_leaves_only_whole_committed_steps(tmp_path, delay_s
   last = steps[-1]
   if delay_secs == 0.0:
     assert last == 2, "step 3 was written and committed within microseconds?"
-    assert os.path.isdir(os.path.join(d, "step_0000000003"))  # the killed, partial step
-  on_disk = sorted(int(n[5:]) for n in os.listdir(d) if n.startswith("step_"))
+    assert _keys(d, "step_0000000003/")          # the killed, partial step
+  on_disk = sorted({int(k[5:15]) for k in _keys(d, "step_")})
   assert set(steps) <= set(on_disk) and on_disk[-1] in (last, last + 1)
   assert u.latest_step(d) == last
   for s in steps:
@@ -79,3 +84,4 @@ def test_sigkill_mid_persist_leaves_only_whole_committed_steps(tmp_path, delay_s
   # gc leaves the partial step to whoever writes it; re-persisting it completes it.
   assert u.gc_steps(d, max_to_keep=1) == steps[:-1]
   assert u.all_steps(d) == [last]
+  assert not _keys(d, _layout.step_dir(steps[0]))   # gc removed every key of a step
