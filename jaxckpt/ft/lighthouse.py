@@ -18,6 +18,7 @@ requests until a lighthouse answers).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -92,9 +93,14 @@ class Quorum:
 
   @property
   def healthy(self) -> tuple[Member, ...]:
-    """Members at the newest step whose digest is that of the first of them (the leader's)."""
+    """Members at the newest step with the digest most of them share (ties: the digest
+    of the smallest group id among the tied), so one member with a wrong digest
+    cannot make the others look diverged."""
     top = [m for m in self.members if m.step == self.max_step]
-    return tuple(m for m in top if m.digest == top[0].digest)
+    counts = collections.Counter(m.digest for m in top)
+    most = max(counts.values())
+    digest = next(m.digest for m in top if counts[m.digest] == most)
+    return tuple(m for m in top if m.digest == digest)
 
   @property
   def leader(self) -> Member:
@@ -156,6 +162,7 @@ class Lighthouse:
     self._pending: dict[str, _Pending] = {}
     self._inflight: dict[str, float] = {}
     self._last_members: tuple[str, ...] = ()
+    self._last_step: int | None = None    # the newest step a formed quorum was at
     self._quorums_formed = 0
     self._lock = threading.Lock()
     self._stop = threading.Event()
@@ -208,6 +215,16 @@ class Lighthouse:
       self._last_seen[header["group"]] = now
     elif op == "quorum":
       member = Member.from_wire(header["member"])
+      if self._last_step is not None and not 0 <= member.step <= self._last_step + 1:
+        # Members advance one step per quorum: a claim beyond that is a bug or a lie,
+        # and admitting it would make every honest group look behind (a stalled job).
+        logger.warning("lighthouse refused group %r: it claims step %d, the job is at %d",
+                       member.group_id, member.step, self._last_step)
+        self._sock.send_multipart([identity] + _wire.pack({
+            "op": "refused", "request_id": header.get("request_id"),
+            "error": f"step {member.step} claimed, but the job's newest quorum was at step "
+                     f"{self._last_step}: a group can be at most one step ahead"}))
+        return
       self._last_seen[member.group_id] = now
       self._inflight.pop(member.group_id, None)
       old = self._pending.get(member.group_id)
@@ -255,6 +272,7 @@ class Lighthouse:
     self._pending.clear()
     self._inflight = {g: now for g in ids}
     self._last_members = ids
+    self._last_step = quorum.max_step
     self._quorums_formed += 1
     logger.info("quorum %s formed: members=%s max_step=%d dropped=%s", quorum.quorum_id, list(ids),
                 quorum.max_step, list(quorum.dropped),

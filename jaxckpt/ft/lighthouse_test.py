@@ -115,3 +115,27 @@ def test_options_are_validated():
     LighthouseOptions(join_timeout=timedelta(0))
   with pytest.raises(ValueError, match="HOST:PORT"):
     Lighthouse("nohost")
+
+
+def test_a_member_claiming_steps_ahead_of_the_job_cannot_stall_it():
+  opts = dataclasses.replace(FAST, min_replicas=2)
+  with Lighthouse("127.0.0.1:0", opts) as lh:
+    for step in range(3):                 # two honest groups advance a step per quorum
+      got = _ask_all(lh.address, [_member("g1", step), _member("g2", step)])
+      assert got["g1"] is not None and got["g1"].max_step == step
+    # A liar one and many steps ahead of the job (at 2, so at most 3 is admissible):
+    ahead = _ask_all(lh.address, [_member("g0", 4)], timeout=1.0)
+    assert ahead["g0"] is None and "g0" not in lh.status()["pending"]
+    far = _ask_all(lh.address, [_member("g0", 10**9)], timeout=1.0)
+    assert far["g0"] is None
+    got = _ask_all(lh.address, [_member("g1", 3), _member("g2", 3)])
+    q = got["g1"]
+    assert q is not None and [m.group_id for m in q.members] == ["g1", "g2"] and q.max_step == 3
+
+
+def test_one_member_with_a_wrong_digest_cannot_make_the_others_look_diverged():
+  with Lighthouse("127.0.0.1:0", dataclasses.replace(FAST, min_replicas=3)) as lh:
+    liar = Member(group_id="g0", address="127.0.0.1:1000", step=5, digest=666)
+    got = _ask_all(lh.address, [liar, _member("g1", 5), _member("g2", 5)])
+  q = got["g1"]
+  assert [m.group_id for m in q.healthy] == ["g1", "g2"] and q.leader.group_id == "g1"

@@ -81,9 +81,12 @@ class StepReader:
     check it themselves. Callers that use values want :meth:`read` or :meth:`open_leaf`."""
     info = self._info(path)
     with self._lock:
-      if path not in self._stores:
-        self._stores[path] = _arrays.open_for_read(self.directory, self.step, info)
-      return self._stores[path]
+      store = self._stores.get(path)
+    if store is None:    # opened without the lock: tensorstore's threads take it (views)
+      store = _arrays.open_for_read(self.directory, self.step, info)
+      with self._lock:
+        store = self._stores.setdefault(path, store)
+    return store
 
   # -- verified chunks ----------------------------------------------------------
 
