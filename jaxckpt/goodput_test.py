@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxckpt.ft import simulate as sim
-from jaxckpt.ft.simulate import MODES, Mode, SimulationConfig, simulate, sweep
+from jaxckpt import goodput as sim
+from jaxckpt.goodput import MODES, Mode, SimulationConfig, simulate, sweep
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
