@@ -398,6 +398,50 @@ def sweep(ns: Iterable[int], config: SimulationConfig | None = None, seed: int =
           for n in ns for m in modes]
 
 
+SENSITIVITY_ACCELERATORS = (16_384, 102_400)
+_NOT_INPUTS = ("accelerators", "simulated_days")
+
+
+def sensitivity(config: SimulationConfig | None = None, accelerators: Iterable[int] = SENSITIVITY_ACCELERATORS,
+                modes: Iterable[Mode | str] = MODES, seeds: Sequence[int] = (0, 1, 2)) -> dict[str, Any]:
+  """For every input, the change in effective training time when it is halved and when it is doubled.
+
+  Each point is the mean over ``seeds`` (the same seeds for the base and the changed input, so the failure
+  streams are shared). Integer inputs are rounded (``replica_groups`` 12 -> 6 / 24).
+
+  Returns:
+    ``{"seeds": [...], "results": [{"accelerators", "mode", "base", "inputs": {name: {"halved", "doubled"}}}]}``
+    where ``halved`` / ``doubled`` are differences from ``base`` (fractions of wall-clock time).
+  """
+  config = config or SimulationConfig()
+  out = []
+  for n in accelerators:
+    base_cfg = dataclasses.replace(config, accelerators=n)
+    for mode in modes:
+      mode = Mode(mode)
+
+      def mean(c: SimulationConfig, mode: Mode = mode) -> float:
+        return float(np.mean([simulate(c, mode, s).effective_training_time for s in seeds]))
+
+      base = mean(base_cfg)
+      inputs = {}
+      for f in dataclasses.fields(SimulationConfig):
+        if f.name in _NOT_INPUTS:
+          continue
+        value = getattr(base_cfg, f.name)
+        changed = {}
+        for label, factor in (("halved", 0.5), ("doubled", 2.0)):
+          new = value * factor
+          if f.name == "spare_fraction":
+            new = min(new, 1.0)
+          if isinstance(value, int):
+            new = max(int(round(new)), 1)
+          changed[label] = mean(dataclasses.replace(base_cfg, **{f.name: new})) - base
+        inputs[f.name] = changed
+      out.append({"accelerators": n, "mode": mode.value, "base": base, "inputs": inputs})
+  return {"seeds": list(seeds), "simulated_days": config.simulated_days, "results": out}
+
+
 def log_scale(lo: int = 1024, hi: int = 131_072) -> list[int]:
   """Powers of two from ``lo`` to ``hi`` (both included when powers of two)."""
   return [2**k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
@@ -611,6 +655,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
   parser.add_argument("--plot", metavar="PATH", help="write a PNG plot against N")
   parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
   parser.add_argument("--explain", action="store_true", help="print the inputs and why, then exit")
+  parser.add_argument("--sensitivity", action="store_true",
+                      help="print, as JSON, each input's effect on effective training time when halved and "
+                           "doubled, at 16K and 100K accelerators (or the sizes given with --accelerators)")
   closed = parser.add_argument_group(
       "closed-form check (Daly 2006)",
       "With --mtbf-hours: one synchronous job with the job's MTBF, a fixed checkpoint interval, and the "
@@ -653,6 +700,10 @@ def run_cli(args: argparse.Namespace) -> int:
                               **{n: getattr(args, n) for n in names})
     if args.explain:
       print(explain(config))
+      return 0
+    if args.sensitivity:
+      sizes = args.accelerators if args.accelerators != [PAPER_ACCELERATORS] else SENSITIVITY_ACCELERATORS
+      print(json.dumps(sensitivity(config, sizes, args.modes), indent=1))
       return 0
     results = sweep(args.accelerators, config, args.seed, args.modes)
   except ValueError as e:

@@ -258,3 +258,31 @@ def test_cli_bad_input_exits_2_with_the_reason(capsys):
   help_text = " ".join(capsys.readouterr().out.split())
   assert "44%" in help_text and "accelerator_mtbf_hours=33_000" in help_text
   assert "(default 33000.0)" in help_text
+
+
+def test_sensitivity_halves_and_doubles_every_input():
+  config = SimulationConfig(simulated_days=2)
+  out = sim.sensitivity(config, accelerators=[16_384], modes=[Mode.SYNCHRONOUS, Mode.REPLICA_GROUPS],
+                        seeds=(0, 1))
+  assert [(r["accelerators"], r["mode"]) for r in out["results"]] == [
+      (16_384, "synchronous"), (16_384, "replica_groups")]
+  inputs = [f.name for f in dataclasses.fields(SimulationConfig) if f.name not in ("accelerators", "simulated_days")]
+  for r in out["results"]:
+    assert list(r["inputs"]) == inputs
+    base = np.mean([simulate(dataclasses.replace(config, accelerators=16_384), r["mode"], s).effective_training_time
+                    for s in (0, 1)])
+    assert r["base"] == pytest.approx(base, abs=1e-12)
+    # Rarer failures help and more frequent ones hurt, in every mode.
+    assert r["inputs"]["accelerator_mtbf_hours"]["halved"] < 0 < r["inputs"]["accelerator_mtbf_hours"]["doubled"]
+  sync = out["results"][0]["inputs"]
+  assert sync["job_restart_secs"]["doubled"] < 0 < sync["job_restart_secs"]["halved"]
+  # A replica-group-only input does not touch the synchronous job.
+  assert sync["rejoin_stall_secs"] == {"halved": 0.0, "doubled": 0.0}
+
+
+def test_cli_sensitivity_json(capsys):
+  assert cli.main(["simulate", "--sensitivity", "--accelerators", "4096", "--days", "1",
+                   "--modes", "replica_groups"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert [(r["accelerators"], r["mode"]) for r in out["results"]] == [(4096, "replica_groups")]
+  assert set(out["results"][0]["inputs"]["failure_detection_secs"]) == {"halved", "doubled"}
