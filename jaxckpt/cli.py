@@ -7,7 +7,7 @@ import sys
 
 from jaxckpt.agent import cli as agent_cli
 from jaxckpt.ft import cli as ft_cli
-from jaxckpt.ft import simulate
+from jaxckpt import goodput
 from jaxckpt.universal import cli as universal_cli
 from jaxckpt.universal import convert_cli
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
   universal_cli.register(sub)
   convert_cli.register(sub)
   ft_cli.register(sub)
-  simulate.register_cli(sub)
+  goodput.register_cli(sub)
   return p
 
 

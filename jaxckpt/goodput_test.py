@@ -11,8 +11,10 @@ import math
 import numpy as np
 import pytest
 
-from jaxckpt.ft import simulate as sim
-from jaxckpt.ft.simulate import MODES, Mode, SimulationConfig, simulate, sweep
+from jaxckpt import cli
+from jaxckpt import goodput as sim
+from jaxckpt.errors import JaxckptError
+from jaxckpt.goodput import MODES, Mode, SimulationConfig, simulate, sweep
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -32,15 +34,67 @@ def test_modes_see_the_same_failures_for_a_seed():
   assert len(counts) == 1
 
 
-def test_reproduces_the_ft_hsdp_figures_at_100k():
-  """FT-HSDP (arXiv 2602.00277): 44% -> 80% effective training time, 10 -> 3 min stall."""
-  config = SimulationConfig(accelerators=sim.PAPER_ACCELERATORS, simulated_days=30)
-  for mode, paper in sim.PAPER_FIGURES.items():
-    runs = [simulate(config, mode, seed) for seed in range(4)]
-    ett = np.mean([r.effective_training_time for r in runs])
-    stall_min = np.mean([r.stall_per_failure_secs for r in runs]) / 60
-    assert ett == pytest.approx(paper["effective_training_time"], abs=0.02), mode
-    assert stall_min == pytest.approx(paper["stall_per_failure_min"], abs=0.5), mode
+# Daly (2006), section 5: R = 10 min, delta = 5 min; his optima for MTBF 24 h, 6 h and 15 min.
+_DALY_CASES = [(24.0, 117.0), (6.0, 57.0), (0.25, 9.1)]
+
+
+@pytest.mark.parametrize("mtbf_hours,daly_minutes", _DALY_CASES)
+def test_closed_form_optimum_matches_daly_2006(mtbf_hours, daly_minutes):
+  m = mtbf_hours * 3600
+  assert sim.daly_optimal_interval(m, 300) / 60 == pytest.approx(daly_minutes, rel=0.01)
+  r = sim.simulate_synchronous(m, 300, 600, optimal_interval=True, seed=0)
+  assert r.optimal_interval_secs == r.interval_secs
+  assert r.optimal_interval_secs / 60 == pytest.approx(daly_minutes, rel=0.02)
+  # The simulated effective training time agrees with Daly's exact expectation to the sampling error.
+  assert r.effective_training_time == pytest.approx(r.daly_effective_training_time, abs=0.002)
+
+
+def test_closed_form_first_order_error_is_second_order_in_tau_over_m():
+  # Young/Daly's first-order model drops terms of order (delta / tau)^2 and ((tau + delta + R) / M)^2: at
+  # tau = 1 h, delta = 5 min its error is under 1% and shrinks towards (delta / tau)^2 with a longer MTBF.
+  errors = []
+  for hours in (24.0, 96.0):
+    r = sim.simulate_synchronous(hours * 3600, 300, 600, 3600.0, seed=1)
+    assert r.interval_secs == 3600.0 and r.optimal_interval_secs is None
+    err = abs(r.effective_training_time - r.first_order_effective_training_time)
+    assert err < (300 / 3600) ** 2 + ((3600 + 300 + 600) / (hours * 3600)) ** 2
+    errors.append(err)
+  assert errors[1] < errors[0]
+
+
+def test_closed_form_is_seeded():
+  a = sim.simulate_synchronous(21600, 300, 600, optimal_interval=True, seed=3, failures=20_000)
+  assert a == sim.simulate_synchronous(21600, 300, 600, optimal_interval=True, seed=3, failures=20_000)
+  assert a != sim.simulate_synchronous(21600, 300, 600, optimal_interval=True, seed=4, failures=20_000)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"mtbf_secs": 0.0}, "mtbf_secs=0.0 must be a positive"),
+    ({"checkpoint_secs": -1.0}, "checkpoint_secs=-1.0 must be a positive"),
+    ({"restart_secs": -5.0}, "restart_secs=-5.0 must be >= 0"),
+    ({"failures": 10}, "failures=10 is too few"),
+])
+def test_closed_form_rejects_bad_inputs(kwargs, words):
+  args = {"mtbf_secs": 3600.0, "checkpoint_secs": 60.0, "restart_secs": 60.0, **kwargs}
+  with pytest.raises(sim.SimulationInputError, match=words) as e:
+    sim.simulate_synchronous(**args)
+  assert isinstance(e.value, ValueError) and isinstance(e.value, JaxckptError)
+
+
+@pytest.mark.parametrize("mtbf_hours,daly_minutes", _DALY_CASES)
+def test_cli_closed_form_json(capsys, mtbf_hours, daly_minutes):
+  assert cli.main(["simulate", "--mode", "synchronous", "--mtbf-hours", str(mtbf_hours), "--checkpoint-secs",
+                   "300", "--restart-secs", "600", "--optimal-interval", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["optimal_interval_secs"] / 60 == pytest.approx(daly_minutes, rel=0.02)
+  assert out["daly_optimal_interval_secs"] / 60 == pytest.approx(daly_minutes, rel=0.01)
+  assert out["effective_training_time"] == pytest.approx(out["daly_effective_training_time"], abs=0.002)
+  assert 0 < out["effective_training_time"] < 1
+
+
+def test_cli_closed_form_needs_checkpoint_secs(capsys):
+  assert cli.main(["simulate", "--mode", "synchronous", "--mtbf-hours", "6"]) == 2
+  assert "needs --mtbf-hours H and --checkpoint-secs C" in capsys.readouterr().err
 
 
 def test_synchronous_stall_matches_restart_from_scratch_theory():
@@ -204,3 +258,31 @@ def test_cli_bad_input_exits_2_with_the_reason(capsys):
   help_text = " ".join(capsys.readouterr().out.split())
   assert "44%" in help_text and "accelerator_mtbf_hours=33_000" in help_text
   assert "(default 33000.0)" in help_text
+
+
+def test_sensitivity_halves_and_doubles_every_input():
+  config = SimulationConfig(simulated_days=2)
+  out = sim.sensitivity(config, accelerators=[16_384], modes=[Mode.SYNCHRONOUS, Mode.REPLICA_GROUPS],
+                        seeds=(0, 1))
+  assert [(r["accelerators"], r["mode"]) for r in out["results"]] == [
+      (16_384, "synchronous"), (16_384, "replica_groups")]
+  inputs = [f.name for f in dataclasses.fields(SimulationConfig) if f.name not in ("accelerators", "simulated_days")]
+  for r in out["results"]:
+    assert list(r["inputs"]) == inputs
+    base = np.mean([simulate(dataclasses.replace(config, accelerators=16_384), r["mode"], s).effective_training_time
+                    for s in (0, 1)])
+    assert r["base"] == pytest.approx(base, abs=1e-12)
+    # Rarer failures help and more frequent ones hurt, in every mode.
+    assert r["inputs"]["accelerator_mtbf_hours"]["halved"] < 0 < r["inputs"]["accelerator_mtbf_hours"]["doubled"]
+  sync = out["results"][0]["inputs"]
+  assert sync["job_restart_secs"]["doubled"] < 0 < sync["job_restart_secs"]["halved"]
+  # A replica-group-only input does not touch the synchronous job.
+  assert sync["rejoin_stall_secs"] == {"halved": 0.0, "doubled": 0.0}
+
+
+def test_cli_sensitivity_json(capsys):
+  assert cli.main(["simulate", "--sensitivity", "--accelerators", "4096", "--days", "1",
+                   "--modes", "replica_groups"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert [(r["accelerators"], r["mode"]) for r in out["results"]] == [(4096, "replica_groups")]
+  assert set(out["results"][0]["inputs"]["failure_detection_secs"]) == {"halved", "doubled"}
