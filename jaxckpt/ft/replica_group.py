@@ -230,12 +230,17 @@ class ReplicaGroup:
     return self._committed
 
   def close(self) -> None:
-    """Stops the heartbeat and the serving thread; the lighthouse drops the group."""
+    """Stops the heartbeat and the serving thread; the lighthouse drops the group.
+
+    Results and contributions still queued for other groups are delivered first
+    (for up to ``timeout``, the longest any member waits for them): a leader that
+    closes right after a step does not drop the result its followers are owed.
+    """
     if self._ctx is None:
       return
     self._heartbeat.stop()
     self._server.stop()
-    self._sender.close()
+    self._sender.close(linger_secs=self.timeout.total_seconds())
     self._lighthouse.close()
     self._ctx.term()
     self._ctx = None
