@@ -211,7 +211,7 @@ def run_replica_group(args, mesh, graphdef, tx, state) -> int:
   logger.info("group %s compiled in %.1f s; joining the lighthouse at %s", args.group_id,
               time.perf_counter() - t0, args.lighthouse)
   with manager_for(args) as mgr, jft.ReplicaGroup(
-      lighthouse=args.lighthouse, group_id=args.group_id, manager=mgr, options=options,
+      lighthouse=args.lighthouse, group_id=args.group_id, options=options,
       timeout=timedelta(seconds=args.ft_timeout), snapshot_source=source) as group:
     mgr.save(0, dict(train, data={"next_step": 0, "seed": args.seed}))  # warms the snapshot path
     mgr.wait_until_finished()

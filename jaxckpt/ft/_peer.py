@@ -140,7 +140,12 @@ class PeerSender:
     finally:
       sock.close(linger=0)
 
-  def close(self) -> None:
+  def close(self, linger_secs: float = 0.0) -> None:
+    """Closes every socket; queued pushes still reach live peers for up to ``linger_secs``.
+
+    The wait happens in the context's ``term()``, which returns as soon as every
+    queued message is sent (a dead peer costs at most ``linger_secs``).
+    """
     for sock in self._socks.values():
-      sock.close(linger=0)
+      sock.close(linger=max(0, int(linger_secs * 1000)))
     self._socks.clear()

@@ -111,7 +111,6 @@ class ReplicaGroup:
   Args:
     lighthouse: ``HOST:PORT`` of the lighthouse.
     group_id: unique name of this group (orders the reduction and the leader).
-    manager: the CheckpointManager (reserved for snapshot integration; may be None).
     timeout: the longest any single wait of a step may take.
     options: see :class:`ReplicaGroupOptions`.
     snapshot_source: what this group serves to recovering peers as snapshots.
@@ -120,13 +119,13 @@ class ReplicaGroup:
       (default: that peer's serving thread, which serves its ``snapshot_source``).
   """
 
-  def __init__(self, *, lighthouse: str, group_id: str, manager: Any = None,
+  def __init__(self, *, lighthouse: str, group_id: str,
                timeout: timedelta = timedelta(seconds=30), options: ReplicaGroupOptions | None = None,
                snapshot_source: SnapshotSource | None = None, injector: Any = None,
                peer_source: PeerSourceFactory | None = None):
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
       raise errors.InvalidArgumentError(f"ReplicaGroup timeout must be a positive timedelta, got {timeout!r}")
-    self.group_id, self.manager, self.timeout = group_id, manager, timeout
+    self.group_id, self.timeout = group_id, timeout
     self.options = options or ReplicaGroupOptions()
     self.snapshot_source = snapshot_source
     self.step, self.digest = 0, INITIAL_DIGEST
@@ -230,12 +229,17 @@ class ReplicaGroup:
     return self._committed
 
   def close(self) -> None:
-    """Stops the heartbeat and the serving thread; the lighthouse drops the group."""
+    """Stops the heartbeat and the serving thread; the lighthouse drops the group.
+
+    Results and contributions still queued for other groups are delivered first
+    (for up to ``timeout``, the longest any member waits for them): a leader that
+    closes right after a step does not drop the result its followers are owed.
+    """
     if self._ctx is None:
       return
     self._heartbeat.stop()
     self._server.stop()
-    self._sender.close()
+    self._sender.close(linger_secs=self.timeout.total_seconds())
     self._lighthouse.close()
     self._ctx.term()
     self._ctx = None

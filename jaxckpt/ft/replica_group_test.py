@@ -155,3 +155,27 @@ def test_dropped_attempts_cut_off_exactly_those_attempts_quorum_request_included
       ft.allreduce(_toy.grad_fn(state, *_toy.batch(ft.batch_index())))
       committed.append((ft.metrics.attempt, ft.metrics.quorum_id is not None, ft.should_commit()))
   assert committed == [(0, True, True), (1, False, False), (2, True, True)]
+
+
+def test_leader_closing_right_after_a_step_still_delivers_the_result():
+  # 32 MiB gradients take a while on the wire: with linger 0 the leader's close dropped the queued result.
+  grads = {"g0": np.full(8 << 20, 1.0, np.float32), "g1": np.full(8 << 20, 3.0, np.float32)}
+  out, committed = {}, {}
+
+  def one_step(lh, gid):
+    with ReplicaGroup(lighthouse=lh.address, group_id=gid, timeout=timedelta(seconds=20), options=OPTS) as ft:
+      ft.start_step()
+      out[gid] = ft.allreduce(grads[gid])
+      committed[gid] = ft.should_commit()
+    # close() ran right here: the leader (g0) did not wait for g1 to receive anything.
+
+  with Lighthouse("127.0.0.1:0", LighthouseOptions(min_replicas=2)) as lh:
+    threads = [threading.Thread(target=one_step, args=(lh, g)) for g in grads]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+  assert committed == {"g0": True, "g1": True}
+  for g in grads:
+    np.testing.assert_array_equal(out[g], np.full(8 << 20, 2.0, np.float32))
