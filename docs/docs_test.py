@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from jaxckpt import errors as errors_module
+
 _DOCS = pathlib.Path(__file__).resolve().parent
 PUBLIC_MODULES = ("jaxckpt", "jaxckpt.universal", "jaxckpt.parity", "jaxckpt.ft", "jaxckpt.agent")
 # documented once, under another public name
@@ -59,3 +61,15 @@ def test_benchmark_plots_are_embedded_and_small(html: pathlib.Path):
     src = _DOCS / "_static" / png
     assert src.stat().st_size < 150_000, f"{png} is {src.stat().st_size} bytes"
     assert png in (html / "benchmarks.html").read_text(), png
+
+
+def test_readme_lists_every_error_class():
+  """The README's error list names every public error class with its builtin base."""
+  readme = (_DOCS.parent / "README.md").read_text()
+  classes = [c for c in vars(errors_module).values()
+             if isinstance(c, type) and issubclass(c, errors_module.JaxckptError)
+             and c is not errors_module.JaxckptError]
+  assert classes
+  for c in classes:
+    builtin = next(b for b in c.__mro__[1:] if b.__module__ == "builtins" and b is not Exception)
+    assert f"`{c.__name__}({builtin.__name__})`" in readme, c.__name__
