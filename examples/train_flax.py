@@ -79,5 +79,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+  # INFO from this example and jaxckpt only: JAX logs at INFO that it found no TPU on every CPU/GPU run
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+  for name in ("train_flax", "jaxckpt", "examples"):
+    logging.getLogger(name).setLevel(logging.INFO)
   sys.exit(main())
