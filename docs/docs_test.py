@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+import tensorstore as ts
+import zarr
 
 from jaxckpt import errors as errors_module
 
@@ -73,3 +75,18 @@ def test_readme_lists_every_error_class():
   for c in classes:
     builtin = next(b for b in c.__mro__[1:] if b.__module__ == "builtins" and b is not Exception)
     assert f"`{c.__name__}({builtin.__name__})`" in readme, c.__name__
+
+
+@pytest.mark.parametrize("dtype,zarr_reads", [("float32", True), ("int8", True), ("bfloat16", False),
+                                               ("float8_e4m3fn", False), ("int4", False)])
+def test_format_md_claim_on_which_dtypes_zarr_python_reads(tmp_path, dtype, zarr_reads):
+  """docs/format.md: zarr-python reads core-dtype arrays and refuses JAX's extension dtypes."""
+  assert "refuses the extension types JAX uses (`bfloat16`" in (_DOCS / "format.md").read_text()
+  path = tmp_path / dtype
+  ts.open({"driver": "zarr3", "kvstore": f"file://{path}", "metadata": {"shape": [4], "data_type": dtype}},
+          create=True).result()
+  if zarr_reads:
+    assert zarr.open_array(str(path), mode="r")[:].tolist() == [0, 0, 0, 0]
+  else:
+    with pytest.raises(ValueError):
+      zarr.open_array(str(path), mode="r")
