@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "without it snapshots live in this process")
   p.add_argument("--agent-run-root", default=None,
                  help="directory of the agents' shared memory (default /dev/shm/jaxckpt-UID)")
+  p.add_argument("--directory", default=None,
+                 help="also persist snapshots to this directory (local path or gs://, s3://) in the "
+                      "universal format; without it snapshots live only in host memory")
   p.add_argument("--resume", action="store_true", help="restore the newest snapshot and go on")
   p.add_argument("--dump", default=None,
                  help="write final params (PATH.npz) and per-step losses (PATH) as JSON")

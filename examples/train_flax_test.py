@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+import jaxckpt.universal as u
 from examples import train_flax
 
 
@@ -43,3 +44,9 @@ def test_first_lines_are_the_example_not_jax_backend_noise(tmp_path):
   lines = (out.stdout + out.stderr).splitlines()
   assert " train_flax step 1 loss " in lines[0], lines[:3]
   assert not any("libtpu" in l or "Unable to initialize backend" in l for l in lines), lines
+
+
+def test_directory_persists_the_run(tmp_path):
+  d = tmp_path / "ckpt"
+  assert train_flax.main(["--steps", "3", "--layers", "1", "--d-model", "16", "--directory", str(d)]) == 0
+  assert u.all_steps(str(d)) == [1, 2, 3]
