@@ -8,6 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import tensorstore as ts
+import zarr
+
+from jaxckpt import errors as errors_module
 
 _DOCS = pathlib.Path(__file__).resolve().parent
 PUBLIC_MODULES = ("jaxckpt", "jaxckpt.universal", "jaxckpt.parity", "jaxckpt.ft", "jaxckpt.agent")
@@ -59,3 +63,30 @@ def test_benchmark_plots_are_embedded_and_small(html: pathlib.Path):
     src = _DOCS / "_static" / png
     assert src.stat().st_size < 150_000, f"{png} is {src.stat().st_size} bytes"
     assert png in (html / "benchmarks.html").read_text(), png
+
+
+def test_readme_lists_every_error_class():
+  """The README's error list names every public error class with its builtin base."""
+  readme = (_DOCS.parent / "README.md").read_text()
+  classes = [c for c in vars(errors_module).values()
+             if isinstance(c, type) and issubclass(c, errors_module.JaxckptError)
+             and c is not errors_module.JaxckptError]
+  assert classes
+  for c in classes:
+    builtin = next(b for b in c.__mro__[1:] if b.__module__ == "builtins" and b is not Exception)
+    assert f"`{c.__name__}({builtin.__name__})`" in readme, c.__name__
+
+
+@pytest.mark.parametrize("dtype,zarr_reads", [("float32", True), ("int8", True), ("bfloat16", False),
+                                               ("float8_e4m3fn", False), ("int4", False)])
+def test_format_md_claim_on_which_dtypes_zarr_python_reads(tmp_path, dtype, zarr_reads):
+  """docs/format.md: zarr-python reads core-dtype arrays and refuses JAX's extension dtypes."""
+  assert "refuses the extension types JAX uses (`bfloat16`" in (_DOCS / "format.md").read_text()
+  path = tmp_path / dtype
+  ts.open({"driver": "zarr3", "kvstore": f"file://{path}", "metadata": {"shape": [4], "data_type": dtype}},
+          create=True).result()
+  if zarr_reads:
+    assert zarr.open_array(str(path), mode="r")[:].tolist() == [0, 0, 0, 0]
+  else:
+    with pytest.raises(ValueError):
+      zarr.open_array(str(path), mode="r")

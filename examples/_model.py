@@ -110,7 +110,7 @@ def manager_for(args) -> jc.CheckpointManager:
                               save_interval_steps=args.snapshot_interval,
                               agent=jc.AgentOptions(job_name=job, run_root=args.agent_run_root)
                               if job else None)
-  return jc.CheckpointManager(options=opts)
+  return jc.CheckpointManager(directory=args.directory, options=opts)
 
 
 def run(args: argparse.Namespace) -> int:

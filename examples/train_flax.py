@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "without it snapshots live in this process")
   p.add_argument("--agent-run-root", default=None,
                  help="directory of the agents' shared memory (default /dev/shm/jaxckpt-UID)")
+  p.add_argument("--directory", default=None,
+                 help="also persist snapshots to this directory (local path or gs://, s3://) in the "
+                      "universal format; without it snapshots live only in host memory")
   p.add_argument("--resume", action="store_true", help="restore the newest snapshot and go on")
   p.add_argument("--dump", default=None,
                  help="write final params (PATH.npz) and per-step losses (PATH) as JSON")
@@ -79,5 +82,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+  # INFO from this example and jaxckpt only: JAX logs at INFO that it found no TPU on every CPU/GPU run
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+  for name in ("train_flax", "jaxckpt", "examples"):
+    logging.getLogger(name).setLevel(logging.INFO)
   sys.exit(main())

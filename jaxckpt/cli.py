@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from jaxckpt.agent import cli as agent_cli
@@ -10,6 +11,15 @@ from jaxckpt.ft import cli as ft_cli
 from jaxckpt import goodput
 from jaxckpt.universal import cli as universal_cli
 from jaxckpt.universal import convert_cli
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+  """Docstring reStructuredText as terminal text: Sphinx roles and double backticks dropped."""
+  return _LITERAL.sub(r"\1", _ROLE.sub(r"\1", text))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
   convert_cli.register(sub)
   ft_cli.register(sub)
   goodput.register_cli(sub)
+  for parser in sub.choices.values():  # subcommand help is plain text, whatever markup its docstring has
+    if parser.description:
+      parser.description = plain_text(parser.description)
+    if parser.epilog:
+      parser.epilog = plain_text(parser.epilog)
   return p
 
 

@@ -22,3 +22,22 @@ def test_console_script_runs():
   assert out.returncode == 0
   for command in ("agent", "inspect", "verify", "lighthouse", "simulate"):
     assert command in out.stdout
+
+
+def test_python_dash_m_jaxckpt_runs():
+  out = subprocess.run([sys.executable, "-m", "jaxckpt", "--help"], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.startswith("usage: jaxckpt")
+  for command in ("agent", "inspect", "verify", "import-orbax", "export-orbax", "lighthouse", "simulate"):
+    assert command in out.stdout
+
+
+@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate"])
+def test_help_is_plain_text(command, capsys):
+  with pytest.raises(SystemExit):
+    cli.main([command, "--help"])
+  out = capsys.readouterr().out
+  assert "``" not in out
+  for role in (":class:", ":func:", ":meth:", ":mod:", ":attr:", ":data:", ":doc:", ":ref:"):
+    assert role not in out, (command, role)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 import time
+import tomllib
 
 import nbclient
 import nbformat
@@ -27,7 +30,32 @@ def test_there_are_three_notebooks_and_each_starts_by_installing_jaxckpt():
     nb = json.loads(path.read_text())
     first_code = next(c for c in nb["cells"] if c["cell_type"] == "code")
     src = "".join(first_code["source"])
-    assert 'find_spec("jaxckpt") is None' in src and "pip" in src, path.name
+    assert 'importlib.metadata.version("jaxckpt")' in src and "pip" in src, path.name
+    assert f'JAXCKPT_REPOSITORY = "{_repository()}"' in src, path.name
+
+
+def _repository() -> str:
+  return tomllib.loads((_HERE.parent / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+
+
+def _install_cell(path: pathlib.Path) -> str:
+  nb = json.loads(path.read_text())
+  return "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_install_cell_is_not_fooled_by_a_jaxckpt_folder(path: pathlib.Path, tmp_path: pathlib.Path):
+  """Where jaxckpt is not installed, a checkout folder named jaxckpt in the cwd does not stop the install.
+
+  The interpreter runs without site-packages (-S), so jaxckpt is not installed there and neither is pip:
+  the cell must try `pip install git+<Repository>` and fail on the missing pip, not skip the install.
+  """
+  (tmp_path / "jaxckpt").mkdir()
+  (tmp_path / "jaxckpt" / "__init__.py").write_text("")
+  out = subprocess.run([sys.executable, "-S", "-c", _install_cell(path)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0
+  assert "CalledProcessError" in out.stderr and "git+" + _repository() in out.stderr, out.stderr[-2000:]
 
 
 def test_notebooks_are_committed_without_outputs():

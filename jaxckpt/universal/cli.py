@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -77,8 +78,19 @@ def _tree_lines(reader: _read.StepReader) -> list[str]:
   return lines
 
 
+def _not_a_checkpoint_directory(directory: str) -> str | None:
+  """Why a local ``directory`` cannot hold a checkpoint (it is a file), or None."""
+  if "://" not in directory and os.path.exists(directory) and not os.path.isdir(directory):
+    return (f"{directory!r} is a file, not a checkpoint directory; pass the directory the "
+            f"manager or `jaxckpt convert` wrote (it holds commits/ and steps/)")
+  return None
+
+
 def inspect_command(args: argparse.Namespace) -> int:
   """Prints the tree of one step; returns the exit code."""
+  if (why := _not_a_checkpoint_directory(args.directory)):
+    print(f"jaxckpt inspect: {why}", file=sys.stderr)
+    return 2
   try:
     reader = _open(args, args.step)
   except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
@@ -101,6 +113,9 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 def verify_command(args: argparse.Namespace) -> int:
   """Checks every chunk of one step (or all); returns the exit code."""
+  if (why := _not_a_checkpoint_directory(args.directory)):
+    print(f"jaxckpt verify: {why}", file=sys.stderr)
+    return 2
   try:
     steps = _commit.all_steps(args.directory) if args.all_steps else [args.step]
     readers = [_open(args, s) for s in steps]

@@ -111,3 +111,14 @@ def test_module_entry_point_and_help(ckpt):
   res = subprocess.run([sys.executable, "-m", "jaxckpt.universal.cli", "inspect", ckpt,
                         "--step", "4"], capture_output=True, text=True, env=env, timeout=60)
   assert res.returncode == 2 and "step 4 is not committed" in res.stderr
+
+
+@pytest.mark.parametrize("verb", ["inspect", "verify"])
+def test_file_instead_of_directory_is_a_clear_error(tmp_path, verb):
+  f = tmp_path / "notes.txt"
+  f.write_text("not a checkpoint")
+  out = subprocess.run([sys.executable, "-m", "jaxckpt", verb, str(f)], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 2
+  assert "Traceback" not in out.stderr
+  assert f"jaxckpt {verb}: {str(f)!r} is a file, not a checkpoint directory" in out.stderr
