@@ -151,15 +151,9 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
         "None for host snapshots only")
   local = _layout.local_path(directory)
   if local is None:
-    try:
-      kv = _layout.open_kvstore(directory, timeout_secs=timeout_secs)
-      kv.list(_layout.prefix_range(_layout.COMMITS_PREFIX)).result(timeout=timeout_secs)
-    except TimeoutError:
-      raise errors.StorageError(
-          f"storage at {directory!r} did not answer within {timeout_secs} s; check the "
-          "endpoint (AWS_ENDPOINT_URL for S3-compatible stores) and credentials") from None
-    except ValueError as e:
-      raise errors.StorageError(f"storage at {directory!r} cannot be used: {e}") from None
+    kv = _layout.open_kvstore(directory, timeout_secs=timeout_secs)
+    _layout.storage_result(kv.list(_layout.prefix_range(_layout.COMMITS_PREFIX)),
+                           "listing the steps", directory, timeout_secs)
     return
   try:
     os.makedirs(local, exist_ok=True)

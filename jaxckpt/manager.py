@@ -134,7 +134,7 @@ class CheckpointManager:
     """
     t0 = time.perf_counter()
     self._check_open("save")
-    self._raise_background_error()
+    self._raise_background_error(ask_agent=False)
     step = check_step(step, "save")
     if not force and step % self.options.save_interval_steps:
       self.stats.skipped_interval += 1
@@ -192,7 +192,7 @@ class CheckpointManager:
       logger.info("step %d: previous snapshot still copying, save skipped", step)
       return False
     self._wait(pending, self.options.busy_timeout_secs, f"save of step {step}")
-    self._raise_background_error()
+    self._raise_background_error(ask_agent=False)
     return True
 
   def _new_attempt(self, step: int) -> str:
@@ -252,19 +252,23 @@ class CheckpointManager:
           f"{what}: the background snapshot copy of process {self._process[0]} "
           f"did not finish within {timeout} s") from None
 
-  def _raise_background_error(self) -> None:
+  def _raise_background_error(self, *, ask_agent: bool = True) -> None:
     with self._lock:
       err, self._error = self._error, None
     if err is not None:
       raise err
-    self._raise_persist_error()
+    self._raise_persist_error(ask_agent=ask_agent)
 
-  def _raise_persist_error(self) -> None:
-    """Raises the first error of a background persist (this process's or its agent's)."""
+  def _raise_persist_error(self, *, ask_agent: bool = True) -> None:
+    """Raises the first error of a background persist (this process's or its agent's).
+
+    Without ``ask_agent`` (``save()``: no request on the save path) an agent's
+    errors are those its commit replies brought back.
+    """
     if self._persist_config is None:
       return
     self._raise_failed(self._persister.take_errors() if self._persister is not None
-                       else self._store.persist_errors())
+                       else self._store.persist_errors(ask=ask_agent))
 
   def _raise_failed(self, failed: list[Any]) -> None:
     failed = [e for e in failed if e.attempt not in self._told]   # raised once only

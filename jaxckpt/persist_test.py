@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxckpt as jc
 import jaxckpt.universal as u
 from jaxckpt import errors
+from jaxckpt.testing import processes
 from jaxckpt.universal import _fixtures
 
 
@@ -163,21 +164,8 @@ def test_a_directory_that_cannot_be_written_fails_at_creation(tmp_path):
     jc.CheckpointManager("")
 
 
-@contextlib.contextmanager
-def _tmpfs(path, options):
-  os.makedirs(path, exist_ok=True)
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                     capture_output=True, text=True, check=False)
-  if r.returncode:
-    pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); needs root")
-  try:
-    yield str(path)
-  finally:
-    subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_a_read_only_filesystem_fails_at_creation(tmp_path):
-  with _tmpfs(tmp_path / "ro", "ro,size=1m") as d:
+  with processes.tmpfs(tmp_path / "ro", "ro,size=1m") as d:
     with pytest.raises(errors.StorageError, match=r"Read-only file system"):
       jc.CheckpointManager(d)
 
@@ -186,7 +174,7 @@ def test_a_read_only_filesystem_fails_at_creation(tmp_path):
 def test_a_full_disk_is_raised_by_wait_and_close_naming_the_path(tmp_path, agent):
   big = {"w": jax.device_put(np.ones((512, 1024), np.float32),   # 2 MiB > the 1 MiB disk
                              NamedSharding(jax.make_mesh((8,), ("x",)), P("x")))}
-  with _tmpfs(tmp_path / "small", "size=1m") as d, \
+  with processes.tmpfs(tmp_path / "small", "size=1m") as d, \
       (_agent_opts(tmp_path) if agent else contextlib.nullcontext(jc.CheckpointOptions())) as o:
     mgr = jc.CheckpointManager(d, o)
     try:

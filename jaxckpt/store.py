@@ -108,8 +108,10 @@ class HostStore(abc.ABC):
     del step, buffer
     return False
 
-  def persist_errors(self) -> list[PersistError]:
-    """Errors of persists this store ran since the last call, each reported once."""
+  def persist_errors(self, *, ask: bool = True) -> list[PersistError]:
+    """Errors of persists this store ran since the last call, each reported once
+    (``ask=False``: only those already known here, at no cost)."""
+    del ask
     return []
 
   def persisted_steps(self) -> list[int]:

@@ -301,7 +301,8 @@ class Agent:
       self.persister.on_commit(m.step, persist_attempt)
     if self.parity is not None and m.step in self.manifests:
       self.parity.on_commit(m.step, manifest)
-    return {"steps": self.steps()}
+    failed = self.persister.take_errors() if self.persister is not None else []
+    return {"steps": self.steps(), "persist_errors": [e.to_obj() for e in failed]}
 
   @contextlib.contextmanager
   def _pinned(self, step: int):

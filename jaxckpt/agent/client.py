@@ -132,6 +132,8 @@ class AgentStore(HostStore):
     self._persist = persist
     self._parity = parity
     self._maps: dict[int, tuple[str, int, np.memmap]] = {}
+    self._failed: list[PersistError] = []
+    self._errors_lock = threading.Lock()
     self.restarts = 0
     self._connect()
 
@@ -204,13 +206,21 @@ class AgentStore(HostStore):
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
-    self.call("commit", index=slot.index, manifest=manifest.to_json(),
-              persist_attempt=persist_attempt)
+    r = self.call("commit", index=slot.index, manifest=manifest.to_json(),
+                  persist_attempt=persist_attempt)
+    with self._errors_lock:                 # the reply brings the agent's persist errors
+      self._failed += [PersistError(**e) for e in r.get("persist_errors", [])]
 
   def persisted_steps(self) -> list[int]:
     return list(self.call("persisted", errors=False)["persisted"])
 
-  def persist_errors(self) -> list[PersistError]:
+  def persist_errors(self, *, ask: bool = True) -> list[PersistError]:
+    fresh = self._ask_persist_errors() if ask else []
+    with self._errors_lock:
+      known, self._failed = self._failed, []
+    return known + fresh
+
+  def _ask_persist_errors(self) -> list[PersistError]:
     return [PersistError(**e) for e in self.call("persisted")["errors"]]
 
   def abort(self, slot: Slot) -> None:

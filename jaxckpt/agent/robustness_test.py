@@ -46,19 +46,6 @@ def test_a_truncated_slot_file_is_corrupt_and_restore_falls_back_to_storage(tmp_
         m.restore(step=1, target={"w": sharded(np.zeros_like(x))})
 
 
-@contextlib.contextmanager
-def _tmpfs(path, size):
-  os.makedirs(path, exist_ok=True)
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                     capture_output=True, text=True, check=False)
-  if r.returncode:
-    pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}); needs root")
-  try:
-    yield str(path)
-  finally:
-    subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 TRAINER = textwrap.dedent("""
     import sys
     import jax
@@ -83,7 +70,7 @@ TRAINER = textwrap.dedent("""
 
 
 def test_a_full_shm_is_a_budget_error_in_the_trainer_not_sigbus(tmp_path):
-  with _tmpfs(tmp_path / "shm", "8m") as root:
+  with processes.tmpfs(tmp_path / "shm", "size=8m,mode=0700") as root:
     job = "full" + os.urandom(3).hex()
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:

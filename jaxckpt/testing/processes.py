@@ -110,3 +110,19 @@ class Proc:
     self.kill()
     if self.p.stdout:
       self.p.stdout.close()
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, options: str) -> Iterator[str]:
+  """A small tmpfs mounted at ``path`` (e.g. ``"size=8m,mode=0700"`` or ``"ro,size=1m"``),
+  unmounted on exit; skips the test with the reason where mounting is not permitted."""
+  import pytest  # pylint: disable=import-outside-toplevel  (a test helper; pytest is there)
+  os.makedirs(path, exist_ok=True)
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                     capture_output=True, text=True, check=False)
+  if r.returncode:
+    pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); needs root")
+  try:
+    yield str(path)
+  finally:
+    subprocess.run(["umount", "-l", str(path)], check=False)

@@ -280,15 +280,8 @@ def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any
 def all_steps(directory: str) -> list[int]:
   """Committed steps in ``directory``, ascending."""
   kv = lay.open_kvstore(directory)
-  try:
-    keys = kv.list(lay.prefix_range(lay.COMMITS_PREFIX)).result(
-        timeout=lay.REQUEST_TIMEOUT_SECS)
-  except TimeoutError:
-    raise errors.StorageError(
-        f"listing the steps in {directory!r} took over {lay.REQUEST_TIMEOUT_SECS} s; is the "
-        "store reachable (endpoint, credentials)?") from None
-  except ValueError as e:
-    raise errors.StorageError(f"cannot list the steps in {directory!r}: {e}") from None
+  keys = lay.storage_result(kv.list(lay.prefix_range(lay.COMMITS_PREFIX)), "listing the steps",
+                            directory)
   steps = []
   for key in keys:
     name = key.decode()[len(lay.COMMITS_PREFIX):]

@@ -99,16 +99,22 @@ def context() -> ts.Context:
 REQUEST_TIMEOUT_SECS = 120.0
 
 
-def open_kvstore(directory: str, *, timeout_secs: float = REQUEST_TIMEOUT_SECS) -> ts.KvStore:
+def storage_result(future: Any, what: str, directory: str,
+                   timeout_secs: float = REQUEST_TIMEOUT_SECS) -> Any:
+  """``future``'s result; a timeout or a store's refusal is a StorageError naming ``what``."""
   try:
-    return ts.KvStore.open(kvstore_spec(directory), context=context()).result(
-        timeout=timeout_secs)
+    return future.result(timeout=timeout_secs)
   except TimeoutError:
     raise errors.StorageError(
-        f"opening storage at {directory!r} took over {timeout_secs} s; is the store "
-        "reachable (endpoint, credentials)?") from None
+        f"{what} at {directory!r} took over {timeout_secs} s; is the store reachable "
+        "(endpoint: AWS_ENDPOINT_URL for S3-compatible stores; credentials)?") from None
   except ValueError as e:
-    raise errors.StorageError(f"cannot open storage at {directory!r}: {e}") from None
+    raise errors.StorageError(f"{what} at {directory!r} failed: {e}") from None
+
+
+def open_kvstore(directory: str, *, timeout_secs: float = REQUEST_TIMEOUT_SECS) -> ts.KvStore:
+  return storage_result(ts.KvStore.open(kvstore_spec(directory), context=context()),
+                        "opening storage", directory, timeout_secs)
 
 
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
