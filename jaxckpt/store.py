@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from jaxckpt import errors
+from jaxckpt import _slots, errors
 from jaxckpt.snapshot import ShardRecord, SnapshotManifest, aligned_empty
 
 
@@ -127,17 +127,6 @@ class HostStore(abc.ABC):
     """Releases the store's resources (a no-op by default)."""
 
 
-def check_budget(*, slots: int, nbytes: int, limit_bytes: int, where: str) -> None:
-  """Raises HostMemoryBudgetError if ``slots`` x ``nbytes`` exceeds ``limit_bytes``."""
-  need = slots * nbytes
-  if need > limit_bytes:
-    raise errors.HostMemoryBudgetError(
-        f"{where}: {slots} snapshot slots x {nbytes / 2**20:.1f} MiB = "
-        f"{need / 2**20:.1f} MiB exceed host_memory_limit_bytes="
-        f"{limit_bytes} ({limit_bytes / 2**20:.1f} MiB); lower max_snapshots, "
-        "shard the state over more hosts, or raise host_memory_limit_bytes")
-
-
 class InProcessStore(HostStore):
   """Snapshots held in this process's memory (lost if the process dies).
 
@@ -147,105 +136,85 @@ class InProcessStore(HostStore):
   written again: when it frees up, its buffer is released (the restored arrays
   hold it while they live) and the next save allocates a new one. While a
   restored array lives, its whole old slot does too: up to one snapshot of
-  memory beyond ``host_memory_limit_bytes`` per lent slot.
+  memory beyond ``host_memory_limit_bytes`` per lent slot. Which slot holds
+  what is decided by the shared :class:`jaxckpt._slots.SlotTable`.
   """
 
+  _OWNER = 0          # the one writer (this process)
+
   def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int) -> None:
-    self._max = max_snapshots
     self._limit = host_memory_limit_bytes
-    self._buffers: list[np.ndarray | None] = [None] * (max_snapshots + 1)
-    self._state: list[str] = ["free"] * (max_snapshots + 1)   # free|writing|committed
+    self._table = _slots.SlotTable(max_snapshots)
+    self._buffers: list[np.ndarray | None] = [None] * len(self._table)
     self._manifests: dict[int, SnapshotManifest] = {}
-    self._slot_of: dict[int, int] = {}
-    self._pins = [0] * (max_snapshots + 1)
-    self._lent = [False] * (max_snapshots + 1)
     self._cv = threading.Condition()
 
+  def _check_budget(self, nbytes: int) -> None:
+    _slots.check_budget(slots=len(self._table), nbytes=nbytes, limit_bytes=self._limit,
+                        where="in-process snapshot store")
+
   def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
-    check_budget(slots=len(self._buffers), nbytes=nbytes, limit_bytes=self._limit,
-                 where="in-process snapshot store")
+    self._check_budget(nbytes)
     deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
     with self._cv:
-      while True:
-        i = next((i for i, s in enumerate(self._state)
-                  if s == "free" and self._pins[i] == 0), None)
-        if i is not None:
-          break
+      while (r := self._table.reserve(step, nbytes, self._OWNER)) is None:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
           return None
         self._cv.wait(left)
-      self._state[i] = "writing"
-      lent, self._lent[i] = self._lent[i], False
-    buf = self._buffers[i]
-    if buf is None or buf.size < nbytes or lent:
-      buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
-    return Slot(i, step, buf, nbytes)
+    buf = self._buffers[r.index]
+    if r.grow or buf is None:
+      buf = self._buffers[r.index] = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
+    return Slot(r.index, step, buf, nbytes)
 
   def preallocate(self, nbytes: int) -> None:
-    check_budget(slots=len(self._buffers), nbytes=nbytes, limit_bytes=self._limit,
-                 where="in-process snapshot store")
+    self._check_budget(nbytes)
     with self._cv:
-      for i, buf in enumerate(self._buffers):
-        if self._state[i] == "free" and not self._pins[i] and (
-            buf is None or buf.size < nbytes or self._lent[i]):
-          buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)
-          buf.fill(0)                # first touch here, not in a save (~4 s/GiB on some VMs)
-          self._lent[i] = False
+      for i in self._table.grow_free(nbytes):
+        buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)
+        buf.fill(0)                # first touch here, not in a save (~4 s/GiB on some VMs)
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
     del persist_attempt          # the manager persists what this store holds
     with self._cv:
-      for s in [s for s in self._slot_of if s >= manifest.step]:
-        self._drop(s)            # a rolled-back timeline: newer steps are stale
-      self._state[slot.index] = "committed"
-      self._slot_of[manifest.step] = slot.index
+      dropped = self._table.commit(slot.index, manifest.step)
+      for d in dropped:
+        self._manifests.pop(d.step, None)
       self._manifests[manifest.step] = manifest
-      for s in sorted(self._slot_of)[:-self._max]:   # never the newest
-        self._drop(s)
       self._cv.notify_all()
-
-  def _drop(self, step: int) -> None:
-    i = self._slot_of.pop(step)
-    del self._manifests[step]
-    self._state[i] = "free"
 
   def abort(self, slot: Slot) -> None:
     with self._cv:
-      self._state[slot.index] = "free"
+      self._table.abort(slot.index)
       self._cv.notify_all()
 
   def steps(self) -> list[int]:
     with self._cv:
-      return sorted(self._slot_of)
+      return self._table.steps()
 
   def lend(self, step: int, buffer: Any) -> bool:
     with self._cv:
       i = next((i for i, b in enumerate(self._buffers) if b is buffer), None)
-      if i is None or self._pins[i] == 0:
-        return False             # the caller copies instead
-      self._lent[i] = True
-      return True
+      return i is not None and self._table.lend(i)     # False: the caller copies instead
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
     with self._cv:
-      if step not in self._slot_of:
+      s = self._table.pin(step, self._OWNER)
+      if s is None:
         raise errors.StepNotFoundError(
-            f"step {step} is not held in host memory (held: {sorted(self._slot_of)})")
-      i = self._slot_of[step]
-      self._pins[i] += 1
-      manifest = self._manifests[step]
+            f"step {step} is not held in host memory (held: {self._table.steps()})")
+      manifest, buf = self._manifests[step], self._buffers[s.index]
     try:
-      yield manifest, self._buffers[i]
+      yield manifest, buf
     finally:
       with self._cv:
-        self._pins[i] -= 1
+        self._table.unpin(s.index, self._OWNER)
         self._cv.notify_all()
 
   def close(self) -> None:
     with self._cv:
       self._buffers = [None] * len(self._buffers)
-      self._slot_of.clear()
+      self._table = _slots.SlotTable(self._table.keep, len(self._table))
       self._manifests.clear()

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from jaxckpt import errors
+from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.snapshot import SnapshotManifest, checksum
 
@@ -271,8 +272,7 @@ class ParityWorker:
         free = [self.slots[-1]]
       slot = max(free, key=lambda s: s.size >= nbytes)
       if slot.size < nbytes:
-        with open(slot.path, "ab") as f:
-          f.truncate(nbytes)
+        _paths.allocate(slot.path, nbytes, host=self.agent.host)   # 0600, memory reserved
         slot.size = nbytes
       slot.step, rec.slot = rec.step, slot
       return slot

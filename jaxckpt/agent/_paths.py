@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import stat
 import tempfile
 
@@ -102,3 +103,30 @@ def job_secret(run_root: str, job: str, given: str | None = None) -> bytes:
         "agents use that one: give the same secret to every process, or stop the agents "
         "and remove the file")
   return have.encode()
+
+
+def file_size(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except OSError:
+    return 0
+
+
+def allocate(path: str, nbytes: int, *, host: int) -> None:
+  """Sizes a slot file to ``nbytes`` with memory that exists now (not a sparse file:
+  a full /dev/shm would kill the trainer writing through its map with SIGBUS)."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  old = os.fstat(fd).st_size
+  try:
+    os.fchmod(fd, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+  except OSError as e:
+    os.ftruncate(fd, old)                     # give back what was taken
+    where = os.path.dirname(path)
+    free = shutil.disk_usage(where).free
+    raise errors.HostMemoryBudgetError(
+        f"host {host}: cannot reserve a {nbytes / 2**20:.1f} MiB snapshot slot in {where} "
+        f"({e.strerror}; {free / 2**20:.1f} MiB free there); free shared memory, lower "
+        "max_snapshots, or point AgentOptions.run_root at a larger filesystem") from None
+  finally:
+    os.close(fd)

@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import zmq
 
-from jaxckpt import errors
+from jaxckpt import _slots, errors
 from jaxckpt._spans import Spans, span_checksums
 from jaxckpt.agent import _paths, _protocol
 from jaxckpt.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
@@ -34,13 +34,10 @@ logger = logging.getLogger("jaxckpt.agent")
 
 @dataclasses.dataclass
 class _Slot:
+  """What the agent keeps beside a slot's table entry: its file and hashing."""
+
   index: int
   path: str
-  size: int = 0
-  state: str = "free"          # free | writing | committed
-  step: int | None = None
-  owner: int | None = None     # pid of the trainer writing it
-  pins: dict[int, int] = dataclasses.field(default_factory=dict)   # pid -> count
   # Shards hashed while the trainer was still writing (``op_written``):
   # (offset, nbytes, checksum) -> the verification's future.
   early: dict[tuple[int, int, str], concurrent.futures.Future] = dataclasses.field(
@@ -49,10 +46,10 @@ class _Slot:
   # ~0.1 s of page faults per commit.
   map: Any = None
 
-  def read_map(self) -> Any:
-    if self.map is None or len(self.map) != self.size:
+  def read_map(self, size: int) -> Any:
+    if self.map is None or len(self.map) != size:
       with open(self.path, "rb") as f:     # a replaced map lives on while readers use it
-        self.map = mmap.mmap(f.fileno(), self.size, prot=mmap.PROT_READ)
+        self.map = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
     return self.map
 
 
@@ -120,7 +117,8 @@ class Agent:
     self.max_snapshots = max_snapshots
     self.limit_bytes = limit_bytes
     self.idle_timeout_secs = idle_timeout_secs
-    self.slots: list[_Slot] = []
+    self.table = _slots.SlotTable(max_snapshots)   # which slot holds what (shared rules)
+    self.slots: list[_Slot] = []                    # each slot's file and hashing
     self.manifests: dict[int, str] = {}        # step -> manifest JSON
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
@@ -133,28 +131,32 @@ class Agent:
 
   # -- helpers --------------------------------------------------------------
 
-  def _slot_of(self, step: int) -> _Slot:
-    for s in self.slots:
-      if s.state == "committed" and s.step == step:
-        return s
-    raise errors.StepNotFoundError(
-        f"agent of job {self.job!r} host {self.host} holds no step {step} "
-        f"(held: {self.steps()})")
+  def _slot_of(self, step: int) -> _slots.SlotState:
+    s = self.table.committed(step)
+    if s is None:
+      raise errors.StepNotFoundError(
+          f"agent of job {self.job!r} host {self.host} holds no step {step} "
+          f"(held: {self.steps()})")
+    return s
 
   def steps(self) -> list[int]:
-    return sorted(s.step for s in self.slots if s.state == "committed")
+    return self.table.steps()
 
   def _ensure_slots(self) -> None:
-    while len(self.slots) < self.max_snapshots + 1:
+    self.table.keep = self.max_snapshots
+    self.table.grow_to(self.max_snapshots + 1)
+    while len(self.slots) < len(self.table):
       i = len(self.slots)
       self.slots.append(_Slot(i, _paths.slot_file(self.dir, i)))
 
-  def _drop(self, s: _Slot) -> None:
-    if s.state == "committed" and self.parity is not None:
-      self.parity.drop(s.step)
-    self.manifests.pop(s.step, None)
-    self._end_early(s)
-    s.state, s.step, s.owner = "free", None, None
+  def _dropped(self, dropped: list[_slots.Dropped]) -> None:
+    """Releases what the agent keeps beside slots the table freed."""
+    for d in dropped:
+      if d.state == _slots.COMMITTED and self.parity is not None:
+        self.parity.drop(d.step)
+      if d.state == _slots.COMMITTED:
+        self.manifests.pop(d.step, None)
+      self._end_early(self.slots[d.index])
 
   def _end_early(self, s: _Slot) -> None:
     """Forgets a slot's early verifications (waiting for those still hashing)."""
@@ -165,15 +167,11 @@ class Agent:
 
   def reap(self) -> None:
     """Forgets dead trainers: their half-written slots and their read pins."""
-    dead = {p for p in self.trainers if not psutil.pid_exists(p)}
-    pids = {p for s in self.slots for p in s.pins} | {s.owner for s in self.slots if s.owner}
-    dead |= {p for p in pids if p and p > 0 and not psutil.pid_exists(p)}
-    for s in self.slots:
-      if s.state == "writing" and s.owner in dead:
-        logger.info("slot %d: writer pid %s died mid-snapshot; discarding", s.index, s.owner)
-        self._drop(s)
-      for p in dead & set(s.pins):
-        del s.pins[p]
+    dead = {p for p in self.trainers | self.table.owners() if p > 0 and not psutil.pid_exists(p)}
+    dropped = self.table.forget(dead)
+    for d in dropped:
+      logger.info("slot %d: its writer died mid-snapshot of step %s; discarding", d.index, d.step)
+    self._dropped(dropped)
     self.trainers -= dead
 
   # -- requests -------------------------------------------------------------
@@ -241,35 +239,36 @@ class Agent:
           f"{what} = {need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
           f"({self.limit_bytes / 2**20:.1f} MiB) on host {self.host}; lower "
           "max_snapshots, shard the state over more hosts, or raise the limit")
-    for s in self.slots:        # a trainer reserves only once its previous save is over:
-      if s.state == "writing" and s.owner == pid:     # any slot it still writes is stale
-        logger.warning("slot %d: trainer pid %d moved on from step %s; freeing it",
-                       s.index, pid, s.step)
-        self._drop(s)
-    free = [s for s in self.slots if s.state == "free" and not s.pins]
-    if not free:
+    stale = self.table.abandon(pid)
+    for d in stale:
+      logger.warning("slot %d: trainer pid %d moved on from step %s; freeing it",
+                     d.index, pid, d.step)
+    self._dropped(stale)
+    r = self.table.reserve(step, nbytes, pid)
+    if r is None:
       self.reap()
-      free = [s for s in self.slots if s.state == "free" and not s.pins]
-      if not free:
+      r = self.table.reserve(step, nbytes, pid)
+      if r is None:
         return {"index": None}
-    s = max(free, key=lambda s: s.size >= nbytes)   # prefer one that is big enough
-    if s.size < nbytes:
-      _allocate(s.path, s.size, nbytes, host=self.host)
-      s.size = nbytes
-    s.state, s.step, s.owner = "writing", step, pid
-    return {"index": s.index, "path": s.path, "size": s.size}
+    slot = self.slots[r.index]
+    if r.grow:
+      try:
+        _paths.allocate(slot.path, nbytes, host=self.host)
+      except errors.HostMemoryBudgetError:
+        self.table.abort(r.index)
+        self.table.slots[r.index].size = _paths.file_size(slot.path)
+        raise
+    return {"index": r.index, "path": slot.path, "size": self.table.slots[r.index].size}
 
   def op_written(self, index: int, step: int, shards: list[list[Any]]) -> dict[str, Any]:
     """The trainer has finished writing ``shards`` ([offset, nbytes, checksum] each)
     of ``step`` into slot ``index``: start verifying them now, so that commit
     only waits for the rest (hashing overlaps the trainer's copy)."""
+    size = self.table.writing(index, step).size
     s = self.slots[index]
-    if s.state != "writing" or s.step != step:
-      raise errors.CorruptSnapshotError(
-          f"written(step {step}) to slot {index} which is {s.state} (step {s.step})")
-    mm = s.read_map()
+    mm = s.read_map(size)
     recs = [ShardRecord(((0, int(n)),), int(o), int(n), str(c)) for o, n, c in shards]
-    recs = [r for r in recs if r.offset + r.nbytes <= s.size
+    recs = [r for r in recs if r.offset + r.nbytes <= size
             and (r.offset, r.nbytes, r.checksum) not in s.early]
     self.early_verified += len(recs)
     for batch in _batches([("", r) for r in recs]):
@@ -280,23 +279,15 @@ class Agent:
 
   def op_commit(self, index: int, manifest: str,
                 persist_attempt: str | None = None) -> dict[str, Any]:
-    s = self.slots[index]
     m = _CommitView.parse(manifest)
-    if s.state != "writing" or s.step != m.step:
-      raise errors.CorruptSnapshotError(
-          f"commit of step {m.step} to slot {index} which is {s.state} (step {s.step})")
+    size = self.table.writing(index, m.step).size
     try:
-      self._verify(s, m)
+      self._verify(self.slots[index], size, m)
     except errors.CorruptSnapshotError:
-      self._drop(s)
+      self._dropped([self.table.abort(index)])
       raise
-    for old in [o for o in self.slots if o.state == "committed" and o.step >= m.step]:
-      self._drop(old)            # a rolled-back timeline
-    s.state, s.owner = "committed", None
+    self._dropped(self.table.commit(index, m.step))  # a rollback, then the oldest
     self.manifests[m.step] = manifest
-    committed = sorted((o for o in self.slots if o.state == "committed"), key=lambda o: o.step)
-    for old in committed[:-self.max_snapshots]:      # never the newest
-      self._drop(old)
     if self.persister is not None:
       self.persister.on_commit(m.step, persist_attempt)
     if self.parity is not None and m.step in self.manifests:
@@ -309,15 +300,14 @@ class Agent:
     """Pins a committed step for the persist thread while it reads the slot."""
     me = -os.getpid()                   # a pin owner that reap() never treats as dead
     with self.lock:
-      s = self._slot_of(step)
-      s.pins[me] = s.pins.get(me, 0) + 1
+      s = self.table.pin(step, me) or self._slot_of(step)
       manifest = SnapshotManifest.from_json(self.manifests[step])
     mm = None
     try:
       if not s.size:
         yield manifest, b""
       else:
-        with open(s.path, "rb") as f:
+        with open(self.slots[s.index].path, "rb") as f:
           mm = mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ)
         yield manifest, mm
     finally:
@@ -325,9 +315,7 @@ class Agent:
         with contextlib.suppress(BufferError):   # views of a failed write live on a while:
           mm.close()                             # the map goes with the last of them
       with self.lock:
-        s.pins[me] -= 1
-        if not s.pins[me]:
-          del s.pins[me]
+        self.table.unpin(s.index, me)
 
   def op_persisted(self, errors: bool = True) -> dict[str, Any]:
     """Steps persisted, and (``errors``) the persist errors since the last ask,
@@ -336,9 +324,9 @@ class Agent:
     return {"persisted": list(p.persisted) if p else [],
             "errors": [e.to_obj() for e in p.take_errors()] if p and errors else []}
 
-  def _verify(self, s: _Slot, m: "_CommitView") -> None:
-    if m.nbytes > s.size:
-      raise errors.CorruptSnapshotError(f"step {m.step}: {m.nbytes} bytes > slot {s.size}")
+  def _verify(self, s: _Slot, size: int, m: "_CommitView") -> None:
+    if m.nbytes > size:
+      raise errors.CorruptSnapshotError(f"step {m.step}: {m.nbytes} bytes > slot {size}")
     if m.nbytes == 0:
       return
     early, late = [], []
@@ -349,7 +337,7 @@ class Agent:
       else:
         early.append((path, shard, f))
     try:
-      mm = s.read_map()
+      mm = s.read_map(size)
       # xxhash releases the GIL: hash on two threads (the trainer's copy is done by now).
       list(self._hash_pool.map(lambda b: _verify_all(mm, b, m.step), _batches(late)))
       for path, shard, f in early:
@@ -361,25 +349,24 @@ class Agent:
       self._end_early(s)
 
   def op_abort(self, index: int) -> dict[str, Any]:
-    s = self.slots[index]
-    if s.state == "writing":
-      self._drop(s)
+    d = self.table.abort(index)
+    self._dropped([d] if d else [])
     return {}
 
   def op_steps(self) -> dict[str, Any]:
     return {"steps": self.steps()}
 
   def op_open(self, pid: int, step: int) -> dict[str, Any]:
-    s = self._slot_of(step)
-    s.pins[pid] = s.pins.get(pid, 0) + 1
-    return {"path": s.path, "manifest": self.manifests[step]}
+    s = self.table.pin(step, pid) or self._slot_of(step)
+    return {"path": self.slots[s.index].path, "manifest": self.manifests[step],
+            "index": s.index}
 
-  def op_close(self, pid: int, step: int) -> dict[str, Any]:
-    for s in self.slots:
-      if s.step == step and s.pins.get(pid):
-        s.pins[pid] -= 1
-        if not s.pins[pid]:
-          del s.pins[pid]
+  def op_close(self, pid: int, step: int, index: int | None = None) -> dict[str, Any]:
+    """Unpins what ``op_open`` pinned: slot ``index`` (the step may have been
+    dropped meanwhile), or the slot still holding ``step``."""
+    s = self.table.committed(step) if index is None else self.table.slots[index]
+    if s is not None:
+      self.table.unpin(s.index, pid)
     return {}
 
   def op_manifest(self, step: int) -> dict[str, Any]:
@@ -396,7 +383,8 @@ class Agent:
 
   def op_fetch(self, step: int, ranges: list[list[int]]) -> tuple[dict[str, Any], list[bytes]]:
     s = self._slot_of(step)
-    with open(s.path, "rb") as f, mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
+    with open(self.slots[s.index].path, "rb") as f, \
+         mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
       return {}, [bytes(mm[o:o + n]) for o, n in ranges]
 
   def op_peer_manifest(self, step: int) -> dict[str, Any]:
@@ -426,8 +414,8 @@ class Agent:
     parity_bytes = 0 if self.parity is None else self.parity.bytes_held()
     return {"pid": os.getpid(), "job": self.job, "host": self.host, "steps": self.steps(),
             "slots": [{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size}
-                      for s in self.slots],
-            "bytes": sum(s.size for s in self.slots) + parity_bytes,
+                      for s in self.table.slots],
+            "bytes": sum(s.size for s in self.table.slots) + parity_bytes,
             "parity_bytes": parity_bytes, "trainers": sorted(self.trainers),
             "max_snapshots": self.max_snapshots, "limit_bytes": self.limit_bytes,
             "lease": None if self.lease is None else {"pid": self.lease[0],
@@ -457,25 +445,6 @@ class Agent:
       if set(os.listdir(job)) <= {"secret"}:    # the last agent of the job on this run root
         os.unlink(os.path.join(job, "secret"))
       os.rmdir(job)                             # the job's directory, once empty
-
-
-def _allocate(path: str, old: int, nbytes: int, *, host: int) -> None:
-  """Grows a slot file to ``nbytes`` with memory that exists now (not a sparse file:
-  a full /dev/shm would kill the trainer writing through its map with SIGBUS)."""
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-  try:
-    os.fchmod(fd, 0o600)
-    os.posix_fallocate(fd, 0, nbytes)
-  except OSError as e:
-    os.ftruncate(fd, old)                     # give back what was taken
-    where = os.path.dirname(path)
-    free = shutil.disk_usage(where).free
-    raise errors.HostMemoryBudgetError(
-        f"host {host}: cannot reserve a {nbytes / 2**20:.1f} MiB snapshot slot in {where} "
-        f"({e.strerror}; {free / 2**20:.1f} MiB free there); free shared memory, lower "
-        "max_snapshots, or point AgentOptions.run_root at a larger filesystem") from None
-  finally:
-    os.close(fd)
 
 
 def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:

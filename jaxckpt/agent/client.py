@@ -238,7 +238,7 @@ class AgentStore(HostStore):
       yield manifest, _map_slot(r["path"], manifest)
     finally:
       with contextlib.suppress(errors.AgentUnavailableError):
-        self.call("close", pid=os.getpid(), step=step)
+        self.call("close", pid=os.getpid(), step=step, index=r["index"])
 
   def close(self) -> None:
     self._maps.clear()
@@ -342,12 +342,12 @@ def open_remote_piece(client: Client, step: int,
   """The agent's snapshot of ``step``, pinned until ``stack`` closes; None if it holds none."""
   if step not in {s for s, _, _ in client.call("held")[0]["held"]}:
     return None
-  manifest = SnapshotManifest.from_json(client.call("open", pid=os.getpid(),
-                                                    step=step)[0]["manifest"])
-  stack.callback(_unpin, client, step)
+  r = client.call("open", pid=os.getpid(), step=step)[0]
+  stack.callback(_unpin, client, step, r["index"])
+  manifest = SnapshotManifest.from_json(r["manifest"])
   return RemotePiece(client, manifest)
 
 
-def _unpin(client: Client, step: int) -> None:
+def _unpin(client: Client, step: int, index: int) -> None:
   with contextlib.suppress(OSError):
-    client.call("close", pid=os.getpid(), step=step)
+    client.call("close", pid=os.getpid(), step=step, index=index)

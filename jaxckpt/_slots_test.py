@@ -1,0 +1,172 @@
+"""The slot table against a model of its rules (hypothesis state machine)."""
+
+from __future__ import annotations
+
+import collections
+
+import hypothesis
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant,
+                                 precondition, rule)
+
+from jaxckpt import _slots, errors
+
+OWNERS = st.integers(1, 3)
+STEPS = st.integers(0, 12)
+
+
+class SlotTableMachine(RuleBasedStateMachine):
+  """Every operation of both stores, applied to the table and to a plain model."""
+
+  reservations = Bundle("reservations")
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.keep = 2
+    self.table = _slots.SlotTable(self.keep)
+    self.committed: dict[int, int] = {}          # step -> slot
+    self.writing: dict[int, tuple[int, int]] = {}  # slot -> (step, owner)
+    self.pins: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    self.lent: set[int] = set()
+    self.sizes: dict[int, int] = collections.defaultdict(int)
+
+  def _free(self) -> list[int]:
+    busy = set(self.committed.values()) | set(self.writing)
+    return [i for i in range(len(self.table)) if i not in busy and not +self.pins[i]]
+
+  @rule(target=reservations, step=STEPS, nbytes=st.integers(0, 64), owner=OWNERS)
+  def reserve(self, step: int, nbytes: int, owner: int):
+    free = self._free()
+    r = self.table.reserve(step, nbytes, owner)
+    if not free:
+      assert r is None
+      return hypothesis.stateful.multiple()
+    assert r is not None and r.index in free, "a busy or pinned slot was handed out"
+    assert r.grow == (self.sizes[r.index] < nbytes or r.index in self.lent)
+    if r.grow:
+      self.sizes[r.index] = nbytes
+    self.lent.discard(r.index)
+    self.writing[r.index] = (step, owner)
+    return (r.index, step)
+
+  @rule(res=consumes(reservations))
+  def commit(self, res):
+    index, step = res
+    if self.writing.get(index, (None,))[0] != step:
+      with pytest.raises(errors.CorruptSnapshotError, match="reservation was given up"):
+        self.table.commit(index, step)
+      return
+    dropped = self.table.commit(index, step)
+    expect = {s for s in self.committed if s >= step}
+    del self.writing[index]
+    for s in expect:
+      del self.committed[s]
+    self.committed[step] = index
+    while len(self.committed) > self.keep:
+      oldest = min(self.committed)
+      expect.add(oldest)
+      del self.committed[oldest]
+    assert {d.step for d in dropped} == expect
+    assert all(d.state == _slots.COMMITTED for d in dropped)
+    assert step in self.table.steps(), "the newest step was dropped"
+
+  @rule(res=consumes(reservations))
+  def abort(self, res):
+    index, step = res
+    d = self.table.abort(index)
+    if index in self.writing:
+      assert d == _slots.Dropped(index, self.writing.pop(index)[0], _slots.WRITING)
+    else:
+      assert d is None
+
+  @rule(owner=OWNERS)
+  def abandon(self, owner: int):
+    dropped = self.table.abandon(owner)
+    gone = {i for i, (_, o) in self.writing.items() if o == owner}
+    assert {d.index for d in dropped} == gone
+    for i in gone:
+      del self.writing[i]
+
+  @rule(step=STEPS, reader=OWNERS)
+  def pin(self, step: int, reader: int):
+    s = self.table.pin(step, reader)
+    if step in self.committed:
+      assert s is not None and s.index == self.committed[step]
+      self.pins[s.index][reader] += 1
+    else:
+      assert s is None
+
+  @precondition(lambda self: any(+c for c in self.pins.values()))
+  @rule(data=st.data())
+  def unpin(self, data):
+    index, reader = data.draw(st.sampled_from(sorted(
+        (i, r) for i, c in self.pins.items() for r in +c)))
+    self.table.unpin(index, reader)
+    self.pins[index][reader] -= 1
+
+  @rule(index=st.integers(0, 2))
+  def lend(self, index: int):
+    ok = self.table.lend(index)
+    assert ok == bool(+self.pins[index])
+    if ok:
+      self.lent.add(index)
+
+  @rule(step=STEPS)
+  def discard(self, step: int):
+    d = self.table.discard(step)
+    assert (d is not None) == (step in self.committed)
+    self.committed.pop(step, None)
+
+  @rule(owner=OWNERS)
+  def owner_dies(self, owner: int):
+    self.table.forget([owner])
+    for i in [i for i, (_, o) in self.writing.items() if o == owner]:
+      del self.writing[i]
+    for c in self.pins.values():
+      c.pop(owner, None)
+
+  @invariant()
+  def agrees_with_the_model(self):
+    assert self.table.steps() == sorted(self.committed)
+    assert len(self.committed) <= self.keep
+    for s in self.table.slots:
+      if s.index in self.writing:
+        assert (s.state, s.step, s.owner) == (_slots.WRITING, *self.writing[s.index])
+      elif s.index in self.committed.values():
+        assert s.state == _slots.COMMITTED and self.committed[s.step] == s.index
+      else:
+        assert (s.state, s.step, s.owner) == (_slots.FREE, None, None)
+      assert s.pins == {r: n for r, n in self.pins[s.index].items() if n}
+      assert s.size == self.sizes[s.index]
+
+
+TestSlotTable = SlotTableMachine.TestCase
+TestSlotTable.settings = hypothesis.settings(max_examples=150, stateful_step_count=40,
+                                             deadline=None)
+
+
+def test_a_pinned_slot_freed_by_a_newer_commit_is_not_reused_until_unpinned():
+  t = _slots.SlotTable(1)
+  a = t.reserve(1, 8, owner=1)
+  t.commit(a.index, 1)
+  t.pin(1, reader=7)
+  b = t.reserve(2, 8, owner=1)
+  assert [d.step for d in t.commit(b.index, 2)] == [1]
+  assert t.reserve(3, 8, owner=1) is None      # slot a is free but still read
+  t.unpin(a.index, 7)
+  assert t.reserve(3, 8, owner=1).index == a.index
+
+
+def test_bad_slot_index_and_keep_are_refused():
+  with pytest.raises(errors.InvalidArgumentError, match="keep=0"):
+    _slots.SlotTable(0)
+  t = _slots.SlotTable(1)
+  with pytest.raises(errors.CorruptSnapshotError, match="slot index 5"):
+    t.commit(5, 1)
+
+
+def test_budget_error_names_the_sizes_and_the_fix():
+  with pytest.raises(errors.HostMemoryBudgetError,
+                     match=r"3 snapshot slots x 1.0 MiB = 3.0 MiB exceed .*lower max_snapshots"):
+    _slots.check_budget(slots=3, nbytes=2**20, limit_bytes=2**20, where="here")
