@@ -14,7 +14,7 @@ import shutil
 import stat
 import tempfile
 
-from jaxckpt import errors
+from jaxckpt import _wire, errors
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -47,7 +47,7 @@ def slot_file(d: str, index: int) -> str:
   return os.path.join(d, f"slot{index}.bin")
 
 
-SECRET_ENV = "JAXCKPT_JOB_SECRET"
+SECRET_ENV = _wire.SECRET_ENV
 
 
 def secure_dir(path: str) -> str:

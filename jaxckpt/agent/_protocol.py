@@ -1,74 +1,37 @@
-"""Request/reply over ZeroMQ with msgpack bodies; every wait has a timeout.
+"""Request/reply with the agent over ZeroMQ; every wait has a timeout.
 
-A request is ``[mac, msgpack({"op": ..., "ts": ..., "nonce": ..., **args}), *raw_frames]``
-where ``mac`` is the HMAC-SHA256 of the header under the job's secret (see
-``_paths.job_secret``): the agent refuses a request whose mac does not verify
-(compared in constant time) or whose ``ts`` is more than ``MAX_SKEW_SECS`` off.
-The raw frames are not in the mac: they are snapshot bytes whose checksums are
-in an authenticated header (a commit's manifest), so forged bytes are refused
-when they are verified. A reply is
-``[msgpack({"ok": True, ...} | {"ok": False, "error": str, "type": str}), *raw]``.
-Tensor bytes travel only as raw frames (remote fetches), never inside msgpack.
+A request is a message of :mod:`jaxckpt._wire` (sealed with the job's secret,
+see ``_paths.job_secret``, and carrying its deadline); the agent refuses one
+whose mac does not verify and does not apply one whose caller gave up. Raw
+frames are snapshot bytes whose checksums are in an authenticated header (a
+commit's manifest), so forged bytes are refused when verified. A reply is
+``[msgpack({"ok": True, ...} | {"ok": False, "error": str, "type": str}), *raw]``
+on the caller's own connection. Tensor bytes travel only as raw frames (remote
+fetches), never inside msgpack.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import threading
-import time
 from typing import Any
 
-import msgpack
 import zmq
 
-from jaxckpt import errors
-
-
-def pack(obj: dict[str, Any]) -> bytes:
-  return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(b: bytes) -> dict[str, Any]:
-  return msgpack.unpackb(b, raw=False, strict_map_key=False)
-
-
-MAX_SKEW_SECS = 300.0
-
-
-def sign(secret: bytes, header: bytes) -> bytes:
-  return hmac.new(secret, header, hashlib.sha256).digest()
+from jaxckpt import _wire, errors
+from jaxckpt._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
 
 
 def request(secret: bytes, op: str, args: dict[str, Any],
-            timeout_secs: float | None = None) -> list[bytes]:
-  """The signed frames of a request (before its raw frames). A request with a
+            timeout_secs: float | None = None) -> list[Any]:
+  """The sealed frames of a request (before its raw frames). A request with a
   ``timeout_secs`` carries its deadline: an agent that gets to it later (it was
   stopped, or hung) does not apply it, since the caller has given up."""
-  now = time.time()
-  header = pack({"op": op, "ts": now, "nonce": os.urandom(8),
-                 "deadline": None if timeout_secs is None else now + timeout_secs, **args})
-  return [sign(secret, header), header]
+  return _wire.seal(secret, {"op": op, **args}, timeout_secs=timeout_secs)
 
 
-def expired(req: dict[str, Any]) -> bool:
-  """Whether the caller of ``req`` has given up on it (its deadline passed)."""
-  deadline = req.pop("deadline", None)
-  return deadline is not None and time.time() > float(deadline)
-
-
-def verify(secret: bytes, frames: list[bytes]) -> dict[str, Any]:
+def verify(secret: bytes, frames: list[Any]) -> dict[str, Any]:
   """The request's header if its mac verifies; else PermissionDeniedError."""
-  if len(frames) < 2 or len(frames[0]) != hashlib.sha256().digest_size:
-    raise errors.PermissionDeniedError("request without the job's secret refused")
-  if not hmac.compare_digest(sign(secret, frames[1]), frames[0]):
-    raise errors.PermissionDeniedError("request with a wrong mac refused (not the job's secret)")
-  req = unpack(frames[1])
-  if not isinstance(req, dict) or abs(time.time() - float(req.pop("ts", 0))) > MAX_SKEW_SECS:
-    raise errors.PermissionDeniedError("request too old or from the future refused (a replay?)")
-  req.pop("nonce", None)
-  return req
+  return _wire.open_(secret, frames)[0]
 
 
 class Client:

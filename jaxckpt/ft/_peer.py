@@ -2,11 +2,14 @@
 
 Every group binds one ROUTER socket, served by a background thread:
 
-* pushes (``contrib``, ``abstain``, ``result``) land in an :class:`Inbox` that
-  the training thread waits on, keyed by quorum id;
+* pushes (``ring`` hops of the all-reduce) land in an :class:`Inbox` that the
+  training thread waits on, keyed by quorum id and hop;
 * requests (``ring_get``, ``snap_latest``, ``snap_fetch``) are answered on the
   serving thread by a handler, so a healthy trainer never pauses to serve a
   recovering peer.
+
+Every message is sealed with the job's secret (:mod:`jaxckpt._wire`); one that
+is not is refused, logged, and never reaches the inbox or the handler.
 """
 
 from __future__ import annotations
@@ -19,26 +22,26 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
-from jaxckpt.ft import _wire
+from jaxckpt import _wire, errors
 
 logger = logging.getLogger(__name__)
 
-PUSH_OPS = frozenset({"contrib", "abstain", "result"})
+PUSH_OPS = frozenset({"ring"})
 Message = tuple[_wire.Header, list[np.ndarray]]
 Handler = Callable[[_wire.Header], tuple[_wire.Header, Sequence[np.ndarray]]]
 
 
 class Inbox:
-  """Pushed messages of the current quorum, by op and sender group."""
+  """Pushed messages of the current quorum, by op, hop and sender group."""
 
   def __init__(self):
     self._cond = threading.Condition()
     self._qid: str | None = None
-    self._messages: dict[tuple[str, str], dict[str, Message]] = {}
+    self._messages: dict[tuple[str, str, int], dict[str, Message]] = {}
 
   def put(self, header: _wire.Header, arrays: list[np.ndarray]) -> None:
     with self._cond:
-      key = (header["op"], header["quorum_id"])
+      key = (header["op"], header["quorum_id"], int(header.get("hop", 0)))
       self._messages.setdefault(key, {})[header["group"]] = (header, arrays)
       self._cond.notify_all()
 
@@ -49,15 +52,18 @@ class Inbox:
       self._messages = {k: v for k, v in self._messages.items() if k[1] == quorum_id}
 
   def wait(self, ops: Sequence[str], quorum_id: str, done: Callable[[dict[str, Message]], bool],
-           deadline: float) -> dict[str, Message]:
-    """Messages of ``ops`` for ``quorum_id`` once ``done`` holds for them or at ``deadline``."""
+           deadline: float, *, hop: int = 0) -> dict[str, Message]:
+    """Messages of ``ops`` (and ``hop``) for ``quorum_id`` once ``done`` holds
+    for them or at ``deadline``; the messages returned are forgotten."""
     with self._cond:
       while True:
         got: dict[str, Message] = {}
         for op in ops:
-          got.update(self._messages.get((op, quorum_id), {}))
+          got.update(self._messages.get((op, quorum_id, hop), {}))
         remaining = deadline - time.monotonic()
         if done(got) or remaining <= 0:
+          for op in ops:
+            self._messages.pop((op, quorum_id, hop), None)
           return got
         self._cond.wait(remaining)
 
@@ -65,9 +71,11 @@ class Inbox:
 class PeerServer:
   """The ROUTER socket of one replica group and its serving thread."""
 
-  def __init__(self, ctx: zmq.Context, host: str, handler: Handler, *,
+  def __init__(self, ctx: zmq.Context, host: str, handler: Handler, *, secret: bytes,
                drop: Callable[[], bool] = lambda: False):
     self.inbox = Inbox()
+    self._secret = secret
+    self.refused = 0            # messages not sealed with the job's secret
     self._sock = _wire.socket(ctx, zmq.ROUTER)
     self.address = f"{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
     self._handler = handler
@@ -82,7 +90,14 @@ class PeerServer:
       if frames is None or self._drop():
         continue
       try:
-        header, arrays = _wire.unpack(frames[1:])
+        header, raw = _wire.open_(self._secret, frames[1:])
+      except errors.PermissionDeniedError as e:
+        self.refused += 1
+        logger.warning("peer %s refused a message: %s", self.address, e)
+        _wire.send(self._sock, [frames[0], *_wire.refusal(str(e))])
+        continue
+      try:
+        arrays = _wire.arrays_of(header, raw)
         if header.get("op") in PUSH_OPS:
           self.inbox.put(header, arrays)
           continue
@@ -91,7 +106,7 @@ class PeerServer:
         logger.warning("peer %s failed to serve a message: %s", self.address, e, exc_info=True)
         reply, out = {"op": "error", "error": f"{type(e).__name__}: {e}"}, ()
       reply = dict(reply, request_id=header.get("request_id"))
-      _wire.send(self._sock, [frames[0]] + _wire.pack(reply, out))
+      _wire.send(self._sock, [frames[0]] + _wire.seal(self._secret, reply, out))
     self._sock.close(linger=0)
 
   def stop(self) -> None:
@@ -102,8 +117,10 @@ class PeerServer:
 class PeerSender:
   """Sends pushes and requests to other groups (used from one thread only)."""
 
-  def __init__(self, ctx: zmq.Context, *, drop: Callable[[], bool] = lambda: False):
+  def __init__(self, ctx: zmq.Context, *, secret: bytes,
+               drop: Callable[[], bool] = lambda: False):
     self._ctx = ctx
+    self._secret = secret
     self._drop = drop
     self._socks: dict[str, zmq.Socket] = {}
     self._ids = 0
@@ -116,7 +133,7 @@ class PeerSender:
     if sock is None:
       sock = self._socks[address] = _wire.socket(self._ctx, zmq.DEALER)
       sock.connect(f"tcp://{address}")
-    if not _wire.send(sock, _wire.pack(header, arrays)):
+    if not _wire.send(sock, _wire.seal(self._secret, header, arrays)):
       logger.warning("could not queue %r for peer %s", header.get("op"), address)
 
   def request(self, address: str, header: _wire.Header, timeout_secs: float) -> Message | None:
@@ -127,15 +144,19 @@ class PeerSender:
     sock = _wire.socket(self._ctx, zmq.DEALER)
     try:
       sock.connect(f"tcp://{address}")
-      _wire.send(sock, _wire.pack(dict(header, request_id=self._ids)))
+      _wire.send(sock, _wire.seal(self._secret, dict(header, request_id=self._ids)))
       deadline = time.monotonic() + timeout_secs
       while (remaining := deadline - time.monotonic()) > 0:
         frames = _wire.recv(sock, remaining)
         if frames is None:
           return None
-        reply, arrays = _wire.unpack(frames)
+        try:
+          reply, raw = _wire.open_(self._secret, frames)
+        except errors.PermissionDeniedError as e:
+          logger.warning("peer %s: %s", address, e)
+          return None
         if reply.get("request_id") == self._ids:
-          return reply, arrays
+          return reply, _wire.arrays_of(reply, raw)
       return None
     finally:
       sock.close(linger=0)

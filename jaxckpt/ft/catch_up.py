@@ -28,8 +28,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 import jax
 import numpy as np
 
-from jaxckpt import _assemble
-from jaxckpt.ft import _peer, _wire
+from jaxckpt import _assemble, _wire
+from jaxckpt.ft import _peer
 from jaxckpt.ft.ring import DigestLog, GradientRing, RingEntry
 from jaxckpt.snapshot import relative_slices
 from jaxckpt import errors

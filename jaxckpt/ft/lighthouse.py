@@ -14,6 +14,11 @@ group is simply not waited for. The state is soft: after a restart the
 lighthouse waits ``join_timeout`` for heartbeats to rebuild membership and
 carries on, so a lighthouse restart does not lose the job (groups resend their
 requests until a lighthouse answers).
+
+Every message is sealed with the job's secret (:mod:`jaxckpt._wire`): a
+request that is not is refused (logged, and answered with the reason) and
+changes nothing. A member of a quorum that was behind (catching up) is never
+waited for when the next quorum forms: it joins one once it has caught up.
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ from typing import Any, Callable
 
 import zmq
 
-from jaxckpt.ft import _wire
-from jaxckpt import errors
+from jaxckpt import _wire, errors
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +143,20 @@ class _Pending:
 class Lighthouse:
   """The lighthouse server, run on a background thread of this process.
 
+  ``secret`` is the job's secret (else ``$JAXCKPT_JOB_SECRET``, else a new
+  random one): hand ``lighthouse.secret`` to every group of the job.
+
   >>> with Lighthouse("127.0.0.1:0", LighthouseOptions(min_replicas=1)) as lh:
   ...   lh.address.startswith("127.0.0.1:")
   True
   """
 
-  def __init__(self, bind: str = "127.0.0.1:0", options: LighthouseOptions | None = None):
+  def __init__(self, bind: str = "127.0.0.1:0", options: LighthouseOptions | None = None, *,
+               secret: str | None = None):
     self.options = options or LighthouseOptions()
+    self.secret = secret or os.environ.get(_wire.SECRET_ENV) or _wire.new_secret()
+    self._key = _wire.secret_bytes(self.secret, who="the lighthouse")
+    self.refused = 0            # messages refused (not sealed with the job's secret)
     self._ctx = zmq.Context()
     self._sock = _wire.socket(self._ctx, zmq.ROUTER)
     host, _, port = bind.rpartition(":")
@@ -162,6 +173,7 @@ class Lighthouse:
     self._pending: dict[str, _Pending] = {}
     self._inflight: dict[str, float] = {}
     self._last_members: tuple[str, ...] = ()
+    self._behind: set[str] = set()        # members of the last quorum that were catching up
     self._last_step: int | None = None    # the newest step a formed quorum was at
     self._quorums_formed = 0
     self._lock = threading.Lock()
@@ -206,9 +218,13 @@ class Lighthouse:
   def _handle(self, frames: list[Any]) -> None:
     identity = frames[0].bytes
     try:
-      header, _ = _wire.unpack(frames[1:])
-    except Exception:  # pylint: disable=broad-except
-      logger.warning("lighthouse dropped a malformed message", exc_info=True)
+      header, _ = _wire.open_(self._key, frames[1:])
+    except Exception as e:  # pylint: disable=broad-except  (refused, logged, never applied)
+      self.refused += 1
+      logger.warning("lighthouse refused a message: %s", e)
+      _wire.send(self._sock, [identity, *_wire.refusal(
+          f"the lighthouse at {self.address} refused a message: "
+          f"{e if isinstance(e, errors.PermissionDeniedError) else 'malformed'}")])
       return
     op, now = header.get("op"), time.monotonic()
     if op == "heartbeat":
@@ -220,19 +236,23 @@ class Lighthouse:
         # and admitting it would make every honest group look behind (a stalled job).
         logger.warning("lighthouse refused group %r: it claims step %d, the job is at %d",
                        member.group_id, member.step, self._last_step)
-        self._sock.send_multipart([identity] + _wire.pack({
+        self._sock.send_multipart([identity] + _wire.seal(self._key, {
             "op": "refused", "request_id": header.get("request_id"),
             "error": f"step {member.step} claimed, but the job's newest quorum was at step "
                      f"{self._last_step}: a group can be at most one step ahead"}))
         return
       self._last_seen[member.group_id] = now
       self._inflight.pop(member.group_id, None)
+      self._behind.discard(member.group_id)
       old = self._pending.get(member.group_id)
       self._pending[member.group_id] = _Pending(identity, header["request_id"], member,
                                                 old.since if old else now)
+    elif op == "ready":           # a member catching up is about to ask in sync: wait for it again
+      self._behind.discard(header["group"])
+      self._last_seen[header["group"]] = now
     elif op == "status":
       reply = dict(self._status(now), op="status", request_id=header.get("request_id"))
-      self._sock.send_multipart([identity] + _wire.pack(reply))
+      self._sock.send_multipart([identity] + _wire.seal(self._key, reply))
     else:
       logger.warning("lighthouse got an unknown message op=%r", op)
 
@@ -257,7 +277,7 @@ class Lighthouse:
     if busy:
       return
     first = min(p.since for p in self._pending.values())
-    if live - self._pending.keys() and now - first < join:
+    if live - self._pending.keys() - self._behind and now - first < join:
       return
     self._form(now)
 
@@ -268,9 +288,11 @@ class Lighthouse:
                     dropped=tuple(g for g in self._last_members if g not in ids))
     for pending in self._pending.values():
       reply = {"op": "quorum", "request_id": pending.request_id, "quorum": quorum.to_wire()}
-      _wire.send(self._sock, [pending.identity] + _wire.pack(reply))
+      _wire.send(self._sock, [pending.identity] + _wire.seal(self._key, reply))
     self._pending.clear()
-    self._inflight = {g: now for g in ids}
+    healthy = {m.group_id for m in quorum.healthy}
+    self._inflight = {g: now for g in healthy}      # members that are behind catch up first:
+    self._behind = set(ids) - healthy               # neither is waited for
     self._last_members = ids
     self._last_step = quorum.max_step
     self._quorums_formed += 1
@@ -283,9 +305,10 @@ class Lighthouse:
 class LighthouseClient:
   """A replica group's requests to the lighthouse (used from one thread only)."""
 
-  def __init__(self, ctx: zmq.Context, address: str, *, drop: Callable[[], bool] = lambda: False,
-               resend_secs: float = 0.5):
+  def __init__(self, ctx: zmq.Context, address: str, *, secret: str | bytes | None = None,
+               drop: Callable[[], bool] = lambda: False, resend_secs: float = 0.5):
     self.address = address
+    self._secret = _wire.secret_bytes(secret, who="a lighthouse client")
     self._ctx = ctx
     self._drop = drop
     self._resend_secs = resend_secs
@@ -303,16 +326,26 @@ class LighthouseClient:
         request_id = next(self._ids)
         sent.add(request_id)
         if not self._drop():
-          _wire.send(self._sock, _wire.pack({"op": "quorum", "request_id": request_id,
-                                             "member": member.to_wire()}))
+          _wire.send(self._sock, _wire.seal(self._secret, {
+              "op": "quorum", "request_id": request_id, "member": member.to_wire()}))
         next_send = now + self._resend_secs
       frames = _wire.recv(self._sock, min(deadline, next_send) - now)
       if frames is None or self._drop():
         continue
-      header, _ = _wire.unpack(frames)
+      try:
+        header, _ = _wire.open_(self._secret, frames)
+      except errors.PermissionDeniedError as e:
+        raise errors.PermissionDeniedError(
+            f"group {member.group_id!r}: {e}; give every group the lighthouse's secret "
+            f"(ReplicaGroup(secret=...) or ${_wire.SECRET_ENV})") from None
       if header.get("op") == "quorum" and header.get("request_id") in sent:
         return Quorum.from_wire(header["quorum"])
     return None
+
+  def ready(self, group_id: str) -> None:
+    """Tells the lighthouse that ``group_id`` (catching up) asks in sync next."""
+    if not self._drop():
+      _wire.send(self._sock, _wire.seal(self._secret, {"op": "ready", "group": group_id}))
 
   def close(self) -> None:
     self._sock.close(linger=0)
@@ -322,7 +355,8 @@ class Heartbeat:
   """Sends ``{"op": "heartbeat"}`` every ``interval`` from a daemon thread."""
 
   def __init__(self, ctx: zmq.Context, address: str, group_id: str, interval: timedelta, *,
-               drop: Callable[[], bool] = lambda: False):
+               secret: str | bytes | None = None, drop: Callable[[], bool] = lambda: False):
+    self._secret = _wire.secret_bytes(secret, who="a lighthouse heartbeat")
     self._sock = _wire.socket(ctx, zmq.DEALER, immediate=True)
     self._sock.connect(f"tcp://{address}")
     self._group_id = group_id
@@ -335,7 +369,8 @@ class Heartbeat:
   def _run(self) -> None:
     while not self._stop.is_set():
       if not self._drop():
-        _wire.send(self._sock, _wire.pack({"op": "heartbeat", "group": self._group_id}))
+        _wire.send(self._sock, _wire.seal(self._secret, {"op": "heartbeat",
+                                                         "group": self._group_id}))
       self._stop.wait(self._interval)
     self._sock.close(linger=0)
 

@@ -14,6 +14,13 @@ FAST = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5
                          join_timeout=timedelta(seconds=0.2), straggler_timeout=timedelta(seconds=2))
 
 
+@pytest.fixture(autouse=True)
+def job_secret(monkeypatch):
+  """The launcher's secret, as every process of a job gets it."""
+  monkeypatch.setenv("JAXCKPT_JOB_SECRET", "lighthouse-test-secret")
+  return "lighthouse-test-secret"
+
+
 def _member(g: str, step: int = 0) -> Member:
   return Member(group_id=g, address=f"127.0.0.1:{1000 + int(g[1:])}", step=step, digest=step)
 
@@ -139,3 +146,34 @@ def test_one_member_with_a_wrong_digest_cannot_make_the_others_look_diverged():
     got = _ask_all(lh.address, [liar, _member("g1", 5), _member("g2", 5)])
   q = got["g1"]
   assert [m.group_id for m in q.healthy] == ["g1", "g2"] and q.leader.group_id == "g1"
+
+
+def test_a_member_catching_up_is_not_waited_for_until_it_says_it_is_ready():
+  opts = LighthouseOptions(min_replicas=2, heartbeat_timeout=timedelta(seconds=30),
+                           join_timeout=timedelta(seconds=3), straggler_timeout=timedelta(seconds=30))
+  with Lighthouse("127.0.0.1:0", opts) as lh:
+    ctx = zmq.Context()
+    beats = [Heartbeat(ctx, lh.address, g, timedelta(milliseconds=50)) for g in ("g0", "g1", "g2")]
+    time.sleep(opts.join_timeout.total_seconds())          # the grace period after a start
+    first = _ask_all(lh.address, [_member("g0", 5), _member("g1", 5), _member("g2", 2)])
+    q1 = first["g0"]
+    assert [m.group_id for m in q1.healthy] == ["g0", "g1"]   # g2 is behind: it catches up
+    t0 = time.monotonic()
+    second = _ask_all(lh.address, [_member("g0", 6), _member("g1", 6)])
+    assert time.monotonic() - t0 < 1.5, "the lighthouse waited for a member that is catching up"
+    assert [m.group_id for m in second["g0"].healthy] == ["g0", "g1"]
+    client = LighthouseClient(ctx, lh.address)
+    client.ready("g2")                                      # caught up but for the step in flight
+    client.close()
+    got = {}
+    t = threading.Thread(target=lambda: got.update(_ask_all(lh.address, [_member("g0", 7),
+                                                                          _member("g1", 7)])))
+    t.start()
+    time.sleep(0.5)
+    assert not got, "a quorum formed without the member that said it is ready"
+    got.update(_ask_all(lh.address, [_member("g2", 7)]))
+    t.join()
+    assert [m.group_id for m in got["g0"].healthy] == ["g0", "g1", "g2"]
+    for b in beats:
+      b.stop()
+    ctx.term()

@@ -36,11 +36,11 @@ WORKERS = {"g0": ["--group", "g0"],
            "g1p1": ["--group", "g1", "--num-processes", "2", "--process-id", "1"]}
 
 
-def _spawn(tmp: pathlib.Path, lighthouse: str, coordinator: str, name: str) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+def _spawn(tmp: pathlib.Path, lighthouse: Lighthouse, coordinator: str, name: str) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAXCKPT_JOB_SECRET=lighthouse.secret)
   env.pop("XLA_FLAGS", None)
   extra = WORKERS[name] + (["--coordinator", coordinator] if name.startswith("g1") else [])
-  cmd = [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", lighthouse, "--steps", str(STEPS),
+  cmd = [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", lighthouse.address, "--steps", str(STEPS),
          "--timeout", "10", "--out", str(tmp / f"{name}.jsonl"), "--dump", str(tmp / f"{name}.npz"),
          *extra]
   with open(tmp / f"{name}.stderr", "wb") as err:
@@ -75,7 +75,7 @@ def test_two_process_group_trains_bit_identically_with_one_process_group(tmp_pat
   try:
     coordinator = f"127.0.0.1:{free_port()}"
     for name in WORKERS:
-      procs[name] = _spawn(tmp_path, lighthouse.address, coordinator, name)
+      procs[name] = _spawn(tmp_path, lighthouse, coordinator, name)
     _join(procs, tmp_path)
   finally:
     for proc in procs.values():

@@ -9,16 +9,21 @@
 ...   if ft.should_commit():          # the group got the step's agreed average
 ...     state = apply_fn(state, grads)
 
-Each step attempt: (1) the lighthouse forms a quorum; a member that is behind
-(older step, or a digest off the leader's lineage) catches up from a healthy
-peer first; (2) every member sends its gradient (host copy) to the *leader*
-(the smallest healthy group id); the leader waits at most
-``contribution_timeout``, sums the contributions it got in group-id order on the
-host (float32 or wider accumulators), divides, and sends the one result to every
-member. Every member that receives it commits exactly these bytes, so parameters
-stay bit-identical; a member that does not receive it within ``timeout``
-commits nothing and replays the step from a peer's ring later. No wait in here
-is unbounded, and a failed member is dropped, never waited on again.
+Each step attempt: (1) the lighthouse forms a quorum; (2) its healthy members
+(at the newest step, on the majority's digest lineage) average their gradients
+(host copies) with a ring all-reduce (:mod:`jaxckpt.ft._allreduce`: a
+reduce-scatter and an all-gather in group-id order, float32 or wider
+accumulators, every chunk summed once in a fixed order, so every member commits
+bit-identical bytes, and each sends about ``2 (G - 1) / G`` of the gradient).
+A member that is behind does not hold the healthy ones up: it fetches the
+missed steps (or a snapshot and the steps after it) from a healthy peer's
+serving thread while they commit, replays them, also replays the step they are
+reducing once a peer has committed it, and joins the next quorum in sync; the
+lighthouse never waits for it. A ring hop that does not arrive within
+``timeout`` (a member died mid-ring) ends the attempt uncommitted for that
+member; the lighthouse drops the dead one and the step is retried without it,
+and a member that committed while another did not is the newer lineage the
+other catches up to. No wait in here is unbounded.
 
 Data: in each attempt the group uses batch ``step * max_groups + rank``, where
 ``rank`` is its position in the quorum. Within a committed step the ranks
@@ -40,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 import zmq
 
-from jaxckpt import errors
-from jaxckpt.ft import _group_comm, _peer
+from jaxckpt import _wire, errors
+from jaxckpt.ft import _allreduce, _group_comm, _peer
 from jaxckpt.ft.catch_up import (CatchUpServer, RemoteSnapshotSource, SnapshotSource, fetch_ring,
                                  rebuild_leaf, rebuild_state)
 from jaxckpt.ft.lighthouse import Heartbeat, LighthouseClient, Member, Quorum
@@ -63,23 +68,19 @@ class ReplicaGroupOptions:
     heartbeat_interval: period of heartbeats to the lighthouse.
     ring_size: averaged gradients of this many recent steps are kept for peers.
     max_groups: batch slots per step (an upper bound on the quorum size).
-    contribution_timeout: how long a leader waits for contributions; None for
-      half the group's timeout (so members waiting ``timeout`` for the result
-      still get it when a contributor is late).
     lighthouse_timeout: after this long without any quorum, QuorumError.
   """
   host: str = "127.0.0.1"
   heartbeat_interval: timedelta = timedelta(milliseconds=500)
   ring_size: int = 16
   max_groups: int = 64
-  contribution_timeout: timedelta | None = None
   lighthouse_timeout: timedelta = timedelta(minutes=5)
 
   def __post_init__(self):
     for name in ("ring_size", "max_groups"):
       if getattr(self, name) < 1:
         raise errors.InvalidArgumentError(f"ReplicaGroupOptions.{name} must be >= 1, got {getattr(self, name)!r}")
-    for name in ("heartbeat_interval", "contribution_timeout", "lighthouse_timeout"):
+    for name in ("heartbeat_interval", "lighthouse_timeout"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, timedelta) or value <= timedelta(0)):
         raise errors.InvalidArgumentError(f"ReplicaGroupOptions.{name} must be a positive timedelta, got {value!r}")
@@ -117,14 +118,18 @@ class ReplicaGroup:
     injector: a ``jaxckpt.testing.fault_injection.EventInjector``.
     peer_source: how a recovering group reaches a healthy peer's snapshots
       (default: that peer's serving thread, which serves its ``snapshot_source``).
+    secret: the job's secret (the lighthouse's ``.secret``); None:
+      ``$JAXCKPT_JOB_SECRET``. Every message to the lighthouse and to peers is
+      sealed with it, and messages that are not are refused.
   """
 
   def __init__(self, *, lighthouse: str, group_id: str,
                timeout: timedelta = timedelta(seconds=30), options: ReplicaGroupOptions | None = None,
                snapshot_source: SnapshotSource | None = None, injector: Any = None,
-               peer_source: PeerSourceFactory | None = None):
+               peer_source: PeerSourceFactory | None = None, secret: str | None = None):
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
       raise errors.InvalidArgumentError(f"ReplicaGroup timeout must be a positive timedelta, got {timeout!r}")
+    key = _wire.secret_bytes(secret, who=f"ReplicaGroup {group_id!r}")
     self.group_id, self.timeout = group_id, timeout
     self.options = options or ReplicaGroupOptions()
     self.snapshot_source = snapshot_source
@@ -147,12 +152,13 @@ class ReplicaGroup:
     if self._ctx is not None:
       self._server = _peer.PeerServer(
           self._ctx, self.options.host, CatchUpServer(self.ring, self.digests, lambda: self.snapshot_source),
-          drop=self._dropping)
+          secret=key, drop=self._dropping)
       self.address = self._server.address
-      self._sender = _peer.PeerSender(self._ctx, drop=self._dropping)
-      self._lighthouse = LighthouseClient(self._ctx, lighthouse, drop=self._dropping)
+      self._sender = _peer.PeerSender(self._ctx, secret=key, drop=self._dropping)
+      self._lighthouse = LighthouseClient(self._ctx, lighthouse, secret=key, drop=self._dropping)
       self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
-                                  drop=self._dropping)
+                                  secret=key, drop=self._dropping)
+    self.bytes_sent = 0          # gradient bytes this group sent in all-reduces
     self._peer_source = peer_source or self._default_peer_source
 
   # ---- the training-loop API --------------------------------------------------------------------
@@ -168,8 +174,6 @@ class ReplicaGroup:
       grads_like: a pytree like the gradients (jax.Arrays or ShapeDtypeStructs with shardings);
         defaults to the layout of the last ``allreduce`` input.
     """
-    if self._current is not None:
-      self._abstain(self._current)
     index, self._attempts = self._attempts, self._attempts + 1
     self._attempt_index = index  # before _join: the quorum request belongs to this attempt too
     self.counters.attempts += 1
@@ -184,13 +188,11 @@ class ReplicaGroup:
       return state
     if self._in_sync(quorum):
       attempt.participating = True
-    elif apply_fn is not None:
-      state, attempt.participating = self._catch_up(state, apply_fn, grads_like, attempt)
+    elif apply_fn is not None:       # catch up while the healthy members reduce without us
+      state = self._catch_up(state, apply_fn, grads_like, attempt)
     else:
       logger.warning("group %s is behind (step %d < %d) and start_step got no apply_fn: sitting out",
                      self.group_id, self.step, quorum.max_step, extra=self._extra())
-    if not attempt.participating:
-      self._abstain(attempt)
     return state
 
   def batch_index(self) -> int:
@@ -291,13 +293,6 @@ class ReplicaGroup:
   def _in_sync(self, quorum: Quorum) -> bool:
     return self.step == quorum.max_step and self.digest == quorum.leader.digest
 
-  def _abstain(self, attempt: _Attempt) -> None:
-    quorum = attempt.quorum
-    if quorum is None or not self._comm.is_talker or quorum.leader.group_id == self.group_id:
-      return
-    self._sender.push(quorum.leader.address, {"op": "abstain", "quorum_id": quorum.quorum_id,
-                                              "group": self.group_id, "step": self.step})
-
   # ---- the fault-tolerant all-reduce ---------------------------------------------------------------
 
   def _exchange(self, attempt: _Attempt, leaves: Sequence[Any]
@@ -305,73 +300,47 @@ class ReplicaGroup:
     host = self._comm.to_host(leaves)
     outcome = None
     if self._comm.is_talker:
-      quorum = attempt.quorum
-      if quorum.leader.group_id == self.group_id:
-        outcome = self._lead(quorum, host)
-      else:
-        outcome = self._follow(quorum, host)
+      outcome = self._ring(attempt.quorum, host)
     wire = self._comm.share(None if outcome is None else [list(outcome[1]), outcome[2]])
     if wire is None:
       return None
     out = self._comm.share_arrays(outcome[0] if outcome else None, [(h.shape, h.dtype) for h in host])
     return out, tuple(wire[0]), int(wire[1])
 
-  def _lead(self, quorum: Quorum, host: list[np.ndarray]) -> tuple[list[np.ndarray], tuple[str, ...], int]:
-    others = {m.group_id for m in quorum.members} - {self.group_id}
-    deadline = time.monotonic() + self._contribution_timeout()
-    got = self._server.inbox.wait(("contrib", "abstain"), quorum.quorum_id,
-                                  lambda g: others <= g.keys(), deadline)
-    contribs = {self.group_id: host}
-    for group, (header, arrays) in got.items():
-      if header["op"] == "contrib" and self._valid(group, header, arrays, host):
-        contribs[group] = arrays
-    late = sorted(others - got.keys())
-    if late:
-      logger.warning("leader %s: no contribution from %s within %.1fs; committing step %d without them",
-                     self.group_id, late, self._contribution_timeout(), self.step, extra=self._extra())
-    order = tuple(sorted(contribs))
-    result = mean_in_order([contribs[g] for g in order])
-    digest_after = chain_digest(self.digest, result)
-    header = {"op": "result", "quorum_id": quorum.quorum_id, "group": self.group_id,
-              "step": self.step, "contributors": list(order), "digest_after": digest_after}
-    for member in quorum.members:
-      if member.group_id != self.group_id:
-        self._sender.push(member.address, header, result)
-    return result, order, digest_after
-
-  def _valid(self, group: str, header: dict, arrays: list[np.ndarray], host: list[np.ndarray]) -> bool:
-    ok = (header["step"] == self.step and header.get("digest") == self.digest and len(arrays) == len(host)
-          and all(a.shape == h.shape and a.dtype == h.dtype for a, h in zip(arrays, host)))
-    if not ok:
-      logger.error("leader %s ignores the contribution of %s: step %s digest %s (own %d, %d) or "
-                   "leaves differ", self.group_id, group, header["step"], header.get("digest"),
-                   self.step, self.digest, extra=self._extra())
-    return ok
-
-  def _follow(self, quorum: Quorum, host: list[np.ndarray]
-              ) -> tuple[list[np.ndarray], tuple[str, ...], int] | None:
-    leader = quorum.leader
-    self._sender.push(leader.address, {"op": "contrib", "quorum_id": quorum.quorum_id,
-                                       "group": self.group_id, "step": self.step,
-                                       "digest": self.digest}, host)
+  def _ring(self, quorum: Quorum, host: list[np.ndarray]
+            ) -> tuple[list[np.ndarray], tuple[str, ...], int] | None:
+    """The ring all-reduce among the quorum's healthy members (this group is one)."""
+    ring = quorum.healthy
+    ids = tuple(m.group_id for m in ring)
+    rank, size = ids.index(self.group_id), len(ring)
+    right, left = ring[(rank + 1) % size], ring[(rank - 1) % size]
     deadline = time.monotonic() + self.timeout.total_seconds()
-    got = self._server.inbox.wait(("result",), quorum.quorum_id, lambda g: leader.group_id in g,
-                                  deadline)
-    if leader.group_id not in got:
-      logger.warning("group %s: leader %s sent no result for step %d within %s; not committing",
-                     self.group_id, leader.group_id, self.step, self.timeout, extra=self._extra())
-      return None
-    header, arrays = got[leader.group_id]
-    digest_after = chain_digest(self.digest, arrays)
-    if header["step"] != self.step or digest_after != header["digest_after"]:
-      logger.error("group %s: result of leader %s does not chain on (step %d vs %d); not committing",
-                   self.group_id, leader.group_id, header["step"], self.step, extra=self._extra())
-      return None
-    return list(arrays), tuple(header["contributors"]), digest_after
+    head = {"op": "ring", "quorum_id": quorum.quorum_id, "group": self.group_id,
+            "step": self.step, "digest": self.digest}
 
-  def _contribution_timeout(self) -> float:
-    value = self.options.contribution_timeout or self.timeout / 2
-    return value.total_seconds()
+    def send(hop: int, chunk: np.ndarray) -> None:
+      self._sender.push(right.address, dict(head, hop=hop), [chunk])
+      self.bytes_sent += chunk.nbytes
+
+    def recv(hop: int) -> np.ndarray | None:
+      got = self._server.inbox.wait(("ring",), quorum.quorum_id, lambda g: left.group_id in g,
+                                    deadline, hop=hop)
+      if left.group_id not in got:
+        logger.warning("group %s: no hop %d of step %d from %s within %s; not committing",
+                       self.group_id, hop, self.step, left.group_id, self.timeout, extra=self._extra())
+        return None
+      header, arrays = got[left.group_id]
+      if header["step"] != self.step or header.get("digest") != self.digest or len(arrays) != 1:
+        logger.error("group %s ignores hop %d from %s: step %s digest %s (own %d, %d)", self.group_id,
+                     hop, left.group_id, header["step"], header.get("digest"), self.step, self.digest,
+                     extra=self._extra())
+        return None
+      return arrays[0]
+
+    result = _allreduce.ring_mean(host, rank, size, send, recv)
+    if result is None:
+      return None
+    return result, ids, chain_digest(self.digest, result)
 
   def _commit(self, entry: RingEntry) -> None:
     self.ring.put(entry)
@@ -404,39 +373,33 @@ class ReplicaGroup:
 
   # ---- catch-up ------------------------------------------------------------------------------------
 
-  def _catch_up(self, state: Any, apply_fn: ApplyFn, grads_like: Any,
-                attempt: _Attempt) -> tuple[Any, bool]:
+  def _catch_up(self, state: Any, apply_fn: ApplyFn, grads_like: Any, attempt: _Attempt) -> Any:
+    """Replays what this group missed (a snapshot and ring entries), then the step
+    the healthy members reduce now, once one of them has committed it. Never a
+    ring member this attempt, so the healthy groups never wait for it; the
+    state it returns is in sync with the next quorum's."""
     t0 = time.monotonic()
-    quorum = attempt.quorum
+    quorum, before = attempt.quorum, state
     try:
       like = self._grads_like(grads_like)
-      plan, error = None, None
-      if self._comm.is_talker:
-        try:
-          plan = self._fetch_plan(quorum)
-        except (OSError, KeyError, ValueError) as e:
-          error = e
-      plan = self._share_plan(plan, state, like)
-      if plan is None:
-        raise error or KeyError("process 0 of the group could not fetch the catch-up data")
-      step, digest = plan["step"], plan["digest"]
+      plan = self._talker_plan(lambda: self._fetch_plan(quorum), state, like)
+      state, step, digest = self._replay(plan, state, apply_fn, like)
       if plan["snapshot"] is not None:
-        state = rebuild_state(state, plan["snapshot"])
-        attempt.snapshot_step = step
+        attempt.snapshot_step = plan["step"]
         self.counters.snapshot_fetches += 1
-      for entry in plan["entries"]:
-        grads = jax.tree_util.tree_unflatten(like[1], [rebuild_leaf(l, h) for l, h in zip(like[0], entry.leaves)])
-        state = apply_fn(state, grads)
-      if plan["entries"]:
-        step, digest = plan["entries"][-1].step + 1, plan["entries"][-1].digest_after
       if (step, digest) != (quorum.max_step, quorum.leader.digest):
         raise errors.QuorumError(f"catch-up reached step {step} digest {digest:#x}, not the quorum's "
                                  f"step {quorum.max_step} digest {quorum.leader.digest:#x}")
+      # Replayed up to the step in flight: tell the lighthouse to wait for us next, then take
+      # that step's result from a peer once it has committed it.
+      last = self._talker_plan(lambda: self._await_entry(quorum), state, like)
+      state, step, digest = self._replay(last, state, apply_fn, like)
+      plan["entries"] = plan["entries"] + last["entries"]
     except (OSError, KeyError, ValueError, errors.QuorumError) as e:
       logger.warning("group %s could not catch up to step %d: %s; sitting this attempt out",
                      self.group_id, quorum.max_step, e, extra=self._extra())
       attempt.catch_up_secs = time.monotonic() - t0
-      return state, False
+      return before
     for entry in plan["entries"]:
       self.ring.put(entry)
       self.digests.record(entry.step + 1, entry.digest_after)
@@ -450,7 +413,33 @@ class ReplicaGroup:
     logger.info("group %s caught up to step %d in %.3fs (%d steps replayed, snapshot %s)",
                 self.group_id, step, attempt.catch_up_secs, attempt.caught_up_steps,
                 attempt.snapshot_step, extra=dict(self._extra(), catch_up_secs=attempt.catch_up_secs))
-    return state, True
+    return state
+
+  def _talker_plan(self, fetch: Callable[[], dict[str, Any]], state: Any,
+                   like: tuple[list[Any], Any]) -> dict[str, Any]:
+    """``fetch()`` on process 0 of the group, shared with the others."""
+    plan, error = None, None
+    if self._comm.is_talker:
+      try:
+        plan = fetch()
+      except (OSError, KeyError, ValueError) as e:
+        error = e
+    plan = self._share_plan(plan, state, like)
+    if plan is None:
+      raise error or KeyError("process 0 of the group could not fetch the catch-up data")
+    return plan
+
+  def _replay(self, plan: dict[str, Any], state: Any, apply_fn: ApplyFn,
+              like: tuple[list[Any], Any]) -> tuple[Any, int, int]:
+    """``state`` after the plan's snapshot and entries, with its step and digest."""
+    step, digest = plan["step"], plan["digest"]
+    if plan["snapshot"] is not None:
+      state = rebuild_state(state, plan["snapshot"])
+    for entry in plan["entries"]:
+      grads = jax.tree_util.tree_unflatten(like[1], [rebuild_leaf(l, h) for l, h in zip(like[0], entry.leaves)])
+      state = apply_fn(state, grads)
+      step, digest = entry.step + 1, entry.digest_after
+    return state, step, digest
 
   def _grads_like(self, grads_like: Any) -> tuple[list[Any], Any]:
     if grads_like is not None:
@@ -461,11 +450,14 @@ class ReplicaGroup:
     raise errors.InvalidArgumentError(f"group {self.group_id} must replay averaged gradients but does not know their "
                      "layout: pass grads_like= (e.g. the params) to start_step()")
 
-  def _fetch_plan(self, quorum: Quorum) -> dict[str, Any]:
+  def _catch_up_peer(self, quorum: Quorum) -> Member:
     healthy = [m for m in quorum.healthy if m.group_id != self.group_id]
     # Each failed attempt in a row asks the next healthy peer, so one that is slow to answer
     # (busy serving someone else, or gone) delays catch-up by one attempt, never for good.
-    peer = healthy[-1 - self._retries % len(healthy)]
+    return healthy[-1 - self._retries % len(healthy)]
+
+  def _fetch_plan(self, quorum: Quorum) -> dict[str, Any]:
+    peer = self._catch_up_peer(quorum)
     logger.info("group %s catches up from %s (%s) to step %d", self.group_id, peer.group_id,
                 peer.address, quorum.max_step, extra=self._extra())
     secs = self.timeout.total_seconds()
@@ -487,6 +479,24 @@ class ReplicaGroup:
     if entries is None:
       raise KeyError(f"peer {peer.group_id}'s ring does not cover steps {snap_step}..{quorum.max_step}")
     return {"step": snap_step, "digest": snap_digest, "snapshot": source.fetch(snap_step),
+            "entries": entries}
+
+  def _await_entry(self, quorum: Quorum) -> dict[str, Any]:
+    """A plan of the step the healthy members reduce now, once a peer has
+    committed it (within ``timeout``; no entry if none did), so this group asks
+    for the next quorum in sync. The lighthouse learns first that it will."""
+    self._lighthouse.ready(self.group_id)
+    peer = self._catch_up_peer(quorum)
+    deadline = time.monotonic() + self.timeout.total_seconds()
+    entries: list[RingEntry] = []
+    while (left := deadline - time.monotonic()) > 0:
+      got = fetch_ring(self._sender, peer.address, quorum.max_step, quorum.leader.digest,
+                       quorum.max_step + 1, left)
+      if got is not None:
+        entries = got
+        break
+      time.sleep(0.005)
+    return {"step": quorum.max_step, "digest": quorum.leader.digest, "snapshot": None,
             "entries": entries}
 
   def _default_peer_source(self, peer: Member) -> SnapshotSource:
@@ -532,21 +542,6 @@ class ReplicaGroup:
                                        [(x.shape, x.dtype) for x in like[0]])
       entries.append(RingEntry(step=s, digest_before=before, digest_after=after, leaves=tuple(arrays)))
     return {"step": head["step"], "digest": head["digest"], "snapshot": snapshot, "entries": entries}
-
-
-def mean_in_order(contributions: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
-  """Leaf-wise mean of ``contributions``, summed in the given order with >= float32 accumulators."""
-  out = []
-  for leaves in zip(*contributions):
-    dtype = leaves[0].dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise errors.UnsupportedLeafError(f"allreduce averages floating gradients only, got a leaf of {dtype=}")
-    acc = np.array(leaves[0], dtype=np.promote_types(dtype, np.float32))
-    for x in leaves[1:]:
-      np.add(acc, x, out=acc)
-    np.divide(acc, len(leaves), out=acc)
-    out.append(acc.astype(dtype, copy=False))
-  return out
 
 
 def _like(x: Any) -> Any:

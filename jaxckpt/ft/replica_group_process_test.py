@@ -36,7 +36,8 @@ class Job:
     self.procs: list[subprocess.Popen] = []
 
   def spawn(self, group: str, injector: EventInjector | None = None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               JAXCKPT_JOB_SECRET=self.lighthouse_server.secret)
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", self.lighthouse,
            "--group", group, "--steps", str(FOREVER), "--steps-file", str(self.tmp / "steps"), "--out", str(self.tmp / f"{group}.jsonl"),
@@ -178,7 +179,7 @@ def test_lighthouse_restart_mid_run_loses_nothing(job: Job):
   job.lighthouse_server.stop()
   stopped = job.max_step("g0")
   time.sleep(1.0)
-  job.lighthouse_server = Lighthouse(address, LIGHTHOUSE).start()
+  job.lighthouse_server = Lighthouse(address, LIGHTHOUSE, secret=job.lighthouse_server.secret).start()
   job.wait("g0 to train 10 steps with the new lighthouse", lambda: job.max_step("g0") >= stopped + 10, 30)
   steps = job.finish_after(5)
   job.join(procs, 30)

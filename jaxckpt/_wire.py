@@ -1,0 +1,159 @@
+"""One message framing for every jaxckpt socket: agents, the lighthouse, replica groups.
+
+A message is a ZeroMQ multipart message ``[mac, header, *raw]``:
+
+* ``header`` is msgpack of a dict with an ``op``, the sender's clock ``ts``, a
+  random ``nonce``, optionally the ``deadline`` after which the sender has given
+  up, and, when arrays follow, their dtypes and shapes (``arrays``);
+* ``mac`` is the HMAC-SHA256 of ``header`` under the job's secret; a receiver
+  refuses a message whose mac does not verify (compared in constant time) or
+  whose ``ts`` is more than ``MAX_SKEW_SECS`` off its own clock;
+* ``raw`` frames carry bulk bytes (array data, snapshot ranges) without a copy
+  into msgpack and outside the mac: they are either checked against checksums in
+  an authenticated header (snapshots) or arrive on a connection only the job
+  opens (ZeroMQ delivers a multipart message whole, from one peer).
+
+A message that is not sealed (``mac`` empty) is a refusal a receiver sends to a
+sender whose mac did not verify: the sender learns why instead of waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets as _secrets
+import time
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+import zmq
+
+from jaxckpt import errors
+
+Header = dict[str, Any]
+MAX_SKEW_SECS = 300.0
+SECRET_ENV = "JAXCKPT_JOB_SECRET"
+_MAC_BYTES = hashlib.sha256().digest_size
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+  return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(b: Any) -> dict[str, Any]:
+  return msgpack.unpackb(_bytes(b), raw=False, strict_map_key=False)
+
+
+def sign(secret: bytes, header: bytes) -> bytes:
+  return hmac.new(secret, header, hashlib.sha256).digest()
+
+
+def secret_bytes(given: str | bytes | None, *, who: str) -> bytes:
+  """The job's secret: ``given``, else ``$JAXCKPT_JOB_SECRET``; else a clear error."""
+  given = given or os.environ.get(SECRET_ENV) or None
+  if given is None:
+    raise errors.InvalidArgumentError(
+        f"{who} needs the job's secret, which every message carries proof of: pass "
+        f"secret= (e.g. the Lighthouse's .secret) or set ${SECRET_ENV} in every process "
+        "of the job (the launcher's job, e.g. `export JAXCKPT_JOB_SECRET=$(python -c "
+        "'import secrets; print(secrets.token_hex(32))')`)")
+  return given.encode() if isinstance(given, str) else bytes(given)
+
+
+def new_secret() -> str:
+  return _secrets.token_hex(32)
+
+
+def seal(secret: bytes, header: Header, arrays: Sequence[np.ndarray] = (), *,
+         timeout_secs: float | None = None) -> list[Any]:
+  """The frames of a message: signed ``header`` (with ``arrays``' dtypes and
+  shapes) and the arrays' bytes, sent without a copy. A message with
+  ``timeout_secs`` carries its deadline (see :func:`expired`)."""
+  arrays = [np.asarray(a, order="C") for a in arrays]  # (ascontiguousarray makes 0-d 1-d)
+  now = time.time()
+  h = dict(header, ts=now, nonce=os.urandom(8))
+  if timeout_secs is not None:
+    h["deadline"] = now + timeout_secs
+  if arrays:
+    h["arrays"] = [(a.dtype.name, list(a.shape)) for a in arrays]
+  body = pack(h)
+  return [sign(secret, body), body, *(a.reshape(-1).view(np.uint8) for a in arrays)]
+
+
+def refusal(error: str, **extra: Any) -> list[bytes]:
+  """An unsealed refusal (the receiver could not verify the sender's mac)."""
+  return [b"", pack(dict(extra, op="refused", error=error))]
+
+
+def open_(secret: bytes, frames: Sequence[Any]) -> tuple[Header, list[Any]]:
+  """The verified header of a message and its raw frames; PermissionDeniedError
+  if it is not sealed with ``secret``, or too old (a replay?). A refusal (see
+  :func:`refusal`) raises PermissionDeniedError with its reason."""
+  if len(frames) < 2:
+    raise errors.PermissionDeniedError("a message without the job's secret was refused")
+  mac, body = _bytes(frames[0]), _bytes(frames[1])
+  if not mac:
+    try:
+      reason = unpack(body).get("error")
+    except Exception:  # pylint: disable=broad-except
+      reason = None
+    raise errors.PermissionDeniedError(f"refused: {reason or 'an unsealed message'}")
+  if len(mac) != _MAC_BYTES or not hmac.compare_digest(sign(secret, body), mac):
+    raise errors.PermissionDeniedError(
+        "a message with a wrong mac was refused (not sealed with the job's secret)")
+  header = unpack(body)
+  if not isinstance(header, dict) or abs(time.time() - float(header.pop("ts", 0))) > MAX_SKEW_SECS:
+    raise errors.PermissionDeniedError("a message too old or from the future was refused (a replay?)")
+  header.pop("nonce", None)
+  return header, list(frames[2:])
+
+
+def expired(header: Header) -> bool:
+  """Whether the sender of ``header`` has given up on it (its deadline passed)."""
+  deadline = header.pop("deadline", None)
+  return deadline is not None and time.time() > float(deadline)
+
+
+def arrays_of(header: Header, raw: Sequence[Any]) -> list[np.ndarray]:
+  """The read-only arrays a sealed message carries (zero-copy views of its frames)."""
+  from jaxckpt.snapshot import dtype_from_name  # pylint: disable=import-outside-toplevel
+  meta = header.pop("arrays", [])
+  if len(meta) != len(raw):
+    raise errors.CorruptSnapshotError(
+        f"message {header.get('op')!r} announces {len(meta)} arrays but carries {len(raw)} frames")
+  out = []
+  for frame, (dtype, shape) in zip(raw, meta):
+    buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
+    out.append(np.frombuffer(buf, dtype=dtype_from_name(dtype)).reshape(shape))
+  return out
+
+
+def _bytes(frame: Any) -> bytes:
+  return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+
+
+def socket(ctx: zmq.Context, kind: int, *, immediate: bool = False) -> zmq.Socket:
+  """A socket that never blocks close (linger 0), optionally dropping sends while unconnected."""
+  sock = ctx.socket(kind)
+  sock.setsockopt(zmq.LINGER, 0)
+  if immediate:
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+  return sock
+
+
+def recv(sock: zmq.Socket, timeout_secs: float) -> list[Any] | None:
+  """One multipart message from ``sock`` within ``timeout_secs``, or None."""
+  if sock.poll(max(0, int(timeout_secs * 1000)), zmq.POLLIN):
+    return sock.recv_multipart(copy=False)
+  return None
+
+
+def send(sock: zmq.Socket, frames: Sequence[Any]) -> bool:
+  """Sends without blocking; False when the message could not be queued."""
+  try:
+    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+    return True
+  except zmq.Again:
+    return False
