@@ -9,8 +9,9 @@ the batches the original run saw and its loss trajectory is bit-equal.
   python examples/train_flax.py --steps 20 --rollback-at 12 --rollback-to 10
   python examples/train_flax.py --steps 50 --job-name demo --resume   # with the agent
 
-As one replica group of a fault-tolerant job (start `jaxckpt lighthouse --bind
-127.0.0.1:29510` first, then one process per group):
+As one replica group of a fault-tolerant job (export the same JAXCKPT_JOB_SECRET
+to every process, start `jaxckpt lighthouse --bind 127.0.0.1:29510` first, then
+one process per group):
 
   python examples/train_flax.py --lighthouse 127.0.0.1:29510 --group-id g0 --job-name demo
 """

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from datetime import timedelta
 
+from jaxckpt import _wire, errors
 from jaxckpt.ft.lighthouse import Lighthouse, LighthouseOptions
+
+
+def _read_secret(path: str) -> str:
+  st = os.stat(path)
+  if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    raise errors.PermissionDeniedError(
+        f"--secret-file {path} has mode {oct(st.st_mode & 0o777)} and owner uid {st.st_uid}; it "
+        f"must be yours and unreadable by others: `chmod 600 {path}`")
+  with open(path, encoding="utf-8") as f:
+    return f.read().strip()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
@@ -24,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
                  help="wait this long for live groups that have not asked yet (default 1)")
   p.add_argument("--straggler-timeout", type=float, default=60.0, metavar="SECS",
                  help="wait this long for busy members of the previous quorum (default 60)")
+  p.add_argument("--secret-file", metavar="PATH",
+                 help="file holding the job's secret (mode 0600); default: $JAXCKPT_JOB_SECRET")
   p.set_defaults(func=run_lighthouse)
 
 
@@ -33,10 +47,16 @@ def run_lighthouse(args: argparse.Namespace) -> int:
                               heartbeat_timeout=timedelta(seconds=args.heartbeat_timeout),
                               join_timeout=timedelta(seconds=args.join_timeout),
                               straggler_timeout=timedelta(seconds=args.straggler_timeout))
+  secret = _read_secret(args.secret_file) if args.secret_file else os.environ.get(_wire.SECRET_ENV)
+  if not secret:
+    raise errors.InvalidArgumentError(
+        "the lighthouse needs the job's secret, which every group must also have: set "
+        f"${_wire.SECRET_ENV} (e.g. `export {_wire.SECRET_ENV}=$(python -c 'import secrets; "
+        "print(secrets.token_hex(32))')`) for the lighthouse and every group, or pass --secret-file")
   stop = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stop.set())
-  with Lighthouse(args.bind, options) as lighthouse:
+  with Lighthouse(args.bind, options, secret=secret) as lighthouse:
     print(f"lighthouse serving on {lighthouse.address}", flush=True)
     stop.wait()
   return 0
