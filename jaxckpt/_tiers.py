@@ -81,6 +81,10 @@ def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
     sp = parity_steps(store).get(step)
     if sp is not None and sp.protected:
       return
+    if sp is not None and sp.errors:      # a failed parity is never retried: say so now
+      raise errors.ParityError(
+          f"step {step} will not be protected: " + "; ".join(
+              f"host {h}: {e}" for h, e in sorted(sp.errors.items())))
     if time.monotonic() > deadline:
       late = "all hosts" if sp is None else f"hosts {sorted(set(range(sp.process_count)) - sp.done)}"
       why = "" if sp is None else "; ".join(f"host {h}: {e}" for h, e in sp.errors.items())

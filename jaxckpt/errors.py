@@ -49,6 +49,10 @@ class UnrecoverableLossError(JaxckptError, RuntimeError):
   """More hosts of a parity group were lost than parity can rebuild."""
 
 
+class ParityError(JaxckptError, RuntimeError):
+  """A step's parity failed on a host and will not be retried (the host and why are named)."""
+
+
 class ConversionError(JaxckptError, ValueError):
   """A conversion rule is invalid, unmatched or ambiguous."""
 

@@ -100,6 +100,9 @@ class CheckpointManager:
       return InProcessStore(max_snapshots=self.options.max_snapshots,
                             host_memory_limit_bytes=limit)
     from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
+    if self.options.parity is not None:
+      from jaxckpt.parity import placement  # pylint: disable=import-outside-toplevel
+      placement.check_hosts(jax.process_count(), self.options.parity)
     host = jax.process_index() if a.host_id is None else a.host_id
     secret = None
     if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
@@ -385,6 +388,7 @@ class CheckpointManager:
     Raises:
       ValueError: parity is off.
       SnapshotTimeoutError: naming the hosts whose parity was late, and why.
+      ParityError: a host's parity of ``step`` failed (it is never retried), naming why.
     """
     if self.options.parity is None:
       raise errors.InvalidArgumentError("wait_until_protected(): parity is off; set "

@@ -214,6 +214,7 @@ class ParityWorker:
           f"parity needs the agent's host id to equal the saving process index, but host "
           f"{self.agent.host} got the snapshot of process {me}; leave AgentOptions.host_id "
           "unset (it defaults to jax.process_index())")
+    _lib().check_hosts(n, self.config.options)
     group = next(g for g in _lib().groups(n, self.config.group_size) if me in g)
     rec.manifests = self._gather(rec.step, group, me, manifest_json)
     sizes = [0] * n
@@ -221,6 +222,8 @@ class ParityWorker:
       sizes[h] = SnapshotManifest.from_json(js).nbytes
     layout = _lib().StripeLayout.build(sizes, self.config.options)
     mine = layout.parity_pieces(me)
+    if not sum(p.nbytes for p in mine):
+      return                  # this host holds no parity of the step (its group's data is elsewhere)
     slot = self._reserve(rec, sum(p.nbytes for p in mine))
     buf = np.memmap(slot.path, np.uint8, mode="r+", shape=(slot.size,))
     try:

@@ -40,8 +40,17 @@ def state(step: int) -> dict[str, np.ndarray]:
           "w": rng.standard_normal((64, 24)).astype(np.float32)}
 
 
-def host_shards(h: int, values: dict[str, np.ndarray]) -> list[tuple[str, tuple, np.ndarray]]:
+def host_shards(h: int, values: dict[str, np.ndarray], empty: tuple[int, ...] = ()
+                ) -> list[tuple[str, tuple, np.ndarray]]:
+  """Host ``h``'s shards. Hosts in ``empty`` hold none: the next lower host holds their
+  rows too (as when every replica a host has is stored by another)."""
+  if h in empty:
+    return []
   (r0, r1), (c0, c1) = ROWS[h], CUTS[h]
+  last = h
+  while last + 1 < HOSTS and last + 1 in empty:
+    last += 1
+  r1, c1 = ROWS[last][1], CUTS[last][1]
   return [("['u']", ((c0, c1),), values["u"][c0:c1]),
           ("['w']", ((r0, r1), (0, 24)), values["w"][r0:r1])]
 
@@ -49,8 +58,9 @@ def host_shards(h: int, values: dict[str, np.ndarray]) -> list[tuple[str, tuple,
 class Cluster:
   """Four hosts' stores (one agent each) saving hand-made per-process snapshots."""
 
-  def __init__(self, root: str, job: str, parity: int, *, timeout_secs: float = 60.0):
-    self.root, self.job = root, job
+  def __init__(self, root: str, job: str, parity: int, *, timeout_secs: float = 60.0,
+               empty: tuple[int, ...] = ()):
+    self.root, self.job, self.empty = root, job, empty
     self.options = jc.ParityOptions(group_size=4, parity=parity)
     # Small sub-blocks: each stripe is pulled and encoded in several ranges, the last padded.
     self.config = _parity.ParityConfig(4, parity, timeout_secs, sub_block_bytes=320).to_obj()
@@ -64,15 +74,19 @@ class Cluster:
     values = state(step)
     for h in hosts:
       leaves, offset, records = [], 0, {}
-      for path, box, arr in host_shards(h, values):
+      for path, box, arr in host_shards(h, values, self.empty):
         records[path] = (box, offset, arr)
         offset = align(offset + arr.nbytes)
       slot = self.stores[h].reserve(step, offset, timeout_secs=10)
       for path, (box, off, arr) in records.items():
         slot.buffer[off:off + arr.nbytes] = arr.view(np.uint8).reshape(-1)
-        shape = values[path[2]].shape
-        leaves.append(LeafRecord(path=path, kind="jax", shape=shape, dtype="float32",
-                                 shards=(ShardRecord(box, off, arr.nbytes, checksum(arr)),)))
+      for path in ("['u']", "['w']"):
+        shards = ()
+        if path in records:
+          box, off, arr = records[path]
+          shards = (ShardRecord(box, off, arr.nbytes, checksum(arr)),)
+        leaves.append(LeafRecord(path=path, kind="jax", shape=values[path[2]].shape,
+                                 dtype="float32", shards=shards))
       self.stores[h].commit(slot, SnapshotManifest(step=step, leaves=tuple(leaves),
                                                    nbytes=offset, process_index=h,
                                                    process_count=HOSTS))
@@ -246,6 +260,53 @@ def test_a_host_that_never_commits_is_named_by_the_timeout(sandbox):
     assert state_ == "failed"
     assert ("SnapshotTimeoutError: parity of step 1 on host 0: hosts [3] of parity group "
             "[0, 1, 2, 3] did not commit step 1 within 1.0 s") in error
+
+
+@pytest.mark.parametrize("empty,lost", [((3,), 2), ((3,), 3), ((1, 2, 3), 0), ((1, 2, 3), 2)])
+def test_hosts_that_hold_no_bytes_are_protected_and_rebuilt(sandbox, empty, lost):
+  with Cluster(*sandbox, 1, empty=empty) as c:
+    c.protect(1)
+    assert all(c.parity_status(h)["steps"][0][1] == "done" for h in range(HOSTS))
+    c.lose([lost])
+    with c.manager() as mgr:
+      assert mgr.all_steps() == [1]
+      assert_restores(mgr, 1, "parity")
+
+
+def test_parity_on_a_one_host_job_is_refused_at_manager_creation(sandbox):
+  root, job = sandbox
+  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root),
+                              parity=jc.ParityOptions(group_size=4, parity=1))
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"at least 2 hosts, but a job of 1 host\(s\).*parity=None"):
+    jc.CheckpointManager(options=opts)
+
+
+def test_a_group_too_small_for_its_parity_fails_fast_with_the_reason(sandbox):
+  # 2 hosts, parity 2: the agents refuse it; wait_until_protected says why at once.
+  root, job = sandbox
+  config = _parity.ParityConfig(4, 2, 60.0).to_obj()
+  stores = [AgentStore(jc.AgentOptions(job_name=job, run_root=root), host=h, max_snapshots=2,
+                       limit_bytes=1 << 30, parity=config) for h in range(2)]
+  try:
+    for h, store in enumerate(stores):
+      data = np.full(64, h, np.uint8)
+      slot = store.reserve(1, 64, timeout_secs=5)
+      slot.buffer[:64] = data
+      leaf = LeafRecord("['x']", "numpy", (128,), "uint8",
+                        (ShardRecord(((64 * h, 64 * h + 64),), 0, 64, checksum(data)),))
+      store.commit(slot, SnapshotManifest(step=1, leaves=(leaf,), nbytes=64, process_index=h,
+                                          process_count=2))
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root, host_id=0),
+                                parity=jc.ParityOptions(group_size=4, parity=2), handle_sigterm=False)
+    with jc.CheckpointManager(options=opts, store=stores[0]) as mgr:
+      t0 = time.monotonic()
+      with pytest.raises(errors.ParityError, match=r"host 0: .*at least 3 hosts"):
+        mgr.wait_until_protected(1, timeout_secs=60)
+      assert time.monotonic() - t0 < 30
+  finally:
+    for s in stores:
+      s.close()
 
 
 def test_parity_needs_agents():

@@ -4,8 +4,8 @@ Imports no JAX and nothing of jaxckpt but ``errors`` and ``snapshot.checksum``.
 """
 
 from jaxckpt.parity.codec import ReedSolomon
-from jaxckpt.parity.placement import (ParityOptions, Piece, Stripe, StripeLayout, encode_stripe,
-                                      groups)
+from jaxckpt.parity.placement import (ParityOptions, Piece, Stripe, StripeLayout, check_hosts,
+                                      encode_stripe, groups)
 from jaxckpt.parity.recovery import check_recoverable, piece_checksums, recover_hosts
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ReedSolomon",
     "Stripe",
     "StripeLayout",
+    "check_hosts",
     "check_recoverable",
     "encode_stripe",
     "groups",

@@ -114,6 +114,18 @@ def groups(num_hosts: int, group_size: int) -> tuple[tuple[int, ...], ...]:
   return tuple(out)
 
 
+def check_hosts(num_hosts: int, options: "ParityOptions") -> None:
+  """Refuses a job whose parity cannot protect anything: every group needs more
+  hosts than ``options.parity`` (a lost host's parity must live on another)."""
+  smallest = min(len(g) for g in groups(num_hosts, options.group_size))
+  if smallest <= options.parity:
+    raise errors.InvalidArgumentError(
+        f"parity={options.parity} across hosts needs every parity group to have at least "
+        f"{options.parity + 1} hosts, but a job of {num_hosts} host(s) split into groups of at "
+        f"most group_size={options.group_size} has a group of {smallest}: run on more hosts, "
+        "lower ParityOptions.parity, or turn parity off (parity=None)")
+
+
 @dataclasses.dataclass(frozen=True)
 class StripeLayout:
   """The parity layout for hosts with given snapshot sizes (pure, no I/O).

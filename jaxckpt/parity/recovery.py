@@ -86,7 +86,7 @@ def recover_hosts(layout: StripeLayout, lost_hosts: Sequence[int], fetch: Fetch,
   lost = set(lost_hosts)
   result = {h: np.empty(layout.host_bytes[h], np.uint8) for h in sorted(lost)}
   for stripe in layout.stripes:
-    if any(p.host in lost for p in stripe.data):
+    if any(p.host in lost and p.nbytes for p in stripe.data):   # (a lost empty piece is rebuilt)
       _recover_stripe(stripe, lost, fetch, checksums, result)
   return result
 
