@@ -37,9 +37,9 @@ def agent_clients(store: HostStore) -> Iterator[dict[int, Any]]:
     yield {}
     return
   from jaxckpt.agent import client as agent_client  # pylint: disable=import-outside-toplevel
-  with agent_client.job_clients(store.run_root, store.opts.job_name, local_host=store.host,
-                                secret=store.secret,
-                                timeout_secs=store.opts.request_timeout_secs) as clients:
+  with agent_client.clients_of(store.agents(), store.opts.job_name, local_pid=store.pid,
+                               secret=store.secret,
+                               timeout_secs=store.opts.request_timeout_secs) as clients:
     yield clients
 
 
@@ -193,28 +193,54 @@ def broadcast_from_0(name: str, make: Any, *, timeout_secs: float) -> str:
         f"{timeout_secs} s (is it running, with the same jaxckpt version?)") from None
 
 
+def allgather(name: str, value: str, *, timeout_secs: float, what: str) -> list[str]:
+  """Every process's ``value``, in process order, through jax.distributed's key-value
+  store; SnapshotTimeoutError naming the processes that did not publish ``what`` in time."""
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  client = distributed.global_state.client
+  n, me = jax.process_count(), jax.process_index()
+  _agreements[0] += 1
+  key = f"jaxckpt/{name}/{_agreements[0]}"
+  client.key_value_set(f"{key}/{me}", value)
+  got, late = {}, []
+  for p in range(n):
+    try:
+      got[p] = client.blocking_key_value_get(f"{key}/{p}", int(timeout_secs * 1000))
+    except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
+      late.append(p)
+  if late:
+    raise errors.SnapshotTimeoutError(
+        f"processes {late} did not publish {what} within {timeout_secs} s (process {me} "
+        f"heard from {sorted(got)})")
+  return [got[p] for p in range(n)]
+
+
 def agree(step: int, *, timeout_secs: float) -> int:
   """The smallest of every process's choice, agreed through jax.distributed's key-value store.
 
   Raises SnapshotTimeoutError naming the processes that did not answer.
   """
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
-  client = distributed.global_state.client
-  n, me = jax.process_count(), jax.process_index()
-  _agreements[0] += 1
-  key = f"jaxckpt/restore/{_agreements[0]}"
-  client.key_value_set(f"{key}/{me}", str(step))
-  choices, late = {}, []
-  for p in range(n):
-    try:
-      choices[p] = int(client.blocking_key_value_get(f"{key}/{p}", int(timeout_secs * 1000)))
-    except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
-      late.append(p)
-  if late:
-    raise errors.SnapshotTimeoutError(
-        f"restore: processes {late} (hosts {late}) did not say which step they hold "
-        f"within {timeout_secs} s; the others chose {choices}")
-  return min(choices.values())
+  return min(int(v) for v in allgather("restore", str(step), timeout_secs=timeout_secs,
+                                       what="the step they hold"))
+
+
+def discover_agents(store: HostStore, *, timeout_secs: float) -> None:
+  """Tells every process of a multi-process job where the job's agents are.
+
+  Each process publishes the agents of the job on its own machine (its run root
+  is private) through jax.distributed's key-value store; every process keeps
+  the whole list (restores read other hosts' pieces from it) and hands its
+  agent the job's current agents by host id (for parity exchange). No
+  directory is shared between hosts.
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  mine = {"own": store.info, "local": store.local_agents()}
+  everyone = [json.loads(v) for v in allgather(
+      f"agents/{store.opts.job_name}", json.dumps(mine), timeout_secs=timeout_secs,
+      what="their snapshot agents' addresses")]
+  store.directory = [a for e in everyone for a in e["local"]]
+  store.call("peers", peers={str(e["own"]["host"]): {"tcp": e["own"]["tcp"], "pid": e["own"]["pid"]}
+                             for e in everyone})
 
 
 @contextlib.contextmanager
@@ -247,8 +273,8 @@ def _remote_pieces(store: HostStore, clients: dict[int, Any], step: int,
   """Other agents' pieces of ``step``, each saving process once, pinned while restoring."""
   from jaxckpt.agent.client import open_remote_piece  # pylint: disable=import-outside-toplevel
   out, found = [], set() if local_index is None else {local_index}
-  for host, c in clients.items():
-    if host == store.host and local_index is not None:
+  for c in clients.values():
+    if c.pid == store.pid and local_index is not None:
       continue
     piece = open_remote_piece(c, step, stack)
     if piece is not None and piece.manifest.process_index not in found:

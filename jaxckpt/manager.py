@@ -76,6 +76,8 @@ class CheckpointManager:
       self._run_id = _agree_run_id(self.options.timeout_secs)
       self._on_storage = set(_tiers.storage_steps(self.directory))
     self._store = store or self._make_store()
+    if store is None and self.options.agent is not None and jax.process_count() > 1:
+      _tiers.discover_agents(self._store, timeout_secs=self.options.timeout_secs)
     self._persister = None
     if self._persist_config is not None and self.options.agent is None:
       self._persister = _persist.Persister(self._persist_config, self._store.read)

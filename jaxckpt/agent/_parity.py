@@ -332,11 +332,13 @@ class ParityWorker:
       return None
 
   def _peer(self, host: int) -> Client:
-    """A client of ``host``'s live agent (over TCP, as between machines); a new one
-    when the host's agent was replaced."""
+    """A client of ``host``'s live agent over TCP: at the address the job published
+    (``Agent.peers``, multi-host jobs), else the one under this run root; a new
+    client when the host's agent was replaced."""
     from jaxckpt.agent.client import read_address  # pylint: disable=import-outside-toplevel
     d = os.path.join(os.path.dirname(self.agent.dir), f"host{host}")
-    info = read_address(d)
+    known = self.agent.peers.get(host)
+    info = known if known is not None else read_address(d)
     cached = self._peers.pop(host, None)
     if info is None:
       if cached is not None:
@@ -413,13 +415,14 @@ def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
   """Steps that some live agent holds parity (or a parity record) for."""
   out: dict[int, StepParity] = {}
   held: dict[int, set[int]] = {}
-  for host, c in clients.items():
+  for c in clients.values():
+    host = c.host
     try:
       status = c.call("parity_status")[0]
       for step, index, _ in c.call("held")[0]["held"]:
         held.setdefault(step, set()).add(index)
     except errors.AgentUnavailableError as e:
-      logger.warning("skipping host %d: %s", host, e)
+      logger.warning("skipping %s: %s", c.who, e)
       continue
     if status.get("config") is None:
       continue
@@ -449,12 +452,13 @@ def recover(clients: dict[int, Client], step: int,
     UnrecoverableLossError: too many hosts lost, or too few survivors answer.
     CorruptSnapshotError: too few survivors pass their checksums.
   """
-  infos = {}
-  for host, c in clients.items():
+  infos, holders = {}, {}     # holders: host id -> the agent that was that host for ``step``
+  for c in clients.values():
     try:
-      infos[host] = c.call("parity_info", step=step)[0]
+      infos[c.host] = c.call("parity_info", step=step)[0]
+      holders[c.host] = c
     except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
-      logger.info("step %d: host %d has no parity to offer: %s", step, host, e)
+      logger.info("step %d: %s has no parity to offer: %s", step, c.who, e)
   if not infos:
     raise errors.UnrecoverableLossError(
         f"step {step}: no live agent holds parity of it; cannot rebuild hosts {lost}")
@@ -474,15 +478,16 @@ def recover(clients: dict[int, Client], step: int,
     raise errors.UnrecoverableLossError(
         f"step {step}: no survivor holds the manifest of lost hosts {missing}")
   layout = _lib().StripeLayout.build(sizes, cfg.options)
-  rebuilt = _lib().recover_hosts(layout, lost, _fetcher(clients, layout, step), checksums)
+  rebuilt = _lib().recover_hosts(layout, lost, _fetcher(holders, layout, step), checksums)
   return {h: (SnapshotManifest.from_json(manifests[h]), buf) for h, buf in rebuilt.items()}
 
 
-def _fetcher(clients: dict[int, Client], layout: StripeLayout,
+def _fetcher(holders: dict[int, Client], layout: StripeLayout,
              step: int) -> Callable[[Piece], Any]:
-  """Fetches a survivor's piece: a data chunk of its snapshot or a parity block."""
+  """Fetches a survivor's piece (from the agent that was its host for ``step``):
+  a data chunk of its snapshot or a parity block."""
   def fetch(piece: Piece) -> Any:
-    c = clients.get(piece.host)
+    c = holders.get(piece.host)
     if c is None:
       return None
     try:

@@ -38,8 +38,10 @@ class Client:
   """A thread-safe request/reply client of one agent (a fresh REQ socket per
   failure, so a timed-out request never leaves the socket stuck)."""
 
-  def __init__(self, endpoint: str, *, who: str, timeout_secs: float, secret: bytes) -> None:
+  def __init__(self, endpoint: str, *, who: str, timeout_secs: float, secret: bytes,
+               host: int | None = None, pid: int | None = None) -> None:
     self.endpoint = endpoint
+    self.host, self.pid = host, pid       # the agent's host id and pid, where known
     self._secret = secret
     self.who = who
     self.timeout_secs = timeout_secs

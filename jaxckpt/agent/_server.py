@@ -127,6 +127,7 @@ class Agent:
     self._hash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="verify")
     self.early_verified = 0            # shards whose hashing overlapped the trainer's copy
     self.persister = None
+    self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
 
   # -- helpers --------------------------------------------------------------
@@ -351,6 +352,12 @@ class Agent:
   def op_abort(self, index: int) -> dict[str, Any]:
     d = self.table.abort(index)
     self._dropped([d] if d else [])
+    return {}
+
+  def op_peers(self, peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The job's current agents by host id ({"tcp", "pid"} each), published
+    through the job's coordination service: parity reaches its peers there."""
+    self.peers = {int(h): dict(info) for h, info in peers.items()}
     return {}
 
   def op_steps(self) -> dict[str, Any]:

@@ -135,6 +135,7 @@ class AgentStore(HostStore):
     self._failed: list[PersistError] = []
     self._errors_lock = threading.Lock()
     self.restarts = 0
+    self.directory: list[dict[str, Any]] = []     # the job's agents on other machines
     self._connect()
 
   @property
@@ -175,6 +176,17 @@ class AgentStore(HostStore):
 
   def call(self, op: str, **kw: Any) -> dict[str, Any]:
     return self._client.call(op, **kw)[0]
+
+  def local_agents(self) -> list[dict[str, Any]]:
+    """The live agents of this job on this machine (under this run root)."""
+    return list(job_agents(self.run_root, self.opts.job_name).values())
+
+  def agents(self) -> list[dict[str, Any]]:
+    """Every agent of the job this store knows of: this machine's, and those the
+    other processes published (``_tiers.discover_agents``), each once."""
+    out = {a["tcp"]: a for a in self.directory}
+    out.update((a["tcp"], a) for a in self.local_agents())
+    return list(out.values())
 
   def _map(self, index: int, path: str, size: int) -> np.ndarray:
     if size == 0:                      # a state with no array bytes (only scalars)
@@ -299,25 +311,32 @@ def job_agents(run_root: str, job: str) -> dict[int, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def job_clients(run_root: str, job: str, *, timeout_secs: float,
-                local_host: int | None = None,
-                secret: bytes | None = None) -> Iterator[dict[int, Client]]:
-  """Clients of every live agent of ``job``, by host id, closed on exit.
-
-  ``local_host``'s agent is reached through its ipc socket, the others over tcp;
-  requests carry the job's ``secret`` (default: the one in the run root).
-  """
-  secret = secret or _paths.job_secret(run_root, job)
+def clients_of(agents: list[dict[str, Any]], job: str, *, timeout_secs: float, secret: bytes,
+               local_pid: int | None = None) -> Iterator[dict[int, Client]]:
+  """Clients of ``agents`` (address records), closed on exit, keyed 0, 1, ...
+  (two agents may share a host id: an old one on another machine after a
+  restart); each client knows its agent's ``host`` and ``pid``. The agent with
+  ``local_pid`` is reached through its ipc socket, the others over tcp."""
   clients = {}
-  for host, info in job_agents(run_root, job).items():
-    endpoint = info["ipc"] if host == local_host else info["tcp"]
-    clients[host] = Client(endpoint, who=f"snapshot agent of job {job!r} host {host} "
-                           f"(pid {info['pid']})", timeout_secs=timeout_secs, secret=secret)
+  for i, info in enumerate(sorted(agents, key=lambda a: (a["host"], a["tcp"]))):
+    endpoint = info["ipc"] if info["pid"] == local_pid else info["tcp"]
+    clients[i] = Client(endpoint, who=f"snapshot agent of job {job!r} host {info['host']} "
+                        f"(pid {info['pid']}, {info['tcp']})", timeout_secs=timeout_secs,
+                        secret=secret, host=info["host"], pid=info["pid"])
   try:
     yield clients
   finally:
     for c in clients.values():
       c.close()
+
+
+@contextlib.contextmanager
+def job_clients(run_root: str, job: str, *, timeout_secs: float,
+                secret: bytes | None = None) -> Iterator[dict[int, Client]]:
+  """Clients of every live agent of ``job`` under ``run_root`` (see :func:`clients_of`)."""
+  with clients_of(list(job_agents(run_root, job).values()), job, timeout_secs=timeout_secs,
+                  secret=secret or _paths.job_secret(run_root, job)) as clients:
+    yield clients
 
 
 def complete_steps_of(clients: dict[int, Client]) -> list[int]:
@@ -326,11 +345,11 @@ def complete_steps_of(clients: dict[int, Client]) -> list[int]:
   An agent that does not answer is left out (with a warning): its pieces count as lost.
   """
   seen: dict[int, tuple[int, set[int]]] = {}
-  for host, c in clients.items():
+  for c in clients.values():
     try:
       held = c.call("held")[0]["held"]
     except errors.AgentUnavailableError as e:
-      logger.warning("skipping host %d: %s", host, e)
+      logger.warning("skipping %s: %s", c.who, e)
       continue
     for step, index, count in held:
       seen.setdefault(step, (count, set()))[1].add(index)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 
 import pytest
 
@@ -11,17 +13,28 @@ from jaxckpt.testing import processes
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def launch(n, root, job, mode, *extra):
+def machine(root: str, m: int) -> tuple[str, str]:
+  """Machine ``m``'s own run root and loopback address (nothing shared between machines)."""
+  return os.path.join(root, f"machine{m}"), f"127.0.1.{m + 1}"
+
+
+def launch(n, root, job, mode, *extra, machines=None):
+  """``n`` processes; process i runs on machine ``machines[i]`` (default i)."""
   port = processes.free_port()
-  return [processes.Proc(["-m", "jaxckpt.testing.multihost_worker", "--port", str(port),
-                          "--num-processes", str(n), "--process-id", str(i), "--run-root",
-                          root, "--job", job, "--mode", mode, *extra], cwd=REPO)
-          for i in range(n)]
+  machines = list(range(n)) if machines is None else machines
+  procs = []
+  for i in range(n):
+    run_root, address = machine(root, machines[i])
+    procs.append(processes.Proc(
+        ["-m", "jaxckpt.testing.multihost_worker", "--port", str(port), "--num-processes", str(n),
+         "--process-id", str(i), "--run-root", run_root, "--tcp-host", address, "--job", job,
+         "--mode", mode, *extra], cwd=REPO))
+  return procs
 
 
-def run_job(n_save, n_restore, *restore_extra):
+def run_job(n_save, n_restore, *restore_extra, machines=None, save_machines=None):
   with processes.agent_sandbox() as (root, job):
-    savers = launch(n_save, root, job, "save")
+    savers = launch(n_save, root, job, "save", machines=save_machines)
     try:
       for p in savers:
         p.wait_for("SAVED [2, 3]", 400)
@@ -29,7 +42,7 @@ def run_job(n_save, n_restore, *restore_extra):
       for p in savers:                    # every trainer process killed (SIGKILL)
         p.__exit__(None, None, None)
     assert len(processes.agent_pids(root)) == n_save      # the agents live on
-    restorers = launch(n_restore, root, job, "restore", *restore_extra)
+    restorers = launch(n_restore, root, job, "restore", *restore_extra, machines=machines)
     try:
       for p in restorers:
         assert "OK 3 host" in p.finish(400)
@@ -52,5 +65,40 @@ def test_four_processes_restart_with_another_device_mapping():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_processes_restarted_on_each_others_machines_find_every_agent_through_the_job():
+  # Process 0 restarts on machine 1 and process 1 on machine 0: each finds the other
+  # machine's agents only through jax.distributed's key-value store.
+  run_job(2, 2, machines=[1, 0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_fewer_processes_read_pieces_from_every_agent():
-  run_job(4, 2)
+  # Four processes on two machines (two agents in each private run root), restarted as one
+  # process per machine: each reads the other machine's two agents through the job.
+  run_job(4, 2, save_machines=[0, 0, 1, 1], machines=[0, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lost_machine_is_rebuilt_from_parity_exchanged_between_private_run_roots():
+  with processes.agent_sandbox() as (root, job):
+    savers = launch(4, root, job, "save", "--parity", "1")
+    try:
+      for p in savers:
+        p.wait_for("PROTECTED 3", 400)
+    finally:
+      for p in savers:
+        p.__exit__(None, None, None)
+    lost_root, _ = machine(root, 2)                # machine 2 is gone: its agent and memory
+    for pid in processes.agent_pids(lost_root):
+      os.kill(pid, signal.SIGKILL)
+      processes.wait_gone(pid, 10, "the agent of machine 2")
+    shutil.rmtree(lost_root)
+    restorers = launch(4, root, job, "restore", "--parity", "1")
+    try:
+      for p in restorers:
+        assert "OK 3 parity" in p.finish(400)
+    finally:
+      for p in restorers:
+        p.__exit__(None, None, None)

@@ -1,7 +1,11 @@
 """One "host" of a multi-process jax.distributed job on loopback (used by tests).
 
   python -m jaxckpt.testing.multihost_worker --port P --num-processes N --process-id I \
-      --run-root R --job J --mode save|restore [--permute] [--steps S]
+      --run-root R --tcp-host 127.0.1.M --job J --mode save|restore [--permute] [--steps S]
+
+Each "host" is a machine of its own: its own run root (nothing shared with the
+others) and its own loopback address for its agent; the job finds its agents
+through jax.distributed's key-value store.
 
 ``save`` snapshots steps 1..S of a state sharded over every device of the job
 (sharded, replicated and partially replicated leaves, a PRNG key, non-array
@@ -29,11 +33,13 @@ def main(argv=None) -> int:
   p.add_argument("--port", type=int, required=True)
   p.add_argument("--num-processes", type=int, required=True)
   p.add_argument("--process-id", type=int, required=True)
-  p.add_argument("--run-root", required=True)
+  p.add_argument("--run-root", required=True, help="this machine's own run root")
+  p.add_argument("--tcp-host", default="127.0.0.1", help="this machine's address (127.0.1.M)")
   p.add_argument("--job", required=True)
   p.add_argument("--mode", choices=["save", "restore"], required=True)
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--permute", action="store_true")
+  p.add_argument("--parity", type=int, default=0, help="ParityOptions.parity (0: off)")
   a = p.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_num_cpu_devices", 2)
@@ -58,7 +64,10 @@ def main(argv=None) -> int:
            for k, v in vals.items()}
     return {**out, "key": jax.random.key(step), "data": {"position": step * 10}}
 
-  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=a.job, run_root=a.run_root))
+  parity = (jc.ParityOptions(group_size=a.num_processes, parity=a.parity) if a.parity
+            else None)
+  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=a.job, run_root=a.run_root,
+                                                    tcp_host=a.tcp_host), parity=parity)
   with jc.CheckpointManager(options=opts) as mgr:
     if a.mode == "save":
       for step in range(1, a.steps + 1):
@@ -70,6 +79,9 @@ def main(argv=None) -> int:
           raise TimeoutError(f"step {a.steps} not complete on every host: {mgr.all_steps()}")
         time.sleep(0.05)
       print("SAVED", mgr.all_steps(), flush=True)
+      if parity is not None:
+        mgr.wait_until_protected(a.steps, timeout_secs=120)
+        print("PROTECTED", a.steps, flush=True)
       time.sleep(3600)
       return 0
     target = make(0)
