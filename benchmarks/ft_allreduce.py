@@ -125,8 +125,10 @@ def _ft_member(address: str, secret: str, gid: str, nbytes: int, steps: int, out
   rng = np.random.default_rng(int(gid[1:]))
   grads = [rng.standard_normal(nbytes // 4 // 4, dtype=np.float32) for _ in range(4)]
   times, sent = [], []
+  # ring_size 4: the group's flat buffers are reused from step 6 on (WARM_STEPS skips them).
+  opts = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=100), ring_size=4)
   with Group(lighthouse=address, group_id=gid, timeout=timedelta(seconds=60), secret=secret,
-             options=OPTS) as ft:
+             options=opts) as ft:
     for _ in range(steps):
       ft.start_step()
       before = ft.bytes_sent
@@ -200,7 +202,7 @@ def ring(size: int, nbytes: int, steps: int) -> dict[str, Any]:
   raw = [out.get(timeout=600) for _ in procs]
   for p in procs:
     p.join()
-  warm = max(1, steps // 5)
+  warm = WARM_STEPS
   ft_med = statistics.median(t for _, ts, _ in ft for t in ts[warm:])
   raw_med = statistics.median(t for _, ts in raw for t in ts[warm:])
   sent = statistics.median(b for _, _, bs in ft for b in bs)
@@ -209,6 +211,9 @@ def ring(size: int, nbytes: int, steps: int) -> dict[str, Any]:
           "raw_socket_ring_median_s": raw_med, "ft_over_raw": ft_med / raw_med,
           "bytes_sent_per_member": sent, "ideal_bytes_2(G-1)/G": ideal,
           "sent_over_ideal": sent / ideal, "committed_steps": min(len(ts) for _, ts, _ in ft)}
+
+
+WARM_STEPS = 8
 
 
 def _free_port() -> int:
@@ -232,7 +237,8 @@ def main() -> None:
   ring_sizes = [int(m) << 20 for m in (args.sizes_mib or ("1,16" if args.quick else "1,16,64")).split(",")]
   result: dict[str, Any] = {"host_cores": os.cpu_count()}
   if "ring" in parts:
-    result["ring"] = [ring(g, n, 8 if args.quick else 15) for g in groups for n in ring_sizes]
+    result["ring"] = [ring(g, n, WARM_STEPS + (6 if args.quick else 15)) for g in groups
+                      for n in ring_sizes]
   if "overhead" in parts:
     result["overhead_device"] = "cpu, 3 groups x 2 devices, threads of one process"
     result["overhead"] = [overhead(n, steps) for n in sizes]

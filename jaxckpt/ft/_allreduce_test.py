@@ -31,7 +31,7 @@ def _run(contributions, *, die: int | None = None, timeout: float = 5.0):
         got_hop, chunk = inbox[r].get(timeout=timeout)
       except queue.Empty:
         return None
-      assert got_hop == hop
+      assert got_hop == hop           # pieces arrive in order on one connection
       return chunk
     out[r] = _allreduce.ring_mean(contributions[r], r, size, send, recv)
 
@@ -81,3 +81,27 @@ def test_float64_leaves_accumulate_in_float64():
   out, _ = _run([a, b])
   assert out[0][0].dtype == np.float64 and out[0][0][0] == 1e-20
   assert out[0][1].dtype == np.float32 and out[0][1][0] == 2.0
+
+
+def test_chunks_travel_in_pieces_with_the_same_bits(monkeypatch):
+  monkeypatch.setattr(_allreduce, "PIECE_BYTES", 64)       # 16 float32 per piece
+  rng = np.random.default_rng(0)
+  contributions = [[rng.standard_normal(1001).astype(np.float32)] for _ in range(3)]
+  out, sent = _run(contributions)
+  want = _allreduce.reference_mean(contributions)[0].tobytes()
+  assert all(o[0].tobytes() == want for o in out)
+  assert all(abs(s - 2 * 2 / 3 * 1001 * 4) <= 24 for s in sent)
+
+
+def test_a_pooled_buffer_is_reused_only_once_nothing_refers_to_it():
+  pool = _allreduce.BufferPool(keep=4)
+  a = pool.get(1000, np.dtype(np.float32))
+  view = a[10:20]
+  b = pool.get(1000, np.dtype(np.float32))
+  assert b is not a                                # a view of it is alive
+  del view, a
+  c = pool.get(1000, np.dtype(np.float32))
+  assert c is not b and c.size == 1000             # the first buffer, free again
+  results = _allreduce.unflatten(c, [np.zeros(1000, np.float32)])
+  with pytest.raises(ValueError, match="read-only"):
+    results[0][0] = 1.0

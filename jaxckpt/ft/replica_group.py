@@ -148,7 +148,7 @@ class ReplicaGroup:
     self._no_quorum_since: float | None = None
     self._layout: tuple[list[Any], Any] | None = None
     self._comm = _group_comm.GroupComm()
-    self._ctx = zmq.Context() if self._comm.is_talker else None
+    self._ctx = zmq.Context(io_threads=2) if self._comm.is_talker else None
     if self._ctx is not None:
       self._server = _peer.PeerServer(
           self._ctx, self.options.host, CatchUpServer(self.ring, self.digests, lambda: self.snapshot_source),
@@ -159,6 +159,8 @@ class ReplicaGroup:
       self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
                                   secret=key, drop=self._dropping)
     self.bytes_sent = 0          # gradient bytes this group sent in all-reduces
+    # Flat all-reduce buffers, reused once no ring entry or result refers to them.
+    self._buffers = _allreduce.BufferPool(self.options.ring_size + 2)
     self._peer_source = peer_source or self._default_peer_source
 
   # ---- the training-loop API --------------------------------------------------------------------
@@ -337,7 +339,7 @@ class ReplicaGroup:
         return None
       return arrays[0]
 
-    result = _allreduce.ring_mean(host, rank, size, send, recv)
+    result = _allreduce.ring_mean(host, rank, size, send, recv, self._buffers)
     if result is None:
       return None
     return result, ids, chain_digest(self.digest, result)
