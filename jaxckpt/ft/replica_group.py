@@ -56,6 +56,7 @@ from jaxckpt.ft.ring import INITIAL_DIGEST, DigestLog, GradientRing, RingEntry, 
 logger = logging.getLogger(__name__)
 
 ApplyFn = Callable[[Any, Any], Any]
+_CHASES = 4          # catch-ups in one start_step before the group sits the attempt out
 PeerSourceFactory = Callable[[Member], SnapshotSource]
 
 
@@ -186,15 +187,26 @@ class ReplicaGroup:
     quorum = self._join()
     attempt = _Attempt(index=index, step=self.step, quorum=quorum, quorum_secs=time.monotonic() - t0)
     self._current = attempt
-    if quorum is None:
-      return state
-    if self._in_sync(quorum):
-      attempt.participating = True
-    elif apply_fn is not None:       # catch up while the healthy members reduce without us
+    # Behind: catch up while the healthy members reduce without us (up to the step they
+    # reduce now), then join the next quorum in sync. A replay slower than their step
+    # leaves us behind again: chase (one ring entry each time) a bounded number of times.
+    for _ in range(_CHASES):
+      if quorum is None:
+        return state
+      if self._in_sync(quorum):
+        attempt.participating = True
+        return state
+      if apply_fn is None:
+        logger.warning("group %s is behind (step %d < %d) and start_step got no apply_fn: sitting "
+                       "out", self.group_id, self.step, quorum.max_step, extra=self._extra())
+        return state
+      before = self.step
       state = self._catch_up(state, apply_fn, grads_like, attempt)
-    else:
-      logger.warning("group %s is behind (step %d < %d) and start_step got no apply_fn: sitting out",
-                     self.group_id, self.step, quorum.max_step, extra=self._extra())
+      if self.step == before:
+        return state                  # could not catch up: sit this attempt out
+      t0 = time.monotonic()
+      quorum = attempt.quorum = self._join()
+      attempt.quorum_secs += time.monotonic() - t0
     return state
 
   def batch_index(self) -> int:
@@ -400,21 +412,22 @@ class ReplicaGroup:
     except (OSError, KeyError, ValueError, errors.QuorumError) as e:
       logger.warning("group %s could not catch up to step %d: %s; sitting this attempt out",
                      self.group_id, quorum.max_step, e, extra=self._extra())
-      attempt.catch_up_secs = time.monotonic() - t0
+      attempt.catch_up_secs += time.monotonic() - t0
       return before
     for entry in plan["entries"]:
       self.ring.put(entry)
       self.digests.record(entry.step + 1, entry.digest_after)
     self.step, self.digest = step, digest
     self.digests.record(step, digest)
+    secs = time.monotonic() - t0
     attempt.step = step
-    attempt.caught_up_steps = len(plan["entries"])
-    attempt.catch_up_secs = time.monotonic() - t0
+    attempt.caught_up_steps += len(plan["entries"])
+    attempt.catch_up_secs += secs
     self.counters.catch_ups += 1
-    self.counters.catch_up_secs += attempt.catch_up_secs
+    self.counters.catch_up_secs += secs
     logger.info("group %s caught up to step %d in %.3fs (%d steps replayed, snapshot %s)",
-                self.group_id, step, attempt.catch_up_secs, attempt.caught_up_steps,
-                attempt.snapshot_step, extra=dict(self._extra(), catch_up_secs=attempt.catch_up_secs))
+                self.group_id, step, secs, len(plan["entries"]), attempt.snapshot_step,
+                extra=dict(self._extra(), catch_up_secs=secs))
     return state
 
   def _talker_plan(self, fetch: Callable[[], dict[str, Any]], state: Any,
