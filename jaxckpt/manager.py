@@ -134,8 +134,11 @@ class CheckpointManager:
 
     Returns False (and counts it in ``stats``) when ``step`` is off the save
     interval or the previous snapshot is still being copied and
-    ``on_busy="skip"``. A snapshot of ``step`` discards held snapshots of
-    steps >= ``step`` (they belong to a timeline that was rolled back).
+    ``on_busy="skip"`` (logged at WARNING with the running count). A save due
+    for storage is never skipped: it waits for the previous snapshot (at most
+    ``timeout_secs``; SnapshotTimeoutError names the step and what was late).
+    A snapshot of ``step`` discards held snapshots of steps >= ``step`` (they
+    belong to a timeline that was rolled back).
     """
     t0 = time.perf_counter()
     self._check_open("save")
@@ -144,18 +147,21 @@ class CheckpointManager:
     if not force and step % self.options.save_interval_steps:
       self.stats.skipped_interval += 1
       return False
-    persist_due = self._persist_config is not None and (
-        step % self._persist_config.interval_steps == 0)
+    persist_due = self._persist_due(step)
     if persist_due and step in self._on_storage:
       self._refuse_committed(step)
     if not self._wait_for_previous(step):   # before any per-leaf work: skips stay cheap
       return False
     leaves, _ = tree.flatten(state)
     plan = self._planner.plan(leaves)
-    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout())
+    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout(step))
     if slot is None:
-      self.stats.skipped_busy += 1
-      logger.info("step %d: no free snapshot slot, save skipped", step)
+      if persist_due:
+        raise errors.SnapshotTimeoutError(
+            f"save(step={step}): the step is due for storage but no snapshot slot freed up "
+            f"within {self._reserve_timeout(step)} s (every slot was held by a committed step "
+            "that a restore or a persist still reads); raise timeout_secs or max_snapshots")
+      self._skip_busy(step, "no snapshot slot is free")
       return False
     try:
       sources = capture.start(leaves, plan)
@@ -185,20 +191,41 @@ class CheckpointManager:
     capture.warm_up(leaves, plan)
     self._store.preallocate(plan.nbytes)
 
-  def _reserve_timeout(self) -> float:
-    return self.options.busy_timeout_secs if self.options.on_busy == "wait" else 0.0
+  def _reserve_timeout(self, step: int) -> float:
+    if self.options.on_busy == "wait":
+      return self.options.busy_timeout_secs
+    return self.options.timeout_secs if self._persist_due(step) else 0.0
 
   def _wait_for_previous(self, step: int) -> bool:
     pending = self._pending
     if pending is None or pending.done():
       return True
-    if self.options.on_busy == "skip":
-      self.stats.skipped_busy += 1
-      logger.info("step %d: previous snapshot still copying, save skipped", step)
+    due = self._persist_due(step)
+    if self.options.on_busy == "skip" and not due:
+      self._skip_busy(step, "the previous snapshot is still being copied")
       return False
-    self._wait(pending, self.options.busy_timeout_secs, f"save of step {step}")
+    self._wait(pending, self._reserve_timeout(step),
+               f"save of step {step}" + (" (due for storage: never skipped)" if due else ""))
     self._raise_background_error(ask_agent=False)
     return True
+
+  def _persist_due(self, step: int) -> bool:
+    """Whether a save of ``step`` is due for storage (such a save is never skipped)."""
+    c = self._persist_config
+    return c is not None and step % c.interval_steps == 0
+
+  def _skip_busy(self, step: int, why: str) -> None:
+    self.stats.skipped_busy += 1
+    logger.warning("step %d: save skipped: %s (on_busy='skip'; %d skipped so far; saves due for "
+                   "storage wait instead)", step, why, self.stats.skipped_busy)
+
+  def should_save(self, step: int) -> bool:
+    """Whether ``save(step)`` would take a snapshot: ``step`` is on the save
+    interval and the manager is open (as orbax's ``should_save``). With
+    ``on_busy="skip"`` a save that is not due for storage may still be skipped
+    while the previous snapshot is copied."""
+    step = check_step(step, "should_save")
+    return not self._closed and step % self.options.save_interval_steps == 0
 
   def _new_attempt(self, step: int) -> str:
     """This run's next persist attempt of ``step`` (the same on every process)."""
@@ -419,7 +446,8 @@ class CheckpointManager:
       target: the abstract state (``jax.ShapeDtypeStruct`` leaves with
         ``sharding``, e.g. from ``jax.eval_shape`` or ``nnx.eval_shape``) or
         concrete arrays whose shardings are used; numpy leaves come back as
-        numpy. None returns a flat ``{path: value}`` dict with numpy arrays.
+        numpy. None returns the saved tree as nested dicts and lists (``.attr``
+        levels become dict keys) of numpy arrays, PRNG keys and scalars.
 
     Raises:
       StepNotFoundError: no tier holds ``step``.
@@ -447,6 +475,8 @@ class CheckpointManager:
       out = _restore.restore_tree(source, target)
       jax.block_until_ready(out)
       nbytes = source.bytes_read
+    if target is None:
+      out = tree.nest(out)
     self.last_restore = _restore.RestoreInfo(step, tier, time.perf_counter() - t0, nbytes)
     logger.info("restored step %d from %s (%d bytes, %.3f s)", step, tier, nbytes,
                 self.last_restore.seconds)

@@ -159,8 +159,12 @@ def test_containers_keys_numpy_scalars_and_strings(mgr):
   assert_same(jax.random.key_data(out["rbg"]), jax.random.key_data(state["rbg"]))
   assert_same(jax.random.normal(out["rbg"], (3,)), jax.random.normal(state["rbg"], (3,)))
   assert out["list"][1:] == [3 + 4j, 2**70] and isinstance(out["list"][0], np.float32)
-  flat = mgr.restore(target=None)
-  assert_same(flat["['ts'].params['w']"], X) and flat["['list'][2]"] == 2**70
+  saved = mgr.restore(target=None)
+  assert sorted(saved) == sorted(state) and isinstance(saved["list"], list)
+  assert isinstance(saved["ts"]["params"]["w"], np.ndarray)
+  assert_same(saved["ts"]["params"]["w"], np.asarray(X)) and saved["list"][2] == 2**70
+  assert saved["ts"]["note"] == "hello" and saved["list"][0].shape == ()
+  assert saved["list"][0].dtype == np.float32 and saved["list"][0] == np.float32(2.5)
 
 
 class MLP(nnx.Module):
@@ -400,3 +404,26 @@ def test_small_leaves_on_a_one_device_mesh_take_the_per_shard_path():
     out = m.restore(target={k: put(np.zeros_like(v), one, "x") for k, v in values.items()})
   for k, v in values.items():
     assert_same(out[k], v)
+
+
+def test_restore_without_target_returns_the_saved_tree(tmp_path):
+  w = np.arange(6, dtype=np.float32).reshape(2, 3)
+  state = {"params": {"w": w, "layers": [np.int8(3), np.zeros(2, np.int64)]}, "step": 7}
+  with jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=1)) as m:
+    m.save(1, state, force=True)
+    m.wait_until_persisted(1)
+    host = m.restore(1)
+    assert m.last_restore.tier == "host"
+  with jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=1)) as m:
+    disk = m.restore(1)
+    assert m.last_restore.tier == "storage"
+  for out in (host, disk):
+    assert sorted(out) == ["params", "step"] and out["step"] == 7
+    assert isinstance(out["params"]["layers"], list) and len(out["params"]["layers"]) == 2
+    assert type(out["params"]["w"]) is np.ndarray and out["params"]["w"].dtype == np.float32
+    np.testing.assert_array_equal(out["params"]["w"], w)
+    np.testing.assert_array_equal(out["params"]["layers"][1], np.zeros(2, np.int64))
+  with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
+    m.save(1, w, force=True)
+    m.wait_until_finished()
+    np.testing.assert_array_equal(m.restore(1), w)

@@ -8,9 +8,11 @@ scalars, and Python ``bool``/``int``/``float``/``complex``/``str``/``bytes``.
 
 from __future__ import annotations
 
+import ast
 import base64
 import dataclasses
 import functools
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -231,3 +233,57 @@ def _mismatch(path: str, step: int, got: str, want: str) -> errors.StructureMism
   return errors.StructureMismatchError(
       f"restore target leaf {path} has {got} but step {step} saved {want}; fix "
       "the target (or restore with target=None to get what was saved)")
+
+
+_KEY = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|-?\d+)\]|\.([A-Za-z_]\w*)""")
+
+
+def path_keys(path: str) -> list[str | int]:
+  """The keys of a ``keystr`` path: ``"['a'][0].b"`` -> ``['a', 0, 'b']``."""
+  keys, pos = [], 0
+  for m in _KEY.finditer(path):
+    if m.start() != pos:
+      break
+    text = m.group(1)
+    keys.append(m.group(2) if text is None else
+                int(text) if text[0] not in "'\"" else ast.literal_eval(text))
+    pos = m.end()
+  if pos != len(path) or not keys:
+    raise errors.ConversionError(
+        f"leaf path {path!r} is not a jax keystr path ([\'key\'], [index], .attr) "
+        f"from character {pos}; Rename it with a conversion spec")
+  return keys
+
+
+def nest(flat: dict[str, Any]) -> Any:
+  """A nested tree from keystr paths.
+
+  ``['k']`` is a dict key, ``[0]`` a list index (a level whose keys are
+  exactly ``0..n-1`` becomes a list), ``.name`` a dict key; a tree that was a
+  single leaf (path ``""``) is that leaf.
+
+  >>> nest({"['a'][0].b": 1, "['a'][1].b": 2, "['c']": 3})
+  {'a': [{'b': 1}, {'b': 2}], 'c': 3}
+  """
+  if list(flat) == [""]:
+    return flat[""]            # the whole tree was one leaf
+  root: dict = {}
+  for path, value in flat.items():
+    node, keys = root, path_keys(path)
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+      if not isinstance(node, dict):
+        raise errors.ConversionError(f"leaf path {path!r} runs through another leaf at key {k!r}")
+    if keys[-1] in node:
+      raise errors.ConversionError(f"leaf path {path!r} is also the prefix of other leaves")
+    node[keys[-1]] = value
+  return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+  if not isinstance(node, dict):
+    return node
+  out = {k: _lists(v) for k, v in node.items()}
+  if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+    return [out[i] for i in range(len(out))]
+  return out

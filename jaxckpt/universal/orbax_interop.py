@@ -21,10 +21,8 @@ whole tree in host memory while it saves.
 
 from __future__ import annotations
 
-import ast
 import logging
 import os
-import re
 from typing import Any
 
 import numpy as np
@@ -32,6 +30,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxckpt import errors
+from jaxckpt.tree import nest, path_keys  # pylint: disable=unused-import (public here too)
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 from jaxckpt.universal import _read
@@ -41,7 +40,6 @@ from jaxckpt.universal import convert as cv
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT_SECS = 600.0
-_KEY = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|-?\d+)\]|\.([A-Za-z_]\w*)""")
 
 
 def _item_dir(orbax_dir: str, step: int | None, item: str | None) -> tuple[str, int | None]:
@@ -167,51 +165,6 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
   _write.write_leaves(dst_dir, dst_step, leaves, sources, metadata=metadata)
   log.info("imported %d leaves of %s into step %d of %s", len(leaves), item_dir, dst_step, dst_dir)
   return dst_step
-
-
-def path_keys(path: str) -> list[str | int]:
-  """The keys of a ``keystr`` path: ``"['a'][0].b"`` -> ``['a', 0, 'b']``."""
-  keys, pos = [], 0
-  for m in _KEY.finditer(path):
-    if m.start() != pos:
-      break
-    text = m.group(1)
-    keys.append(m.group(2) if text is None else
-                int(text) if text[0] not in "'\"" else ast.literal_eval(text))
-    pos = m.end()
-  if pos != len(path) or not keys:
-    raise errors.ConversionError(
-        f"leaf path {path!r} is not a jax keystr path ([\'key\'], [index], .attr) "
-        f"from character {pos}; Rename it with a conversion spec")
-  return keys
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-  """A nested tree from keystr paths (see the module docstring for the rules).
-
-  >>> nest({"['a'][0].b": 1, "['a'][1].b": 2, "['c']": 3})
-  {'a': [{'b': 1}, {'b': 2}], 'c': 3}
-  """
-  root: dict = {}
-  for path, value in flat.items():
-    node, keys = root, path_keys(path)
-    for k in keys[:-1]:
-      node = node.setdefault(k, {})
-      if not isinstance(node, dict):
-        raise errors.ConversionError(f"leaf path {path!r} runs through another leaf at key {k!r}")
-    if keys[-1] in node:
-      raise errors.ConversionError(f"leaf path {path!r} is also the prefix of other leaves")
-    node[keys[-1]] = value
-  return _lists(root)
-
-
-def _lists(node: Any) -> Any:
-  if not isinstance(node, dict):
-    return node
-  out = {k: _lists(v) for k, v in node.items()}
-  if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
-    return [out[i] for i in range(len(out))]
-  return out
 
 
 def _exportable(path: str, info: man.LeafInfo) -> None:

@@ -1,0 +1,69 @@
+"""Tests of which saves happen: should_save, and due-for-storage saves never skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+import jaxckpt as jc
+from jaxckpt import errors
+from jaxckpt.store import InProcessStore
+
+
+class GatedStore(InProcessStore):
+  """An in-process store whose commits wait for ``gate`` (a snapshot that stays busy)."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.gate = threading.Event()
+
+  def commit(self, slot, manifest, **kw):
+    assert self.gate.wait(60), "test gate never opened"
+    super().commit(slot, manifest, **kw)
+
+
+def test_should_save_follows_interval():
+  opts = jc.CheckpointOptions(max_snapshots=1, save_interval_steps=5)
+  mgr = jc.CheckpointManager(options=opts)
+  assert [s for s in range(12) if mgr.should_save(s)] == [0, 5, 10]
+  with pytest.raises(errors.InvalidArgumentError, match=r"should_save\(step=5.0\)"):
+    mgr.should_save(5.0)
+  mgr.close()
+  assert not mgr.should_save(5)
+
+
+def test_due_save_waits_instead_of_skipping(tmp_path, caplog):
+  opts = jc.CheckpointOptions(max_snapshots=2, save_interval_steps=1, persist_interval_steps=4,
+                              on_busy="skip", timeout_secs=0.5)
+  store = GatedStore(max_snapshots=2, host_memory_limit_bytes=1 << 26)
+  mgr = jc.CheckpointManager(str(tmp_path), opts, store=store)
+  try:
+    x = np.arange(1000, dtype=np.float32)
+    assert mgr.save(1, {"w": x})
+    with caplog.at_level(logging.WARNING, logger="jaxckpt.manager"):
+      assert not mgr.save(2, {"w": x + 2})         # not due for storage: skipped, loudly
+      assert not mgr.save(3, {"w": x + 3})
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step 2: save skipped" in m and "1 skipped so far" in m for m in msgs), msgs
+    assert any("step 3: save skipped" in m and "2 skipped so far" in m for m in msgs), msgs
+    assert mgr.stats.skipped_busy == 2
+    with pytest.raises(errors.SnapshotTimeoutError,
+                       match=r"save of step 4 \(due for storage: never skipped\): the background "
+                             r"snapshot copy of process 0 did not finish within 0.5 s"):
+      mgr.save(4, {"w": x + 4})                   # due: waited (bounded), not skipped
+    threading.Timer(0.2, store.gate.set).start()     # the copy finishes while step 4 waits
+    mgr.options = dataclasses.replace(mgr.options, timeout_secs=60.0)
+    assert mgr.save(4, {"w": x + 4})
+    mgr.wait_until_persisted(4, timeout_secs=60)
+    assert mgr.stats.skipped_busy == 2
+  finally:
+    store.gate.set()
+    mgr.close()
+  with jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=1)) as m2:
+    out = m2.restore(4, {"w": x})
+    assert m2.last_restore.tier == "storage"
+    np.testing.assert_array_equal(out["w"], x + 4)
