@@ -7,11 +7,13 @@ import dataclasses
 import doctest
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from jaxckpt import cli
+from jaxckpt import cli, errors
 from jaxckpt import goodput as sim
 from jaxckpt.errors import JaxckptError
 from jaxckpt.goodput import MODES, Mode, SimulationConfig, simulate, sweep
@@ -286,3 +288,46 @@ def test_cli_sensitivity_json(capsys):
   out = json.loads(capsys.readouterr().out)
   assert [(r["accelerators"], r["mode"]) for r in out["results"]] == [(4096, "replica_groups")]
   assert set(out["results"][0]["inputs"]["failure_detection_secs"]) == {"halved", "doubled"}
+
+
+def test_every_input_cites_a_source_and_the_paper_is_only_a_comparison():
+  from jaxckpt import goodput as gp  # pylint: disable=import-outside-toplevel
+  names = {f.name for f in dataclasses.fields(gp.SimulationConfig)}
+  assert names == set(gp.SOURCES) and all(len(gp.SOURCES[n]) > 20 for n in names)
+  text = gp.explain()
+  assert text.count("source: ") == len(names)
+  assert "Comparison points (not inputs)" in text and "44% (synchronous)" in text
+
+
+def _write_benchmarks(d):
+  (d / "snapshot.json").write_text(json.dumps({"bytes": 2 * 2**30, "seconds": {
+      "agent_restore_same_s": {"median": 0.5}, "agent_blocking_s": {"median": 0.006}}}))
+  (d / "catch_up.json").write_text(json.dumps({"size_mib": 256, "catch_up_secs": 0.7}))
+  (d / "catch_up_stall.json").write_text(json.dumps({
+      "healthy_worst_step_while_catching_up_s": 0.125, "healthy_median_step_s": 0.1}))
+
+
+def test_from_benchmarks_derives_jaxckpts_inputs_and_cites_the_files(tmp_path):
+  from jaxckpt import goodput as gp  # pylint: disable=import-outside-toplevel
+  _write_benchmarks(tmp_path)
+  values, cites = gp.from_benchmarks(tmp_path, state_gib_per_host=8)
+  assert values == pytest.approx({"host_snapshot_load_secs": 0.5 / 2 * 8,
+                                  "peer_state_fetch_secs": 0.7 / 0.25 * 8,
+                                  "checkpoint_save_stall_secs": 0.006,
+                                  "rejoin_stall_secs": 0.025})
+  assert all(str(tmp_path) in c for c in cites.values())
+  out = subprocess.run([sys.executable, "-m", "jaxckpt", "simulate", "--from-benchmarks", str(tmp_path),
+                        "--accelerators", "1024", "--days", "1", "--json"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  doc = json.loads(out.stdout)
+  assert doc["config"]["host_snapshot_load_secs"] == pytest.approx(2.0)
+  assert "snapshot.json" in doc["sources"]["host_snapshot_load_secs"]
+  assert doc["comparison"]["effective_training_time"]["synchronous"] == 0.44
+  (tmp_path / "catch_up.json").unlink()
+  with pytest.raises(errors.InvalidArgumentError, match=r"catch_up.json is missing; write it with "
+                     r"`python benchmarks/catch_up.py > DIR/catch_up.json`"):
+    gp.from_benchmarks(tmp_path, state_gib_per_host=8)
+  (tmp_path / "catch_up.json").write_text(json.dumps({"size_mib": 256}))
+  with pytest.raises(errors.InvalidArgumentError, match=r"catch_up.json has no field catch_up_secs"):
+    gp.from_benchmarks(tmp_path, state_gib_per_host=8)
