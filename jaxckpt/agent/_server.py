@@ -388,8 +388,16 @@ class Agent:
       out.append([step, m["process_index"], m["process_count"]])
     return {"held": out}
 
-  def op_fetch(self, step: int, ranges: list[list[int]]) -> tuple[dict[str, Any], list[bytes]]:
+  def op_fetch(self, step: int, ranges: list[list[int]], pid: int | None = None
+               ) -> tuple[dict[str, Any], list[Any]]:
+    """Byte ranges of ``step``'s snapshot. A requester that holds a pin on the
+    step (``op_open``) gets views of the slot's memory, sent without a copy (the
+    pin keeps the slot from being reused until it closes); others get copies
+    taken under the agent's lock."""
     s = self._slot_of(step)
+    if pid is not None and s.pins.get(pid):
+      view = memoryview(self.slots[s.index].read_map(s.size))
+      return {}, [view[o:o + n] for o, n in ranges]
     with open(self.slots[s.index].path, "rb") as f, \
          mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
       return {}, [bytes(mm[o:o + n]) for o, n in ranges]
