@@ -102,7 +102,7 @@ class CheckpointManager:
       return InProcessStore(max_snapshots=self.options.max_snapshots,
                             host_memory_limit_bytes=limit)
     from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
-    if self.options.parity is not None:
+    if self.options.parity is not None and a.host_id is None:   # hosts = this job's processes
       from jaxckpt.parity import placement  # pylint: disable=import-outside-toplevel
       placement.check_hosts(jax.process_count(), self.options.parity)
     host = jax.process_index() if a.host_id is None else a.host_id
