@@ -492,6 +492,46 @@ def plot(results: Sequence[SimulationResult], path: str | os.PathLike[str]) -> N
   fig.savefig(os.fspath(path), format="png")
 
 
+def plot_tornado(report: dict[str, Any], path: str | os.PathLike[str], top: int = 8) -> None:
+  """Writes a PNG tornado chart of a :func:`sensitivity` report: one panel per
+  (accelerators, mode), the ``top`` inputs that move the result most, each bar
+  spanning its halved and doubled effect on effective training time.
+
+  Raises:
+    ModuleNotFoundError: matplotlib is not installed (``pip install 'jaxckpt[plot]'``).
+  """
+  try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        "jaxckpt.goodput.plot_tornado needs matplotlib: pip install 'jaxckpt[plot]'") from e
+  results = report["results"]
+  cols = len({r["mode"] for r in results})
+  rows = -(-len(results) // cols)
+  fig = Figure(figsize=(4.2 * cols, 2.6 * rows), dpi=90)
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(rows, cols, squeeze=False).ravel()
+  for ax, r in zip(axes, results):
+    ranked = sorted(r["inputs"].items(), key=lambda kv: -max(abs(v) for v in kv[1].values()))[:top]
+    names = [n for n, _ in ranked][::-1]
+    base = 100 * r["base"]
+    for y, name in enumerate(names):
+      d = r["inputs"][name]
+      ax.barh(y, 100 * d["halved"], left=base, color="tab:blue", height=0.7)
+      ax.barh(y, 100 * d["doubled"], left=base, color="tab:orange", height=0.7)
+    ax.axvline(base, color="k", lw=0.8)
+    ax.set_yticks(range(len(names)), [n.replace("_secs", "").replace("_", " ") for n in names],
+                  fontsize=7)
+    ax.set_title(f"{r['mode']} at {r['accelerators'] / 1024:g}K: {base:.1f}%", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+  for ax in axes[len(results):]:
+    ax.set_visible(False)
+  fig.supxlabel("effective training time (%): blue halved, orange doubled", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.fspath(path), format="png")
+
+
 _LLAMA3 = ("Llama 3 (Dubey et al. 2024, sec. 3.3.4): 419 unexpected interruptions in 54 days on 16,384 "
            "H100s, one per ~50.7K GPU-hours")
 _KOKOLIS = ("Kokolis et al. 2024, 'Revisiting Reliability in Large-Scale ML Research Clusters' "
@@ -772,7 +812,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                       help=f"simulated wall time per run (default {days})")
   parser.add_argument("--modes", type=lambda s: s.split(","), default=[m.value for m in MODES],
                       help="comma-separated modes (default all)")
-  parser.add_argument("--plot", metavar="PATH", help="write a PNG plot against N")
+  parser.add_argument("--plot", metavar="PATH",
+                      help="write a PNG plot against N (with --sensitivity: a tornado chart)")
   parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
   parser.add_argument("--explain", action="store_true",
                       help="print the inputs, why, and each one's source, then exit")
@@ -836,7 +877,11 @@ def run_cli(args: argparse.Namespace) -> int:
       return 0
     if args.sensitivity:
       sizes = args.accelerators if args.accelerators != [PAPER_ACCELERATORS] else SENSITIVITY_ACCELERATORS
-      print(json.dumps(sensitivity(config, sizes, args.modes), indent=1))
+      report = sensitivity(config, sizes, args.modes)
+      print(json.dumps(report, indent=1))
+      if args.plot:
+        plot_tornado(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
       return 0
     results = sweep(args.accelerators, config, args.seed, args.modes)
   except ValueError as e:

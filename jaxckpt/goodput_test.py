@@ -331,3 +331,12 @@ def test_from_benchmarks_derives_jaxckpts_inputs_and_cites_the_files(tmp_path):
   (tmp_path / "catch_up.json").write_text(json.dumps({"size_mib": 256}))
   with pytest.raises(errors.InvalidArgumentError, match=r"catch_up.json has no field catch_up_secs"):
     gp.from_benchmarks(tmp_path, state_gib_per_host=8)
+
+
+def test_sensitivity_plot_is_a_tornado_png(tmp_path):
+  pytest.importorskip("matplotlib")
+  report = sim.sensitivity(SimulationConfig(simulated_days=0.5), accelerators=[1024],
+                           modes=["synchronous", "replica_groups"], seeds=(0,))
+  path = tmp_path / "tornado.png"
+  sim.plot_tornado(report, path)
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
