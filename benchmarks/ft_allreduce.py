@@ -185,23 +185,22 @@ def ring(size: int, nbytes: int, steps: int) -> dict[str, Any]:
   """The replica groups' all-reduce and a raw-socket ring, ``size`` processes each."""
   ctx = mp.get_context("spawn")
   out = ctx.Queue()
-  with Lighthouse("127.0.0.1:0", LighthouseOptions(min_replicas=size)) as lh:
-    procs = [ctx.Process(target=_ft_member, args=(lh.address, lh.secret, f"g{k}", nbytes, steps, out))
-             for k in range(size)]
+
+  def run_all(target: Any, args: list[tuple]) -> list[Any]:
+    procs = [ctx.Process(target=target, args=a) for a in args]
     for p in procs:
       p.start()
-    ft = [out.get(timeout=600) for _ in procs]
+    got = [out.get(timeout=600) for _ in procs]
     for p in procs:
       p.join()
+    return got
+
+  with Lighthouse("127.0.0.1:0", LighthouseOptions(min_replicas=size)) as lh:
+    ft = run_all(_ft_member, [(lh.address, lh.secret, f"g{k}", nbytes, steps, out)
+                              for k in range(size)])
   ports = [_free_port() for _ in range(size)]
   barrier = ctx.Barrier(size)
-  procs = [ctx.Process(target=_raw_member, args=(r, size, ports, nbytes, steps, barrier, out))
-           for r in range(size)]
-  for p in procs:
-    p.start()
-  raw = [out.get(timeout=600) for _ in procs]
-  for p in procs:
-    p.join()
+  raw = run_all(_raw_member, [(r, size, ports, nbytes, steps, barrier, out) for r in range(size)])
   warm = WARM_STEPS
   ft_med = statistics.median(t for _, ts, _ in ft for t in ts[warm:])
   raw_med = statistics.median(t for _, ts in raw for t in ts[warm:])

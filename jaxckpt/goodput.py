@@ -448,6 +448,19 @@ def log_scale(lo: int = 1024, hi: int = 131_072) -> list[int]:
   return [2**k for k in range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)]
 
 
+def _figure(who: str, **kw: Any) -> Any:
+  """A matplotlib Figure on its own Agg canvas (no pyplot, no global backend change)."""
+  try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        f"jaxckpt.goodput.{who} needs matplotlib: pip install 'jaxckpt[plot]'") from e
+  fig = Figure(**kw)
+  FigureCanvasAgg(fig)
+  return fig
+
+
 def plot(results: Sequence[SimulationResult], path: str | os.PathLike[str]) -> None:
   """Writes a PNG of effective training time and stall per failure against N, per mode.
 
@@ -457,14 +470,7 @@ def plot(results: Sequence[SimulationResult], path: str | os.PathLike[str]) -> N
   Raises:
     ModuleNotFoundError: matplotlib is not installed (``pip install 'jaxckpt[plot]'``).
   """
-  try:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(
-        "jaxckpt.goodput.plot needs matplotlib: pip install 'jaxckpt[plot]'") from e
-  fig = Figure(figsize=(10, 4), dpi=100)
-  FigureCanvasAgg(fig)
+  fig = _figure("plot", figsize=(10, 4), dpi=100)
   ett, stall = fig.subplots(1, 2)
   for mode in MODES:
     rs = sorted((r for r in results if r.mode is mode), key=lambda r: r.accelerators)
@@ -500,17 +506,10 @@ def plot_tornado(report: dict[str, Any], path: str | os.PathLike[str], top: int 
   Raises:
     ModuleNotFoundError: matplotlib is not installed (``pip install 'jaxckpt[plot]'``).
   """
-  try:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(
-        "jaxckpt.goodput.plot_tornado needs matplotlib: pip install 'jaxckpt[plot]'") from e
   results = report["results"]
   cols = len({r["mode"] for r in results})
   rows = -(-len(results) // cols)
-  fig = Figure(figsize=(4.2 * cols, 2.6 * rows), dpi=90)
-  FigureCanvasAgg(fig)
+  fig = _figure("plot_tornado", figsize=(4.2 * cols, 2.6 * rows), dpi=90)
   axes = fig.subplots(rows, cols, squeeze=False).ravel()
   for ax, r in zip(axes, results):
     ranked = sorted(r["inputs"].items(), key=lambda kv: -max(abs(v) for v in kv[1].values()))[:top]
