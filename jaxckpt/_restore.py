@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -24,6 +24,34 @@ class RestoreInfo:
   tier: str          # "host" | "parity" | "storage"
   seconds: float
   nbytes: int
+
+
+class LeafMetadata(NamedTuple):
+  """One saved leaf as ``CheckpointManager.metadata`` describes it (no bytes read).
+
+  ``kind`` is ``"jax"``, ``"numpy"``, ``"prng_key"`` (``shape``/``dtype`` of its
+  key data, ``key_impl`` its implementation) or ``"scalar"`` (``value`` holds it);
+  ``sharding`` is how the saving program laid the leaf out (informational).
+  """
+
+  kind: str
+  shape: tuple[int, ...]
+  dtype: str
+  sharding: Any = None
+  value: Any = None
+  key_impl: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """What ``CheckpointManager.metadata(step)`` returns: the saved tree's structure
+  (nested like ``restore()`` without a target, of :class:`LeafMetadata`), the
+  user metadata saved with the step, and the tier it was read from."""
+
+  step: int
+  tier: str
+  tree: Any
+  metadata: dict[str, Any]
 
 
 class BufferPiece:

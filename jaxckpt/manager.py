@@ -436,6 +436,56 @@ class CheckpointManager:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def metadata(self, step: int | None = None) -> _restore.StepMetadata:
+    """The structure of ``step`` (default: the newest): every leaf's kind, shape,
+    dtype and saving sharding, and the user metadata saved with it, from the
+    host tier when it holds the step, else from storage. Reads no array bytes.
+
+    Raises:
+      StepNotFoundError: neither this host nor storage holds ``step``.
+    """
+    self._check_open("metadata")
+    step = self.latest_step() if step is None else check_step(step, "metadata")
+    if step is None:
+      raise errors.StepNotFoundError("metadata(): no step is held on any tier")
+    if step in self._store.steps():
+      with self._store.read(step) as (manifest, _):
+        leaves = {r.path: _restore.LeafMetadata(r.kind, tuple(r.shape), r.dtype, r.sharding,
+                                                _scalar(r.value), r.key_impl)
+                  for r in manifest.leaves}
+        meta = dict(manifest.metadata)
+      tier = "host"
+    elif self.directory is not None and step in _tiers.storage_steps(self.directory):
+      reader = universal.open_step(self.directory, step)
+      leaves = {p: _restore.LeafMetadata(i.kind, tuple(i.shape), i.dtype, i.sharding,
+                                         _scalar(i.value), i.key_impl)
+                for p, i in reader.leaves.items()}
+      meta, tier = dict(reader.metadata), "storage"
+    else:
+      raise errors.StepNotFoundError(
+          f"metadata(): step {step} is held neither in host memory ({self._store.steps()}) nor "
+          f"in storage ({_tiers.storage_steps(self.directory)})")
+    return _restore.StepMetadata(step, tier, tree.nest(leaves), meta)
+
+  def delete(self, step: int) -> None:
+    """Deletes ``step`` from every tier: this host's snapshot (a restore reading it
+    keeps its copy until done) and, from process 0, storage.
+
+    Raises:
+      StepNotFoundError: no tier holds ``step``.
+    """
+    self._check_open("delete")
+    step = check_step(step, "delete")
+    self.wait_until_finished()
+    held = self._store.discard(step)
+    stored = self.directory is not None and step in _tiers.storage_steps(self.directory)
+    if stored and self._process[0] == 0:
+      universal.discard_step(self.directory, step)
+    if not (held or stored):
+      raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
+    self._on_storage.discard(step)
+    logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
+
   # -- restoring ------------------------------------------------------------
 
   def restore(self, step: int | None = None, target: Any = None) -> Any:
@@ -547,6 +597,13 @@ def check_step(step: Any, where: str) -> int:
   if not 0 <= value < 2**63:
     raise errors.InvalidArgumentError(
         f"{where}(step={step!r}): a step must be in [0, 2**63)")
+  return value
+
+
+def _scalar(value: Any) -> Any:
+  """A scalar leaf's value from its stored JSON form (``{"type", "v"}``, or plain)."""
+  if isinstance(value, dict) and set(value) == {"type", "v"}:
+    return tree.scalar_from_json(value)
   return value
 
 

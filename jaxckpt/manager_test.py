@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import flax.nnx as nnx
@@ -427,3 +428,40 @@ def test_restore_without_target_returns_the_saved_tree(tmp_path):
     m.save(1, w, force=True)
     m.wait_until_finished()
     np.testing.assert_array_equal(m.restore(1), w)
+
+
+@pytest.mark.parametrize("tier", ["host", "storage"])
+def test_metadata_describes_a_step_without_reading_its_bytes(tmp_path, tier):
+  mesh = jax.make_mesh((8,), ("x",))
+  w = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh, P("x")))
+  state = {"params": {"w": w, "b": np.zeros(3, np.int8)}, "step": 7, "key": jax.random.key(1)}
+  with contextlib.ExitStack() as stack:
+    m = stack.enter_context(jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=1)))
+    m.save(4, state, metadata={"lr": 0.5}, force=True)
+    m.wait_until_persisted(4)
+    if tier == "storage":                       # a new process: only storage holds the step
+      m = stack.enter_context(jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=1)))
+    md = m.metadata(4)
+    assert (md.step, md.tier, md.metadata) == (4, tier, {"lr": 0.5})
+    assert md.tree["params"]["w"][:3] == ("jax", (8, 2), "float32")
+    assert md.tree["params"]["w"].sharding is not None
+    assert md.tree["params"]["b"][:3] == ("numpy", (3,), "int8")
+    assert md.tree["step"].kind == "scalar" and md.tree["step"].value == 7
+    assert md.tree["key"].kind == "prng_key" and md.tree["key"].key_impl == "threefry2x32"
+    with pytest.raises(errors.StepNotFoundError, match=r"step 5 is held neither"):
+      m.metadata(5)
+
+
+def test_delete_removes_a_step_from_every_tier(tmp_path):
+  x = np.arange(8, dtype=np.float32)
+  with jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=2)) as m:
+    for s in (1, 2):
+      m.save(s, {"x": x + s}, force=True)
+      m.wait_until_persisted(s)
+    m.delete(2)
+    assert m.all_steps() == [1] and m.latest_step() == 1
+    np.testing.assert_array_equal(m.restore(target={"x": x})["x"], x + 1)
+    with pytest.raises(errors.StepNotFoundError, match=r"step 2 is not held"):
+      m.delete(2)
+  with jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=2)) as m:
+    assert m.all_steps() == [1]

@@ -118,6 +118,11 @@ class HostStore(abc.ABC):
     """Steps this store persisted (its part written, and committed by process 0)."""
     return []
 
+  @abc.abstractmethod
+  def discard(self, step: int) -> bool:
+    """Forgets committed ``step`` (a reader holding it keeps its slot until done);
+    False if it was not held."""
+
   def preallocate(self, nbytes: int) -> None:
     """Allocates and touches every free slot for snapshots of ``nbytes`` now, so
     that no save pays for it (a no-op where slots are sized on reserve)."""
@@ -192,6 +197,13 @@ class InProcessStore(HostStore):
   def steps(self) -> list[int]:
     with self._cv:
       return self._table.steps()
+
+  def discard(self, step: int) -> bool:
+    with self._cv:
+      d = self._table.discard(step)
+      self._manifests.pop(step, None)
+      self._cv.notify_all()
+      return d is not None
 
   def lend(self, step: int, buffer: Any) -> bool:
     with self._cv:

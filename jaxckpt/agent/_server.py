@@ -360,6 +360,11 @@ class Agent:
     self.peers = {int(h): dict(info) for h, info in peers.items()}
     return {}
 
+  def op_discard(self, step: int) -> dict[str, Any]:
+    d = self.table.discard(step)
+    self._dropped([d] if d else [])
+    return {"discarded": d is not None}
+
   def op_steps(self) -> dict[str, Any]:
     return {"steps": self.steps()}
 

@@ -242,6 +242,9 @@ class AgentStore(HostStore):
   def steps(self) -> list[int]:
     return list(self.call("steps")["steps"])
 
+  def discard(self, step: int) -> bool:
+    return bool(self.call("discard", step=step)["discarded"])
+
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
     r = self.call("open", pid=os.getpid(), step=step)

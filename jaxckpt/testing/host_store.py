@@ -122,6 +122,18 @@ class HostStoreContract:
     write_step(store, 2, nbytes=4096)        # and the store still works
     assert store.steps() == [2]
 
+  def test_a_discarded_step_is_gone_and_its_slot_reused(self, make_store):
+    store = make_store(1, 64 * MiB)
+    write_step(store, 1)
+    assert store.discard(1) and store.steps() == []
+    assert not store.discard(1)
+    with pytest.raises(errors.StepNotFoundError):
+      with store.read(1):
+        pass
+    write_step(store, 2)
+    write_step(store, 3)                     # both slots free again
+    assert store.steps() == [3]
+
   def test_an_empty_snapshot_commits(self, make_store):
     store = make_store(1, 64 * MiB)
     slot = store.reserve(4, 0, timeout_secs=0)
