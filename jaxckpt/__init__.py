@@ -14,9 +14,11 @@ _EXPORTS = {
     "AgentOptions": "jaxckpt.options",
     "CheckpointManager": "jaxckpt.manager",
     "CheckpointOptions": "jaxckpt.options",
+    "LeafMetadata": "jaxckpt._restore",
     "ParityOptions": "jaxckpt.parity.placement",
     "RestoreInfo": "jaxckpt._restore",
     "SaveStats": "jaxckpt.manager",
+    "StepMetadata": "jaxckpt._restore",
 }
 _SUBPACKAGES = ("ft", "parity", "universal")
 
@@ -34,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
   from jaxckpt import ft, parity, universal  # noqa: F401
-  from jaxckpt._restore import RestoreInfo  # noqa: F401
+  from jaxckpt._restore import LeafMetadata, RestoreInfo, StepMetadata  # noqa: F401
   from jaxckpt.manager import CheckpointManager, SaveStats  # noqa: F401
   from jaxckpt.options import AgentOptions, CheckpointOptions  # noqa: F401
   from jaxckpt.parity.placement import ParityOptions  # noqa: F401
