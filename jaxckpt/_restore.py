@@ -148,7 +148,7 @@ class HostSource:
     return read_region
 
 
-def restore_tree(source: Any, target: Any) -> Any:
+def restore_tree(source: Any, target: Any, *, partial: bool = False) -> Any:
   """Restores the tree held by ``source`` onto ``target``'s structure and shardings.
 
   A source has ``step``, ``leaves`` (LeafRecords in tree order) and
@@ -159,10 +159,10 @@ def restore_tree(source: Any, target: Any) -> Any:
   saved = source.leaves
   if target is None:
     return {rec.path: _leaf_value(source, i, rec, None) for i, rec in enumerate(saved)}
-  targets, treedef = match_target(target, saved, source.step)
+  targets, treedef, index = match_target(target, saved, source.step, partial=partial)
   # One thread on purpose: restoring into fresh memory is bound by page faults,
   # and two threads faulting in one process took twice as long (measured).
-  values = [_leaf_value(source, i, rec, t) for i, (rec, t) in enumerate(zip(saved, targets))]
+  values = [_leaf_value(source, i, saved[i], t) for i, t in zip(index, targets)]
   return jax.tree_util.tree_unflatten(treedef, values)
 
 

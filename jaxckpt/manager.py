@@ -488,7 +488,7 @@ class CheckpointManager:
 
   # -- restoring ------------------------------------------------------------
 
-  def restore(self, step: int | None = None, target: Any = None) -> Any:
+  def restore(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> Any:
     """Restores ``step`` (the newest when None) onto ``target``'s structure and shardings.
 
     Args:
@@ -502,7 +502,9 @@ class CheckpointManager:
     Raises:
       StepNotFoundError: no tier holds ``step``.
       StructureMismatchError: ``target`` does not match what was saved (the
-        first mismatching path is named; nothing is restored).
+        first mismatching path is named; nothing is restored). With
+        ``partial=True`` the target may hold any subset of the saved leaves
+        (e.g. the params alone); only those leaves are read, on every tier.
       CorruptSnapshotError: a stored shard fails its checksum.
     """
     self._check_open("restore")
@@ -514,7 +516,7 @@ class CheckpointManager:
                                     timeout_secs=self.options.timeout_secs)
     if tier in ("host", "parity"):
       try:
-        out, nbytes = self._restore_host(step, target, rebuild=tier == "parity")
+        out, nbytes = self._restore_host(step, target, rebuild=tier == "parity", partial=partial)
       except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
         if step not in _tiers.storage_steps(self.directory):
           raise
@@ -522,7 +524,7 @@ class CheckpointManager:
         tier = "storage"
     if tier == "storage":
       source = _tiers.StorageSource(self.directory, step)
-      out = _restore.restore_tree(source, target)
+      out = _restore.restore_tree(source, target, partial=partial)
       jax.block_until_ready(out)
       nbytes = source.bytes_read
     if target is None:
@@ -532,10 +534,11 @@ class CheckpointManager:
                 self.last_restore.seconds)
     return out
 
-  def _restore_host(self, step: int, target: Any, *, rebuild: bool) -> tuple[Any, int]:
+  def _restore_host(self, step: int, target: Any, *, rebuild: bool,
+                    partial: bool = False) -> tuple[Any, int]:
     with _tiers.host_pieces(self._store, step, rebuild=rebuild) as pieces:
       source = _restore.HostSource(pieces)
-      out = _restore.restore_tree(source, target)
+      out = _restore.restore_tree(source, target, partial=partial)
       jax.block_until_ready(out)
       return out, source.bytes_read
 

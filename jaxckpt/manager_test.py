@@ -465,3 +465,29 @@ def test_delete_removes_a_step_from_every_tier(tmp_path):
       m.delete(2)
   with jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=2)) as m:
     assert m.all_steps() == [1]
+
+
+@pytest.mark.parametrize("tier", ["host", "storage"])
+def test_partial_restore_reads_only_the_leaves_asked_for(tmp_path, tier):
+  mesh = jax.make_mesh((8,), ("x",))
+  s = NamedSharding(mesh, P("x"))
+  params = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4), s)}
+  opt = {"mu": jax.device_put(np.ones((1024, 64), np.float32), s)}
+  state = {"params": params, "opt": opt, "step": 3}
+  with contextlib.ExitStack() as stack:
+    m = stack.enter_context(jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=1)))
+    m.save(3, state, force=True)
+    m.wait_until_persisted(3)
+    if tier == "storage":
+      m = stack.enter_context(jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(max_snapshots=1)))
+    want = {"params": {"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=s)}}
+    with pytest.raises(errors.StructureMismatchError):
+      m.restore(3, want)                        # a subset only when asked for
+    out = m.restore(3, want, partial=True)
+    assert m.last_restore.tier == tier
+    np.testing.assert_array_equal(np.asarray(out["params"]["w"]), np.asarray(params["w"]))
+    assert out["params"]["w"].sharding == s
+    assert m.last_restore.nbytes < 64 * 4 * 2     # the 256 KiB optimizer state was not read
+    with pytest.raises(errors.StructureMismatchError, match=r"partial restore: target leaf "
+                       r"\['params'\]\['b'\] was not saved in step 3"):
+      m.restore(3, {"params": {"b": np.zeros(2)}}, partial=True)

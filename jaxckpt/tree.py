@@ -153,21 +153,33 @@ class TargetLeaf:
   numpy_scalar: bool = False
 
 
-def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int
-                 ) -> tuple[list[TargetLeaf], Any]:
-  """Checks ``target`` against the saved leaves; returns per-leaf targets.
+def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int, *,
+                 partial: bool = False) -> tuple[list[TargetLeaf], Any, list[int]]:
+  """Checks ``target`` against the saved leaves; returns per-leaf targets, the
+  target's treedef, and the index of each target leaf among the saved ones.
 
   Everything is checked before anything is restored, and the first
-  mismatching path is named.
+  mismatching path is named. With ``partial`` the target may hold any subset
+  of the saved leaves (each one it holds must have been saved).
   """
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(target)
   paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
   saved_paths = [leaf.path for leaf in saved]
-  if paths != saved_paths:
+  if partial:
+    where = {p: i for i, p in enumerate(saved_paths)}
+    missing = [p for p in paths if p not in where]
+    if missing:
+      raise errors.StructureMismatchError(
+          f"partial restore: target leaf {missing[0]} was not saved in step {step} (saved: "
+          f"{saved_paths[:8]}{' ...' if len(saved_paths) > 8 else ''}); fix the target's paths")
+    index = [where[p] for p in paths]
+  elif paths != saved_paths:
     raise errors.StructureMismatchError(_structure_message(paths, saved_paths, step))
-  out = [_target_leaf(p, x, rec, step) for (p, x), rec in
-         zip(zip(paths, (x for _, x in with_paths)), saved)]
-  return out, treedef
+  else:
+    index = list(range(len(saved)))
+  out = [_target_leaf(p, x, saved[i], step) for (p, x), i in
+         zip(zip(paths, (x for _, x in with_paths)), index)]
+  return out, treedef, index
 
 
 def _structure_message(paths: list[str], saved: list[str], step: int) -> str:
