@@ -43,6 +43,12 @@ def ipc_endpoint(d: str) -> str:
   return "ipc://" + os.path.join(d, "agent.sock")
 
 
+def log_file(d: str) -> str:
+  """The agent's log: beside its directory in the job's private (0700) directory;
+  a clean exit removes it, a failed start leaves it for the error message."""
+  return d + ".log"
+
+
 def slot_file(d: str, index: int) -> str:
   return os.path.join(d, f"slot{index}.bin")
 

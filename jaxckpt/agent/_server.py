@@ -461,6 +461,8 @@ class Agent:
     shutil.rmtree(self.dir, ignore_errors=True)
     job = os.path.dirname(self.dir)
     with contextlib.suppress(OSError):
+      os.unlink(_paths.log_file(self.dir))
+    with contextlib.suppress(OSError):
       os.unlink(self.dir + ".lock")
       if set(os.listdir(job)) <= {"secret"}:    # the last agent of the job on this run root
         os.unlink(os.path.join(job, "secret"))

@@ -246,3 +246,18 @@ def test_sigterm_takes_a_last_snapshot_that_the_restarted_job_resumes(sandbox, t
   last = int(line.split("at step ")[1].split(";")[0])
   log = processes.Proc([*args, "--resume"], cwd=REPO, env=env).finish(300)
   assert f"resumed at step {last} from tier host" in log
+
+
+def test_the_agents_log_is_private_and_goes_with_the_agent(sandbox):
+  root, job = sandbox
+  with mgr_for(root, job) as m:
+    m.save(1, {"x": np.ones(4, np.float32)}, force=True)
+    m.wait_until_finished()
+    log = _paths.log_file(_paths.agent_dir(root, job, 0))
+    assert os.path.exists(log) and os.stat(os.path.dirname(log)).st_mode & 0o077 == 0   # 0700
+  subprocess.run([sys.executable, "-m", "jaxckpt.agent", "stop", "--job-name", job, "--run-root", root],
+                 check=True, capture_output=True, timeout=60)
+  deadline = time.monotonic() + 30
+  while os.path.exists(log) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not os.path.exists(log), "the agent's log outlived it"

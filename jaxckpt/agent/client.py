@@ -20,7 +20,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Iterator
@@ -87,7 +86,7 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
       import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
-    log = os.path.join(tempfile.gettempdir(), f"jaxckpt-agent-{job}-host{host}.log")
+    log = _paths.log_file(d)     # in the job's private directory, removed with the agent
     cmd = [sys.executable, "-m", "jaxckpt.agent", "serve", "--job-name", job,
            "--host-id", str(host), "--run-root", run_root,
            "--max-snapshots", str(max_snapshots), "--limit-bytes", str(limit_bytes),
