@@ -42,7 +42,8 @@ class Job:
     cmd = [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", self.lighthouse,
            "--group", group, "--steps", str(FOREVER), "--steps-file", str(self.tmp / "steps"), "--out", str(self.tmp / f"{group}.jsonl"),
            "--timeout", str(TIMEOUT_SECS), "--step-secs", str(STEP_SECS), "--ring-size", "8",
-           "--injector", (injector or EventInjector()).to_json()]
+           "--injector", (injector or EventInjector()).to_json(),
+           "--host", f"127.0.1.{int(group[1:]) + 1}"]     # each group on a machine of its own
     with open(self.tmp / f"{group}.stderr", "ab") as err:
       proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     self.procs.append(proc)
