@@ -81,16 +81,20 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.errors import JaxckptError
 
 logger = logging.getLogger(__name__)
 
+# The closed-form check (Young / Daly) and the inputs' evidence live in modules of their own;
+# their names are part of this module's API.
+from jaxckpt.goodput_closed_form import (ClosedFormResult, SimulationInputError,  # noqa: E402,F401
+                                         daly_efficiency, daly_optimal_interval,
+                                         first_order_efficiency, simulate_synchronous,
+                                         young_optimal_interval)
+from jaxckpt.goodput_inputs import (BENCHMARK_FILES, MEASURED_DIR, SOURCES,  # noqa: E402,F401
+                                    from_benchmarks)
+
 _HOUR = 3600.0
 _DAY = 24 * _HOUR
-
-
-class SimulationInputError(JaxckptError, ValueError):
-  """An input of the goodput simulator is out of range."""
 
 
 class Mode(str, enum.Enum):
@@ -531,106 +535,6 @@ def plot_tornado(report: dict[str, Any], path: str | os.PathLike[str], top: int 
   fig.savefig(os.fspath(path), format="png")
 
 
-_LLAMA3 = ("Llama 3 (Dubey et al. 2024, sec. 3.3.4): 419 unexpected interruptions in 54 days on 16,384 "
-           "H100s, one per ~50.7K GPU-hours")
-_KOKOLIS = ("Kokolis et al. 2024, 'Revisiting Reliability in Large-Scale ML Research Clusters' "
-            "(arXiv 2410.21680): MTTF projected at 14 min for 131K GPUs, ~31K GPU-hours")
-_FTHSDP = "FT-HSDP (arXiv 2602.00277): stall per failure 10 min synchronous, 3 min with replica groups"
-
-#: Where each default comes from (``--explain`` prints it; ``--from-benchmarks`` replaces the
-#: jaxckpt-measured ones with the figures of the benchmark files it read).
-SOURCES: dict[str, str] = {
-    "accelerators": "the job size FT-HSDP reports at (O(100K), here 96K); set with --accelerators",
-    "accelerator_mtbf_hours": f"between {_LLAMA3} and {_KOKOLIS}; near the latter at this scale",
-    "replica_groups": "FT-HSDP: groups of 8K accelerators (FSDP inside each) at O(100K)",
-    "job_restart_secs": f"{_FTHSDP}; with checkpoint_load_secs, a failure during a restart restarts it",
-    "checkpoint_load_secs": "reading a multi-TB checkpoint from a parallel filesystem: ~4 min (our "
-                            "choice within the paper's 10 min synchronous stall)",
-    "checkpoint_interval_secs": "an asynchronous persistent checkpoint every 5 min, bounded by the time "
-                                "to persist a multi-TB state (our choice)",
-    "checkpoint_save_stall_secs": "blocking part of an asynchronous save (orbax-style); jaxckpt's own: "
-                                  "benchmarks/snapshot.py seconds.agent_blocking_s (--from-benchmarks)",
-    "failure_detection_secs": f"{_FTHSDP}: a collective timeout, our split of the 3 min",
-    "quorum_reform_secs": f"{_FTHSDP}: new quorum and communicators, our split of the 3 min",
-    "rejoin_stall_secs": f"{_FTHSDP}: our split of the 3 min; jaxckpt's own: benchmarks/catch_up.py "
-                         "--stall (healthy worst step minus median while a peer catches up)",
-    "group_restart_secs": "a group relaunches as slowly as the whole job (job_restart_secs)",
-    "peer_state_fetch_secs": "FT-HSDP: fetch a healthy peer's state over the network (~4 min for a "
-                             "multi-TB state); jaxckpt's own: benchmarks/catch_up.py catch_up_secs per GiB",
-    "host_snapshot_load_secs": "jaxckpt host snapshots read at memory speed; jaxckpt's own: "
-                               "benchmarks/snapshot.py seconds.agent_restore_same_s per GiB x state per host",
-    "spare_fraction": "2% hot spares (our choice; repairs never bind at the defaults)",
-    "repair_hours": "two days to repair or replace a failed accelerator (our choice)",
-    "simulated_days": "long enough for thousands of failures at 96K (our choice)",
-}
-
-#: Benchmark files ``--from-benchmarks DIR`` reads, and the commands that write them.
-BENCHMARK_FILES = {
-    "snapshot.json": "python benchmarks/snapshot.py > DIR/snapshot.json",
-    "catch_up.json": "python benchmarks/catch_up.py > DIR/catch_up.json",
-    "catch_up_stall.json": "python benchmarks/catch_up.py --stall > DIR/catch_up_stall.json",
-}
-
-
-#: jaxckpt's own figures, shipped: the three files measured on the 16-core host of one H100
-#: (JAX on its CPU; 1 GiB snapshot, 256 MiB catch-up, three processes for the stall), 2026-11-22.
-MEASURED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured", "h100_host")
-
-
-def from_benchmarks(directory: str | os.PathLike[str], *, state_gib_per_host: float
-                    ) -> tuple[dict[str, float], dict[str, str]]:
-  """The inputs jaxckpt measures, from its benchmarks' JSON in ``directory``:
-  ({input: value}, {input: citation}). Host-side figures scale linearly with
-  ``state_gib_per_host`` (every host of a group loads its own share at once).
-
-  Raises InvalidArgumentError naming a missing file (and the command that
-  writes it) or a missing field.
-  """
-  def load(name: str) -> dict[str, Any]:
-    path = os.path.join(os.fspath(directory), name)
-    try:
-      with open(path, encoding="utf-8") as f:
-        return json.load(f)
-    except FileNotFoundError:
-      raise errors.InvalidArgumentError(
-          f"--from-benchmarks: {path} is missing; write it with `{BENCHMARK_FILES[name]}`") from None
-    except json.JSONDecodeError as e:
-      raise errors.InvalidArgumentError(f"--from-benchmarks: {path} is not JSON ({e})") from None
-
-  def field(doc: dict[str, Any], name: str, *keys: str) -> float:
-    node: Any = doc
-    for k in keys:
-      if not isinstance(node, dict) or k not in node:
-        raise errors.InvalidArgumentError(
-            f"--from-benchmarks: {name} has no field {'.'.join(keys)}; rerun `{BENCHMARK_FILES[name]}` "
-            "with this jaxckpt")
-      node = node[k]
-    return float(node)
-
-  snap, catch, stall = load("snapshot.json"), load("catch_up.json"), load("catch_up_stall.json")
-  gib = field(snap, "snapshot.json", "bytes") / 2**30
-  restore = field(snap, "snapshot.json", "seconds", "agent_restore_same_s", "median")
-  blocking = field(snap, "snapshot.json", "seconds", "agent_blocking_s", "median")
-  fetch_gib = field(catch, "catch_up.json", "size_mib") / 1024
-  fetch = field(catch, "catch_up.json", "catch_up_secs")
-  worst = field(stall, "catch_up_stall.json", "healthy_worst_step_while_catching_up_s")
-  median = field(stall, "catch_up_stall.json", "healthy_median_step_s")
-  values = {"host_snapshot_load_secs": restore / gib * state_gib_per_host,
-            "peer_state_fetch_secs": fetch / fetch_gib * state_gib_per_host,
-            "checkpoint_save_stall_secs": blocking,
-            "rejoin_stall_secs": max(0.0, worst - median)}
-  where = os.fspath(directory)
-  cites = {
-      "host_snapshot_load_secs": f"{where}/snapshot.json: agent restore {restore:.3f} s for {gib:.2f} GiB, "
-                                 f"x {state_gib_per_host:g} GiB per host",
-      "peer_state_fetch_secs": f"{where}/catch_up.json: catch-up {fetch:.3f} s for {fetch_gib:.2f} GiB, "
-                               f"x {state_gib_per_host:g} GiB per host",
-      "checkpoint_save_stall_secs": f"{where}/snapshot.json: agent save() blocking {blocking:.4f} s",
-      "rejoin_stall_secs": f"{where}/catch_up_stall.json: healthy worst step {worst:.3f} s - median "
-                           f"{median:.3f} s while a peer catches up"}
-  return values, cites
-
-
 def explain(config: SimulationConfig | None = None, sources: dict[str, str] | None = None) -> str:
   """The inputs in effect, each with its value, why, and its source (a
   publication, or a jaxckpt benchmark file); then the comparison points."""
@@ -661,140 +565,6 @@ def paper_comparison() -> dict[str, Any]:
                                       for m, v in PAPER_FIGURES.items()},
           "stall_per_failure_min": {m.value: v["stall_per_failure_min"]
                                     for m, v in PAPER_FIGURES.items()}}
-
-
-# --- Closed-form validation: one synchronous job, fixed checkpoint interval -------------------------------------
-#
-# Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006. The job
-# fails as a Poisson process with mean time between failures M (the whole job's, not one accelerator's); it writes
-# a checkpoint (delta seconds) after every tau seconds of work; a failure (also during a restart or a checkpoint)
-# costs a restart (R) and the work since the last completed checkpoint.
-
-
-def young_optimal_interval(mtbf_secs: float, checkpoint_secs: float) -> float:
-  """Young (1974)'s first-order optimum, ``sqrt(2 delta M)``."""
-  return math.sqrt(2 * checkpoint_secs * mtbf_secs)
-
-
-def daly_optimal_interval(mtbf_secs: float, checkpoint_secs: float) -> float:
-  """Daly (2006)'s higher-order optimum (his eq. 37); ``M`` when ``delta >= 2M``."""
-  if checkpoint_secs >= 2 * mtbf_secs:
-    return mtbf_secs
-  x = checkpoint_secs / (2 * mtbf_secs)
-  return math.sqrt(2 * checkpoint_secs * mtbf_secs) * (1 + math.sqrt(x) / 3 + x / 9) - checkpoint_secs
-
-
-def first_order_efficiency(interval_secs: float, mtbf_secs: float, checkpoint_secs: float,
-                           restart_secs: float) -> float:
-  """Young/Daly first-order effective training time, ``1 - delta/tau - (tau + delta)/(2M) - R/M``.
-
-  Valid while ``delta`` is small against ``tau`` and ``tau + delta + R`` against ``M``; it drops terms of order
-  ``(delta/tau)^2`` and ``((tau + delta + R)/M)^2``.
-  """
-  return (1 - checkpoint_secs / interval_secs - (interval_secs + checkpoint_secs) / (2 * mtbf_secs)
-          - restart_secs / mtbf_secs)
-
-
-def daly_efficiency(interval_secs: float, mtbf_secs: float, checkpoint_secs: float, restart_secs: float) -> float:
-  """Daly's exact expected effective training time, ``tau e^(-R/M) / (M (e^((tau+delta)/M) - 1))``."""
-  return (interval_secs * math.exp(-restart_secs / mtbf_secs)
-          / (mtbf_secs * math.expm1((interval_secs + checkpoint_secs) / mtbf_secs)))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClosedFormResult:
-  """One synchronous job simulated against the closed-form model (all times in seconds)."""
-  mtbf_secs: float
-  checkpoint_secs: float
-  restart_secs: float
-  interval_secs: float
-  effective_training_time: float
-  failures: int
-  seed: int
-  optimal_interval_secs: float | None
-  daly_optimal_interval_secs: float
-  young_optimal_interval_secs: float
-  daly_effective_training_time: float
-  first_order_effective_training_time: float
-
-  def to_dict(self) -> dict[str, Any]:
-    d = dataclasses.asdict(self)
-    if self.optimal_interval_secs is None:
-      del d["optimal_interval_secs"]
-    return d
-
-
-class _FailureStream:
-  """Seeded times between failures; evaluates the simulated job for any interval on the same stream.
-
-  After each failure the job restarts (``R``); a failure before the restart ends wastes the whole gap. Otherwise
-  the rest of the gap runs ``floor((x - R) / (tau + delta))`` completed work-plus-checkpoint segments; the work of
-  the segment the failure interrupts is lost. Wall time is the sum of the gaps, so effective training time is
-  ``tau * sum(segments) / sum(x)``. Using one stream for every interval (common random numbers) makes the
-  optimum search smooth and deterministic.
-  """
-
-  def __init__(self, mtbf_secs: float, restart_secs: float, seed: int, failures: int) -> None:
-    gaps = np.random.default_rng(seed).exponential(mtbf_secs, failures)
-    self.after_restart = np.maximum(gaps - restart_secs, 0.0)
-    self.wall = float(gaps.sum())
-    self.failures = failures
-
-  def efficiency(self, interval_secs: float, checkpoint_secs: float) -> float:
-    segments = np.floor(self.after_restart / (interval_secs + checkpoint_secs)).sum()
-    return float(interval_secs * segments / self.wall)
-
-
-def simulate_synchronous(mtbf_secs: float, checkpoint_secs: float, restart_secs: float,
-                         interval_secs: float | None = None, *, optimal_interval: bool = False, seed: int = 0,
-                         failures: int = 1_000_000) -> ClosedFormResult:
-  """Simulates a synchronous job with a fixed checkpoint interval (Daly's model) over ``failures`` failures.
-
-  Args:
-    mtbf_secs: the job's mean time between failures.
-    checkpoint_secs: time to write one checkpoint (delta).
-    restart_secs: time to restart after a failure (R).
-    interval_secs: work between checkpoints (tau); default Daly's optimum.
-    optimal_interval: also search the interval that maximizes the simulated effective training time (a
-      log grid of 120 points from ``0.05 sqrt(2 delta M)`` to ``min(20 sqrt(2 delta M), 50 M)``, then the vertex of
-      a parabola in ``log(tau)`` fitted around its best point);
-      the result's ``interval_secs`` is then that optimum.
-    seed: seed of the failure stream.
-    failures: failures to simulate (the statistical error of the result shrinks as ``1/sqrt(failures)``).
-
-  Raises:
-    SimulationInputError: a time is not positive (restart may be 0), or ``failures < 1000``.
-  """
-  for name, v in (("mtbf_secs", mtbf_secs), ("checkpoint_secs", checkpoint_secs)):
-    if not (math.isfinite(v) and v > 0):
-      raise SimulationInputError(f"{name}={v!r} must be a positive number of seconds")
-  if not (math.isfinite(restart_secs) and restart_secs >= 0):
-    raise SimulationInputError(f"restart_secs={restart_secs!r} must be >= 0 seconds")
-  if interval_secs is not None and not (math.isfinite(interval_secs) and interval_secs > 0):
-    raise SimulationInputError(f"interval_secs={interval_secs!r} must be a positive number of seconds")
-  if failures < 1000:
-    raise SimulationInputError(f"failures={failures} is too few for a stable estimate; use at least 1000")
-  stream = _FailureStream(mtbf_secs, restart_secs, seed, failures)
-  daly = daly_optimal_interval(mtbf_secs, checkpoint_secs)
-  best = None
-  if optimal_interval:
-    young = young_optimal_interval(mtbf_secs, checkpoint_secs)
-    grid = np.geomspace(0.05 * young, min(20 * young, 50 * mtbf_secs), 120)
-    effs = np.array([stream.efficiency(t, checkpoint_secs) for t in grid])
-    i = int(np.argmax(effs))
-    # The curve is flat at its top, so its raw argmax wanders with the sample; the vertex of a parabola in
-    # log(tau) through the 13 points around it (+-35% in tau) does not.
-    lo, hi = max(i - 6, 0), min(i + 7, len(grid))
-    a, b, _ = np.polyfit(np.log(grid[lo:hi]), effs[lo:hi], 2)
-    best = float(np.clip(np.exp(-b / (2 * a)), grid[lo], grid[hi - 1])) if a < 0 else float(grid[i])
-  tau = best if best is not None else (interval_secs if interval_secs is not None else daly)
-  return ClosedFormResult(
-      mtbf_secs=mtbf_secs, checkpoint_secs=checkpoint_secs, restart_secs=restart_secs, interval_secs=tau,
-      effective_training_time=stream.efficiency(tau, checkpoint_secs), failures=failures, seed=seed,
-      optimal_interval_secs=best, daly_optimal_interval_secs=daly,
-      young_optimal_interval_secs=young_optimal_interval(mtbf_secs, checkpoint_secs),
-      daly_effective_training_time=daly_efficiency(tau, mtbf_secs, checkpoint_secs, restart_secs),
-      first_order_effective_training_time=first_order_efficiency(tau, mtbf_secs, checkpoint_secs, restart_secs))
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

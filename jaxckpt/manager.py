@@ -451,14 +451,14 @@ class CheckpointManager:
     if step in self._store.steps():
       with self._store.read(step) as (manifest, _):
         leaves = {r.path: _restore.LeafMetadata(r.kind, tuple(r.shape), r.dtype, r.sharding,
-                                                _scalar(r.value), r.key_impl)
+                                                tree.scalar_from_json(r.value), r.key_impl)
                   for r in manifest.leaves}
         meta = dict(manifest.metadata)
       tier = "host"
     elif self.directory is not None and step in _tiers.storage_steps(self.directory):
       reader = universal.open_step(self.directory, step)
       leaves = {p: _restore.LeafMetadata(i.kind, tuple(i.shape), i.dtype, i.sharding,
-                                         _scalar(i.value), i.key_impl)
+                                         tree.scalar_from_json(i.value), i.key_impl)
                 for p, i in reader.leaves.items()}
       meta, tier = dict(reader.metadata), "storage"
     else:
@@ -600,13 +600,6 @@ def check_step(step: Any, where: str) -> int:
   if not 0 <= value < 2**63:
     raise errors.InvalidArgumentError(
         f"{where}(step={step!r}): a step must be in [0, 2**63)")
-  return value
-
-
-def _scalar(value: Any) -> Any:
-  """A scalar leaf's value from its stored JSON form (``{"type", "v"}``, or plain)."""
-  if isinstance(value, dict) and set(value) == {"type", "v"}:
-    return tree.scalar_from_json(value)
   return value
 
 

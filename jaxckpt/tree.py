@@ -126,7 +126,11 @@ def scalar_to_json(x: Any) -> dict[str, Any]:
   return {"type": "bytes", "v": base64.b64encode(x).decode("ascii")}
 
 
-def scalar_from_json(o: dict[str, Any]) -> Any:
+def scalar_from_json(o: Any) -> Any:
+  """A scalar leaf's value from :func:`scalar_to_json`'s form; a plain JSON value
+  (a step imported from another format) is returned as it is."""
+  if not (isinstance(o, dict) and set(o) == {"type", "v"}):
+    return o
   t, v = o["type"], o["v"]
   if t == "bool":
     return bool(v)
