@@ -163,9 +163,13 @@ def test_converted_view_restores_onto_a_new_mesh_reading_only_needed_regions(sca
   assert out["['params']['embed']"].sharding == targets["['params']['embed']"].sharding
   assert out["['step']"] == 7
   assert view.bytes_needed == W[1].nbytes + EMBED[:48].nbytes  # each distinct box read once
-  before = _file_bytes_read()
-  view.read("['params']['layers_3']['qkv']", ((0, 1), (0, 1)))
-  assert 0 < _file_bytes_read() - before < QKV.nbytes // L  # one inner chunk, not the leaf
+  # The metric is process-wide: a read by another thread can land inside one window, not inside all three.
+  deltas = []
+  for _ in range(3):
+    before = _file_bytes_read()
+    view.read("['params']['layers_3']['qkv']", ((0, 1), (0, 1)))
+    deltas.append(_file_bytes_read() - before)
+  assert 0 < min(deltas) < QKV.nbytes // L, deltas  # one inner chunk, not the leaf
 
 
 def _file_bytes_read():
