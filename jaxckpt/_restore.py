@@ -121,6 +121,23 @@ class HostSource:
   def bytes_read(self) -> int:
     return sum(p.bytes_read for p in self.pieces)
 
+  def prefetch(self, needed: dict[int, set[Box]]) -> None:
+    """Reads ahead, in one transfer per remote piece, every shard the regions
+    ``needed`` (leaf index -> boxes) will read (see ``reader``); local pieces
+    need nothing."""
+    wanted: dict[int, list[tuple[LeafRecord, ShardRecord]]] = {}
+    for i, boxes in needed.items():
+      shards = [(p, p.manifest.leaves[i], s) for p in self.pieces
+                for s in p.manifest.leaves[i].shards]
+      for box in boxes:
+        exact = next(((p, leaf, s) for p, leaf, s in shards if s.index == box), None)
+        for p, leaf, s in [exact] if exact else [
+            x for x in shards if box_intersection(x[2].index, box) is not None]:
+          wanted.setdefault(id(p), []).append((leaf, s))
+    for p in self.pieces:
+      if id(p) in wanted and hasattr(p, "fetch"):
+        p.fetch(wanted[id(p)])
+
   def reader(self, i: int, *, private: bool = True,
              boxes: Any = None) -> Callable[[Box], np.ndarray]:
     """``read_region(box)`` for leaf ``i``: verified values of ``box``.
@@ -158,8 +175,14 @@ def restore_tree(source: Any, target: Any, *, partial: bool = False) -> Any:
   """
   saved = source.leaves
   if target is None:
+    if hasattr(source, "prefetch"):
+      source.prefetch({i: {full_box(rec.shape)} for i, rec in enumerate(saved)
+                       if rec.kind != "scalar"})
     return {rec.path: _leaf_value(source, i, rec, None) for i, rec in enumerate(saved)}
   targets, treedef, index = match_target(target, saved, source.step, partial=partial)
+  if hasattr(source, "prefetch"):
+    source.prefetch({i: _needed_boxes(saved[i], t) for i, t in zip(index, targets)
+                     if saved[i].kind != "scalar"})
   # One thread on purpose: restoring into fresh memory is bound by page faults,
   # and two threads faulting in one process took twice as long (measured).
   values = [_leaf_value(source, i, saved[i], t) for i, t in zip(index, targets)]
@@ -171,8 +194,7 @@ def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> A
     return scalar_from_json(rec.value)
   boxes = None
   if t is not None and t.mode == "jax" and t.sharding is not None:
-    sharding = (_key_data_sharding(t.sharding) if rec.kind == "prng_key" else t.sharding)
-    boxes = set(device_boxes(rec.shape, sharding).values())
+    boxes = _needed_boxes(rec, t)
   read_region = source.reader(i, private=_keeps_host_memory(t), boxes=boxes)
   if t is not None and t.mode == "jax" and t.sharding is None:
     data = jax.device_put(read_region(full_box(rec.shape)))
@@ -187,6 +209,14 @@ def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> A
                       read_region)
     return jax.random.wrap_key_data(data, impl=rec.key_impl)
   return make_array(rec.shape, rec.numpy_dtype, t.sharding, read_region)
+
+
+def _needed_boxes(rec: LeafRecord, t: TargetLeaf | None) -> set[Box]:
+  """The regions of leaf ``rec`` that restoring it onto ``t`` reads."""
+  if t is not None and t.mode == "jax" and t.sharding is not None:
+    sharding = (_key_data_sharding(t.sharding) if rec.kind == "prng_key" else t.sharding)
+    return set(device_boxes(rec.shape, sharding).values())
+  return {full_box(rec.shape)}
 
 
 def _keeps_host_memory(t: TargetLeaf | None) -> bool:

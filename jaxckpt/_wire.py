@@ -110,6 +110,14 @@ def open_(secret: bytes, frames: Sequence[Any]) -> tuple[Header, list[Any]]:
   return header, list(frames[2:])
 
 
+def remote_error(reply: dict[str, Any], who: str, op: str) -> Exception:
+  """The typed error a peer's ``{"ok": False, "type": ..., "error": ...}`` reply stands for."""
+  cls = getattr(errors, reply.get("type", ""), None)
+  if not (isinstance(cls, type) and issubclass(cls, errors.JaxckptError)):
+    cls = errors.AgentUnavailableError
+  return cls(f"{who} refused {op!r}: {reply.get('error')}")
+
+
 def expired(header: Header) -> bool:
   """Whether the sender of ``header`` has given up on it (its deadline passed)."""
   deadline = header.pop("deadline", None)

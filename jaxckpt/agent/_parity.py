@@ -285,9 +285,7 @@ class ParityWorker:
     n = max(0, min(hi, piece.nbytes) - lo)
     data = np.empty(0, np.uint8)
     if n:
-      _, frames = self._peer(piece.host).call("fetch", step=step,
-                                              ranges=[[piece.start + lo, n]])
-      data = np.frombuffer(frames[0].buffer, np.uint8)
+      data, = self._peer(piece.host).read("snapshot", step, [(piece.start + lo, n)])
       hasher.update(data)
     if n == hi - lo:
       return data
@@ -351,7 +349,8 @@ class ParityWorker:
     if cached is not None:
       cached[1].close()
     client = Client(info["tcp"], who=f"snapshot agent of host {host} (pid {info['pid']})",
-                    timeout_secs=self.config.timeout_secs, secret=self.agent.secret)
+                    timeout_secs=self.config.timeout_secs, secret=self.agent.secret,
+                    bulk=info.get("bulk"))
     self._peers[host] = (info["pid"], client)
     return client
 
@@ -494,11 +493,11 @@ def _fetcher(holders: dict[int, Client], layout: StripeLayout,
       if piece.slot < len(layout.stripes[piece.stripe].data):
         if piece.nbytes == 0:
           return np.empty(0, np.uint8)
-        _, frames = c.call("fetch", step=step, ranges=[[piece.start, piece.nbytes]])
+        data, = c.read("snapshot", step, [(piece.start, piece.nbytes)])
       else:
-        _, frames = c.call("parity_fetch", step=step, stripe=piece.stripe)
+        data, = c.read("parity", step, [(0, piece.stop)], stripe=piece.stripe)
     except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
       logger.warning("step %d: could not fetch %s: %s", step, piece, e)
       return None
-    return np.frombuffer(frames[0].buffer, np.uint8)
+    return data
   return fetch

@@ -13,11 +13,13 @@ fetches), never inside msgpack.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import zmq
 
-from jaxckpt import _wire, errors
+from jaxckpt import _bulk, _wire, errors
+from jaxckpt.snapshot import aligned_empty
 from jaxckpt._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
 
 
@@ -39,8 +41,9 @@ class Client:
   failure, so a timed-out request never leaves the socket stuck)."""
 
   def __init__(self, endpoint: str, *, who: str, timeout_secs: float, secret: bytes,
-               host: int | None = None, pid: int | None = None) -> None:
+               host: int | None = None, pid: int | None = None, bulk: str | None = None) -> None:
     self.endpoint = endpoint
+    self.bulk = bulk                      # the agent's bulk-transfer address (jaxckpt._bulk)
     self.host, self.pid = host, pid       # the agent's host id and pid, where known
     self._secret = secret
     self.who = who
@@ -74,8 +77,24 @@ class Client:
         raise
     reply = unpack(parts[0].bytes)
     if not reply.get("ok"):
-      raise _remote_error(reply, self.who, op)
+      raise _wire.remote_error(reply, self.who, op)
     return reply, parts[1:]
+
+  def read(self, what: str, step: int, ranges: Sequence[tuple[int, int]], *,
+           on_done: Callable[[int, np.ndarray], None] | None = None,
+           **args: Any) -> list[np.ndarray]:
+    """Byte ``ranges`` of the agent's ``what`` (``"snapshot"`` of ``step``, or
+    ``"parity"`` of ``step`` and ``stripe=``) over the bulk path, each into a
+    fresh aligned array; ``on_done(i, array)`` runs once range ``i`` has
+    arrived, while later ones still arrive (see :func:`jaxckpt._bulk.fetch`)."""
+    if self.bulk is None:
+      raise errors.AgentUnavailableError(
+          f"{self.who} published no bulk-transfer address; is it an agent of this jaxckpt version?")
+    into = [aligned_empty((n,), np.uint8) for _, n in ranges]
+    _bulk.fetch(self.bulk, self._secret, dict(args, what=what, step=step), ranges, into,
+                timeout_secs=self.timeout_secs, who=self.who,
+                on_done=None if on_done is None else lambda i: on_done(i, into[i]))
+    return into
 
   def _reset(self) -> None:
     if self._sock is not None:
@@ -85,10 +104,3 @@ class Client:
   def close(self) -> None:
     with self._lock:
       self._reset()
-
-
-def _remote_error(reply: dict[str, Any], who: str, op: str) -> Exception:
-  cls = getattr(errors, reply.get("type", ""), None)
-  if not (isinstance(cls, type) and issubclass(cls, errors.JaxckptError)):
-    cls = errors.AgentUnavailableError
-  return cls(f"{who} refused {op!r}: {reply.get('error')}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import mmap
@@ -19,12 +20,12 @@ import shutil
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import zmq
 
-from jaxckpt import _slots, errors
+from jaxckpt import _bulk, _slots, errors
 from jaxckpt._spans import Spans, span_checksums
 from jaxckpt.agent import _paths, _protocol
 from jaxckpt.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
@@ -129,6 +130,7 @@ class Agent:
     self.persister = None
     self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
+    self._bulk_readers = itertools.count(1)
 
   # -- helpers --------------------------------------------------------------
 
@@ -393,19 +395,29 @@ class Agent:
       out.append([step, m["process_index"], m["process_count"]])
     return {"held": out}
 
-  def op_fetch(self, step: int, ranges: list[list[int]], pid: int | None = None
-               ) -> tuple[dict[str, Any], list[Any]]:
-    """Byte ranges of ``step``'s snapshot. A requester that holds a pin on the
-    step (``op_open``) gets views of the slot's memory, sent without a copy (the
-    pin keeps the slot from being reused until it closes); others get copies
-    taken under the agent's lock."""
-    s = self._slot_of(step)
-    if pid is not None and s.pins.get(pid):
+  @contextlib.contextmanager
+  def bulk(self, header: dict[str, Any]) -> Iterator[list[Any]]:
+    """What a bulk request (:mod:`jaxckpt._bulk`) reads: byte ``ranges`` of
+    ``step``'s snapshot (``what="snapshot"``), as views of the slot's memory
+    sent without a copy, the step pinned until they are sent; or of the parity
+    block of ``stripe`` (``what="parity"``)."""
+    what, step, ranges = header.get("what"), int(header["step"]), header["ranges"]
+    if what == "parity":
+      with self.lock:
+        block = memoryview(self._parity_worker().read_block(step, int(header["stripe"])))
+      yield [block[o:o + n] for o, n in _checked(ranges, len(block), f"parity of step {step}")]
+      return
+    if what != "snapshot":
+      raise errors.InvalidArgumentError(f"bulk request for {what!r}: expected 'snapshot' or 'parity'")
+    reader = -next(self._bulk_readers)          # a pin owner no trainer pid can be
+    with self.lock:
+      s = self.table.pin(step, reader) or self._slot_of(step)
       view = memoryview(self.slots[s.index].read_map(s.size))
-      return {}, [view[o:o + n] for o, n in ranges]
-    with open(self.slots[s.index].path, "rb") as f, \
-         mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ) as mm:
-      return {}, [bytes(mm[o:o + n]) for o, n in ranges]
+    try:
+      yield [view[o:o + n] for o, n in _checked(ranges, s.size, f"step {step}")]
+    finally:
+      with self.lock:
+        self.table.unpin(s.index, reader)
 
   def op_peer_manifest(self, step: int) -> dict[str, Any]:
     """A peer's parity thread asks: have you committed ``step``? (its manifest if so)."""
@@ -419,9 +431,6 @@ class Agent:
 
   def op_parity_info(self, step: int) -> dict[str, Any]:
     return self._parity_worker().info(step)
-
-  def op_parity_fetch(self, step: int, stripe: int) -> tuple[dict[str, Any], list[bytes]]:
-    return {}, [self._parity_worker().read_block(step, stripe)]
 
   def _parity_worker(self) -> Any:
     if self.parity is None:
@@ -501,12 +510,15 @@ def serve(agent: Agent) -> None:
   sock = ctx.socket(zmq.ROUTER)
   sock.setsockopt(zmq.LINGER, 1000)
   stop = []
+  bulk = None
   signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
   signal.signal(signal.SIGINT, lambda *_: stop.append(1))
   try:
     sock.bind(_paths.ipc_endpoint(agent.dir))
     tcp_port = sock.bind_to_random_port(f"tcp://{agent.tcp_host}")
-    _write_address(agent, tcp_port)
+    bulk = _bulk.Server(agent.tcp_host, agent.secret, agent.bulk,
+                        name=f"agent {agent.job} host {agent.host}")
+    _write_address(agent, tcp_port, bulk.address)
     logger.info("agent of job %s host %d serving (pid %d)", agent.job, agent.host, os.getpid())
     while not stop and not agent.stopping:
       if not sock.poll(1000):
@@ -519,6 +531,8 @@ def serve(agent: Agent) -> None:
       sock.send_multipart([ident, empty, *handle(agent, frames)], copy=False)  # no 2nd copy
   finally:
     sock.close(linger=1000)
+    if bulk is not None:
+      bulk.close()
     if agent.persister is not None:
       agent.persister.close(agent.persister.config.timeout_secs)
     if agent.parity is not None:
@@ -527,9 +541,18 @@ def serve(agent: Agent) -> None:
     logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
 
 
-def _write_address(agent: Agent, tcp_port: int) -> None:
+def _checked(ranges: list[list[int]], size: int, what: str) -> list[tuple[int, int]]:
+  out = [(int(o), int(n)) for o, n in ranges]
+  bad = [r for r in out if r[0] < 0 or r[1] < 0 or r[0] + r[1] > size]
+  if bad:
+    raise errors.InvalidArgumentError(f"byte ranges {bad} lie outside {what} ({size} bytes)")
+  return out
+
+
+def _write_address(agent: Agent, tcp_port: int, bulk: str) -> None:
   info = {"pid": os.getpid(), "job": agent.job, "host": agent.host,
-          "ipc": _paths.ipc_endpoint(agent.dir), "tcp": f"tcp://{agent.tcp_host}:{tcp_port}"}
+          "ipc": _paths.ipc_endpoint(agent.dir), "tcp": f"tcp://{agent.tcp_host}:{tcp_port}",
+          "bulk": bulk}
   tmp = _paths.address_file(agent.dir) + ".tmp"
   with open(tmp, "w") as f:
     json.dump(info, f)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import psutil
@@ -278,7 +278,12 @@ def _map_slot(path: str, manifest: SnapshotManifest) -> np.ndarray:
 
 
 class RemotePiece:
-  """Another host's snapshot of a step, fetched shard by shard from its agent."""
+  """Another host's snapshot of a step, read from its agent over the bulk path.
+
+  ``fetch`` reads many shards at once (several streams, each shard verified
+  as soon as it has arrived); ``shard_array`` returns a verified shard,
+  reading it if no ``fetch`` did.
+  """
 
   def __init__(self, client: Client, manifest: SnapshotManifest) -> None:
     self.client = client
@@ -286,17 +291,27 @@ class RemotePiece:
     self.bytes_read = 0
     self._cache: dict[int, np.ndarray] = {}
 
-  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
-    buf = self._cache.get(shard.offset)
-    if buf is None:
-      _, frames = self.client.call("fetch", step=self.manifest.step, pid=os.getpid(),
-                                   ranges=[[shard.offset, shard.nbytes]])   # pinned: no copy
-      raw = ShardRecord(shard.index, 0, shard.nbytes, shard.checksum)
-      data = np.frombuffer(frames[0].buffer, dtype=np.uint8)
-      verify_shard(data, raw, path=leaf.path, step=self.manifest.step)
-      buf = self._cache[shard.offset] = data
+  def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None:
+    """Reads and verifies the shards in ``wanted`` not read yet."""
+    todo = list({s.offset: (leaf, s) for leaf, s in wanted if s.offset not in self._cache}.values())
+    if not todo:
+      return
+    step = self.manifest.step
+
+    def verify(i: int, data: np.ndarray) -> None:
+      leaf, shard = todo[i]
+      verify_shard(data, ShardRecord(shard.index, 0, shard.nbytes, shard.checksum),
+                   path=leaf.path, step=step)
+    got = self.client.read("snapshot", step, [(s.offset, s.nbytes) for _, s in todo],
+                           on_done=verify)
+    for (_, shard), data in zip(todo, got):
+      self._cache[shard.offset] = data
       self.bytes_read += shard.nbytes
-    return buf.view(leaf.numpy_dtype).reshape(box_shape(shard.index))
+
+  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
+    if shard.offset not in self._cache:
+      self.fetch([(leaf, shard)])
+    return self._cache[shard.offset].view(leaf.numpy_dtype).reshape(box_shape(shard.index))
 
 
 def job_agents(run_root: str, job: str) -> dict[int, dict[str, Any]]:
@@ -324,7 +339,7 @@ def clients_of(agents: list[dict[str, Any]], job: str, *, timeout_secs: float, s
     endpoint = info["ipc"] if info["pid"] == local_pid else info["tcp"]
     clients[i] = Client(endpoint, who=f"snapshot agent of job {job!r} host {info['host']} "
                         f"(pid {info['pid']}, {info['tcp']})", timeout_secs=timeout_secs,
-                        secret=secret, host=info["host"], pid=info["pid"])
+                        secret=secret, host=info["host"], pid=info["pid"], bulk=info.get("bulk"))
   try:
     yield clients
   finally:

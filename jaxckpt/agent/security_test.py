@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -56,7 +58,7 @@ def _raw(endpoint: str, frames: list[bytes]) -> dict:
     sock.close()
 
 
-FORGED = [("fetch", {"step": 1, "ranges": [[0, 2048]]}), ("stop", {}),
+FORGED = [("open", {"pid": 1, "step": 1}), ("stop", {}),
           ("hello", {"pid": 1, "persist": {"directory": "/tmp/evil", "interval_steps": 1}}),
           ("reserve", {"pid": 1, "step": 9, "nbytes": 64}),
           ("commit", {"index": 0, "manifest": "{}"})]
@@ -83,6 +85,37 @@ def test_requests_without_the_secret_are_refused_and_change_nothing(held, how):
     out = m.restore(step=1, target={"w": np.zeros((64, 8), np.float32)})
     assert m.all_steps() == [1] and m.last_restore.tier == "host"
   np.testing.assert_array_equal(out["w"], np.arange(512, dtype=np.float32).reshape(64, 8))
+
+
+@pytest.mark.parametrize("how", ["no mac", "wrong secret", "mac of another header"])
+def test_bulk_reads_without_the_secret_get_no_byte(held, how):
+  _, root, job, info = held
+  header = msgpack.packb({"op": "bulk", "what": "snapshot", "step": 1, "ranges": [[0, 2048]],
+                          "ts": time.time()}, use_bin_type=True)
+  mac = {"no mac": b"", "wrong secret": _protocol.sign(b"not the secret", header),
+         "mac of another header": _protocol.request(_paths.job_secret(root, job), "steps", {})[0]}
+  host, port = info["bulk"].rsplit(":", 1)
+  with socket.create_connection((host, int(port)), timeout=20) as conn:
+    conn.sendall(b"".join(struct.pack("!I", len(f)) + f for f in (mac[how], header)))
+    got = b""
+    while chunk := conn.recv(1 << 16):                 # the agent closes after its refusal
+      got += chunk
+  (n,) = struct.unpack("!I", got[:4])
+  reply = msgpack.unpackb(got[4:4 + n], raw=False)
+  assert not reply["ok"] and reply["type"] == "PermissionDeniedError", reply
+  assert len(got) == 4 + n                              # and not one byte of the snapshot
+
+
+def test_bulk_reads_outside_the_snapshot_are_refused(held):
+  _, root, job, info = held
+  client = _protocol.Client(info["tcp"], who="test", timeout_secs=20,
+                            secret=_paths.job_secret(root, job), bulk=info["bulk"])
+  with pytest.raises(errors.InvalidArgumentError, match=r"outside step 1"):
+    client.read("snapshot", 1, [(0, 1 << 30)])
+  with pytest.raises(errors.StepNotFoundError, match="no step 5"):
+    client.read("snapshot", 5, [(0, 8)])
+  data, = client.read("snapshot", 1, [(0, 2048)])        # the secret's holder reads
+  np.testing.assert_array_equal(data.view(np.float32), np.arange(512, dtype=np.float32))
 
 
 def test_a_replayed_old_request_is_refused(held):
