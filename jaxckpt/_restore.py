@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -83,6 +84,10 @@ class BufferPiece:
       self._mark_read(shard)
     return shard_view(self.buffer, shard, leaf.numpy_dtype)
 
+  def span(self, start: int, nbytes: int) -> np.ndarray:
+    """Raw bytes ``[start, start + nbytes)`` of the snapshot (a view; unverified)."""
+    return np.frombuffer(self.buffer, np.uint8, count=nbytes, offset=start)
+
   def is_private(self) -> bool:
     """Whether views of this buffer may be kept by restored arrays (lends on first ask)."""
     if not self._private and self._lend is not None:
@@ -134,9 +139,10 @@ class HostSource:
         for p, leaf, s in [exact] if exact else [
             x for x in shards if box_intersection(x[2].index, box) is not None]:
           wanted.setdefault(id(p), []).append((leaf, s))
-    for p in self.pieces:
-      if id(p) in wanted and hasattr(p, "fetch"):
-        p.fetch(wanted[id(p)])
+    remote = [p for p in self.pieces if id(p) in wanted and hasattr(p, "fetch")]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(remote))) as pool:   # hosts at once
+      for f in [pool.submit(p.fetch, wanted[id(p)]) for p in remote]:
+        f.result()
 
   def reader(self, i: int, *, private: bool = True,
              boxes: Any = None) -> Callable[[Box], np.ndarray]:

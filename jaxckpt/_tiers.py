@@ -292,6 +292,7 @@ def _rebuilt_pieces(clients: dict[int, Any], step: int, pieces: list[Any]) -> li
   lost = sorted(set(range(count)) - {p.manifest.process_index for p in pieces})
   if not lost:
     return []
-  rebuilt = _parity.recover(clients, step, lost)
+  have = {p.manifest.process_index: p for p in pieces}   # their bytes are not read twice
+  rebuilt = _parity.recover(clients, step, lost, have=have)
   logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)
   return [_restore.BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]

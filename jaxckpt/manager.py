@@ -124,6 +124,9 @@ class CheckpointManager:
     if p is None:
       return None
     from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
+    from jaxckpt.parity import codec  # pylint: disable=import-outside-toplevel
+    k = p.group_size - p.parity
+    codec.warm_up(k, p.parity)      # a restore that rebuilds a lost host must not load it
     return _parity.ParityConfig(p.group_size, p.parity, self.options.timeout_secs).to_obj()
 
   # -- saving ---------------------------------------------------------------

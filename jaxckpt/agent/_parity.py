@@ -438,9 +438,13 @@ def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
   return out
 
 
-def recover(clients: dict[int, Client], step: int,
-            lost: list[int]) -> dict[int, tuple[SnapshotManifest, np.ndarray]]:
+def recover(clients: dict[int, Client], step: int, lost: list[int],
+            have: dict[int, Any] | None = None) -> dict[int, tuple[SnapshotManifest, np.ndarray]]:
   """Rebuilds the snapshots of ``lost`` hosts of ``step`` from the survivors.
+
+  ``have`` maps saving process indices to the pieces of ``step`` the caller
+  already holds or is about to read (``BufferPiece``, ``RemotePiece``): data
+  chunks are taken from them (``span``) instead of being read a second time.
 
   Every fetched piece and every rebuilt piece is checked against the checksum
   saved when the parity was made (a corrupted survivor is left out while
@@ -477,22 +481,30 @@ def recover(clients: dict[int, Client], step: int,
     raise errors.UnrecoverableLossError(
         f"step {step}: no survivor holds the manifest of lost hosts {missing}")
   layout = _lib().StripeLayout.build(sizes, cfg.options)
-  rebuilt = _lib().recover_hosts(layout, lost, _fetcher(holders, layout, step), checksums)
+  pieces = {h: (have or {}).get(SnapshotManifest.from_json(js).process_index)
+            for h, js in manifests.items()}
+  rebuilt = _lib().recover_hosts(layout, lost, _fetcher(holders, layout, step, pieces), checksums)
   return {h: (SnapshotManifest.from_json(manifests[h]), buf) for h, buf in rebuilt.items()}
 
 
-def _fetcher(holders: dict[int, Client], layout: StripeLayout,
-             step: int) -> Callable[[Piece], Any]:
-  """Fetches a survivor's piece (from the agent that was its host for ``step``):
-  a data chunk of its snapshot or a parity block."""
+def _fetcher(holders: dict[int, Client], layout: StripeLayout, step: int,
+             pieces: dict[int, Any]) -> Callable[[Piece], Any]:
+  """Fetches a survivor's piece: a data chunk of its snapshot (from the
+  caller's ``pieces`` where they hold it, else from the agent that was its host
+  for ``step``) or a parity block."""
   def fetch(piece: Piece) -> Any:
+    data_piece = piece.slot < len(layout.stripes[piece.stripe].data)
+    if data_piece and piece.nbytes == 0:
+      return np.empty(0, np.uint8)
+    if data_piece and pieces.get(piece.host) is not None:
+      data = pieces[piece.host].span(piece.start, piece.nbytes)
+      if data is not None:
+        return data
     c = holders.get(piece.host)
     if c is None:
       return None
     try:
-      if piece.slot < len(layout.stripes[piece.stripe].data):
-        if piece.nbytes == 0:
-          return np.empty(0, np.uint8)
+      if data_piece:
         data, = c.read("snapshot", step, [(piece.start, piece.nbytes)])
       else:
         data, = c.read("parity", step, [(0, piece.stop)], stripe=piece.stripe)

@@ -290,9 +290,14 @@ class RemotePiece:
     self.manifest = manifest
     self.bytes_read = 0
     self._cache: dict[int, np.ndarray] = {}
+    self._lock = threading.Lock()            # parity rebuilds read spans from several threads
 
   def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None:
     """Reads and verifies the shards in ``wanted`` not read yet."""
+    with self._lock:
+      self._fetch(wanted)
+
+  def _fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None:
     todo = list({s.offset: (leaf, s) for leaf, s in wanted if s.offset not in self._cache}.values())
     if not todo:
       return
@@ -307,6 +312,30 @@ class RemotePiece:
     for (_, shard), data in zip(todo, got):
       self._cache[shard.offset] = data
       self.bytes_read += shard.nbytes
+
+  def span(self, start: int, nbytes: int) -> np.ndarray | None:
+    """Bytes ``[start, start + nbytes)`` of the snapshot, read through the shard
+    cache (so the shards a restore reads next are not read twice); None if
+    shards do not cover the range (the gaps between them are not kept)."""
+    end = start + nbytes
+    over = sorted(((leaf, s) for leaf in self.manifest.leaves for s in leaf.shards
+                   if s.offset < end and s.offset + s.nbytes > start), key=lambda x: x[1].offset)
+    pos = start
+    for _, s in over:
+      if s.offset > pos:
+        return None
+      pos = max(pos, s.offset + s.nbytes)
+    if pos < end:
+      return None
+    self.fetch(over)
+    if len(over) == 1:
+      s = over[0][1]
+      return self._cache[s.offset][start - s.offset:end - s.offset]
+    out = np.empty(nbytes, np.uint8)
+    for _, s in over:
+      lo, hi = max(start, s.offset), min(end, s.offset + s.nbytes)
+      out[lo - start:hi - start] = self._cache[s.offset][lo - s.offset:hi - s.offset]
+    return out
 
   def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
     if shard.offset not in self._cache:

@@ -214,3 +214,16 @@ def _check_lengths(sizes: dict[int, int]) -> None:
 def codec(k: int, m: int) -> ReedSolomon:
   """A shared ReedSolomon(k, m) (decode plans are cached per instance)."""
   return ReedSolomon(k, m)
+
+
+def warm_up(k: int, m: int) -> threading.Thread:
+  """Loads the codec's compiled kernels in a daemon thread (numba's cached
+  machine code takes ~0.5 s to load in a fresh process), so that a restore
+  that has to rebuild a lost host right after a restart does not wait for it."""
+  def run() -> None:
+    blocks: list[np.ndarray | None] = [np.zeros(64, np.uint8) for _ in range(k + m)]
+    blocks[0] = None
+    codec(k, m).decode_into(blocks, {0: np.empty(64, np.uint8)})
+  t = threading.Thread(target=run, name="jaxckpt-parity-warm-up", daemon=True)
+  t.start()
+  return t

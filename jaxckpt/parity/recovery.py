@@ -10,6 +10,7 @@ instead (a stripe with more than k survivors tolerates it).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,6 +24,7 @@ from jaxckpt.snapshot import checksum
 logger = logging.getLogger(__name__)
 
 Fetch = Callable[[Piece], Any]
+_STRIPES_AT_ONCE = 4
 
 
 def piece_checksums(pieces: Sequence[Piece], bufs: Sequence[Any]) -> dict[Piece, str]:
@@ -85,9 +87,13 @@ def recover_hosts(layout: StripeLayout, lost_hosts: Sequence[int], fetch: Fetch,
   check_recoverable(layout, lost_hosts)
   lost = set(lost_hosts)
   result = {h: np.empty(layout.host_bytes[h], np.uint8) for h in sorted(lost)}
-  for stripe in layout.stripes:
-    if any(p.host in lost and p.nbytes for p in stripe.data):   # (a lost empty piece is rebuilt)
-      _recover_stripe(stripe, lost, fetch, checksums, result)
+  todo = [s for s in layout.stripes
+          if any(p.host in lost and p.nbytes for p in s.data)]   # (a lost empty piece is rebuilt)
+  # Stripes rebuild side by side, each writing its own bytes of ``result``
+  # (fetches, xxhash over large buffers and decoding leave the GIL).
+  with concurrent.futures.ThreadPoolExecutor(_STRIPES_AT_ONCE) as pool:
+    for f in [pool.submit(_recover_stripe, s, lost, fetch, checksums, result) for s in todo]:
+      f.result()
   return result
 
 
@@ -96,11 +102,15 @@ def _recover_stripe(stripe: Stripe, lost: set[int], fetch: Fetch,
   k = len(stripe.data)
   blocks: list[np.ndarray | None] = [None] * len(stripe.pieces)
   bad: list[str] = []
-  for piece in stripe.pieces:
+  survivors = [p for p in stripe.pieces if p.host not in lost]
+  with concurrent.futures.ThreadPoolExecutor(k) as pool:    # the first k at once, from k hosts
+    first = list(pool.map(lambda p: _fetch_verified(p, fetch, checksums, bad), survivors[:k]))
+  for piece, buf in zip(survivors[:k], first):
+    if buf is not None:
+      blocks[piece.slot] = padded(buf, stripe.block_bytes)
+  for piece in survivors[k:]:                               # stand-ins for failed ones
     if sum(b is not None for b in blocks) == k:
       break
-    if piece.host in lost:
-      continue
     buf = _fetch_verified(piece, fetch, checksums, bad)
     if buf is not None:
       blocks[piece.slot] = padded(buf, stripe.block_bytes)
