@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxckpt import errors
 from jaxckpt.snapshot import Box, dtype_from_name
+from jaxckpt.tree import scalar_from_json, scalar_to_json
 
 FORMAT = "jaxckpt.universal"
 VERSION = 1
@@ -57,10 +58,21 @@ class LeafInfo:
   def __post_init__(self):
     if self.kind not in ("jax", "numpy", "prng_key", "scalar"):
       raise errors.InvalidArgumentError(f"LeafInfo.kind must be jax, numpy, prng_key or scalar, got {self.kind=}")
+    if self.kind == "scalar" and isinstance(self.value, (bool, int, float, complex, str, bytes)):
+      # One stored form for every scalar: a plain value (a step imported from
+      # another format, an older jaxckpt) is kept as the manager keeps its own.
+      object.__setattr__(self, "value", scalar_to_json(self.value))
 
   @property
   def is_array(self) -> bool:
     return self.kind != "scalar"
+
+  @property
+  def scalar(self) -> Any:
+    """A scalar leaf's Python value (``value`` holds its JSON form, see
+    :func:`jaxckpt.tree.scalar_to_json`; steps imported before that form was
+    the only one hold the plain value, read the same)."""
+    return scalar_from_json(self.value)
 
   @property
   def numpy_dtype(self) -> np.dtype:

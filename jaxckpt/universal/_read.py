@@ -329,7 +329,7 @@ def _restore_one(reader: StepReader, path: str, target: Any,
                  budget: _budget.ByteBudget) -> Any:
   info = reader.leaves[path]
   if not info.is_array:
-    return info.value
+    return info.scalar
   sharding = getattr(target, "sharding", None) if target is not None else None
   if target is not None and tuple(target.shape) != info.shape:
     raise errors.StructureMismatchError(

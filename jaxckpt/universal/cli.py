@@ -66,7 +66,7 @@ def _tree_lines(reader: _read.StepReader) -> list[str]:
   for path in sorted(reader.leaves):
     info = reader.leaves[path]
     if not info.is_array:
-      lines.append(f"  {path:<{width}}  {info.kind:<8} = {info.value!r}")
+      lines.append(f"  {path:<{width}}  {info.kind:<8} = {info.scalar!r}")
       continue
     mesh = (info.sharding or {}).get("mesh_shape") if isinstance(info.sharding, dict) else None
     spec = (info.sharding or {}).get("spec") if isinstance(info.sharding, dict) else None

@@ -105,7 +105,7 @@ def convert_command(args: argparse.Namespace) -> int:
     view = cv.apply(spec, _read.open_step(args.src, args.step))
     if args.dry_run:
       for path, info in view.leaves.items():
-        what = f"{info.dtype} {list(info.shape)}" if info.is_array else f"= {info.value!r}"
+        what = f"{info.dtype} {list(info.shape)}" if info.is_array else f"= {info.scalar!r}"
         print(f"  {path}  {what}")
       print(f"{len(view.leaves)} leaves, {human_bytes(cv.total_nbytes(view))}")
       return 0

@@ -52,7 +52,7 @@ def test_convert_writes_the_converted_step(src, rules, tmp_path, capsys):
   for i in range(3):
     np.testing.assert_array_equal(r.read(f"['layer_{i}']['w']"), W[i])
   np.testing.assert_array_equal(r.read("['embed']"), EMBED[:10])
-  assert r.leaves["['step']"].value == 5
+  assert r.leaves["['step']"].scalar == 5
 
 
 def test_convert_dry_run_prints_the_tree_and_writes_nothing(src, rules, tmp_path, capsys):
@@ -88,7 +88,7 @@ def test_export_then_import_orbax_round_trip(src, rules, tmp_path, capsys):
   assert "into step 9" in capsys.readouterr().out
   r = u.open_step(back, 9)
   np.testing.assert_array_equal(r.read("['layers']['w']"), W)
-  assert r.leaves["['step']"].value == 5
+  assert r.leaves["['step']"].scalar == 5
 
 
 def test_import_orbax_missing_step_exits_2(tmp_path, capsys):

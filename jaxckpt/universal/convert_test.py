@@ -66,7 +66,7 @@ def test_scanned_layers_to_per_layer_and_back_is_exact(scanned, tmp_path):
     np.testing.assert_array_equal(r.read(f"['params']['layers_{i}']['qkv']"), QKV[i])
   assert r.leaves["['params']['layers_2']['b']"].dtype == "bfloat16"
   assert "['params']['layers']['w']" not in r.leaves
-  assert r.leaves["['step']"].value == 7 and r.metadata["run"] == "t"
+  assert r.leaves["['step']"].scalar == 7 and r.metadata["run"] == "t"
   assert r.metadata["converted_from"]["spec"] == UNSTACK.to_dict()
   cv.convert(per_layer, back, STACK, dst_step=8)
   orig, again = u.open_step(scanned, 7), u.open_step(back, 8)

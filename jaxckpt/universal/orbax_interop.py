@@ -125,7 +125,7 @@ def orbax_tree(item_dir: str) -> tuple[Any, bool]:
 def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = None) -> int:
   """Bytes of array data :func:`import_orbax` would copy (for progress bars)."""
   import jax  # pylint: disable=import-outside-toplevel
-  tree, _ = orbax_tree(_item_dir(orbax_dir, step, item)[0])
+  tree, _ = orbax_tree(_item_dir(os.path.abspath(orbax_dir), step, item)[0])
   return sum(int(np.prod(md.shape)) * np.dtype(md.dtype).itemsize
              for md in jax.tree_util.tree_leaves(tree)
              if isinstance(md, ocp.metadata.ArrayMetadata)
@@ -151,6 +151,7 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     of orbax's tree (``['params']['w']``, ``['layers'][0]['b']``).
   """
   import jax  # pylint: disable=import-outside-toplevel
+  orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
   item_dir, found = _item_dir(orbax_dir, step, item)
   tree, use_zarr3 = orbax_tree(item_dir)
   leaves, sources = {}, {}
@@ -159,6 +160,11 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     leaves[path], view = _leaf_from(path, md, item_dir, use_zarr3)
     if view is not None:
       sources[path] = _Counted(view, progress)
+  if not leaves:
+    raise errors.ManifestError(
+        f"orbax checkpoint {item_dir!r} holds no leaves that import_orbax can read (orbax's "
+        "metadata gives an empty tree); point it at a StandardSave / StandardCheckpointer "
+        "save (the directory with _METADATA, or the CheckpointManager directory)")
   dst_step = (found or 0) if dst_step is None else dst_step
   metadata = {"imported_from": {"orbax": orbax_dir, "step": found,
                                 "item": os.path.basename(item_dir) if found is not None else None}}
@@ -168,9 +174,9 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
 
 
 def _exportable(path: str, info: man.LeafInfo) -> None:
-  if not info.is_array and not isinstance(info.value, (bool, int, float)):
+  if not info.is_array and not isinstance(info.scalar, (bool, int, float)):
     raise errors.UnsupportedLeafError(
-        f"leaf {path!r} is a {type(info.value).__name__} scalar ({info.value!r}); orbax "
+        f"leaf {path!r} is a {type(info.scalar).__name__} scalar ({info.scalar!r}); orbax "
         "StandardSave takes only arrays and numbers: Drop it with a conversion spec")
   if info.is_array and 0 in info.shape:
     raise errors.UnsupportedLeafError(
@@ -200,7 +206,7 @@ def export_orbax(src_dir: str, dst_orbax_dir: str, *, step: int | None = None,
   flat = {}
   for path, info in view.leaves.items():
     _exportable(path, info)
-    flat[path] = view.read(path) if info.is_array else info.value
+    flat[path] = view.read(path) if info.is_array else info.scalar
     if progress is not None:
       progress.update(info.nbytes)
   tree = nest(flat)

@@ -77,7 +77,7 @@ def test_import_an_older_step_and_a_bare_checkpointer_save(orbax_manager_dir, tm
   assert ox.import_orbax(bare, str(tmp_path / "b")) == 0
   r = u.open_step(str(tmp_path / "b"), 0)
   np.testing.assert_array_equal(r.read("['a']"), np.arange(6.0).reshape(2, 3))
-  assert r.leaves["['n']"].value == 3
+  assert r.leaves["['n']"].scalar == 3
 
 
 def test_import_errors_name_the_steps_and_items(orbax_manager_dir, tmp_path):
@@ -156,3 +156,70 @@ def test_nest_builds_lists_dicts_and_attributes():
     ox.path_keys("params/w")
   with pytest.raises(errors.ConversionError, match="prefix of other leaves"):
     ox.nest({"['a']['b']": 1, "['a']": 2})
+
+
+def _manager_checkpoint(directory: str) -> dict:
+  """A checkpoint the CheckpointManager wrote, holding Python scalars, a typed key and bf16."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  state = {"w": W, "b": jnp.arange(4, dtype=jnp.bfloat16), "step": 3, "lr": 0.1, "done": False,
+           "key": jax.random.key(7)}
+  with jc.CheckpointManager(directory) as mgr:
+    assert mgr.save(3, state)
+    mgr.wait_until_finished()
+  return state
+
+
+def test_export_of_a_manager_checkpoint_with_scalars_and_keys_restores_in_orbax(tmp_path):
+  state = _manager_checkpoint(str(tmp_path / "ck"))
+  out = ox.export_orbax(str(tmp_path / "ck"), str(tmp_path / "orbax"))
+  restored = ocp.StandardCheckpointer().restore(out)
+  assert restored["step"] == 3 and type(restored["step"]) is int
+  assert restored["lr"] == 0.1 and restored["done"] is False
+  np.testing.assert_array_equal(restored["w"], W)
+  assert restored["b"].dtype == jnp.bfloat16 and restored["b"].tobytes() == state["b"].tobytes()
+  np.testing.assert_array_equal(restored["key"], jax.random.key_data(state["key"]))  # key data
+
+
+def test_scalars_have_one_encoding_and_inspect_shows_values(orbax_manager_dir, tmp_path, capsys):
+  from jaxckpt import cli  # pylint: disable=import-outside-toplevel
+  _manager_checkpoint(str(tmp_path / "ck"))
+  ox.import_orbax(orbax_manager_dir, str(tmp_path / "imp"), step=2)
+  for d, want in ((tmp_path / "ck", {"['step']": 3, "['lr']": 0.1, "['done']": False}),
+                  (tmp_path / "imp", {"['lr']": 0.25})):          # (its step is an array)
+    leaves = u.open_step(str(d)).leaves
+    for path, value in want.items():
+      assert set(leaves[path].value) == {"type", "v"}             # one stored form
+      assert leaves[path].scalar == value and type(leaves[path].scalar) is type(value)
+    assert cli.main(["inspect", str(d)]) == 0
+    text = capsys.readouterr().out
+    for path, value in want.items():
+      assert f"= {value!r}" in text.split(path, 1)[1].splitlines()[0], text
+    assert "'type'" not in text
+
+
+def test_an_imported_step_with_scalars_restores_through_the_manager(orbax_manager_dir, tmp_path):
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  d = str(tmp_path / "imp")
+  ox.import_orbax(orbax_manager_dir, d, step=2)
+  with jc.CheckpointManager(d) as mgr:
+    out = mgr.restore(2)                                  # no target: the saved tree
+    assert out["step"] == 2 and out["lr"] == 0.25
+    np.testing.assert_array_equal(out["params"]["w"], W * 2)
+    typed = mgr.restore(2, target=jax.tree.map(
+        lambda x: np.zeros_like(x) if isinstance(x, np.ndarray) else x, out))
+    assert typed["lr"] == 0.25 and type(typed["lr"]) is float and typed["step"] == 2
+
+
+def test_import_with_relative_paths_and_an_empty_import_is_an_error(orbax_manager_dir, tmp_path,
+                                                                  monkeypatch):
+  monkeypatch.chdir(os.path.dirname(orbax_manager_dir))
+  rel = os.path.basename(orbax_manager_dir)
+  assert ox.import_orbax(rel, "imported_rel", step=2) == 2
+  leaves = u.open_step("imported_rel").leaves
+  assert "['params']['w']" in leaves and len(leaves) > 3
+  empty = tmp_path / "empty"
+  with ocp.StandardCheckpointer() as ck:
+    ck.save(str(empty), {"nothing": None})           # a tree without leaves
+  with pytest.raises(errors.ManifestError, match="holds no leaves"):
+    ox.import_orbax(str(empty), str(tmp_path / "nothing"))
+  assert not os.path.exists(tmp_path / "nothing" / "commits")

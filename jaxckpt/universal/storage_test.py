@@ -178,7 +178,7 @@ def test_write_leaves_streams_from_lazy_views_and_zarr_python_reads_it(tmp_path)
   out = u.open_step(dst, 4)
   assert out.leaves["wt"].chunk_shape == (2, 8) and len(out.leaves["wt"].chunks) == 2
   np.testing.assert_array_equal(out.read("wt"), w.T[1:5])
-  assert out.leaves["lr"].value == 0.5 and out.metadata == {"from": src}
+  assert out.leaves["lr"].scalar == 0.5 and out.metadata == {"from": src}
   z = zarr.open_array(os.path.join(dst, "step_0000000004", "arrays", out.leaves["wt"].array), mode="r")
   np.testing.assert_array_equal(z[...], w.T[1:5])
 
