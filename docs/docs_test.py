@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -90,3 +93,34 @@ def test_format_md_claim_on_which_dtypes_zarr_python_reads(tmp_path, dtype, zarr
   else:
     with pytest.raises(ValueError):
       zarr.open_array(str(path), mode="r")
+
+
+def _port_section() -> tuple[str, str, str]:
+  text = (_DOCS / "howto.md").read_text()
+  section = text.split("## Port an orbax training loop", 1)[1].split("\n## ", 1)[0]
+  diff, = re.findall(r"```diff\n(.*?)```", section, re.S)
+  orbax_src, jaxckpt_src = re.findall(r"```python\n(.*?)```", section, re.S)
+  return diff, orbax_src, jaxckpt_src
+
+
+def test_the_orbax_port_changes_only_the_import_and_the_manager():
+  diff, orbax_src, jaxckpt_src = _port_section()
+  want = "\n".join(difflib.unified_diff(orbax_src.splitlines(), jaxckpt_src.splitlines(),
+                                        "orbax_loop.py", "jaxckpt_loop.py", n=0, lineterm=""))
+  assert diff.strip() == want.strip()                     # the diff shown is the real one
+  changed = [line for line in want.splitlines()[2:] if line[:1] in "+-"]
+  assert changed[0] == "+import jaxckpt"
+  assert all("CheckpointManager" in line or "Options(" in line for line in changed[1:]), changed
+
+
+@pytest.mark.slow
+def test_both_loops_of_the_orbax_port_run_and_agree(tmp_path):
+  _, orbax_src, jaxckpt_src = _port_section()
+  outputs = []
+  for name, src in (("orbax", orbax_src), ("jaxckpt", jaxckpt_src)):
+    (tmp_path / name).mkdir()
+    proc = subprocess.run([sys.executable, "-c", src], cwd=tmp_path / name, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, f"{name} loop failed:\n{proc.stderr[-3000:]}"
+    outputs.append(proc.stdout.strip().splitlines()[-1])
+  assert outputs[0] == outputs[1] and outputs[0].startswith("6 [4, 6] "), outputs

@@ -131,9 +131,12 @@ class CheckpointManager:
 
   # -- saving ---------------------------------------------------------------
 
-  def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None,
-           force: bool = False) -> bool:
+  def save(self, step: int, state: Any = None, *, args: Any = None,
+           metadata: dict[str, Any] | None = None, force: bool = False) -> bool:
     """Starts a snapshot of ``state`` at ``step``; returns True if one was started.
+
+    ``args=ocp.args.StandardSave(state)`` (orbax's form) is taken too, so an
+    orbax loop ports with only its manager's construction changed.
 
     Returns False (and counts it in ``stats``) when ``step`` is off the save
     interval or the previous snapshot is still being copied and
@@ -145,6 +148,7 @@ class CheckpointManager:
     """
     t0 = time.perf_counter()
     self._check_open("save")
+    state = _orbax_item(state, args, "save", "state", "StandardSave")
     self._raise_background_error(ask_agent=False)
     step = check_step(step, "save")
     if not force and step % self.options.save_interval_steps:
@@ -491,8 +495,11 @@ class CheckpointManager:
 
   # -- restoring ------------------------------------------------------------
 
-  def restore(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> Any:
+  def restore(self, step: int | None = None, target: Any = None, *, args: Any = None,
+              partial: bool = False) -> Any:
     """Restores ``step`` (the newest when None) onto ``target``'s structure and shardings.
+
+    ``args=ocp.args.StandardRestore(target)`` (orbax's form) is taken too.
 
     Args:
       step: the step to restore; None for the newest held one.
@@ -511,6 +518,7 @@ class CheckpointManager:
       CorruptSnapshotError: a stored shard fails its checksum.
     """
     self._check_open("restore")
+    target = _orbax_item(target, args, "restore", "target", "StandardRestore", required=False)
     if step is not None:
       step = check_step(step, "restore")
     self.wait_until_finished()
@@ -604,6 +612,27 @@ def check_step(step: Any, where: str) -> int:
     raise errors.InvalidArgumentError(
         f"{where}(step={step!r}): a step must be in [0, 2**63)")
   return value
+
+
+def _orbax_item(given: Any, args: Any, verb: str, name: str, orbax_cls: str, *,
+                required: bool = True) -> Any:
+  """``given``, or the tree inside orbax's ``args`` (``StandardSave(tree)``,
+  ``StandardRestore(tree)``, ``PyTreeSave``: anything with ``.item``)."""
+  if args is None:
+    if required and given is None:
+      raise errors.InvalidArgumentError(f"{verb}() needs the {name}: {verb}(step, {name})")
+    return given
+  if given is not None:
+    raise errors.InvalidArgumentError(
+        f"{verb}() got both {name}= and args=; pass one (args=ocp.args.{orbax_cls}({name}) is "
+        f"the orbax form of {name}=)")
+  try:
+    return args.item
+  except (AttributeError, KeyError):       # (orbax's Composite raises KeyError)
+    raise errors.InvalidArgumentError(
+        f"{verb}(args={type(args).__name__}(...)): jaxckpt takes one tree per step, as "
+        f"args=ocp.args.{orbax_cls}(tree) or {name}=tree; save several items as one dict "
+        "(e.g. {'state': state, 'dataset': ds_state})") from None
 
 
 def _agree_run_id(timeout_secs: float) -> str:

@@ -78,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
   p.add_argument("--item", default=None, help="CheckpointManager item (default: the only one)")
   p.add_argument("--dst-step", type=int, default=None,
                  help="step to write (default: the orbax step, 0 for a bare save)")
+  p.add_argument("--layout", choices=["auto", "nnx", "plain"], default="auto",
+                 help="nnx: Flax NNX paths and typed RNG keys, restorable into "
+                 "nnx.state(nnx.eval_shape(...)); plain: orbax's paths; auto (default): nnx "
+                 "when every leaf path ends in ['value']")
   p.set_defaults(handler=import_orbax_command)
 
   p = parser("export-orbax", _EXPORT_HELP)
@@ -126,7 +130,7 @@ def import_orbax_command(args: argparse.Namespace) -> int:
     total = ox.orbax_nbytes(args.orbax_dir, step=args.step, item=args.item)
     with byte_bar(args, total, "import-orbax") as bar:
       step = ox.import_orbax(args.orbax_dir, args.dst, step=args.step, item=args.item,
-                             dst_step=args.dst_step, progress=bar)
+                             dst_step=args.dst_step, progress=bar, layout=args.layout)
   except _EXPECTED as e:
     return _fail("import-orbax", e)
   print(f"imported {args.orbax_dir} into step {step} of {args.dst} ({human_bytes(total)})")

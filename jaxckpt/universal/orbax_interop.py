@@ -21,8 +21,10 @@ whole tree in host memory while it saves.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -132,9 +134,47 @@ def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = 
              and not isinstance(md, ocp.metadata.ScalarMetadata))
 
 
+_NNX_INDEX = re.compile(r"\['(\d+)'\]")
+_NNX_VALUE = "['value']"
+LAYOUTS = ("auto", "nnx", "plain")
+
+
+def nnx_path(orbax_path: str) -> str:
+  """The Flax NNX path of a leaf orbax saved from an ``nnx.State``.
+
+  Orbax writes every key of an NNX state as a dict key: list and tuple indices
+  as strings and each ``Variable``'s value as a ``'value'`` key. NNX's own
+  tree (``nnx.split(nnx.eval_shape(...))``) has int indices and a ``.value``
+  attribute, so ``['0']['layers']['1']['kernel']['value']`` becomes
+  ``[0]['layers'][1]['kernel'].value``.
+
+  >>> nnx_path("['0']['layers']['1']['kernel']['value']")
+  "[0]['layers'][1]['kernel'].value"
+  """
+  if orbax_path.endswith(_NNX_VALUE):
+    orbax_path = orbax_path[:-len(_NNX_VALUE)] + ".value"
+  return _NNX_INDEX.sub(r"[\1]", orbax_path)
+
+
+def _nnx_leaf(path: str, info: man.LeafInfo) -> man.LeafInfo:
+  """``info`` at its NNX path; an RNG stream's key (``...['key'].value``, the
+  two uint32 words of a threefry key, as orbax saves NNX's typed keys) becomes
+  a typed PRNG key again."""
+  new = nnx_path(path)
+  kind, impl = info.kind, info.key_impl
+  if (new.endswith("['key'].value") and info.is_array and info.dtype == "uint32"
+      and info.shape[-1:] == (2,)):
+    kind, impl = "prng_key", "threefry2x32"
+  return dataclasses.replace(info, path=new, kind=kind, key_impl=impl)
+
+
+def _is_nnx(paths: list[str]) -> bool:
+  return bool(paths) and all(p.endswith(_NNX_VALUE) for p in paths)
+
+
 def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
                  item: str | None = None, dst_step: int | None = None,
-                 progress: Any = None) -> int:
+                 progress: Any = None, layout: str = "auto") -> int:
   """Copies an orbax checkpoint into a committed universal-format step.
 
   Args:
@@ -145,11 +185,19 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     item: the manager's item name (default: the only one, e.g. ``default``).
     dst_step: the step to write (default: the orbax step, 0 for a bare save).
     progress: anything with ``update(nbytes)`` (a tqdm bar).
+    layout: ``"nnx"`` writes the leaves at their Flax NNX paths (see
+      :func:`nnx_path`; RNG keys typed again), so the step restores straight
+      into ``nnx.state(nnx.eval_shape(...))``; ``"plain"`` keeps orbax's paths;
+      ``"auto"`` (default) picks ``"nnx"`` when every leaf path ends in
+      ``['value']``, as orbax saves an ``nnx.State``.
 
   Returns:
     The universal step written. Leaf paths are the ``jax.tree_util.keystr``
-    of orbax's tree (``['params']['w']``, ``['layers'][0]['b']``).
+    of orbax's tree (``['params']['w']``, ``['layers'][0]['b']``), or their
+    NNX form.
   """
+  if layout not in LAYOUTS:
+    raise errors.InvalidArgumentError(f"import_orbax layout={layout!r}: expected one of {LAYOUTS}")
   import jax  # pylint: disable=import-outside-toplevel
   orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
   item_dir, found = _item_dir(orbax_dir, step, item)
@@ -160,6 +208,10 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     leaves[path], view = _leaf_from(path, md, item_dir, use_zarr3)
     if view is not None:
       sources[path] = _Counted(view, progress)
+  if layout == "nnx" or (layout == "auto" and _is_nnx(list(leaves))):
+    log.info("%s: Flax NNX layout; writing NNX paths", item_dir)
+    leaves = {nnx_path(p): _nnx_leaf(p, info) for p, info in leaves.items()}
+    sources = {nnx_path(p): src for p, src in sources.items()}
   if not leaves:
     raise errors.ManifestError(
         f"orbax checkpoint {item_dir!r} holds no leaves that import_orbax can read (orbax's "

@@ -223,3 +223,46 @@ def test_import_with_relative_paths_and_an_empty_import_is_an_error(orbax_manage
   with pytest.raises(errors.ManifestError, match="holds no leaves"):
     ox.import_orbax(str(empty), str(tmp_path / "nothing"))
   assert not os.path.exists(tmp_path / "nothing" / "commits")
+
+
+def _nnx_model_and_optimizer(seed: int):
+  import optax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.l1 = nnx.Linear(4, 8, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+      self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
+
+  def build():
+    model = Model(nnx.Rngs(seed, dropout=seed + 1))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  return build, nnx
+
+
+def test_an_nnx_optax_checkpoint_imports_into_the_abstract_nnx_state(tmp_path):
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  from jaxckpt import cli  # pylint: disable=import-outside-toplevel
+  build, nnx = _nnx_model_and_optimizer(3)
+  state = nnx.state(build())
+  with ocp.StandardCheckpointer() as ck:
+    ck.save(str(tmp_path / "orbax"), state)
+  assert cli.main(["import-orbax", str(tmp_path / "orbax"), str(tmp_path / "u"),
+                   "--no-progress"]) == 0
+  abstract = nnx.state(nnx.eval_shape(build))              # what an NNX user restores into
+  with jc.CheckpointManager(str(tmp_path / "u")) as mgr:
+    restored = mgr.restore(0, target=abstract)
+  want = jax.tree_util.tree_flatten_with_path(state)[0]
+  got = dict(jax.tree_util.tree_flatten_with_path(restored)[0])
+  assert len(got) == len(want) == 22
+  for path, x in want:
+    y = got[path]
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      assert jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key), jax.tree_util.keystr(path)
+      assert jax.random.key_impl(y) == jax.random.key_impl(x)
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    assert y.dtype == x.dtype and np.asarray(y).tobytes() == np.asarray(x).tobytes(), path
+  plain = ox.import_orbax(str(tmp_path / "orbax"), str(tmp_path / "p"), layout="plain")
+  assert "['0']['l1']['kernel']['value']" in u.open_step(str(tmp_path / "p"), plain).leaves
+
