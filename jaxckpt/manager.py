@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _persist, _preemption, _restore, _tiers, capture, errors, tree, universal
+from jaxckpt import (_persist, _preemption, _restore, _storage_only, _tiers, capture, errors, tree,
+                     universal)
 from jaxckpt.agent import _paths
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
@@ -68,6 +69,10 @@ class CheckpointManager:
     self._persist_counts: dict[int, int] = {}
     self._on_storage: set[int] = set()
     self._told: set[str] = set()              # persist attempts whose failure was raised
+    if not self.options.host_snapshots and self.directory is None:
+      raise errors.InvalidArgumentError(
+          "CheckpointOptions(host_snapshots=False) writes every save straight to storage, so "
+          "the manager needs a directory: CheckpointManager('/path/or/s3://bucket/run', options)")
     if self.directory is not None:
       _persist.check_directory(self.directory, timeout_secs=self.options.timeout_secs)
       self._persist_config = _persist.PersistConfig(
@@ -157,6 +162,8 @@ class CheckpointManager:
     persist_due = self._persist_due(step)
     if persist_due and step in self._on_storage:
       self._refuse_committed(step)
+    if not self.options.host_snapshots:
+      return self._save_to_storage(step, state, metadata, t0) if persist_due else False
     if not self._wait_for_previous(step):   # before any per-leaf work: skips stay cheap
       return False
     leaves, _ = tree.flatten(state)
@@ -180,6 +187,22 @@ class CheckpointManager:
                                       metadata, t0, attempt)
     self.stats.started += 1
     self.stats.last_blocking_secs = time.perf_counter() - t0
+    return True
+
+  def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
+                       t0: float) -> bool:
+    """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt._storage_only`."""
+    leaves, _ = tree.flatten(state)
+    staged = _storage_only.save(
+        self.directory, step, leaves, self._planner,
+        budget=self.options.host_memory_limit_bytes or _storage_only.DEFAULT_STAGING_BYTES,
+        attempt=self._new_attempt(step), process=self._process, metadata=metadata,
+        timeout_secs=self.options.timeout_secs, max_to_keep=self.options.max_to_keep)
+    self._on_storage.add(step)
+    self.stats.started += 1
+    self.stats.committed += 1
+    self.stats.last_blocking_secs = self.stats.last_snapshot_secs = time.perf_counter() - t0
+    self.stats.last_nbytes = staged
     return True
 
   def prepare(self, state: Any) -> None:

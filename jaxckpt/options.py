@@ -39,7 +39,8 @@ class CheckpointOptions:
       copied: ``"skip"`` (return False and count the skip) or ``"wait"``.
     busy_timeout_secs: the longest ``on_busy="wait"`` waits.
     host_memory_limit_bytes: budget for all snapshot slots of this process;
-      None means half of the free RAM and of free /dev/shm at start.
+      None means half of the free RAM and of free /dev/shm at start. With
+      ``host_snapshots=False``, the staging buffer's size (None: 1 GiB).
     timeout_secs: the longest any internal wait (a background copy, a restore
       agreement) may take before a SnapshotTimeoutError names who was late.
     agent: keep snapshots in a per-host snapshot agent process (they survive a
@@ -57,6 +58,12 @@ class CheckpointOptions:
       loop can take a last snapshot and exit cleanly. Installed only from the
       main thread, and only if no other handler (e.g. JAX's preemption
       service) owns SIGTERM.
+    host_snapshots: False is the storage-only mode, for states that do not
+      fit in host memory twice: no snapshot is held in host memory; each
+      ``save()`` due for storage stages the leaves a few at a time through one
+      buffer of ``host_memory_limit_bytes`` (a larger leaf alone), writes them
+      to ``directory`` and returns once the step is committed there (restores
+      read storage). Needs a ``directory``; no ``agent`` or ``parity``.
     copy_threads: threads that copy and hash shards over 1 MiB into the
       snapshot slot in the background (numpy's copy and xxhash release the
       GIL); None: a quarter of the CPU cores, at least 1 and at most 8, which
@@ -80,6 +87,7 @@ class CheckpointOptions:
   handle_sigterm: bool = True
   parity: "ParityOptions | None" = None
   copy_threads: int | None = None
+  host_snapshots: bool = True
 
   def __post_init__(self) -> None:
     _at_least(self, "max_snapshots", 1)
@@ -96,6 +104,13 @@ class CheckpointOptions:
     for name in ("persist_interval_steps", "max_to_keep"):
       if getattr(self, name) is not None:
         _at_least(self, name, 1)
+    if not isinstance(self.host_snapshots, bool):
+      raise errors.InvalidArgumentError(
+          f"CheckpointOptions.host_snapshots must be True or False, got {self.host_snapshots!r}")
+    if not self.host_snapshots and self.agent is not None:
+      raise errors.InvalidArgumentError(
+          "CheckpointOptions(host_snapshots=False) keeps no host snapshots, so it takes no "
+          f"agent (got agent={self.agent!r}); set agent=None, or host_snapshots=True")
     if self.parity is not None:
       from jaxckpt.parity.placement import ParityOptions  # pylint: disable=import-outside-toplevel
       if not isinstance(self.parity, ParityOptions):

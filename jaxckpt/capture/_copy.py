@@ -59,13 +59,14 @@ def _host_copy(x: jax.Array) -> jax.Array:
     return x.copy()
 
 
-def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
+def start(leaves: Sequence[Leaf], plan: CapturePlan, *, copy_numpy: bool = True) -> list[Any]:
   """Dispatches the host copies of every planned shard; returns their sources.
 
-  Each source is a numpy array (a zero-copy view on CPU, a private copy of a
-  numpy leaf) or a single-device jax.Array whose host copy is in flight; then
-  comes the packed gather's output (or None), and last the list of scalar leaf
-  values (kept in the manifest).
+  Each source is a numpy array (a zero-copy view on CPU; a private copy of a
+  numpy leaf, unless ``copy_numpy`` is False: a caller that completes the copy
+  before it returns needs none) or a single-device jax.Array whose host copy
+  is in flight; then comes the packed gather's output (or None), and last the
+  list of scalar leaf values (kept in the manifest).
   """
   packed = None
   if plan.pack is not None:      # dispatched first: one call for all small sharded leaves
@@ -76,7 +77,7 @@ def start(leaves: Sequence[Leaf], plan: CapturePlan) -> list[Any]:
   for shard in plan.shards:
     x = leaves[shard.leaf].value
     if not isinstance(x, jax.Array):
-      sources.append(np.array(x, copy=True))    # numpy leaves are mutable
+      sources.append(np.array(x, copy=copy_numpy))    # numpy leaves are mutable
     elif shard.on_cpu:
       if shard.few_of_many:                     # replicated: skip building every device's array
         sources.append(np.asarray(x.addressable_data(shard.data_index)))

@@ -95,6 +95,19 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
     StepExistsError: the step is already committed by another attempt.
     StorageError: storage refused a write (the message names path and cause).
   """
+  leaves = write_shard_data(directory, manifest, buffer, attempt=attempt,
+                            max_inflight_bytes=max_inflight_bytes,
+                            inner_chunk_bytes=inner_chunk_bytes)
+  write_part_record(directory, manifest, leaves, attempt=attempt)
+
+
+def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *, attempt: str,
+                     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                     inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES) -> list[dict[str, Any]]:
+  """The array bytes of :func:`write_process_shards` (every write done when it
+  returns, so ``buffer`` may be reused), and the leaves' records for
+  :func:`write_part_record`. A process may write its leaves in several calls
+  (a storage-only save stages them a few at a time) and record them once."""
   step = manifest.step
   lay.check_attempt(attempt)
   kv = lay.open_kvstore(directory)
@@ -129,6 +142,15 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
       leaves.append(obj)
   finally:
     budget.drain()
+  return leaves
+
+
+def write_part_record(directory: str, manifest: SnapshotManifest, leaves: list[dict[str, Any]], *,
+                      attempt: str) -> None:
+  """Records this process's ``leaves`` (from :func:`write_shard_data`) of
+  ``manifest.step`` for ``attempt``: written last, once every chunk is on storage."""
+  step = manifest.step
+  kv = lay.open_kvstore(directory)
   doc = man.document(step=step, process_count=manifest.process_count,
                      process_index=manifest.process_index,
                      metadata=manifest.metadata, leaves=leaves)
