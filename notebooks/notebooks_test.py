@@ -9,6 +9,7 @@ and its traceback.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -58,12 +59,50 @@ def test_install_cell_is_not_fooled_by_a_jaxckpt_folder(path: pathlib.Path, tmp_
   assert "CalledProcessError" in out.stderr and "git+" + _repository() in out.stderr, out.stderr[-2000:]
 
 
-def test_notebooks_are_committed_without_outputs():
+def test_notebooks_are_committed_executed_with_a_plot_and_no_error():
+  """Committed as executed top to bottom (rendered so in the docs), each with a plot."""
   for path in NOTEBOOKS:
     nb = nbformat.read(path, as_version=4)
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.outputs or c.execution_count)]
-    assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), path.name
+    outputs = [o for c in code for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"], path.name
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} shows no plot"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_install_cell_installs_jaxckpt_into_a_fresh_virtual_environment(tmp_path: pathlib.Path):
+  """The install cell, run by a fresh venv's Python (no jaxckpt, as on Colab) with its source pointed
+  at a wheel of this checkout, installs it into that venv; run again, it installs nothing."""
+  wheels = tmp_path / "wheels"
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                  "-w", str(wheels), str(_HERE.parent)], check=True, timeout=300,
+                 capture_output=True)
+  wheel, = wheels.glob("jaxckpt-*.whl")
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+  python = str(venv / "bin" / "python")
+  (tmp_path / "jaxckpt").mkdir()                          # a checkout folder in the cwd
+  where = ('import importlib.metadata as m; d = m.distribution("jaxckpt"); '
+           'print(d.version, d.locate_file(""))')
+  env = dict(os.environ, PIP_NO_DEPS="1", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+  env.pop("PYTHONPATH", None)
+  run = lambda src: subprocess.run([python, "-c", src], cwd=tmp_path, env=env, capture_output=True,
+                                   text=True, timeout=300)
+  assert run(where).returncode != 0                       # fresh: not installed
+  cell = _install_cell(NOTEBOOKS[0])
+  local = cell.replace('JAXCKPT_SOURCE = f"git+{JAXCKPT_REPOSITORY}"', f"JAXCKPT_SOURCE = {str(wheel)!r}")
+  assert local != cell
+  out = run(local)
+  assert out.returncode == 0, out.stderr[-2000:]
+  got = run(where)
+  version = tomllib.loads((_HERE.parent / "pyproject.toml").read_text())["project"]["version"]
+  assert got.returncode == 0 and got.stdout.split()[0] == version, got.stderr[-2000:]
+  assert got.stdout.split()[1].startswith(str(venv)), got.stdout
+  again = run(cell.replace('JAXCKPT_SOURCE = f"git+{JAXCKPT_REPOSITORY}"',
+                           'JAXCKPT_SOURCE = "/nonexistent.whl"'))
+  assert again.returncode == 0, again.stderr[-2000:]      # installed: pip is not called
 
 
 @pytest.mark.slow
