@@ -122,7 +122,10 @@ def fetch(address: str, secret: bytes, header: dict[str, Any],
   """
   total = sum(n for _, n in ranges)
   parts = _split(ranges, max(1, min(streams, total // PIECE_BYTES)))
-  left = [sum(1 for part in parts for i, *_ in part if i == j) for j in range(len(ranges))]
+  left = [0] * len(ranges)                     # pieces of each range still to arrive
+  for part in parts:
+    for i, *_ in part:
+      left[i] += 1
   for j in range(len(ranges)):
     if left[j] == 0 and on_done is not None:   # nothing to read
       on_done(j)
