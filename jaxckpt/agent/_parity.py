@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import mmap
 import os
 import threading
 import time
@@ -158,16 +157,17 @@ class ParityWorker:
             "manifests": rec.manifests, "checksums": rec.checksums,
             "stripes": sorted(rec.blocks)}
 
-  def read_block(self, step: int, stripe: int) -> bytes:
+  def block_at(self, step: int, stripe: int) -> tuple[str, int, int, int]:
+    """Where the parity block of ``stripe`` of ``step`` lies: (file, its size,
+    offset, length). Read it outside the agent's lock (a later step may reuse
+    the file meanwhile: its bytes then fail the block's checksum)."""
     rec = self._done(step)
     if stripe not in rec.blocks:
       raise errors.StepNotFoundError(
           f"host {self.agent.host} holds no parity of stripe {stripe} of step {step} "
           f"(it holds stripes {sorted(rec.blocks)})")
     off, n = rec.blocks[stripe]
-    with open(rec.slot.path, "rb") as f, mmap.mmap(f.fileno(), rec.slot.size,
-                                                    prot=mmap.PROT_READ) as mm:
-      return bytes(mm[off:off + n])
+    return rec.slot.path, rec.slot.size, off, n
 
   def close(self) -> None:
     self._stop.set()

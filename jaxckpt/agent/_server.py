@@ -404,8 +404,10 @@ class Agent:
     what, step, ranges = header.get("what"), int(header["step"]), header["ranges"]
     if what == "parity":
       with self.lock:
-        block = memoryview(self._parity_worker().read_block(step, int(header["stripe"])))
-      yield [block[o:o + n] for o, n in _checked(ranges, len(block), f"parity of step {step}")]
+        path, size, start, nbytes = self._parity_worker().block_at(step, int(header["stripe"]))
+      wanted = _checked(ranges, nbytes, f"parity of step {step}")
+      with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+        yield [mm[start + o:start + o + n] for o, n in wanted]       # copies, taken unlocked
       return
     if what != "snapshot":
       raise errors.InvalidArgumentError(f"bulk request for {what!r}: expected 'snapshot' or 'parity'")
