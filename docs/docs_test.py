@@ -124,3 +124,22 @@ def test_both_loops_of_the_orbax_port_run_and_agree(tmp_path):
     assert proc.returncode == 0, f"{name} loop failed:\n{proc.stderr[-3000:]}"
     outputs.append(proc.stdout.strip().splitlines()[-1])
   assert outputs[0] == outputs[1] and outputs[0].startswith("6 [4, 6] "), outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ["README.md", "docs/getting_started.md"])
+def test_the_first_example_runs_as_written(page: str, tmp_path: pathlib.Path):
+  """The page's python blocks, in order, as one program (its agent's job name made unique)."""
+  text = (_DOCS.parent / page).read_text()
+  src = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
+  job = f"docs-{os.getpid()}-{tmp_path.name[-12:]}".replace("_", "-")
+  unique = src.replace('job_name="demo"', f'job_name="{job}"')
+  assert unique != src, f"{page}: no agent job name to make unique"
+  try:
+    proc = subprocess.run([sys.executable, "-c", unique], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RestoreInfo(step=1, tier='host'" in proc.stdout, proc.stdout
+  finally:
+    subprocess.run([sys.executable, "-m", "jaxckpt.agent", "stop", "--job-name", job],
+                   capture_output=True, timeout=60)
