@@ -96,7 +96,7 @@ class Persister:
         self.persisted.append(step)
       logger.info("step %d persisted to %s (attempt %s)", step, directory, attempt)
     except Exception as e:  # pylint: disable=broad-except  (handed to the trainer)
-      _discard_quietly(directory, step, attempt)   # never the committed data (it refuses)
+      discard_quietly(directory, step, attempt)   # never the committed data (it refuses)
       logger.error("step %d: persisting to %s failed: %s", step, directory, e)
       with self._lock:
         self._errors.append(PersistError.of(step, attempt, e))
@@ -124,7 +124,7 @@ class Persister:
       self._pool.shutdown(wait=True)
 
 
-def _discard_quietly(directory: str, step: int, attempt: str) -> None:
+def discard_quietly(directory: str, step: int, attempt: str) -> None:
   """Removes what a losing attempt wrote (best effort: it is unreachable anyway)."""
   try:
     universal.discard_attempt(directory, step, attempt)

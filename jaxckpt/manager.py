@@ -193,11 +193,16 @@ class CheckpointManager:
                        t0: float) -> bool:
     """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt._storage_only`."""
     leaves, _ = tree.flatten(state)
-    staged = _storage_only.save(
-        self.directory, step, leaves, self._planner,
-        budget=self.options.host_memory_limit_bytes or _storage_only.DEFAULT_STAGING_BYTES,
-        attempt=self._new_attempt(step), process=self._process, metadata=metadata,
-        timeout_secs=self.options.timeout_secs, max_to_keep=self.options.max_to_keep)
+    attempt = self._new_attempt(step)
+    try:
+      staged = _storage_only.save(
+          self.directory, step, leaves, self._planner,
+          budget=self.options.host_memory_limit_bytes or _storage_only.DEFAULT_STAGING_BYTES,
+          attempt=attempt, process=self._process, metadata=metadata,
+          timeout_secs=self.options.timeout_secs, max_to_keep=self.options.max_to_keep)
+    except BaseException:
+      _persist.discard_quietly(self.directory, step, attempt)   # what it wrote is unreachable
+      raise
     self._on_storage.add(step)
     self.stats.started += 1
     self.stats.committed += 1

@@ -75,3 +75,16 @@ def test_storage_only_needs_a_directory_and_no_agent():
     jc.CheckpointOptions(host_snapshots=False, agent=jc.AgentOptions(job_name="j"))
   with pytest.raises(errors.InvalidArgumentError, match="True or False"):
     jc.CheckpointOptions(host_snapshots="no")
+
+
+def test_a_failed_save_leaves_nothing_behind_and_the_step_can_be_saved_again(tmp_path):
+  d = tmp_path / "c"
+  opts = jc.CheckpointOptions(host_snapshots=False, host_memory_limit_bytes=MiB)
+  with jc.CheckpointManager(str(d), opts) as mgr:
+    bad = {"w": np.ones(MiB // 4, np.float32), "names": np.array(["a", "b"], dtype=object)}
+    with pytest.raises(errors.UnsupportedLeafError, match="names"):
+      mgr.save(1, bad)
+    assert mgr.all_steps() == [] and mgr.stats.committed == 0
+    assert mgr.save(1, {"w": np.ones(MiB // 4, np.float32)})
+    assert mgr.all_steps() == [1]
+    assert mgr.restore(1)["w"].sum() == MiB // 4
