@@ -80,7 +80,8 @@ def _tree_lines(reader: _read.StepReader) -> list[str]:
 
 def _not_a_checkpoint_directory(directory: str) -> str | None:
   """Why a local ``directory`` cannot hold a checkpoint (it is a file), or None."""
-  if "://" not in directory and os.path.exists(directory) and not os.path.isdir(directory):
+  local = directory.removeprefix("file://").rstrip("/")
+  if "://" not in local and local and os.path.isfile(local):
     return (f"{directory!r} is a file, not a checkpoint directory; pass the directory the "
             f"manager or `jaxckpt convert` wrote (it holds commits/ and steps/)")
   return None
@@ -93,7 +94,7 @@ def inspect_command(args: argparse.Namespace) -> int:
     return 2
   try:
     reader = _open(args, args.step)
-  except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
+  except errors.JaxckptError as e:
     print(f"jaxckpt inspect: {e}", file=sys.stderr)
     return 2
   if args.json:
@@ -119,7 +120,7 @@ def verify_command(args: argparse.Namespace) -> int:
   try:
     steps = _commit.all_steps(args.directory) if args.all_steps else [args.step]
     readers = [_open(args, s) for s in steps]
-  except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
+  except errors.JaxckptError as e:
     print(f"jaxckpt verify: {e}", file=sys.stderr)
     return 2
   bad = 0

@@ -114,11 +114,13 @@ def test_module_entry_point_and_help(ckpt):
 
 
 @pytest.mark.parametrize("verb", ["inspect", "verify"])
-def test_file_instead_of_directory_is_a_clear_error(tmp_path, verb):
+@pytest.mark.parametrize("form", ["{}", "{}/", "file://{}"])
+def test_file_instead_of_directory_is_a_clear_error(tmp_path, verb, form):
   f = tmp_path / "notes.txt"
   f.write_text("not a checkpoint")
-  out = subprocess.run([sys.executable, "-m", "jaxckpt", verb, str(f)], capture_output=True,
+  given = form.format(f)
+  out = subprocess.run([sys.executable, "-m", "jaxckpt", verb, given], capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 2
   assert "Traceback" not in out.stderr
-  assert f"jaxckpt {verb}: {str(f)!r} is a file, not a checkpoint directory" in out.stderr
+  assert f"jaxckpt {verb}: {given!r} is a file, not a checkpoint directory" in out.stderr
