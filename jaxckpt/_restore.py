@@ -132,12 +132,9 @@ class HostSource:
     need nothing."""
     wanted: dict[int, list[tuple[LeafRecord, ShardRecord]]] = {}
     for i, boxes in needed.items():
-      shards = [(p, p.manifest.leaves[i], s) for p in self.pieces
-                for s in p.manifest.leaves[i].shards]
+      shards = self._shards(i)
       for box in boxes:
-        exact = next(((p, leaf, s) for p, leaf, s in shards if s.index == box), None)
-        for p, leaf, s in [exact] if exact else [
-            x for x in shards if box_intersection(x[2].index, box) is not None]:
+        for p, leaf, s in _serving(shards, box):
           wanted.setdefault(id(p), []).append((leaf, s))
     remote = [p for p in self.pieces if id(p) in wanted and hasattr(p, "fetch")]
     with concurrent.futures.ThreadPoolExecutor(max(1, len(remote))) as pool:   # hosts at once
@@ -153,22 +150,31 @@ class HostSource:
     (accelerator targets, which copy), a box stored whole may come back as a
     view of the snapshot, valid while the step is pinned.
     """
-    del boxes                  # host memory: nothing to fetch ahead
+    del boxes                  # host memory: remote pieces are read ahead by ``prefetch``
     rec = self.leaves[i]
-    dtype = rec.numpy_dtype
-    shards = [(p, p.manifest.leaves[i], s) for p in self.pieces
-              for s in p.manifest.leaves[i].shards]
+    shards = self._shards(i)
     def read_region(box: Box) -> np.ndarray:
-      for p, leaf, s in shards:
-        if s.index == box:
-          if not private:
-            return p.shard_array(leaf, s)
-          own = getattr(p, "shard_private", None)     # remote pieces fetch private copies
-          return own(leaf, s) if own else p.shard_array(leaf, s)
-      overlapping = [(s.index, p.shard_array(leaf, s)) for p, leaf, s in shards
-                     if box_intersection(s.index, box) is not None]
-      return assemble_region(box, dtype, overlapping, path=rec.path)
+      found = _serving(shards, box)
+      if len(found) == 1 and found[0][2].index == box:
+        p, leaf, s = found[0]
+        own = getattr(p, "shard_private", None) if private else None
+        return own(leaf, s) if own else p.shard_array(leaf, s)   # remote pieces: private already
+      return assemble_region(box, rec.numpy_dtype,
+                             [(s.index, p.shard_array(leaf, s)) for p, leaf, s in found],
+                             path=rec.path)
     return read_region
+
+  def _shards(self, i: int) -> list[tuple[Any, LeafRecord, ShardRecord]]:
+    """Every (piece, its record of leaf ``i``, shard) of leaf ``i``."""
+    return [(p, p.manifest.leaves[i], s) for p in self.pieces for s in p.manifest.leaves[i].shards]
+
+
+def _serving(shards: Sequence[tuple[Any, LeafRecord, ShardRecord]],
+             box: Box) -> list[tuple[Any, LeafRecord, ShardRecord]]:
+  """The shards a read of ``box`` uses: the one stored as exactly ``box``, else
+  every one overlapping it."""
+  exact = next((x for x in shards if x[2].index == box), None)
+  return [exact] if exact else [x for x in shards if box_intersection(x[2].index, box) is not None]
 
 
 def restore_tree(source: Any, target: Any, *, partial: bool = False) -> Any:
@@ -181,27 +187,27 @@ def restore_tree(source: Any, target: Any, *, partial: bool = False) -> Any:
   """
   saved = source.leaves
   if target is None:
-    if hasattr(source, "prefetch"):
-      source.prefetch({i: {full_box(rec.shape)} for i, rec in enumerate(saved)
-                       if rec.kind != "scalar"})
-    return {rec.path: _leaf_value(source, i, rec, None) for i, rec in enumerate(saved)}
-  targets, treedef, index = match_target(target, saved, source.step, partial=partial)
+    targets, treedef, index = [None] * len(saved), None, list(range(len(saved)))
+  else:
+    targets, treedef, index = match_target(target, saved, source.step, partial=partial)
+  needed = {i: _needed_boxes(saved[i], t) for i, t in zip(index, targets)
+            if saved[i].kind != "scalar"}
   if hasattr(source, "prefetch"):
-    source.prefetch({i: _needed_boxes(saved[i], t) for i, t in zip(index, targets)
-                     if saved[i].kind != "scalar"})
+    source.prefetch(needed)
   # One thread on purpose: restoring into fresh memory is bound by page faults,
   # and two threads faulting in one process took twice as long (measured).
-  values = [_leaf_value(source, i, saved[i], t) for i, t in zip(index, targets)]
+  values = [_leaf_value(source, i, saved[i], t, needed.get(i)) for i, t in zip(index, targets)]
+  if treedef is None:
+    return {rec.path: v for rec, v in zip(saved, values)}
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None) -> Any:
+def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None,
+                needed: set[Box] | None) -> Any:
   if rec.kind == "scalar":
     return scalar_from_json(rec.value)
-  boxes = None
-  if t is not None and t.mode == "jax" and t.sharding is not None:
-    boxes = _needed_boxes(rec, t)
-  read_region = source.reader(i, private=_keeps_host_memory(t), boxes=boxes)
+  sharded = t is not None and t.mode == "jax" and t.sharding is not None
+  read_region = source.reader(i, private=_keeps_host_memory(t), boxes=needed if sharded else None)
   if t is not None and t.mode == "jax" and t.sharding is None:
     data = jax.device_put(read_region(full_box(rec.shape)))
     return jax.random.wrap_key_data(data, impl=rec.key_impl) if rec.kind == "prng_key" else data

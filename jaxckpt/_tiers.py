@@ -239,8 +239,7 @@ def discover_agents(store: HostStore, *, timeout_secs: float) -> None:
       f"agents/{store.opts.job_name}", json.dumps(mine), timeout_secs=timeout_secs,
       what="their snapshot agents' addresses")]
   store.directory = [a for e in everyone for a in e["local"]]
-  store.call("peers", peers={str(e["own"]["host"]): {k: e["own"][k] for k in ("tcp", "bulk", "pid")}
-                             for e in everyone})
+  store.call("peers", peers={str(e["own"]["host"]): e["own"] for e in everyone})
 
 
 @contextlib.contextmanager

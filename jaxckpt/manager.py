@@ -107,9 +107,12 @@ class CheckpointManager:
       return InProcessStore(max_snapshots=self.options.max_snapshots,
                             host_memory_limit_bytes=limit)
     from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
-    if self.options.parity is not None and a.host_id is None:   # hosts = this job's processes
-      from jaxckpt.parity import placement  # pylint: disable=import-outside-toplevel
-      placement.check_hosts(jax.process_count(), self.options.parity)
+    p = self.options.parity
+    if p is not None:
+      from jaxckpt.parity import codec, placement  # pylint: disable=import-outside-toplevel
+      if a.host_id is None:                                     # hosts = this job's processes
+        placement.check_hosts(jax.process_count(), p)
+      codec.warm_up(p.group_size - p.parity, p.parity)  # a rebuild after a restart must not load it
     host = jax.process_index() if a.host_id is None else a.host_id
     secret = None
     if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
@@ -129,9 +132,6 @@ class CheckpointManager:
     if p is None:
       return None
     from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
-    from jaxckpt.parity import codec  # pylint: disable=import-outside-toplevel
-    k = p.group_size - p.parity
-    codec.warm_up(k, p.parity)      # a restore that rebuilds a lost host must not load it
     return _parity.ParityConfig(p.group_size, p.parity, self.options.timeout_secs).to_obj()
 
   # -- saving ---------------------------------------------------------------
@@ -485,16 +485,12 @@ class CheckpointManager:
       raise errors.StepNotFoundError("metadata(): no step is held on any tier")
     if step in self._store.steps():
       with self._store.read(step) as (manifest, _):
-        leaves = {r.path: _restore.LeafMetadata(r.kind, tuple(r.shape), r.dtype, r.sharding,
-                                                tree.scalar_from_json(r.value), r.key_impl)
-                  for r in manifest.leaves}
+        leaves = {r.path: _leaf_metadata(r) for r in manifest.leaves}
         meta = dict(manifest.metadata)
       tier = "host"
     elif self.directory is not None and step in _tiers.storage_steps(self.directory):
       reader = universal.open_step(self.directory, step)
-      leaves = {p: _restore.LeafMetadata(i.kind, tuple(i.shape), i.dtype, i.sharding,
-                                         tree.scalar_from_json(i.value), i.key_impl)
-                for p, i in reader.leaves.items()}
+      leaves = {p: _leaf_metadata(i) for p, i in reader.leaves.items()}
       meta, tier = dict(reader.metadata), "storage"
     else:
       raise errors.StepNotFoundError(
@@ -640,6 +636,12 @@ def check_step(step: Any, where: str) -> int:
     raise errors.InvalidArgumentError(
         f"{where}(step={step!r}): a step must be in [0, 2**63)")
   return value
+
+
+def _leaf_metadata(rec: Any) -> _restore.LeafMetadata:
+  """What ``metadata()`` says of a saved leaf (a host LeafRecord or a stored LeafInfo)."""
+  return _restore.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
+                               tree.scalar_from_json(rec.value), rec.key_impl)
 
 
 def _orbax_item(given: Any, args: Any, verb: str, name: str, orbax_cls: str, *,

@@ -348,9 +348,8 @@ class ParityWorker:
       return cached[1]
     if cached is not None:
       cached[1].close()
-    client = Client(info["tcp"], who=f"snapshot agent of host {host} (pid {info['pid']})",
-                    timeout_secs=self.config.timeout_secs, secret=self.agent.secret,
-                    bulk=info.get("bulk"))
+    client = Client.of(info, who=f"snapshot agent of host {host} (pid {info['pid']})",
+                       timeout_secs=self.config.timeout_secs, secret=self.agent.secret)
     self._peers[host] = (info["pid"], client)
     return client
 

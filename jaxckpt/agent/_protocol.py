@@ -52,6 +52,14 @@ class Client:
     self._lock = threading.Lock()
     self._sock: zmq.Socket | None = None
 
+  @classmethod
+  def of(cls, info: dict[str, Any], *, who: str, timeout_secs: float, secret: bytes,
+         endpoint: str | None = None) -> "Client":
+    """A client of the agent that address record ``info`` (its address file, or
+    what the job published) describes, at its tcp endpoint unless ``endpoint``."""
+    return cls(endpoint or info["tcp"], who=who, timeout_secs=timeout_secs, secret=secret,
+               host=info.get("host"), pid=info.get("pid"), bulk=info.get("bulk"))
+
   def _socket(self) -> zmq.Socket:
     if self._sock is None:
       s = self._ctx.socket(zmq.REQ)

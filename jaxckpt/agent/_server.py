@@ -357,7 +357,7 @@ class Agent:
     return {}
 
   def op_peers(self, peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The job's current agents by host id ({"tcp", "pid"} each), published
+    """The job's current agents by host id (their address records), published
     through the job's coordination service: parity reaches its peers there."""
     self.peers = {int(h): dict(info) for h, info in peers.items()}
     return {}

@@ -365,10 +365,9 @@ def clients_of(agents: list[dict[str, Any]], job: str, *, timeout_secs: float, s
   ``local_pid`` is reached through its ipc socket, the others over tcp."""
   clients = {}
   for i, info in enumerate(sorted(agents, key=lambda a: (a["host"], a["tcp"]))):
-    endpoint = info["ipc"] if info["pid"] == local_pid else info["tcp"]
-    clients[i] = Client(endpoint, who=f"snapshot agent of job {job!r} host {info['host']} "
-                        f"(pid {info['pid']}, {info['tcp']})", timeout_secs=timeout_secs,
-                        secret=secret, host=info["host"], pid=info["pid"], bulk=info.get("bulk"))
+    clients[i] = Client.of(info, who=f"snapshot agent of job {job!r} host {info['host']} "
+                           f"(pid {info['pid']}, {info['tcp']})", timeout_secs=timeout_secs,
+                           secret=secret, endpoint=info["ipc"] if info["pid"] == local_pid else None)
   try:
     yield clients
   finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -18,37 +19,35 @@ def machine(root: str, m: int) -> tuple[str, str]:
   return os.path.join(root, f"machine{m}"), f"127.0.1.{m + 1}"
 
 
+@contextlib.contextmanager
 def launch(n, root, job, mode, *extra, machines=None):
-  """``n`` processes; process i runs on machine ``machines[i]`` (default i)."""
+  """``n`` processes; process i runs on machine ``machines[i]`` (default i). Every one
+  is killed (SIGKILL) on exit, as a lost trainer is; the agents live on."""
   port = processes.free_port()
   machines = list(range(n)) if machines is None else machines
   procs = []
-  for i in range(n):
-    run_root, address = machine(root, machines[i])
-    procs.append(processes.Proc(
-        ["-m", "jaxckpt.testing.multihost_worker", "--port", str(port), "--num-processes", str(n),
-         "--process-id", str(i), "--run-root", run_root, "--tcp-host", address, "--job", job,
-         "--mode", mode, *extra], cwd=REPO))
-  return procs
+  try:
+    for i in range(n):
+      run_root, address = machine(root, machines[i])
+      procs.append(processes.Proc(
+          ["-m", "jaxckpt.testing.multihost_worker", "--port", str(port), "--num-processes", str(n),
+           "--process-id", str(i), "--run-root", run_root, "--tcp-host", address, "--job", job,
+           "--mode", mode, *extra], cwd=REPO))
+    yield procs
+  finally:
+    for p in procs:
+      p.__exit__(None, None, None)
 
 
 def run_job(n_save, n_restore, *restore_extra, machines=None, save_machines=None):
   with processes.agent_sandbox() as (root, job):
-    savers = launch(n_save, root, job, "save", machines=save_machines)
-    try:
+    with launch(n_save, root, job, "save", machines=save_machines) as savers:
       for p in savers:
         p.wait_for("SAVED [2, 3]", 400)
-    finally:
-      for p in savers:                    # every trainer process killed (SIGKILL)
-        p.__exit__(None, None, None)
     assert len(processes.agent_pids(root)) == n_save      # the agents live on
-    restorers = launch(n_restore, root, job, "restore", *restore_extra, machines=machines)
-    try:
+    with launch(n_restore, root, job, "restore", *restore_extra, machines=machines) as restorers:
       for p in restorers:
         assert "OK 3 host" in p.finish(400)
-    finally:
-      for p in restorers:
-        p.__exit__(None, None, None)
 
 
 @pytest.mark.slow
@@ -83,22 +82,14 @@ def test_fewer_processes_read_pieces_from_every_agent():
 @pytest.mark.timeout(900)
 def test_a_lost_machine_is_rebuilt_from_parity_exchanged_between_private_run_roots():
   with processes.agent_sandbox() as (root, job):
-    savers = launch(4, root, job, "save", "--parity", "1")
-    try:
+    with launch(4, root, job, "save", "--parity", "1") as savers:
       for p in savers:
         p.wait_for("PROTECTED 3", 400)
-    finally:
-      for p in savers:
-        p.__exit__(None, None, None)
     lost_root, _ = machine(root, 2)                # machine 2 is gone: its agent and memory
     for pid in processes.agent_pids(lost_root):
       os.kill(pid, signal.SIGKILL)
       processes.wait_gone(pid, 10, "the agent of machine 2")
     shutil.rmtree(lost_root)
-    restorers = launch(4, root, job, "restore", "--parity", "1")
-    try:
+    with launch(4, root, job, "restore", "--parity", "1") as restorers:
       for p in restorers:
         assert "OK 3 parity" in p.finish(400)
-    finally:
-      for p in restorers:
-        p.__exit__(None, None, None)
