@@ -73,7 +73,7 @@ class Server:
     with conn, contextlib.ExitStack() as stack:
       conn.settimeout(self._timeout)             # a stalled client does not hold a thread forever
       try:
-        header, _ = _wire.open_(self._secret, [_recv_frame(conn, 64), _recv_frame(conn, _MAX_HEADER)])
+        header, _ = _wire.open_(self._secret, [recv_frame(conn, 64), recv_frame(conn, _MAX_HEADER)])
         if header.get("op") != "bulk":
           raise errors.PermissionDeniedError(f"op {header.get('op')!r} is not a bulk request")
         if _wire.expired(header):
@@ -91,7 +91,7 @@ class Server:
         _send_quietly(conn, {"ok": False, "error": f"{type(e).__name__}: {e}", "type": ""})
         return
       try:
-        _send_frame(conn, _wire.pack({"ok": True}))
+        send_frame(conn, _wire.pack({"ok": True}))
         for b in buffers:
           conn.sendall(b)
       except OSError as e:
@@ -137,18 +137,18 @@ def fetch(address: str, secret: bytes, header: dict[str, Any],
 
   def run(part: list[tuple[int, int, int, int]]) -> None:
     try:
-      conn = _connect(address, timeout_secs, who)
+      conn = connect(address, timeout_secs, who)
       with lock:
         conns.append(conn)
       with conn:
-        _send_frames(conn, _wire.seal(secret, dict(
+        send_frames(conn, _wire.seal(secret, dict(
             header, op="bulk", ranges=[[off, n] for _, off, n, _ in part]), timeout_secs=timeout_secs))
-        reply = _wire.unpack(_recv_frame(conn, _MAX_HEADER))
+        reply = _wire.unpack(recv_frame(conn, _MAX_HEADER))
         if not reply.get("ok"):
           raise _wire.remote_error(reply, who, "bulk fetch")
         for i, _, n, start in part:
           with memoryview(into[i]) as mv, mv.cast("B") as raw:
-            _recv_into(conn, raw[start:start + n])
+            recv_exact(conn, raw[start:start + n])
           with lock:
             left[i] -= 1
             whole = left[i] == 0
@@ -158,7 +158,7 @@ def fetch(address: str, secret: bytes, header: dict[str, Any],
       with lock:
         failures.append(e)
         for c in conns:                          # the other streams stop at once
-          _shutdown(c)
+          shutdown(c)
 
   threads = [threading.Thread(target=run, args=(p,), name="jaxckpt-bulk-fetch", daemon=True)
              for p in parts[1:]]
@@ -199,7 +199,7 @@ def _split(ranges: Sequence[tuple[int, int]], k: int) -> list[list[tuple[int, in
   return [p for p in parts if p]
 
 
-def _connect(address: str, timeout_secs: float, who: str) -> socket.socket:
+def connect(address: str, timeout_secs: float, who: str) -> socket.socket:
   host, port = address.rsplit(":", 1)
   try:
     conn = socket.create_connection((host, int(port)), timeout=timeout_secs)
@@ -211,33 +211,33 @@ def _connect(address: str, timeout_secs: float, who: str) -> socket.socket:
   return conn
 
 
-def _send_frame(conn: socket.socket, data: bytes) -> None:
+def send_frame(conn: socket.socket, data: bytes) -> None:
   conn.sendall(_LEN.pack(len(data)) + data)
 
 
-def _send_frames(conn: socket.socket, frames: Sequence[Any]) -> None:
+def send_frames(conn: socket.socket, frames: Sequence[Any]) -> None:
   conn.sendall(b"".join(_LEN.pack(len(f)) + bytes(f) for f in frames))
 
 
 def _send_quietly(conn: socket.socket, reply: dict[str, Any]) -> None:
   try:
-    _send_frame(conn, _wire.pack(reply))
+    send_frame(conn, _wire.pack(reply))
   except OSError:
     pass
 
 
-def _recv_frame(conn: socket.socket, limit: int) -> bytes:
+def recv_frame(conn: socket.socket, limit: int) -> bytes:
   head = bytearray(_LEN.size)
-  _recv_into(conn, memoryview(head))
+  recv_exact(conn, memoryview(head))
   (n,) = _LEN.unpack(head)
   if n > limit:
     raise errors.PermissionDeniedError(f"a bulk frame of {n} bytes (over {limit}) was refused")
   body = bytearray(n)
-  _recv_into(conn, memoryview(body))
+  recv_exact(conn, memoryview(body))
   return bytes(body)
 
 
-def _recv_into(conn: socket.socket, view: memoryview) -> None:
+def recv_exact(conn: socket.socket, view: memoryview) -> None:
   got = 0
   while got < len(view):
     r = conn.recv_into(view[got:])
@@ -246,7 +246,7 @@ def _recv_into(conn: socket.socket, view: memoryview) -> None:
     got += r
 
 
-def _shutdown(conn: socket.socket) -> None:
+def shutdown(conn: socket.socket) -> None:
   try:
     conn.shutdown(socket.SHUT_RDWR)
   except OSError:

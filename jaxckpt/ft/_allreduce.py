@@ -31,8 +31,8 @@ import numpy as np
 
 from jaxckpt import errors
 
-Send = Callable[[int, np.ndarray], None]           # (tag, piece) to the right neighbour
-Recv = Callable[[int], "np.ndarray | None"]        # tag -> piece from the left neighbour
+Send = Callable[[int, list[np.ndarray]], None]       # (tag, a piece's segments) to the right neighbour
+Recv = Callable[[int, np.ndarray], bool]             # (tag, where to write the piece) from the left
 
 #: A hop's chunk travels in pieces of at most this many bytes: the receiver adds
 #: one piece while the next is on the wire, and buffers this small are reused by
@@ -79,11 +79,9 @@ class BufferPool:
     return buf
 
 
-def flatten(leaves: Sequence[np.ndarray], pool: BufferPool | None = None) -> np.ndarray:
+def flatten(leaves: Sequence[np.ndarray]) -> np.ndarray:
   """The leaves in one flat accumulator buffer (a copy)."""
-  dtype = accumulator_dtype(leaves)
-  n = sum(x.size for x in leaves)
-  out = np.empty(n, dtype) if pool is None else pool.get(n, dtype)
+  out = np.empty(sum(x.size for x in leaves), accumulator_dtype(leaves))
   at = 0
   for x in leaves:
     out[at:at + x.size] = np.asarray(x).reshape(-1)
@@ -117,61 +115,84 @@ def bounds(n: int, parts: int) -> list[tuple[int, int]]:
 def ring_mean(leaves: Sequence[np.ndarray], rank: int, size: int, send: Send, recv: Recv,
               pool: BufferPool | None = None) -> list[np.ndarray] | None:
   """The mean of every participant's ``leaves`` (read-only arrays); None if a
-  hop's chunk did not arrive (``recv`` returned None: a neighbour died or was
-  too late). ``pool`` reuses the flat buffer of an earlier step once unused."""
-  flat = flatten(leaves, pool)
-  if size > 1:
-    flat = _ring(flat, rank, size, send, recv)
-    if flat is None:
-      return None
-  else:
-    np.divide(flat, 1, out=flat)
+  hop's piece did not arrive (``recv`` returned False: a neighbour died or was
+  too late). ``pool`` reuses the flat buffer of an earlier step once unused.
+
+  ``send(tag, segments)`` queues a piece (its bytes are ``segments`` in order,
+  left untouched until the right neighbour has them) and must not block;
+  ``recv(tag, into)`` writes the left neighbour's piece ``tag`` into ``into``.
+  """
+  src = _Source(leaves, accumulator_dtype(leaves))
+  flat = np.empty(src.size, src.dtype) if pool is None else pool.get(src.size, src.dtype)
+  if size == 1:
+    for off, seg in src.segments(0, src.size):
+      flat[off:off + seg.size] = seg
+  elif not _ring(src, flat, rank, size, send, recv):
+    return None
   return unflatten(flat, leaves)
 
 
-def _pieces(chunk: np.ndarray) -> list[np.ndarray]:
-  step = max(1, PIECE_BYTES // chunk.itemsize)
-  return [chunk[i:i + step] for i in range(0, max(chunk.size, 1), step)]
+class _Source:
+  """The input leaves as one virtual flat array of the accumulator dtype, not
+  copied (a leaf of another dtype is converted): the ring reads each input
+  byte where it lies, so no flattening pass precedes it."""
+
+  def __init__(self, leaves: Sequence[np.ndarray], dtype: np.dtype) -> None:
+    self.dtype = dtype
+    self._parts = [np.asarray(x).reshape(-1).astype(dtype, copy=False) for x in leaves]
+    self._starts = np.cumsum([0] + [p.size for p in self._parts])
+    self.size = int(self._starts[-1])
+
+  def segments(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+    """``(offset from lo, contiguous view)`` pairs covering flat elements ``lo .. hi - 1``."""
+    out, at = [], lo
+    i = int(np.searchsorted(self._starts, lo, side="right")) - 1
+    while at < hi:
+      start, stop = int(self._starts[i]), int(self._starts[i + 1])
+      if stop > at:
+        out.append((at - lo, self._parts[i][at - start:min(hi, stop) - start]))
+        at = min(hi, stop)
+      i += 1
+    return out
 
 
-def _exchange(hop: int, out: np.ndarray, into: np.ndarray, send: Send, recv: Recv,
-              combine: Callable[[np.ndarray, np.ndarray], None]) -> bool:
-  """Sends ``out`` and receives ``into``'s size, piece by piece, combining each
-  received piece into ``into`` as it arrives; False if a piece is missing or wrong."""
-  for i, piece in enumerate(_pieces(out)):
-    send(tag(hop, i), piece)
-  for i, dest in enumerate(_pieces(into)):
-    got = recv(tag(hop, i))
-    if got is None or got.shape != dest.shape or got.dtype != dest.dtype:
-      return False
-    combine(dest, got)
-  return True
+def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
+  """Flat ranges of at most PIECE_BYTES covering ``lo .. hi - 1`` (one, maybe empty, at least)."""
+  step = max(1, PIECE_BYTES // itemsize)
+  return [(a, min(a + step, hi)) for a in range(lo, max(hi, lo + 1), step)]
 
 
-def _add(dest: np.ndarray, got: np.ndarray) -> None:
-  np.add(dest, got, out=dest)                               # (a + b == b + a, bit for bit)
+def _ring(src: _Source, flat: np.ndarray, rank: int, size: int, send: Send, recv: Recv) -> bool:
+  """The mean into ``flat``. The reduce-scatter sends its first chunk from the
+  input and writes each received chunk as ``input + piece``, so every element of
+  ``flat`` is written once per phase and never copied from the input first. A
+  chunk sent without a copy is overwritten in the all-gather only after its sum
+  came back around, so after the right neighbour had the bytes; a forwarded
+  chunk is never written again."""
+  chunks = bounds(src.size, size)
+  step = max(1, PIECE_BYTES // src.dtype.itemsize)
+  scratch = np.empty(min(step, max(hi - lo for lo, hi in chunks)), src.dtype)
 
+  def send_chunk(hop: int, c: int, from_input: bool) -> None:
+    for i, (a, b) in enumerate(_pieces(*chunks[c], src.dtype.itemsize)):
+      send(tag(hop, i), [seg for _, seg in src.segments(a, b)] if from_input else [flat[a:b]])
 
-def _copy(dest: np.ndarray, got: np.ndarray) -> None:
-  dest[...] = got
-
-
-def _ring(acc: np.ndarray, rank: int, size: int, send: Send, recv: Recv) -> np.ndarray | None:
-  """In place in ``acc``. A chunk sent (without a copy) in the reduce-scatter is
-  overwritten in the all-gather only after its sum came back around, so after
-  the right neighbour consumed the send; a forwarded chunk is never written again."""
-  chunks = [acc[lo:hi] for lo, hi in bounds(acc.size, size)]
   for s in range(size - 1):                                 # reduce-scatter
-    if not _exchange(s, chunks[(rank - s) % size], chunks[(rank - s - 1) % size],
-                     send, recv, _add):
-      return None
-  own = (rank + 1) % size
-  np.divide(chunks[own], size, out=chunks[own])
+    send_chunk(s, (rank - s) % size, from_input=s == 0)
+    for i, (a, b) in enumerate(_pieces(*chunks[(rank - s - 1) % size], src.dtype.itemsize)):
+      got = scratch[:b - a]
+      if not recv(tag(s, i), got):
+        return False
+      for off, seg in src.segments(a, b):
+        np.add(seg, got[off:off + seg.size], out=flat[a + off:a + off + seg.size])  # (a + b == b + a)
+  lo, hi = chunks[(rank + 1) % size]
+  np.divide(flat[lo:hi], size, out=flat[lo:hi])
   for s in range(size - 1):                                 # all-gather
-    if not _exchange(size - 1 + s, chunks[(rank + 1 - s) % size], chunks[(rank - s) % size],
-                     send, recv, _copy):
-      return None
-  return acc
+    send_chunk(size - 1 + s, (rank + 1 - s) % size, from_input=False)
+    for i, (a, b) in enumerate(_pieces(*chunks[(rank - s) % size], src.dtype.itemsize)):
+      if not recv(tag(size - 1 + s, i), flat[a:b]):
+        return False
+  return True
 
 
 def reference_mean(contributions: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:

@@ -21,18 +21,20 @@ def _run(contributions, *, die: int | None = None, timeout: float = 5.0):
   out = [None] * size
 
   def rank(r):
-    def send(hop, chunk):
+    def send(hop, segments):
       if r != die:
-        sent[r] += chunk.nbytes
-        inbox[(r + 1) % size].put((hop, chunk.copy()))
+        piece = np.concatenate([s.reshape(-1) for s in segments]) if segments else np.empty(0)
+        sent[r] += piece.nbytes
+        inbox[(r + 1) % size].put((hop, piece))
 
-    def recv(hop):
+    def recv(hop, into):
       try:
-        got_hop, chunk = inbox[r].get(timeout=timeout)
+        got_hop, piece = inbox[r].get(timeout=timeout)
       except queue.Empty:
-        return None
+        return False
       assert got_hop == hop           # pieces arrive in order on one connection
-      return chunk
+      into[...] = piece
+      return True
     out[r] = _allreduce.ring_mean(contributions[r], r, size, send, recv)
 
   threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
@@ -72,7 +74,7 @@ def test_a_rank_that_dies_mid_ring_ends_the_step_uncommitted_for_the_others():
 
 def test_non_floating_gradients_are_refused():
   with pytest.raises(errors.UnsupportedLeafError, match="floating"):
-    _allreduce.ring_mean([np.arange(3)], 0, 1, lambda *a: None, lambda h: None)
+    _allreduce.ring_mean([np.arange(3)], 0, 1, lambda *a: None, lambda *a: False)
 
 
 def test_float64_leaves_accumulate_in_float64():
@@ -83,14 +85,22 @@ def test_float64_leaves_accumulate_in_float64():
   assert out[0][1].dtype == np.float32 and out[0][1][0] == 2.0
 
 
-def test_chunks_travel_in_pieces_with_the_same_bits(monkeypatch):
+def test_pieces_that_span_leaves_give_the_same_bits_and_leave_the_input_alone(monkeypatch):
   monkeypatch.setattr(_allreduce, "PIECE_BYTES", 64)       # 16 float32 per piece
   rng = np.random.default_rng(0)
-  contributions = [[rng.standard_normal(1001).astype(np.float32)] for _ in range(3)]
+  contributions = [[rng.standard_normal(n).astype(np.float32) for n in (1001, 7, 0, 33)]
+                   for _ in range(3)]
+  before = [[x.copy() for x in c] for c in contributions]
+  for c in contributions:
+    for x in c:
+      x.flags.writeable = False                            # the ring never writes its input
   out, sent = _run(contributions)
-  want = _allreduce.reference_mean(contributions)[0].tobytes()
-  assert all(o[0].tobytes() == want for o in out)
-  assert all(abs(s - 2 * 2 / 3 * 1001 * 4) <= 24 for s in sent)
+  want = _allreduce.reference_mean(contributions)
+  for o in out:
+    assert [x.tobytes() for x in o] == [w.tobytes() for w in want]
+  for c, b in zip(contributions, before):
+    assert [x.tobytes() for x in c] == [x.tobytes() for x in b]
+  assert all(abs(s - 2 * 2 / 3 * 1041 * 4) <= 24 for s in sent)
 
 
 def test_a_pooled_buffer_is_reused_only_once_nothing_refers_to_it():

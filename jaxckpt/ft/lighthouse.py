@@ -75,13 +75,15 @@ class Member:
   address: str
   step: int
   digest: int
+  ring_address: str = ""          # where its all-reduce streams arrive (see ft/_links.py)
 
   def to_wire(self) -> list[Any]:
-    return [self.group_id, self.address, self.step, self.digest]
+    return [self.group_id, self.address, self.step, self.digest, self.ring_address]
 
   @classmethod
   def from_wire(cls, obj: list[Any]) -> Member:
-    return cls(group_id=obj[0], address=obj[1], step=int(obj[2]), digest=int(obj[3]))
+    return cls(group_id=obj[0], address=obj[1], step=int(obj[2]), digest=int(obj[3]),
+               ring_address=str(obj[4]) if len(obj) > 4 else "")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

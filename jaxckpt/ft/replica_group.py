@@ -46,7 +46,7 @@ import numpy as np
 import zmq
 
 from jaxckpt import _wire, errors
-from jaxckpt.ft import _allreduce, _group_comm, _peer
+from jaxckpt.ft import _allreduce, _group_comm, _links, _peer
 from jaxckpt.ft.catch_up import (CatchUpServer, RemoteSnapshotSource, SnapshotSource, fetch_ring,
                                  rebuild_leaf, rebuild_state)
 from jaxckpt.ft.lighthouse import Heartbeat, LighthouseClient, Member, Quorum
@@ -156,6 +156,8 @@ class ReplicaGroup:
           secret=key, drop=self._dropping)
       self.address = self._server.address
       self._sender = _peer.PeerSender(self._ctx, secret=key, drop=self._dropping)
+      self._links = _links.Links(self.options.host, key, group_id=group_id,
+                                 timeout_secs=timeout.total_seconds())
       self._lighthouse = LighthouseClient(self._ctx, lighthouse, secret=key, drop=self._dropping)
       self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
                                   secret=key, drop=self._dropping)
@@ -247,15 +249,15 @@ class ReplicaGroup:
   def close(self) -> None:
     """Stops the heartbeat and the serving thread; the lighthouse drops the group.
 
-    Results and contributions still queued for other groups are delivered first
-    (for up to ``timeout``, the longest any member waits for them): a leader that
-    closes right after a step does not drop the result its followers are owed.
+    All-reduce pieces still queued for the right neighbour are sent first (for up
+    to ``timeout``, the longest it waits for them): a group that closes right
+    after a step does not drop the last hop its neighbour is owed.
     """
     if self._ctx is None:
       return
     self._heartbeat.stop()
     self._server.stop()
-    self._sender.close(linger_secs=self.timeout.total_seconds())
+    self._links.close(linger_secs=self.timeout.total_seconds())
     self._lighthouse.close()
     self._ctx.term()
     self._ctx = None
@@ -275,24 +277,26 @@ class ReplicaGroup:
     return self._injector.drops(self.group_id, self._attempt_index)
 
   def _me(self) -> Member:
-    return Member(group_id=self.group_id, address=self.address, step=self.step, digest=self.digest)
+    return Member(group_id=self.group_id, address=self.address, step=self.step, digest=self.digest,
+                  ring_address=self._links.address)
 
   def _join(self) -> Quorum | None:
     quorum = None
     if self._comm.is_talker:
-      quorum = self._lighthouse.quorum(self._me(), self.timeout)
+      # The others may still be waiting out the last attempt's ring (up to
+      # ``timeout``) before they ask: a shorter wait would keep a group that failed
+      # fast one attempt out of phase with them for good.
+      quorum = self._lighthouse.quorum(self._me(), 2 * self.timeout)
     wire = self._comm.share(quorum.to_wire() if quorum is not None else None)
     quorum = Quorum.from_wire(wire) if wire is not None else None
     now = time.monotonic()
     if quorum is not None:
       self._no_quorum_since = None
-      if self._comm.is_talker:
-        self._server.inbox.retain(quorum.quorum_id)
       return quorum
     self._no_quorum_since = self._no_quorum_since or now
     waited = now - self._no_quorum_since
     logger.warning("group %s got no quorum from lighthouse %s within %s", self.group_id,
-                   self._lighthouse_address(), self.timeout, extra=self._extra())
+                   self._lighthouse_address(), 2 * self.timeout, extra=self._extra())
     if waited > self.options.lighthouse_timeout.total_seconds():
       raise errors.QuorumError(
           f"group {self.group_id!r} got no quorum from the lighthouse at "
@@ -329,27 +333,22 @@ class ReplicaGroup:
     rank, size = ids.index(self.group_id), len(ring)
     right, left = ring[(rank + 1) % size], ring[(rank - 1) % size]
     deadline = time.monotonic() + self.timeout.total_seconds()
-    head = {"op": "ring", "quorum_id": quorum.quorum_id, "group": self.group_id,
-            "step": self.step, "digest": self.digest}
+    expect = {"q": quorum.quorum_id, "step": self.step, "digest": self.digest}
 
-    def send(hop: int, chunk: np.ndarray) -> None:
-      self._sender.push(right.address, dict(head, hop=hop), [chunk])
-      self.bytes_sent += chunk.nbytes
+    def send(tag: int, segments: list[np.ndarray]) -> None:
+      if not self._dropping():
+        self._links.send(right.group_id, right.ring_address, dict(expect, tag=tag), segments, deadline)
+        self.bytes_sent += sum(s.nbytes for s in segments)
 
-    def recv(hop: int) -> np.ndarray | None:
-      got = self._server.inbox.wait(("ring",), quorum.quorum_id, lambda g: left.group_id in g,
-                                    deadline, hop=hop)
-      if left.group_id not in got:
-        logger.warning("group %s: no hop %d of step %d from %s within %s; not committing",
-                       self.group_id, hop, self.step, left.group_id, self.timeout, extra=self._extra())
-        return None
-      header, arrays = got[left.group_id]
-      if header["step"] != self.step or header.get("digest") != self.digest or len(arrays) != 1:
-        logger.error("group %s ignores hop %d from %s: step %s digest %s (own %d, %d)", self.group_id,
-                     hop, left.group_id, header["step"], header.get("digest"), self.step, self.digest,
-                     extra=self._extra())
-        return None
-      return arrays[0]
+    def recv(tag: int, into: np.ndarray) -> bool:
+      if self._dropping():                       # cut off: hears nothing until the timeout
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        return False
+      why = self._links.recv(left.group_id, expect, tag, into, deadline)
+      if why is not None:
+        logger.warning("group %s: piece %d of step %d did not arrive from %s (%s); not committing",
+                       self.group_id, tag, self.step, left.group_id, why, extra=self._extra())
+      return why is None
 
     result = _allreduce.ring_mean(host, rank, size, send, recv, self._buffers)
     if result is None:

@@ -1,0 +1,298 @@
+"""The all-reduce's data path between replica groups: one TCP stream per ring neighbour.
+
+Each group (its process 0) listens on one TCP port, published as
+``ring_address`` in its quorum member record. Before its first hop to a right
+neighbour a group opens a stream to it, and the stream stays for later steps
+while that neighbour does:
+
+1. the listener sends a fresh random challenge;
+2. the group answers with a hello sealed with the job's secret
+   (:mod:`jaxckpt._wire`) that names itself and repeats the challenge, so a
+   recorded hello cannot be replayed;
+3. the listener keeps the stream as the one from that group (replacing an
+   older one) and acknowledges, or refuses with the reason and closes it.
+
+A stream then carries pieces, each a length-prefixed msgpack header (quorum,
+step, digest, tag, byte count) and the bytes, written straight from the
+sender's arrays by a sending thread (the training thread never blocks on a
+send: every member sends before it receives) and read straight into the
+receiver's buffers (:mod:`jaxckpt._bulk`'s framing). A piece of an abandoned
+attempt (another quorum or step) is skipped, and so is the rest of a piece
+the receiver stopped waiting for, so a timeout leaves the stream in step with
+its sender. A stream that ended between pieces (its sender restarted) gives way
+to the newer one; one that broke or carried anything else unexpected is closed,
+and the sender opens a new one for its next piece.
+
+This is the transport :func:`jaxckpt.ft._allreduce.ring_mean` needs: ``send``
+that queues and ``recv`` that fills a buffer. A GPU backend (NCCL through a
+binding, on device buffers) would replace this module and nothing above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxckpt import _bulk, _wire, errors
+
+logger = logging.getLogger(__name__)
+
+_CHALLENGE_BYTES = 16
+_MAX_HEADER = 4096
+_HANDSHAKE_SECS = 10.0
+
+
+@dataclasses.dataclass
+class _Out:
+  """A stream to one right neighbour and the thread that writes its pieces."""
+  address: str
+  sock: socket.socket | None
+  queue: "queue.SimpleQueue[tuple[bytes, Sequence[np.ndarray]] | None]" = dataclasses.field(
+      default_factory=queue.SimpleQueue)
+  broken: str | None = None
+  thread: threading.Thread | None = None
+
+
+class Links:
+  """This group's ring streams: a listener for its left neighbours' and the
+  streams it opens to its right neighbours."""
+
+  def __init__(self, host: str, secret: bytes, *, group_id: str, timeout_secs: float) -> None:
+    self._secret, self.group_id, self._timeout = secret, group_id, timeout_secs
+    self._listener = socket.create_server((host, 0), backlog=64)
+    self.address = f"{host}:{self._listener.getsockname()[1]}"
+    self._cond = threading.Condition()
+    self._incoming: dict[str, _In] = {}
+    self._outgoing: dict[str, _Out] = {}
+    self._closed = False
+    self.refused = 0                 # streams whose hello did not verify
+    self._thread = threading.Thread(target=self._accept, name=f"ring-{self.address}", daemon=True)
+    self._thread.start()
+
+  # ---- the receiving side ---------------------------------------------------------------------------
+
+  def _accept(self) -> None:
+    while not self._closed:
+      try:
+        conn, _ = self._listener.accept()
+      except OSError:
+        return                                   # closed
+      threading.Thread(target=self._greet, args=(conn,), name=f"ring-{self.address}-hello",
+                       daemon=True).start()
+
+  def _greet(self, conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.settimeout(min(self._timeout, _HANDSHAKE_SECS))
+    challenge = os.urandom(_CHALLENGE_BYTES)
+    try:
+      conn.sendall(challenge)
+      header, _ = _wire.open_(self._secret, [_bulk.recv_frame(conn, 64),
+                                             _bulk.recv_frame(conn, _MAX_HEADER)])
+      if header.get("op") != "ring_link" or header.get("challenge") != challenge:
+        raise errors.PermissionDeniedError("a ring stream's hello did not answer its challenge")
+      group = str(header["group"])
+      _bulk.send_frame(conn, _wire.pack({"ok": True}))
+    except errors.PermissionDeniedError as e:
+      with self._cond:
+        self.refused += 1
+      logger.warning("group %s refused a ring stream: %s", self.group_id, e)
+      try:
+        _bulk.send_frame(conn, _wire.pack({"ok": False, "error": str(e)}))
+      except OSError:
+        pass
+      conn.close()
+      return
+    except (OSError, KeyError, ValueError) as e:
+      logger.warning("group %s: a ring stream broke off in its hello: %s", self.group_id, e)
+      conn.close()
+      return
+    with self._cond:
+      if self._closed:
+        conn.close()
+        return
+      old = self._incoming.pop(group, None)
+      self._incoming[group] = _In(conn)
+      self._cond.notify_all()
+    if old is not None:
+      old.conn.close()
+
+  def recv(self, group: str, expect: dict[str, Any], tag: int, into: np.ndarray,
+           deadline: float) -> str | None:
+    """Reads piece ``tag`` of the attempt ``expect`` (quorum ``q``, ``step``,
+    ``digest``) from ``group``'s stream into ``into``; None once it has, else why
+    not. A piece cut short by the timeout is skipped when the stream is read
+    next, so the stream stays in step with its sender (closed only when broken)."""
+    while True:
+      with self._cond:
+        while (inc := self._incoming.get(group)) is None:
+          remaining = deadline - time.monotonic()
+          if remaining <= 0 or self._closed:
+            return f"no stream from group {group} within the timeout"
+          self._cond.wait(remaining)
+      try:
+        while True:
+          inc.read(None, deadline)               # the rest of an earlier piece
+          head = inc.header(deadline)
+          n = inc.owed = int(head["n"])
+          if (head["q"], head["step"]) != (expect["q"], expect["step"]):
+            continue                             # a piece of an abandoned attempt
+          if head["digest"] != expect["digest"]:
+            return (f"group {group} is at digest {head['digest']:#x} of step {head['step']}, "
+                    f"this group at {expect['digest']:#x}")
+          if head["tag"] != tag or n != into.nbytes:
+            return (f"group {group} sent piece {head['tag']} of {n} bytes where {tag} of "
+                    f"{into.nbytes} was due")
+          inc.read(into, deadline)
+          return None
+      except TimeoutError:
+        return f"group {group} sent nothing more within the timeout"
+      except _Ended:                             # (a restarted neighbour's old stream)
+        self._drop(group, inc)
+      except (OSError, KeyError, ValueError, TypeError, errors.JaxckptError) as e:
+        self._drop(group, inc)
+        return f"the stream from group {group} broke: {type(e).__name__}: {e}"
+
+  def _drop(self, group: str, inc: _In) -> None:
+    with self._cond:
+      if self._incoming.get(group) is inc:
+        del self._incoming[group]
+    inc.conn.close()
+
+  # ---- the sending side -----------------------------------------------------------------------------
+
+  def send(self, group: str, address: str, header: dict[str, Any],
+           segments: Sequence[np.ndarray], deadline: float) -> None:
+    """Queues a piece (``header`` and the bytes of ``segments``, which stay
+    untouched until sent) for ``group`` at ``address``. A stream that cannot be
+    opened or broke loses the piece (logged); the neighbour times out."""
+    out = self._outgoing.get(group)
+    if out is None or out.address != address or out.broken:
+      if out is not None:
+        self._retire(out)
+      out = self._outgoing[group] = self._open(group, address, deadline)
+    if out.sock is None:
+      return
+    head = _wire.pack(dict(header, n=sum(s.nbytes for s in segments)))
+    out.queue.put((head, segments))
+
+  def _open(self, group: str, address: str, deadline: float) -> _Out:
+    secs = max(1e-3, min(deadline - time.monotonic(), _HANDSHAKE_SECS))
+    try:
+      conn = _bulk.connect(address, secs, f"group {group}")
+      try:
+        conn.settimeout(secs)
+        challenge = _recv_bytes(conn, _CHALLENGE_BYTES)
+        _bulk.send_frames(conn, _wire.seal(self._secret, {
+            "op": "ring_link", "group": self.group_id, "challenge": challenge}))
+        reply = _wire.unpack(_bulk.recv_frame(conn, _MAX_HEADER))
+        if not reply.get("ok"):
+          raise errors.PermissionDeniedError(f"group {group} refused the ring stream: {reply.get('error')}")
+        conn.settimeout(self._timeout)           # a stuck neighbour fails the sending thread
+      except BaseException:
+        conn.close()
+        raise
+    except (OSError, errors.JaxckptError, ValueError) as e:
+      logger.warning("group %s could not open a ring stream to group %s at %s: %s",
+                     self.group_id, group, address, e)
+      return _Out(address=address, sock=None, broken=str(e))
+    out = _Out(address=address, sock=conn)
+    out.thread = threading.Thread(target=self._write, args=(group, out),
+                                  name=f"ring-{self.group_id}-to-{group}", daemon=True)
+    out.thread.start()
+    return out
+
+  def _write(self, group: str, out: _Out) -> None:
+    while (item := out.queue.get()) is not None:
+      if out.broken:
+        continue                                 # drain: the neighbour times out
+      head, segments = item
+      try:
+        _bulk.send_frame(out.sock, head)
+        for s in segments:
+          out.sock.sendall(memoryview(s.reshape(-1).view(np.uint8)))
+      except OSError as e:
+        out.broken = f"{type(e).__name__}: {e}"
+        logger.warning("group %s: the ring stream to group %s broke: %s", self.group_id, group, e)
+
+  def _retire(self, out: _Out, linger_secs: float = 0.0) -> None:
+    """Lets ``out``'s thread send what is queued for up to ``linger_secs``, then closes it."""
+    if out.thread is not None:
+      out.queue.put(None)
+      out.thread.join(linger_secs)
+    if out.sock is not None:
+      _bulk.shutdown(out.sock)
+      out.sock.close()
+    if out.thread is not None:
+      out.thread.join(5)
+
+  def close(self, linger_secs: float = 0.0) -> None:
+    """Sends what is queued (for up to ``linger_secs``: the last hop a neighbour
+    is owed), then closes every stream and the listener."""
+    end = time.monotonic() + linger_secs
+    for out in self._outgoing.values():
+      self._retire(out, max(0.0, end - time.monotonic()))
+    self._outgoing.clear()
+    with self._cond:
+      self._closed = True
+      incoming, self._incoming = list(self._incoming.values()), {}
+      self._cond.notify_all()
+    for inc in incoming:
+      inc.conn.close()
+    _bulk.shutdown(self._listener)
+    self._listener.close()
+    self._thread.join(timeout=5)
+
+
+def _recv_bytes(conn: socket.socket, n: int) -> bytes:
+  buf = bytearray(n)
+  _bulk.recv_exact(conn, memoryview(buf))
+  return bytes(buf)
+
+
+class _Ended(ConnectionError):
+  """A stream closed cleanly between pieces: its sender is gone, a new one may follow."""
+
+
+class _In:
+  """A verified stream from a left neighbour, and the bytes of the current piece still owed."""
+
+  def __init__(self, conn: socket.socket) -> None:
+    self.conn, self.owed = conn, 0
+    self._sink = bytearray(0)
+
+  def header(self, deadline: float) -> dict[str, Any]:
+    """The next piece's header; TimeoutError (the stream still in step) if none began by ``deadline``."""
+    self.conn.settimeout(max(1e-3, deadline - time.monotonic()))
+    if not self.conn.recv(1, socket.MSG_PEEK):
+      raise _Ended("the neighbour closed the stream between pieces")
+    self.conn.settimeout(_HANDSHAKE_SECS)      # begun: it is written whole at once
+    try:
+      head = _wire.unpack(_bulk.recv_frame(self.conn, _MAX_HEADER))
+    except TimeoutError as e:                  # (the stream is out of step now)
+      raise ConnectionError("a piece header stalled half-written") from e
+    if not isinstance(head, dict):
+      raise ValueError("a piece header is not a map")
+    return head
+
+  def read(self, into: np.ndarray | None, deadline: float) -> None:
+    """The owed bytes into ``into`` (their size), or discarded (None)."""
+    if into is None and self.owed and len(self._sink) < min(self.owed, 1 << 20):
+      self._sink = bytearray(min(self.owed, 1 << 20))
+    view = memoryview(into.reshape(-1).view(np.uint8)) if into is not None else None
+    got = 0
+    while self.owed:
+      self.conn.settimeout(max(1e-3, deadline - time.monotonic()))
+      dest = view[got:] if view is not None else memoryview(self._sink)[:min(self.owed, len(self._sink))]
+      r = self.conn.recv_into(dest)
+      if not r:
+        raise ConnectionError(f"the neighbour closed the stream with {self.owed} bytes of a piece owed")
+      got += r
+      self.owed -= r

@@ -1,0 +1,227 @@
+"""The all-reduce's ring streams: pieces arrive bit-exact, in step, and only from the job."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxckpt import _bulk, _wire
+from jaxckpt.ft import _links
+
+SECRET = b"the-job-secret-for-ring-links"
+LONG = 60.0      # a wait that succeeds (generous: a loaded machine is slow, never this slow)
+SHORT = 0.3      # a wait that is meant to run out
+
+
+@contextlib.contextmanager
+def _links_of(*groups: str, secret: bytes = SECRET, timeout_secs: float = LONG):
+  made = [_links.Links("127.0.0.1", secret, group_id=g, timeout_secs=timeout_secs) for g in groups]
+  try:
+    yield made
+  finally:
+    for link in made:
+      link.close()
+
+
+def _head(tag: int, *, q: str = "q1", step: int = 5, digest: int = 0xABC) -> dict:
+  return {"q": q, "step": step, "digest": digest, "tag": tag}
+
+
+def _expect(**kw) -> dict:
+  head = _head(0, **kw)
+  del head["tag"]
+  return head
+
+
+def _soon(secs: float = LONG) -> float:
+  return time.monotonic() + secs
+
+
+def _raw_stream(address: str, group: str, secret: bytes = SECRET) -> socket.socket:
+  """A stream opened by hand (as a neighbour would), to write pieces byte by byte."""
+  conn = _bulk.connect(address, LONG, "the test's listener")
+  conn.settimeout(LONG)
+  challenge = bytearray(16)
+  _bulk.recv_exact(conn, memoryview(challenge))
+  _bulk.send_frames(conn, _wire.seal(secret, {"op": "ring_link", "group": group,
+                                              "challenge": bytes(challenge)}))
+  assert _wire.unpack(_bulk.recv_frame(conn, 4096)) == {"ok": True}
+  return conn
+
+
+def _raw_piece(conn: socket.socket, head: dict, data: bytes) -> None:
+  _bulk.send_frame(conn, _wire.pack(dict(head, n=len(data))))
+  conn.sendall(data)
+
+
+def test_a_piece_of_several_segments_arrives_bit_exact_and_the_segments_stay_untouched():
+  rng = np.random.default_rng(0)
+  segments = [rng.standard_normal(1000).astype(np.float32),
+              rng.standard_normal((64, 1024)).astype(np.float32)[:, :512],   # strided view
+              np.array([np.nan, -0.0, np.inf], np.float32)]
+  before = [s.copy() for s in segments]
+  with _links_of("a", "b") as (a, b):
+    a.send("b", b.address, _head(3), [np.ascontiguousarray(s) for s in segments], _soon())
+    a.send("b", b.address, _head(4), [segments[0][:10]], _soon())
+    into = np.empty(sum(s.size for s in segments), np.float32)
+    assert b.recv("a", _expect(), 3, into, _soon()) is None
+    second = np.empty(10, np.float32)
+    assert b.recv("a", _expect(), 4, second, _soon()) is None
+  want = np.concatenate([s.reshape(-1) for s in segments])
+  assert into.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+  assert second.tobytes() == segments[0][:10].tobytes()
+  for s, b4 in zip(segments, before):
+    assert s.tobytes() == b4.tobytes()
+
+
+def test_pieces_of_an_abandoned_attempt_are_skipped():
+  with _links_of("a", "b") as (a, b):
+    a.send("b", b.address, _head(0, q="q0"), [np.full(1 << 16, 7, np.uint8)], _soon())
+    a.send("b", b.address, _head(0, q="q1", step=4), [np.full(100, 8, np.uint8)], _soon())
+    a.send("b", b.address, _head(0), [np.full(100, 9, np.uint8)], _soon())
+    into = np.zeros(100, np.uint8)
+    assert b.recv("a", _expect(), 0, into, _soon()) is None
+  assert (into == 9).all()
+
+
+def test_a_piece_cut_short_by_the_timeout_is_skipped_and_the_next_one_arrives_whole():
+  with _links_of("b") as (b,):
+    conn = _raw_stream(b.address, "a")
+    try:
+      _bulk.send_frame(conn, _wire.pack(dict(_head(0, q="q0"), n=1000)))
+      conn.sendall(b"\x01" * 400)                      # the sender stalls mid-piece
+      into = np.zeros(1000, np.uint8)
+      why = b.recv("a", _expect(q="q0"), 0, into, _soon(SHORT))
+      assert why == "group a sent nothing more within the timeout"
+      conn.sendall(b"\x01" * 600)                      # the rest, late
+      _raw_piece(conn, _head(0), b"\x02" * 1000)       # the next attempt's piece
+      assert b.recv("a", _expect(), 0, into, _soon()) is None
+      assert (into == 2).all()
+    finally:
+      conn.close()
+
+
+def test_a_silent_neighbour_is_named_within_the_timeout():
+  with _links_of("a", "b") as (a, b):
+    start = time.monotonic()
+    why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon(SHORT))
+    assert why == "no stream from group a within the timeout"
+    a.send("b", b.address, _head(0, q="q0"), [np.ones(4, np.uint8)], _soon())   # another attempt's
+    why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon(SHORT))
+    assert why == "group a sent nothing more within the timeout"
+    assert time.monotonic() - start < 2 * SHORT + 5
+
+
+def test_a_neighbour_at_another_digest_or_sending_another_piece_is_named():
+  with _links_of("a", "b") as (a, b):
+    a.send("b", b.address, _head(0, digest=0x1), [np.ones(4, np.uint8)], _soon())
+    why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon())
+    assert why == "group a is at digest 0x1 of step 5, this group at 0xabc"
+    a.send("b", b.address, _head(2), [np.ones(4, np.uint8)], _soon())
+    why = b.recv("a", _expect(), 1, np.empty(8, np.uint8), _soon())
+    assert why == "group a sent piece 2 of 4 bytes where 1 of 8 was due"
+
+
+def test_a_neighbour_dying_mid_piece_fails_the_attempt_and_its_next_stream_is_heard():
+  with _links_of("b") as (b,):
+    conn = _raw_stream(b.address, "a")
+    _bulk.send_frame(conn, _wire.pack(dict(_head(0), n=1000)))
+    conn.sendall(b"\x01" * 10)
+    conn.close()                                       # killed mid-piece
+    into = np.zeros(1000, np.uint8)
+    why = b.recv("a", _expect(), 0, into, _soon())
+    assert why.startswith("the stream from group a broke: ConnectionError")
+    conn = _raw_stream(b.address, "a")                 # the restarted neighbour
+    try:
+      _raw_piece(conn, _head(1), b"\x03" * 1000)
+      assert b.recv("a", _expect(), 1, into, _soon()) is None
+      assert (into == 3).all()
+    finally:
+      conn.close()
+
+
+def test_a_restarted_neighbour_takes_over_from_its_old_stream():
+  with _links_of("b") as (b,):
+    with _links_of("a") as (old,):
+      old.send("b", b.address, _head(0), [np.full(8, 1, np.uint8)], _soon())
+      into = np.zeros(8, np.uint8)
+      assert b.recv("a", _expect(), 0, into, _soon()) is None
+    # the old one closed cleanly between pieces; the new one is the same group
+    with _links_of("a") as (new,):
+      new.send("b", b.address, _head(0, q="q2"), [np.full(8, 2, np.uint8)], _soon())
+      assert b.recv("a", _expect(q="q2"), 0, into, _soon()) is None
+      assert (into == 2).all()
+
+
+def test_close_sends_what_is_queued_before_it_returns():
+  data = np.random.default_rng(1).integers(0, 255, 32 << 20, dtype=np.uint8)
+  into = np.zeros_like(data)
+  got = []
+  with _links_of("b") as (b,):
+    a = _links.Links("127.0.0.1", SECRET, group_id="a", timeout_secs=LONG)
+    a.send("b", b.address, _head(0), [data], _soon())
+    reader = threading.Thread(target=lambda: got.append(b.recv("a", _expect(), 0, into, _soon())))
+    reader.start()
+    a.close(linger_secs=LONG)          # right after the step, as a leaving group does
+    reader.join(LONG)
+  assert got == [None]
+  assert into.tobytes() == data.tobytes()
+
+
+def test_a_stream_from_outside_the_job_is_refused_and_counted():
+  with _links_of("b") as (b,), _links_of("a", secret=b"a-guess") as (liar,):
+    liar.send("b", b.address, _head(0), [np.ones(4, np.uint8)], _soon())
+    why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon(SHORT))
+    assert why == "no stream from group a within the timeout"
+    _wait_for(lambda: b.refused == 1)
+    with _links_of("a") as (honest,):
+      honest.send("b", b.address, _head(0), [np.full(4, 5, np.uint8)], _soon())
+      into = np.empty(4, np.uint8)
+      assert b.recv("a", _expect(), 0, into, _soon()) is None
+      assert (into == 5).all() and b.refused == 1
+
+
+def test_a_replayed_hello_does_not_answer_a_new_challenge():
+  with _links_of("b") as (b,):
+    conn = _bulk.connect(b.address, LONG, "the test's listener")
+    conn.settimeout(LONG)
+    try:
+      fresh = bytearray(16)
+      _bulk.recv_exact(conn, memoryview(fresh))
+      recorded = bytes(16)                             # a hello that answered another challenge
+      _bulk.send_frames(conn, _wire.seal(SECRET, {"op": "ring_link", "group": "a",
+                                                  "challenge": recorded}))
+      reply = _wire.unpack(_bulk.recv_frame(conn, 4096))
+      assert reply["ok"] is False and "challenge" in reply["error"]
+      assert conn.recv(1) == b""                       # and the listener hung up
+    finally:
+      conn.close()
+    assert b.refused == 1
+    why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon(SHORT))
+    assert why == "no stream from group a within the timeout"
+
+
+def test_a_hello_that_never_comes_does_not_hold_the_listener():
+  with _links_of("a", "b") as (a, b):
+    host, port = b.address.rsplit(":", 1)
+    mute = socket.create_connection((host, int(port)))    # connects, says nothing
+    try:
+      a.send("b", b.address, _head(0), [np.full(4, 6, np.uint8)], _soon())
+      into = np.empty(4, np.uint8)
+      assert b.recv("a", _expect(), 0, into, _soon()) is None
+      assert (into == 6).all()
+    finally:
+      mute.close()
+
+
+def _wait_for(cond, secs: float = LONG) -> None:
+  end = time.monotonic() + secs
+  while not cond():
+    if time.monotonic() > end:
+      pytest.fail(f"condition not met within {secs}s")
+    time.sleep(0.01)
