@@ -68,8 +68,8 @@ class BufferPool:
     self._bufs: list[np.ndarray] = []
 
   def get(self, n: int, dtype: np.dtype) -> np.ndarray:
-    for i, b in enumerate(self._bufs):
-      # Only the pool's list and this loop's variable refer to an unused buffer.
+    for b in self._bufs:   # (not enumerate: its reused result tuple holds a reference too)
+      # Only the pool's list, this loop's variable and getrefcount's argument refer to an unused buffer.
       if b.size == n and b.dtype == dtype and sys.getrefcount(b) <= 3:
         return b
     buf = np.empty(n, dtype)

@@ -106,12 +106,20 @@ def test_pieces_that_span_leaves_give_the_same_bits_and_leave_the_input_alone(mo
 def test_a_pooled_buffer_is_reused_only_once_nothing_refers_to_it():
   pool = _allreduce.BufferPool(keep=4)
   a = pool.get(1000, np.dtype(np.float32))
+  first = a.ctypes.data
   view = a[10:20]
   b = pool.get(1000, np.dtype(np.float32))
-  assert b is not a                                # a view of it is alive
-  del view, a
+  assert b.ctypes.data != first                    # a view of it is alive
+  del a
+  assert pool.get(1000, np.dtype(np.float32)).ctypes.data not in (first, b.ctypes.data)
+  del view
   c = pool.get(1000, np.dtype(np.float32))
-  assert c is not b and c.size == 1000             # the first buffer, free again
+  assert c.ctypes.data == first and c is not b     # the first buffer, free again
+  second = b.ctypes.data
+  del b, c
+  assert pool.get(1000, np.dtype(np.float32)).ctypes.data == first   # (the oldest free one)
+  assert pool.get(1000, np.dtype(np.float32)).ctypes.data in (first, second)
+  c = pool.get(1000, np.dtype(np.float32))
   results = _allreduce.unflatten(c, [np.zeros(1000, np.float32)])
   with pytest.raises(ValueError, match="read-only"):
     results[0][0] = 1.0

@@ -59,6 +59,8 @@ class _Out:
       default_factory=queue.SimpleQueue)
   broken: str | None = None
   thread: threading.Thread | None = None
+  pending: int = 0                         # pieces queued and not yet written (or skipped)
+  idle: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
 
 class Links:
@@ -181,7 +183,24 @@ class Links:
     if out.sock is None:
       return
     head = _wire.pack(dict(header, n=sum(s.nbytes for s in segments)))
+    with out.idle:
+      out.pending += 1
     out.queue.put((head, segments))
+
+  def settle(self, group: str, deadline: float) -> None:
+    """Returns once no queued piece for ``group`` is still being read from its
+    segments: written by ``deadline``, or the stream is closed then (the
+    neighbour's attempt fails). After a failed attempt the caller may reuse
+    its input at once."""
+    out = self._outgoing.get(group)
+    if out is None:
+      return
+    with out.idle:
+      out.idle.wait_for(lambda: out.pending == 0, max(0.0, deadline - time.monotonic()))
+      settled = out.pending == 0
+    if not settled:
+      del self._outgoing[group]
+      self._retire(out)
 
   def _open(self, group: str, address: str, deadline: float) -> _Out:
     secs = max(1e-3, min(deadline - time.monotonic(), _HANDSHAKE_SECS))
@@ -211,16 +230,19 @@ class Links:
 
   def _write(self, group: str, out: _Out) -> None:
     while (item := out.queue.get()) is not None:
-      if out.broken:
-        continue                                 # drain: the neighbour times out
-      head, segments = item
-      try:
-        _bulk.send_frame(out.sock, head)
-        for s in segments:
-          out.sock.sendall(memoryview(s.reshape(-1).view(np.uint8)))
-      except OSError as e:
-        out.broken = f"{type(e).__name__}: {e}"
-        logger.warning("group %s: the ring stream to group %s broke: %s", self.group_id, group, e)
+      if not out.broken:                         # (else drained: the neighbour times out)
+        head, segments = item
+        try:
+          _bulk.send_frame(out.sock, head)
+          for s in segments:
+            out.sock.sendall(memoryview(s.reshape(-1).view(np.uint8)))
+        except OSError as e:
+          out.broken = f"{type(e).__name__}: {e}"
+          logger.warning("group %s: the ring stream to group %s broke: %s", self.group_id, group, e)
+      item = head = segments = None              # (holds no buffer while it waits)
+      with out.idle:
+        out.pending -= 1
+        out.idle.notify_all()
 
   def _retire(self, out: _Out, linger_secs: float = 0.0) -> None:
     """Lets ``out``'s thread send what is queued for up to ``linger_secs``, then closes it."""

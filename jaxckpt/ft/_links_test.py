@@ -225,3 +225,21 @@ def _wait_for(cond, secs: float = LONG) -> None:
     if time.monotonic() > end:
       pytest.fail(f"condition not met within {secs}s")
     time.sleep(0.01)
+
+
+def test_settle_returns_once_nothing_queued_is_read_any_more():
+  data = np.ones(16 << 20, np.uint8)
+  with _links_of("b") as (b,):
+    with _links_of("a") as (a,):
+      a.send("b", b.address, _head(0), [data], _soon())
+      a.settle("b", _soon(SHORT))     # b reads nothing: the 16 MiB cannot all be written
+      data[:] = 2                     # the caller reuses its input
+      into = np.zeros_like(data)
+      why = b.recv("a", _expect(), 0, into, _soon())
+      assert why is not None and why.startswith("the stream from group a broke")
+      assert not (into == 2).any()    # not one byte written after settle
+      a.send("b", b.address, _head(1), [data[:8]], _soon())   # a new stream for the next piece
+      assert b.recv("a", _expect(), 1, into[:8], _soon()) is None and (into[:8] == 2).all()
+      a.send("b", b.address, _head(2), [data[:8]], _soon())
+      a.settle("b", _soon())          # written: the stream stays
+      assert b.recv("a", _expect(), 2, into[:8], _soon()) is None

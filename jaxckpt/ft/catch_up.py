@@ -101,7 +101,8 @@ def rebuild_state(template: Any, leaves: HostLeaves) -> Any:
 
 
 def rebuild_leaf(like: Any, host: np.ndarray) -> Any:
-  """``host`` placed like ``like`` (a jax.Array or ShapeDtypeStruct keeps its sharding)."""
+  """``host`` placed like ``like`` (a jax.Array or ShapeDtypeStruct keeps its
+  sharding; a numpy leaf comes back as ``host`` itself when that is read-only)."""
   if isinstance(like, (jax.Array, jax.ShapeDtypeStruct)) and getattr(like, "sharding", None):
     if tuple(host.shape) != tuple(like.shape) or host.dtype != like.dtype:
       raise errors.InvalidArgumentError(f"cannot place a {host.dtype}{list(host.shape)} value on a leaf of "
@@ -109,7 +110,9 @@ def rebuild_leaf(like: Any, host: np.ndarray) -> Any:
     return _assemble.make_array(tuple(like.shape), like.dtype, like.sharding,
                                 lambda box: np.array(host[relative_slices(box, _full(host))]))
   if isinstance(like, np.ndarray):
-    return np.array(host)
+    # Read-only as it is (the ring entry peers catch up from): a view keeps its
+    # buffer out of the all-reduce's pool for as long as the caller holds it.
+    return host if not host.flags.writeable else np.array(host)
   return type(like)(host.item()) if np.ndim(host) == 0 else np.array(host)
 
 

@@ -223,7 +223,8 @@ class ReplicaGroup:
     """The mean of ``grads`` over this step's contributors, on the input leaves' shardings.
 
     If the step cannot commit (no quorum, behind, leader lost), returns ``grads``
-    unchanged and :meth:`should_commit` is False.
+    unchanged and :meth:`should_commit` is False. Numpy leaves come back
+    read-only: they are the step's ring entry, which peers catch up from.
     """
     if self._current is None:
       self.start_step()
@@ -352,6 +353,9 @@ class ReplicaGroup:
 
     result = _allreduce.ring_mean(host, rank, size, send, recv, self._buffers)
     if result is None:
+      # The first hop goes out of the caller's own arrays: none may still be
+      # read once allreduce returns them (on success the ring itself proves it).
+      self._links.settle(right.group_id, deadline)
       return None
     return result, ids, chain_digest(self.digest, result)
 
