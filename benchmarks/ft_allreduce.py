@@ -137,7 +137,7 @@ def _ft_member(address: str, secret: str, gid: str, nbytes: int, steps: int, out
       if ft.should_commit():
         times.append(time.perf_counter() - t0)
         sent.append(ft.bytes_sent - before)
-  out.put((gid, times, sent))
+  out.put((gid, times, sent, ft.counters.failed_attempts))
 
 
 def _raw_member(rank: int, size: int, ports: list[int], nbytes: int, steps: int,
@@ -202,14 +202,15 @@ def ring(size: int, nbytes: int, steps: int) -> dict[str, Any]:
   barrier = ctx.Barrier(size)
   raw = run_all(_raw_member, [(r, size, ports, nbytes, steps, barrier, out) for r in range(size)])
   warm = WARM_STEPS
-  ft_med = statistics.median(t for _, ts, _ in ft for t in ts[warm:])
+  ft_med = statistics.median(t for _, ts, *_ in ft for t in ts[warm:])
   raw_med = statistics.median(t for _, ts in raw for t in ts[warm:])
-  sent = statistics.median(b for _, _, bs in ft for b in bs)
+  sent = statistics.median(b for _, _, bs, _ in ft for b in bs)
   ideal = 2 * (size - 1) / size * nbytes
   return {"groups": size, "grad_bytes": nbytes, "ft_ring_median_s": ft_med,
           "raw_socket_ring_median_s": raw_med, "ft_over_raw": ft_med / raw_med,
           "bytes_sent_per_member": sent, "ideal_bytes_2(G-1)/G": ideal,
-          "sent_over_ideal": sent / ideal, "committed_steps": min(len(ts) for _, ts, _ in ft)}
+          "sent_over_ideal": sent / ideal, "committed_steps": min(len(ts) for _, ts, *_ in ft),
+          "failed_attempts": {gid: n for gid, *_, n in sorted(ft) if n}}   # (their reasons: stderr)
 
 
 WARM_STEPS = 8
