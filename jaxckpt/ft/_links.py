@@ -143,7 +143,10 @@ class Links:
         while True:
           inc.read(None, deadline)               # the rest of an earlier piece
           head = inc.header(deadline)
-          n = inc.owed = int(head["n"])
+          n = int(head["n"])
+          if n < 0:
+            raise ValueError(f"a piece header claims {n} bytes")
+          inc.owed = n
           if (head["q"], head["step"]) != (expect["q"], expect["step"]):
             continue                             # a piece of an abandoned attempt
           if head["digest"] != expect["digest"]:

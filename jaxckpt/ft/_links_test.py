@@ -145,6 +145,17 @@ def test_a_neighbour_dying_mid_piece_fails_the_attempt_and_its_next_stream_is_he
       conn.close()
 
 
+def test_a_header_claiming_negative_bytes_breaks_the_stream_not_the_reader():
+  with _links_of("b") as (b,):
+    conn = _raw_stream(b.address, "a")
+    try:
+      _bulk.send_frame(conn, _wire.pack(dict(_head(0, q="q0"), n=-5)))
+      why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon())
+      assert why == "the stream from group a broke: ValueError: a piece header claims -5 bytes"
+    finally:
+      conn.close()
+
+
 def test_a_restarted_neighbour_takes_over_from_its_old_stream():
   with _links_of("b") as (b,):
     with _links_of("a") as (old,):
