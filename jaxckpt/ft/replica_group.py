@@ -113,7 +113,8 @@ class ReplicaGroup:
   Args:
     lighthouse: ``HOST:PORT`` of the lighthouse.
     group_id: unique name of this group (orders the reduction and the leader).
-    timeout: the longest any single wait of a step may take.
+    timeout: the longest any single wait of a step may take (the wait for a
+      quorum: twice this, as the others may first wait out a failed attempt).
     options: see :class:`ReplicaGroupOptions`.
     snapshot_source: what this group serves to recovering peers as snapshots.
     injector: a ``jaxckpt.testing.fault_injection.EventInjector``.
@@ -149,7 +150,7 @@ class ReplicaGroup:
     self._no_quorum_since: float | None = None
     self._layout: tuple[list[Any], Any] | None = None
     self._comm = _group_comm.GroupComm()
-    self._ctx = zmq.Context(io_threads=2) if self._comm.is_talker else None
+    self._ctx = zmq.Context() if self._comm.is_talker else None
     if self._ctx is not None:
       self._server = _peer.PeerServer(
           self._ctx, self.options.host, CatchUpServer(self.ring, self.digests, lambda: self.snapshot_source),
