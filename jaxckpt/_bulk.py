@@ -44,6 +44,35 @@ _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
 
 
+class Listener:
+  """A TCP port on ``host`` (ephemeral; see ``address``) whose connections are
+  each handed to ``handle`` on a thread of their own, until :meth:`close`."""
+
+  def __init__(self, host: str, handle: Callable[[socket.socket], None], *, name: str) -> None:
+    self._handle, self._name = handle, name
+    self._sock = socket.create_server((host, 0), backlog=64)
+    self.address = f"{host}:{self._sock.getsockname()[1]}"
+    self._closed = False
+    self._thread = threading.Thread(target=self._accept, name=name, daemon=True)
+    self._thread.start()
+
+  def _accept(self) -> None:
+    while not self._closed:
+      try:
+        conn, _ = self._sock.accept()
+      except OSError:
+        return                                   # closed
+      conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      threading.Thread(target=self._handle, args=(conn,), name=f"{self._name}-conn",
+                       daemon=True).start()
+
+  def close(self) -> None:
+    self._closed = True
+    shutdown(self._sock)                         # wakes accept()
+    self._sock.close()
+    self._thread.join(timeout=5)
+
+
 class Server:
   """Serves bulk requests on ``host`` (an ephemeral port; see ``address``).
 
@@ -58,20 +87,8 @@ class Server:
                *, name: str, timeout_secs: float = 60.0) -> None:
     self._secret, self._provide, self._name = secret, provide, name
     self._timeout = timeout_secs
-    self._listener = socket.create_server((host, 0), backlog=64)
-    self.address = f"{host}:{self._listener.getsockname()[1]}"
-    self._closed = False
-    self._thread = threading.Thread(target=self._accept, name=f"{name}-bulk", daemon=True)
-    self._thread.start()
-
-  def _accept(self) -> None:
-    while not self._closed:
-      try:
-        conn, _ = self._listener.accept()
-      except OSError:
-        return                                   # closed
-      threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-bulk-conn",
-                       daemon=True).start()
+    self._listener = Listener(host, self._serve, name=f"{name}-bulk")
+    self.address = self._listener.address
 
   def _serve(self, conn: socket.socket) -> None:
     with conn, contextlib.ExitStack() as stack:
@@ -102,13 +119,7 @@ class Server:
         logger.warning("%s: a bulk reader went away mid-transfer: %s", self._name, e)
 
   def close(self) -> None:
-    self._closed = True
-    try:
-      self._listener.shutdown(socket.SHUT_RDWR)    # wakes accept()
-    except OSError:
-      pass
     self._listener.close()
-    self._thread.join(timeout=5)
 
 
 def fetch(address: str, secret: bytes, header: dict[str, Any],

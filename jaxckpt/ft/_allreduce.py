@@ -170,8 +170,7 @@ def _ring(src: _Source, flat: np.ndarray, rank: int, size: int, send: Send, recv
   came back around, so after the right neighbour had the bytes; a forwarded
   chunk is never written again."""
   chunks = bounds(src.size, size)
-  step = max(1, PIECE_BYTES // src.dtype.itemsize)
-  scratch = np.empty(min(step, max(hi - lo for lo, hi in chunks)), src.dtype)
+  scratch = np.empty(max(b - a for c in chunks for a, b in _pieces(*c, src.dtype.itemsize)), src.dtype)
 
   def send_chunk(hop: int, c: int, from_input: bool) -> None:
     for i, (a, b) in enumerate(_pieces(*chunks[c], src.dtype.itemsize)):

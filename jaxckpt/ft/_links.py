@@ -30,6 +30,7 @@ binding, on device buffers) would replace this module and nothing above it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -69,29 +70,17 @@ class Links:
 
   def __init__(self, host: str, secret: bytes, *, group_id: str, timeout_secs: float) -> None:
     self._secret, self.group_id, self._timeout = secret, group_id, timeout_secs
-    self._listener = socket.create_server((host, 0), backlog=64)
-    self.address = f"{host}:{self._listener.getsockname()[1]}"
     self._cond = threading.Condition()
     self._incoming: dict[str, _In] = {}
     self._outgoing: dict[str, _Out] = {}
     self._closed = False
     self.refused = 0                 # streams whose hello did not verify
-    self._thread = threading.Thread(target=self._accept, name=f"ring-{self.address}", daemon=True)
-    self._thread.start()
+    self._listener = _bulk.Listener(host, self._greet, name=f"ring-{group_id}")
+    self.address = self._listener.address
 
   # ---- the receiving side ---------------------------------------------------------------------------
 
-  def _accept(self) -> None:
-    while not self._closed:
-      try:
-        conn, _ = self._listener.accept()
-      except OSError:
-        return                                   # closed
-      threading.Thread(target=self._greet, args=(conn,), name=f"ring-{self.address}-hello",
-                       daemon=True).start()
-
   def _greet(self, conn: socket.socket) -> None:
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.settimeout(min(self._timeout, _HANDSHAKE_SECS))
     challenge = os.urandom(_CHALLENGE_BYTES)
     try:
@@ -174,21 +163,22 @@ class Links:
   # ---- the sending side -----------------------------------------------------------------------------
 
   def send(self, group: str, address: str, header: dict[str, Any],
-           segments: Sequence[np.ndarray], deadline: float) -> None:
+           segments: Sequence[np.ndarray], deadline: float) -> str | None:
     """Queues a piece (``header`` and the bytes of ``segments``, which stay
-    untouched until sent) for ``group`` at ``address``. A stream that cannot be
-    opened or broke loses the piece (logged); the neighbour times out."""
+    untouched until sent) for ``group`` at ``address``; why not, if no stream
+    to it could be opened (the piece is lost: the attempt cannot complete)."""
     out = self._outgoing.get(group)
     if out is None or out.address != address or out.broken:
       if out is not None:
         self._retire(out)
       out = self._outgoing[group] = self._open(group, address, deadline)
     if out.sock is None:
-      return
+      return out.broken
     head = _wire.pack(dict(header, n=sum(s.nbytes for s in segments)))
     with out.idle:
       out.pending += 1
     out.queue.put((head, segments))
+    return None
 
   def settle(self, group: str, deadline: float) -> None:
     """Returns once no queued piece for ``group`` is still being read from its
@@ -208,8 +198,9 @@ class Links:
   def _open(self, group: str, address: str, deadline: float) -> _Out:
     secs = max(1e-3, min(deadline - time.monotonic(), _HANDSHAKE_SECS))
     try:
-      conn = _bulk.connect(address, secs, f"group {group}")
-      try:
+      with contextlib.ExitStack() as unless_open:
+        conn = _bulk.connect(address, secs, f"group {group}")
+        unless_open.callback(conn.close)
         conn.settimeout(secs)
         challenge = _recv_bytes(conn, _CHALLENGE_BYTES)
         _bulk.send_frames(conn, _wire.seal(self._secret, {
@@ -218,13 +209,11 @@ class Links:
         if not reply.get("ok"):
           raise errors.PermissionDeniedError(f"group {group} refused the ring stream: {reply.get('error')}")
         conn.settimeout(self._timeout)           # a stuck neighbour fails the sending thread
-      except BaseException:
-        conn.close()
-        raise
+        unless_open.pop_all()
     except (OSError, errors.JaxckptError, ValueError) as e:
-      logger.warning("group %s could not open a ring stream to group %s at %s: %s",
-                     self.group_id, group, address, e)
-      return _Out(address=address, sock=None, broken=str(e))
+      why = f"could not open a ring stream to group {group} at {address}: {e}"
+      logger.warning("group %s %s", self.group_id, why)
+      return _Out(address=address, sock=None, broken=why)
     out = _Out(address=address, sock=conn)
     out.thread = threading.Thread(target=self._write, args=(group, out),
                                   name=f"ring-{self.group_id}-to-{group}", daemon=True)
@@ -271,9 +260,7 @@ class Links:
       self._cond.notify_all()
     for inc in incoming:
       inc.conn.close()
-    _bulk.shutdown(self._listener)
     self._listener.close()
-    self._thread.join(timeout=5)
 
 
 def _recv_bytes(conn: socket.socket, n: int) -> bytes:

@@ -66,7 +66,7 @@ def test_a_piece_of_several_segments_arrives_bit_exact_and_the_segments_stay_unt
               np.array([np.nan, -0.0, np.inf], np.float32)]
   before = [s.copy() for s in segments]
   with _links_of("a", "b") as (a, b):
-    a.send("b", b.address, _head(3), [np.ascontiguousarray(s) for s in segments], _soon())
+    assert a.send("b", b.address, _head(3), [np.ascontiguousarray(s) for s in segments], _soon()) is None
     a.send("b", b.address, _head(4), [segments[0][:10]], _soon())
     into = np.empty(sum(s.size for s in segments), np.float32)
     assert b.recv("a", _expect(), 3, into, _soon()) is None
@@ -186,7 +186,9 @@ def test_close_sends_what_is_queued_before_it_returns():
 
 def test_a_stream_from_outside_the_job_is_refused_and_counted():
   with _links_of("b") as (b,), _links_of("a", secret=b"a-guess") as (liar,):
-    liar.send("b", b.address, _head(0), [np.ones(4, np.uint8)], _soon())
+    lost = liar.send("b", b.address, _head(0), [np.ones(4, np.uint8)], _soon())
+    assert lost.startswith(f"could not open a ring stream to group b at {b.address}: group b refused "
+                           "the ring stream:") and "wrong mac" in lost
     why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon(SHORT))
     assert why == "no stream from group a within the timeout"
     _wait_for(lambda: b.refused == 1)

@@ -337,14 +337,24 @@ class ReplicaGroup:
     deadline = time.monotonic() + self.timeout.total_seconds()
     expect = {"q": quorum.quorum_id, "step": self.step, "digest": self.digest}
 
+    lost: list[str] = []                         # why a piece for the right neighbour was lost
+
     def send(tag: int, segments: list[np.ndarray]) -> None:
-      if not self._dropping():
-        self._links.send(right.group_id, right.ring_address, dict(expect, tag=tag), segments, deadline)
-        self.bytes_sent += sum(s.nbytes for s in segments)
+      if not self._dropping() and not lost:
+        why = self._links.send(right.group_id, right.ring_address, dict(expect, tag=tag), segments,
+                               deadline)
+        if why is None:
+          self.bytes_sent += sum(s.nbytes for s in segments)
+        else:
+          lost.append(why)
 
     def recv(tag: int, into: np.ndarray) -> bool:
       if self._dropping():                       # cut off: hears nothing until the timeout
         time.sleep(max(0.0, deadline - time.monotonic()))
+        return False
+      if lost:                                   # the sum cannot complete without this group's piece
+        logger.warning("group %s: step %d's piece for %s was lost (%s); not committing", self.group_id,
+                       self.step, right.group_id, lost[0], extra=self._extra())
         return False
       why = self._links.recv(left.group_id, expect, tag, into, deadline)
       if why is not None:
