@@ -1,4 +1,5 @@
-"""The library imports only its runtime dependencies: test and example packages live in extras."""
+"""Dependencies: flax and optax are core (the examples need them) but the library never imports them;
+test-only packages live in extras."""
 
 import pathlib
 import subprocess
@@ -22,13 +23,19 @@ def _library_modules() -> list[str]:
   return mods
 
 
-def test_extras_hold_flax_optax_reedsolo():
+def test_flax_and_optax_are_core_and_test_packages_are_extras():
+  """The README's first command (`pip install -e .` then the Flax example) needs flax and optax;
+  the test-only packages stay in extras."""
   project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
   runtime = " ".join(project["dependencies"])
-  for pkg in ("flax", "optax", "reedsolo"):
+  for pkg in ("flax", "optax"):
+    assert pkg in runtime, pkg
+  for pkg in ("reedsolo", "equinox", "pytest"):
     assert pkg not in runtime, pkg
-  assert any(d.startswith("flax") for d in project["optional-dependencies"]["examples"])
-  assert any(d.startswith("reedsolo") for d in project["optional-dependencies"]["test"])
+  extras = project["optional-dependencies"]
+  assert any(d.startswith("reedsolo") for d in extras["test"])
+  assert any(d.startswith("equinox") for d in extras["equinox"])
+  assert any(d.startswith("equinox") for d in extras["test"])
 
 
 def test_library_does_not_import_extras_at_run_time():
