@@ -1,9 +1,14 @@
 """Pytree <-> leaves: paths, kinds, and matching a restore target to a snapshot.
 
 A state is any pytree that JAX can flatten (dict, list, tuple, namedtuple,
-dataclass pytrees, ``nnx.State``, optax states; ``None`` is an empty subtree).
-Its leaves are ``jax.Array`` (typed PRNG keys included), numpy arrays and
-scalars, and Python ``bool``/``int``/``float``/``complex``/``str``/``bytes``.
+dataclass pytrees, ``nnx.State``, ``eqx.Module``, optax states; ``None`` is an
+empty subtree). Its leaves are ``jax.Array`` (typed PRNG keys included), numpy
+arrays and scalars, and Python ``bool``/``int``/``float``/``complex``/``str``/``bytes``.
+
+A callable held as an attribute of a pytree object (an ``eqx.Module``'s
+``activation``, an ``eqx.nn.Lambda``'s function) is part of the object's
+definition, as a static field is: it is not saved, and a restore takes it from
+the target. A callable anywhere else (a dict entry, a list item) is refused.
 """
 
 from __future__ import annotations
@@ -58,7 +63,10 @@ def flatten(state: PyTree) -> tuple[list[Leaf], Any]:
       _PATHS.pop(next(iter(_PATHS)))
     paths = _PATHS[treedef] = [jax.tree_util.keystr(p) for p, _ in
                                jax.tree_util.tree_flatten_with_path(state)[0]]
-  return [_classify(p, x) for p, x in zip(paths, leaves)], treedef
+  out = [_classify(p, x) for p, x in zip(paths, leaves)]
+  if None in out:              # static callables (rare): not saved
+    out = [leaf for leaf in out if leaf is not None]
+  return out, treedef
 
 
 _PATHS: dict[Any, list[str]] = {}
@@ -68,7 +76,8 @@ except ImportError:  # pragma: no cover  (a jax without it: every leaf is classi
   _ARRAY_IMPL = None
 
 
-def _classify(path: str, x: Any) -> Leaf:
+def _classify(path: str, x: Any) -> Leaf | None:
+  """``x`` as a Leaf, or None for a static callable (see the module docstring)."""
   if type(x) is _ARRAY_IMPL and isinstance(x.dtype, np.dtype):   # the common case, first
     return Leaf(path, "jax", x)
   if isinstance(x, jax.Array):
@@ -81,11 +90,45 @@ def _classify(path: str, x: Any) -> Leaf:
     return Leaf(path, "numpy", np.asarray(x))
   if isinstance(x, _SCALAR_TYPES):
     return Leaf(path, "scalar", x)
+  if callable(x) and _ATTRIBUTE.search(path):
+    return None
   raise errors.UnsupportedLeafError(
       f"leaf {path} has type {type(x).__module__}.{type(x).__qualname__}, which "
       "jaxckpt cannot snapshot; leaves must be jax.Array, numpy arrays, or "
-      "bool/int/float/complex/str/bytes. Convert it, or register its class as "
-      "a pytree node (jax.tree_util.register_dataclass) so its fields are leaves")
+      "bool/int/float/complex/str/bytes (a callable only as an attribute of a pytree "
+      "object, e.g. an eqx.Module field, which a restore takes from its target). "
+      "Convert it, or register its class as a pytree node "
+      "(jax.tree_util.register_dataclass) so its fields are leaves")
+
+
+_ATTRIBUTE = re.compile(r"\.[A-Za-z_]\w*$")     # a keystr path whose last key is an attribute
+
+
+class _Static:
+  """A target's static callable, kept in the treedef (no children) and given back by unflatten."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, value: Any) -> None:
+    self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: value)
+
+
+def _is_static(key_path: tuple[Any, ...], x: Any) -> bool:
+  return (callable(x) and bool(key_path)
+          and isinstance(key_path[-1], jax.tree_util.GetAttrKey))
+
+
+def _flatten_target(target: PyTree) -> tuple[list[tuple[Any, Any]], Any]:
+  """The target's leaves with their key paths, static callables moved into the treedef
+  (so unflattening puts the target's own callables back)."""
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+  if not any(_is_static(p, x) for p, x in with_paths):
+    return with_paths, treedef
+  marked = treedef.unflatten([_Static(x) if _is_static(p, x) else x for p, x in with_paths])
+  return jax.tree_util.tree_flatten_with_path(marked)
 
 
 @functools.lru_cache(maxsize=256)
@@ -166,7 +209,7 @@ def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int, *,
   mismatching path is named. With ``partial`` the target may hold any subset
   of the saved leaves (each one it holds must have been saved).
   """
-  with_paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+  with_paths, treedef = _flatten_target(target)
   paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
   saved_paths = [leaf.path for leaf in saved]
   if partial:
@@ -251,17 +294,21 @@ def _mismatch(path: str, step: int, got: str, want: str) -> errors.StructureMism
       "the target (or restore with target=None to get what was saved)")
 
 
-_KEY = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|-?\d+)\]|\.([A-Za-z_]\w*)""")
+_KEY = re.compile(r"""\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|-?\d+)\]|\.([A-Za-z_]\w*)"""
+                  r"|\[<flat index (\d+)>\]")   # the last: jax's FlattenedIndexKey (eqx.nn.State)
 
 
 def path_keys(path: str) -> list[str | int]:
-  """The keys of a ``keystr`` path: ``"['a'][0].b"`` -> ``['a', 0, 'b']``."""
+  """The keys of a ``keystr`` path: ``"['a'][0].b"`` -> ``['a', 0, 'b']``.
+
+  A flattened index (``[<flat index 0>]``, from a ``FlattenedIndexKey``) is an int.
+  """
   keys, pos = [], 0
   for m in _KEY.finditer(path):
     if m.start() != pos:
       break
-    text = m.group(1)
-    keys.append(m.group(2) if text is None else
+    text, attr, flat = m.groups()
+    keys.append(attr if attr is not None else int(flat) if flat is not None else
                 int(text) if text[0] not in "'\"" else ast.literal_eval(text))
     pos = m.end()
   if pos != len(path) or not keys:
