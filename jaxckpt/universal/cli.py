@@ -10,6 +10,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import shlex
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -17,6 +19,7 @@ import tqdm
 
 from jaxckpt import errors
 from jaxckpt.universal import _commit
+from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _read
 
 _INSPECT_HELP = """Show a committed step of a universal-format checkpoint directory: the tree
@@ -78,18 +81,67 @@ def _tree_lines(reader: _read.StepReader) -> list[str]:
   return lines
 
 
-def _not_a_checkpoint_directory(directory: str) -> str | None:
-  """Why a local ``directory`` cannot hold a checkpoint (it is a file), or None."""
+def _not_a_checkpoint_directory(directory: str, step: int | None = None,
+                                verb: str = "inspect") -> str | None:
+  """Why a local ``directory`` holds no jaxckpt checkpoint (it is a file, it does not exist, it
+  is an orbax checkpoint), or None (then opening it says what is wrong, if anything)."""
   local = directory.removeprefix("file://").rstrip("/")
-  if "://" not in local and local and os.path.isfile(local):
+  if "://" in local or not local:
+    return None                    # an object store: opening it tells
+  if os.path.isfile(local):
     return (f"{directory!r} is a file, not a checkpoint directory; pass the directory the "
             f"manager or `jaxckpt convert` wrote (it holds commits/ and steps/)")
+  if not os.path.exists(local):
+    return f"{directory!r} does not exist; pass the directory the manager or `jaxckpt convert` wrote"
+  if not os.path.isdir(os.path.join(local, lay.COMMITS_PREFIX)):
+    return _orbax_hint(directory, local, step, verb)
   return None
+
+
+def _orbax_hint(directory: str, local: str, step: int | None, verb: str) -> str | None:
+  """If ``local`` is an orbax checkpoint: says so, with the ``jaxckpt import-orbax`` command."""
+  def has(*parts: str) -> bool:
+    return os.path.exists(os.path.join(local, *parts))
+  extra = []
+  if has("_METADATA"):                                     # one StandardCheckpointer save
+    what, src = "an orbax checkpoint (one saved item)", local
+  elif (steps := _orbax_steps(local)):                     # a CheckpointManager directory
+    what, src = f"an orbax CheckpointManager directory (steps {sorted(steps)})", local
+    extra = [] if step is None else ["--step", str(step)]
+    items = _orbax_items(os.path.join(local, steps[max(steps)]))
+    if len(items) > 1:
+      extra += ["--item", items[0]]
+      what += f" with items {items}"
+  elif has("_CHECKPOINT_METADATA") and (n := re.search(r"(\d+)$", os.path.basename(local))):
+    what, src = "one step of an orbax CheckpointManager directory", os.path.dirname(local)
+    extra = ["--step", str(int(n.group(1)))]
+  else:
+    return None
+  dst = src + "-jaxckpt"
+  command = shlex.join(["jaxckpt", "import-orbax", src, dst, *extra])
+  return (f"{directory!r} is {what}, not a jaxckpt checkpoint; import it into the universal "
+          f"format first: {command}  (then: jaxckpt {verb} {shlex.quote(dst)})")
+
+
+def _orbax_steps(local: str) -> dict[int, str]:
+  """Orbax's finalized step directories (``<step>`` or ``<prefix>_<step>``) by step."""
+  steps = {}
+  for name in os.listdir(local):
+    m = re.fullmatch(r"(?:.*_)?(\d+)", name)
+    if m and os.path.exists(os.path.join(local, name, "_CHECKPOINT_METADATA")):
+      steps[int(m.group(1))] = name
+  return steps
+
+
+def _orbax_items(step_dir: str) -> list[str]:
+  """The items of one orbax step that ``import-orbax`` reads (those with array metadata)."""
+  return sorted(n for n in os.listdir(step_dir)
+                if os.path.exists(os.path.join(step_dir, n, "_METADATA")))
 
 
 def inspect_command(args: argparse.Namespace) -> int:
   """Prints the tree of one step; returns the exit code."""
-  if (why := _not_a_checkpoint_directory(args.directory)):
+  if (why := _not_a_checkpoint_directory(args.directory, args.step)):
     print(f"jaxckpt inspect: {why}", file=sys.stderr)
     return 2
   try:
@@ -114,7 +166,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 def verify_command(args: argparse.Namespace) -> int:
   """Checks every chunk of one step (or all); returns the exit code."""
-  if (why := _not_a_checkpoint_directory(args.directory)):
+  if (why := _not_a_checkpoint_directory(args.directory, args.step, "verify")):
     print(f"jaxckpt verify: {why}", file=sys.stderr)
     return 2
   try:

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 
@@ -124,3 +125,59 @@ def test_file_instead_of_directory_is_a_clear_error(tmp_path, verb, form):
   assert out.returncode == 2
   assert "Traceback" not in out.stderr
   assert f"jaxckpt {verb}: {given!r} is a file, not a checkpoint directory" in out.stderr
+
+
+def _jaxckpt(*argv):
+  return subprocess.run([sys.executable, "-m", "jaxckpt", *argv], capture_output=True, text=True,
+                        timeout=300)
+
+
+@pytest.mark.parametrize("verb", ["inspect", "verify"])
+def test_a_missing_path_is_named_as_missing(tmp_path, verb):
+  for given in (str(tmp_path / "nope"), f"file://{tmp_path}/nope/"):
+    out = _jaxckpt(verb, given)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"jaxckpt {verb}: {given!r} does not exist;")
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def _orbax_saves(root):
+  """A CheckpointManager directory (steps 1 and 2, items state and meta) and a bare save."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  tree = {"w": W, "b": np.ones(5, np.int32)}
+  with ocp.CheckpointManager(str(root / "mgr"), item_names=("state", "meta")) as mgr:
+    for step in (1, 2):
+      mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                             meta=ocp.args.JsonSave({"step": step})))
+    mgr.wait_until_finished()
+  with ocp.StandardCheckpointer() as ck:
+    ck.save(str(root / "bare"), tree)
+  return tree
+
+
+@pytest.mark.parametrize("verb,which,args,kind", [
+    ("inspect", "mgr", [], "an orbax CheckpointManager directory (steps [1, 2])"),
+    ("verify", "mgr", ["--step", "1"], "an orbax CheckpointManager directory (steps [1, 2])"),
+    ("inspect", "bare", [], "an orbax checkpoint (one saved item)"),
+    ("verify", "mgr/1", [], "one step of an orbax CheckpointManager directory"),
+])
+def test_an_orbax_directory_gets_the_import_command_that_works(tmp_path, verb, which, args, kind):
+  """The printed command imports the step asked for (the latest, --step N, the step directory
+  given), and the printed follow-up then works on the result."""
+  tree = _orbax_saves(tmp_path)
+  out = _jaxckpt(verb, str(tmp_path / which), *args)
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  line, = out.stderr.strip().splitlines()
+  assert line.startswith(f"jaxckpt {verb}: {str(tmp_path / which)!r} is {kind}, not a jaxckpt")
+  command = line.split("format first: ", 1)[1].split("  (then: ")[0]
+  assert command.startswith("jaxckpt import-orbax ")
+  imported = _jaxckpt(*shlex.split(command)[1:], "--no-progress")      # the command, as printed
+  assert imported.returncode == 0, imported.stderr
+  then = line.split("(then: ", 1)[1].rstrip(")")
+  assert then.startswith(f"jaxckpt {verb} ")
+  again = _jaxckpt(*shlex.split(then)[1:], *(["--no-progress"] if verb == "verify" else []))
+  assert again.returncode == 0, again.stderr
+  want_step = 1 if "--step" in args or which == "mgr/1" else 0 if which == "bare" else 2
+  reader = u.open_step(shlex.split(command)[3])
+  assert reader.step == want_step
+  np.testing.assert_array_equal(reader.read("['w']"), tree["w"])
