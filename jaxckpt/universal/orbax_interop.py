@@ -22,6 +22,8 @@ whole tree in host memory while it saves.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import logging
 import os
 import re
@@ -96,7 +98,28 @@ class _Counted:
     return arr
 
 
-def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool
+def orbax_key_impls(item_dir: str) -> dict[str, str] | None:
+  """The PRNG implementation of every array orbax saved from a typed key, by orbax's param name.
+
+  Orbax (0.11 and later) records it per array in ``array_metadatas/process_N`` (JSON,
+  ``ext_metadata.random_key_impl``) and wraps those arrays as typed keys again when it restores;
+  this reads the same records. None when the save has no such records (an older orbax).
+  """
+  files = sorted(glob.glob(os.path.join(item_dir, "array_metadatas", "process_*")))
+  if not files:
+    return None
+  impls = {}
+  for f in files:
+    with open(f, encoding="utf-8") as fh:
+      for entry in json.load(fh).get("array_metadatas", []):
+        md = entry.get("array_metadata", {})
+        impl = (md.get("ext_metadata") or {}).get("random_key_impl")
+        if impl:
+          impls[md["param_name"]] = impl
+  return impls
+
+
+def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool, key_impl: str | None = None
                ) -> tuple[man.LeafInfo, ts.TensorStore | None]:
   dtype = np.dtype(md.dtype).name
   kind = "jax" if md.sharding is not None else "numpy"
@@ -113,8 +136,10 @@ def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool
   chunk = getattr(storage, "chunk_shape", None)
   chunk = tuple(chunk) if chunk and len(chunk) == len(md.shape) and min(chunk) > 0 else None
   view = _open_orbax_array(item_dir, md.name, use_zarr3)
+  if key_impl is not None:         # the key's data, as orbax stores a typed key
+    kind = "prng_key"
   return man.LeafInfo(path=path, kind=kind, shape=tuple(md.shape), dtype=dtype,
-                      chunk_shape=chunk, sharding=sharding), view
+                      chunk_shape=chunk, sharding=sharding, key_impl=key_impl), view
 
 
 def orbax_tree(item_dir: str) -> tuple[Any, bool]:
@@ -156,20 +181,49 @@ def nnx_path(orbax_path: str) -> str:
   return _NNX_INDEX.sub(r"[\1]", orbax_path)
 
 
-def _nnx_leaf(path: str, info: man.LeafInfo) -> man.LeafInfo:
-  """``info`` at its NNX path; an RNG stream's key (``...['key'].value``, the
-  two uint32 words of a threefry key, as orbax saves NNX's typed keys) becomes
-  a typed PRNG key again."""
-  new = nnx_path(path)
+def _nnx_leaf(path: str, new: str, info: man.LeafInfo, guess_keys: bool) -> man.LeafInfo:
+  """``info`` at its NNX path ``new``. With ``guess_keys`` (a save without orbax's key records),
+  an RNG stream's key (``...['key'].value``, the two uint32 words of a threefry key, as orbax
+  saves NNX's typed keys) becomes a typed PRNG key again."""
   kind, impl = info.kind, info.key_impl
-  if (new.endswith("['key'].value") and info.is_array and info.dtype == "uint32"
-      and info.shape[-1:] == (2,)):
+  if (guess_keys and kind != "prng_key" and new.endswith("['key'].value") and info.is_array
+      and info.dtype == "uint32" and info.shape[-1:] == (2,)):
     kind, impl = "prng_key", "threefry2x32"
   return dataclasses.replace(info, path=new, kind=kind, key_impl=impl)
 
 
-def _is_nnx(paths: list[str]) -> bool:
-  return bool(paths) and all(p.endswith(_NNX_VALUE) for p in paths)
+def nnx_paths(paths: list[str]) -> dict[str, str]:
+  """Each orbax leaf path at its NNX path (:func:`nnx_path`) where it lies in an NNX state, else
+  as it is.
+
+  An NNX state is a subtree whose every leaf ends in ``['value']`` below at least one
+  attribute, as orbax saves an ``nnx.State``: the whole tree, or a part of a dict that wraps
+  it, e.g. ``{"train": nnx.state(...), "data": {...}, "data_key": key}``.
+
+  >>> nnx_paths(["['train']['0']['w']['value']", "['data']['step']"])
+  {"['train']['0']['w']['value']": "['train'][0]['w'].value", "['data']['step']": "['data']['step']"}
+  """
+  keys = {p: path_keys(p) for p in paths}
+  out: dict[str, str] = {}
+
+  def walk(depth: int, group: list[str]) -> None:
+    if all(len(keys[p]) - depth >= 2 and keys[p][-1] == "value" for p in group):
+      for p in group:
+        prefix = "".join(f"[{k!r}]" for k in keys[p][:depth])
+        out[p] = prefix + nnx_path(p[len(prefix):]) if p.startswith(prefix) else p
+      return
+    children: dict[Any, list[str]] = {}
+    for p in group:
+      if len(keys[p]) > depth + 1:
+        children.setdefault(keys[p][depth], []).append(p)
+      else:
+        out[p] = p
+    for child in children.values():
+      walk(depth + 1, child)
+
+  if paths:
+    walk(0, paths)
+  return {p: out[p] for p in paths}
 
 
 def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
@@ -185,11 +239,14 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     item: the manager's item name (default: the only one, e.g. ``default``).
     dst_step: the step to write (default: the orbax step, 0 for a bare save).
     progress: anything with ``update(nbytes)`` (a tqdm bar).
-    layout: ``"nnx"`` writes the leaves at their Flax NNX paths (see
-      :func:`nnx_path`; RNG keys typed again), so the step restores straight
-      into ``nnx.state(nnx.eval_shape(...))``; ``"plain"`` keeps orbax's paths;
-      ``"auto"`` (default) picks ``"nnx"`` when every leaf path ends in
-      ``['value']``, as orbax saves an ``nnx.State``.
+    layout: ``"nnx"`` writes every leaf at its Flax NNX path (see
+      :func:`nnx_path`), so the step restores straight into
+      ``nnx.state(nnx.eval_shape(...))``; ``"plain"`` keeps orbax's paths;
+      ``"auto"`` (default) writes NNX paths for each NNX state in the tree
+      (see :func:`nnx_paths`: the whole tree, or e.g. the ``"train"`` entry
+      of ``{"train": nnx.State, "data": {...}}``) and orbax's paths elsewhere.
+      In every layout, arrays orbax saved from typed PRNG keys (it records
+      their implementation) are typed keys again.
 
   Returns:
     The universal step written. Leaf paths are the ``jax.tree_util.keystr``
@@ -202,16 +259,21 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
   orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
   item_dir, found = _item_dir(orbax_dir, step, item)
   tree, use_zarr3 = orbax_tree(item_dir)
+  key_impls = orbax_key_impls(item_dir)
   leaves, sources = {}, {}
   for key_path, md in jax.tree_util.tree_flatten_with_path(tree)[0]:
     path = jax.tree_util.keystr(key_path)
-    leaves[path], view = _leaf_from(path, md, item_dir, use_zarr3)
+    impl = (key_impls or {}).get(getattr(md, "name", None))
+    leaves[path], view = _leaf_from(path, md, item_dir, use_zarr3, impl)
     if view is not None:
       sources[path] = _Counted(view, progress)
-  if layout == "nnx" or (layout == "auto" and _is_nnx(list(leaves))):
-    log.info("%s: Flax NNX layout; writing NNX paths", item_dir)
-    leaves = {nnx_path(p): _nnx_leaf(p, info) for p, info in leaves.items()}
-    sources = {nnx_path(p): src for p, src in sources.items()}
+  if layout != "plain":
+    new = ({p: nnx_path(p) for p in leaves} if layout == "nnx" else nnx_paths(list(leaves)))
+    if any(new[p] != p for p in leaves):
+      log.info("%s: Flax NNX layout; writing NNX paths", item_dir)
+    leaves = {new[p]: (_nnx_leaf(p, new[p], info, key_impls is None) if new[p] != p else info)
+              for p, info in leaves.items()}
+    sources = {new[p]: src for p, src in sources.items()}
   if not leaves:
     raise errors.ManifestError(
         f"orbax checkpoint {item_dir!r} holds no leaves that import_orbax can read (orbax's "

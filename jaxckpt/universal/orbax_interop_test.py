@@ -266,3 +266,61 @@ def test_an_nnx_optax_checkpoint_imports_into_the_abstract_nnx_state(tmp_path):
   plain = ox.import_orbax(str(tmp_path / "orbax"), str(tmp_path / "p"), layout="plain")
   assert "['0']['l1']['kernel']['value']" in u.open_step(str(tmp_path / "p"), plain).leaves
 
+
+
+def _assert_same_tree(restored, state):
+  want = jax.tree_util.tree_flatten_with_path(state)[0]
+  got = jax.tree_util.tree_flatten_with_path(restored)[0]
+  assert [p for p, _ in got] == [p for p, _ in want]
+  for (path, y), (_, x) in zip(got, want):
+    if not hasattr(x, "dtype"):
+      assert type(y) is type(x) and y == x, path
+      continue
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      assert jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key), jax.tree_util.keystr(path)
+      assert jax.random.key_impl(y) == jax.random.key_impl(x)
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    assert y.dtype == x.dtype and np.asarray(y).tobytes() == np.asarray(x).tobytes(), path
+
+
+@pytest.mark.parametrize("layout", [None, "nnx"])
+def test_a_dict_wrapped_nnx_state_with_typed_keys_imports_and_restores(tmp_path, layout):
+  """{"train": nnx.State, "data": {...}, "data_key": key} saved by orbax: NNX paths under
+  "train", orbax's paths elsewhere, and every typed key (threefry or rbg, inside the NNX state or
+  not) typed again."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  from jaxckpt import cli  # pylint: disable=import-outside-toplevel
+  build, nnx = _nnx_model_and_optimizer(5)
+
+  def wrapped(train, key):
+    return {"train": train,
+            "data": {"epoch": 2, "position": np.int64(17), "shuffle_key": key(9, impl="rbg")},
+            "data_key": key(4)}
+  state = wrapped(nnx.state(build()), jax.random.key)
+  with ocp.StandardCheckpointer() as ck:
+    ck.save(str(tmp_path / "orbax"), state)
+  argv = ["import-orbax", str(tmp_path / "orbax"), str(tmp_path / "u"), "--no-progress"]
+  assert cli.main(argv + ([] if layout is None else ["--layout", layout])) == 0
+  leaves = u.open_step(str(tmp_path / "u"), 0).leaves
+  assert leaves["['data_key']"].kind == "prng_key"
+  assert leaves["['data']['shuffle_key']"].key_impl == "rbg"
+  abstract = wrapped(nnx.state(nnx.eval_shape(build)),
+                     lambda seed, **kw: jax.eval_shape(lambda: jax.random.key(seed, **kw)))
+  abstract["data"].update(epoch=0, position=np.int64(0))
+  with jc.CheckpointManager(str(tmp_path / "u")) as mgr:
+    restored = mgr.restore(0, target=abstract)
+  _assert_same_tree(restored, state)
+  assert len(jax.tree_util.tree_leaves(restored)) == 22 + 4      # the NNX state, the data, the key
+
+
+def test_auto_layout_keeps_orbax_paths_outside_nnx_states():
+  paths = ["['train']['0']['w']['value']", "['train']['1']['opt_state']['0']['count']['value']",
+           "['data']['value']", "['data']['0']", "['cfg']['value']['0']"]
+  assert ox.nnx_paths(paths) == {
+      "['train']['0']['w']['value']": "['train'][0]['w'].value",
+      "['train']['1']['opt_state']['0']['count']['value']": "['train'][1]['opt_state'][0]['count'].value",
+      "['data']['value']": "['data']['value']",          # a plain dict key "value": no attribute above
+      "['data']['0']": "['data']['0']",
+      "['cfg']['value']['0']": "['cfg']['value']['0']"}
+  whole = ["['0']['w']['value']", "['1']['step']['value']"]
+  assert ox.nnx_paths(whole) == {p: ox.nnx_path(p) for p in whole}
