@@ -87,6 +87,7 @@ class Server:
                *, name: str, timeout_secs: float = 60.0) -> None:
     self._secret, self._provide, self._name = secret, provide, name
     self._timeout = timeout_secs
+    self._replays = _wire.Replays()
     self._listener = Listener(host, self._serve, name=f"{name}-bulk")
     self.address = self._listener.address
 
@@ -94,7 +95,8 @@ class Server:
     with conn, contextlib.ExitStack() as stack:
       conn.settimeout(self._timeout)             # a stalled client does not hold a thread forever
       try:
-        header, _ = _wire.open_(self._secret, [recv_frame(conn, 64), recv_frame(conn, _MAX_HEADER)])
+        header, _ = _wire.open_(self._secret, [recv_frame(conn, 64), recv_frame(conn, _MAX_HEADER)],
+                                replays=self._replays)
         if header.get("op") != "bulk":
           raise errors.PermissionDeniedError(f"op {header.get('op')!r} is not a bulk request")
         if _wire.expired(header):
@@ -159,8 +161,8 @@ def fetch(address: str, secret: bytes, header: dict[str, Any],
       with conn:
         send_frames(conn, _wire.seal(secret, dict(
             header, op="bulk", ranges=[[off, n] for _, off, n, _ in part]), timeout_secs=timeout_secs))
-        reply = _wire.unpack(recv_frame(conn, _MAX_HEADER))
-        if not reply.get("ok"):
+        reply = _recv_reply(conn, who, address)
+        if not reply["ok"]:
           raise _wire.remote_error(reply, who, "bulk fetch")
         for i, _, n, start in part:
           with memoryview(into[i]) as mv, mv.cast("B") as raw:
@@ -197,6 +199,18 @@ def fetch(address: str, secret: bytes, header: dict[str, Any],
           f"{who} broke off a bulk transfer at {address} ({type(first).__name__}: {first}); "
           f"is it alive? (`jaxckpt agent status`)") from first
     raise first
+
+
+def _recv_reply(conn: socket.socket, who: str, address: str) -> dict[str, Any]:
+  """The server's reply frame; whatever a peer sends instead (an oversized
+  length, garbage, a msgpack that is not a reply) names the peer and address."""
+  try:
+    raw = recv_frame(conn, _MAX_HEADER)
+  except errors.PermissionDeniedError as e:
+    raise errors.AgentUnavailableError(
+        f"{who} at {address}, answering a bulk fetch: {e} (is it a jaxckpt agent of this "
+        "version?)") from None
+  return _wire.reply_of(raw, who, address)
 
 
 def _cores() -> int:

@@ -22,12 +22,12 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import uuid
 from typing import Any, Callable, ContextManager
 
 from jaxckpt import errors, universal
 from jaxckpt.snapshot import SnapshotManifest
-from jaxckpt.store import PersistError
 from jaxckpt.universal import _layout
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,40 @@ class PersistConfig:
     return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class PersistError:
+  """A failed persist: which step and attempt, and the error (its jaxckpt type and errno kept)."""
+
+  step: int
+  attempt: str
+  type: str
+  message: str
+  errno: int | None = None
+
+  def to_obj(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def of(cls, step: int, attempt: str, e: BaseException) -> "PersistError":
+    if not isinstance(e, errors.JaxckptError):
+      e = errors.StorageError(*((e.errno, f"{type(e).__name__}: {e.strerror}")
+                                if isinstance(e, OSError) and e.errno else
+                                (f"{type(e).__name__}: {e}",)))
+    return cls(step, attempt, type(e).__name__,
+               e.strerror if isinstance(e, OSError) and e.errno else str(e),
+               e.errno if isinstance(e, OSError) else None)
+
+  def exception(self, where: str) -> BaseException:
+    """The error to raise in the trainer: the same jaxckpt class, errno and message."""
+    cls = getattr(errors, self.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.JaxckptError)):
+      cls = errors.StorageError
+    msg = f"persisting step {self.step} ({where}) failed: {self.message}"
+    if self.errno and issubclass(cls, OSError):
+      return cls(self.errno, msg)
+    return cls(msg)
+
+
 def attempt_id(run_id: str, step: int, nth: int) -> str:
   """The id of the ``nth`` persist of ``step`` by the run ``run_id`` (same on every process)."""
   return f"{run_id}-s{step}-{nth}"
@@ -55,48 +89,142 @@ def new_run_id() -> str:
   return "r" + uuid.uuid4().hex[:16]
 
 
-class Persister:
-  """Persists committed snapshots on a background thread.
+@dataclasses.dataclass(frozen=True)
+class PersistStatus:
+  """Where a store's persists stand: what is queued or running (oldest first),
+  since when the oldest has waited, and what was persisted."""
 
-  ``open_step(step)`` must return a context manager yielding the step's
-  (manifest, buffer) and keeping its slot pinned until the context exits.
+  pending: tuple[int, ...] = ()
+  oldest_since: float | None = None      # time.time() the oldest pending step was committed
+  persisted: tuple[int, ...] = ()
+
+  def to_obj(self) -> dict[str, Any]:
+    return {"pending": list(self.pending), "oldest_since": self.oldest_since,
+            "persisted": list(self.persisted)}
+
+  @classmethod
+  def from_obj(cls, o: dict[str, Any]) -> "PersistStatus":
+    return cls(tuple(int(s) for s in o.get("pending", ())),
+               None if o.get("oldest_since") is None else float(o["oldest_since"]),
+               tuple(int(s) for s in o.get("persisted", ())))
+
+
+class Cancelled(Exception):
+  """A persist attempt fenced by a delete or a rollback: it must not commit."""
+
+
+@dataclasses.dataclass
+class _Job:
+  step: int
+  attempt: str
+  since: float
+  running: bool = False
+  cancelled: bool = False
+
+
+class Persister:
+  """Persists committed snapshots on a background thread, oldest first.
+
+  The store holds a due step's slot from its commit (``SlotTable.commit(...,
+  hold=True)``) and calls :meth:`submit`; ``open_step(step)`` must return a
+  context manager yielding the step's (manifest, buffer) with its slot pinned,
+  and ``release(step)`` is called once the persist has ended, whatever its
+  outcome, so the store can hand the slot out again.
+
+  :meth:`fence` cancels every attempt of a step submitted so far (a delete, or
+  a rollback that dropped it): a queued one never starts, a running one never
+  commits (its commit checks the fence up to the moment it writes the marker),
+  and :meth:`busy` says when the last of them has ended.
   """
 
   def __init__(self, config: PersistConfig,
-               open_step: Callable[[int], ContextManager[tuple[SnapshotManifest, Any]]]) -> None:
+               open_step: Callable[[int], ContextManager[tuple[SnapshotManifest, Any]]],
+               release: Callable[[int], None] = lambda step: None) -> None:
     self.config = config
     self._open_step = open_step
+    self._release = release
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-persist")
-    self._futures: list[concurrent.futures.Future] = []
     self._lock = threading.Lock()
+    self._jobs: dict[str, _Job] = {}          # attempt -> job, queued or running
+    self._ended = threading.Condition(self._lock)
     self.persisted: list[int] = []
+    self.cancelled = 0
     self._errors: list[PersistError] = []
 
   def due(self, step: int) -> bool:
     return step % self.config.interval_steps == 0
 
-  def on_commit(self, step: int, attempt: str | None) -> None:
-    """Schedules ``step`` for persistence under ``attempt`` if it is due; returns at once."""
-    if attempt is not None and self.due(step):
-      with self._lock:
-        self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._pool.submit(self._persist, step, attempt))
+  def submit(self, step: int, attempt: str) -> None:
+    """Schedules ``step``'s persist as ``attempt`` (its slot is held); returns at once."""
+    with self._lock:
+      self._jobs[attempt] = _Job(step, attempt, time.time())
+    self._pool.submit(self._run, attempt)
 
-  def _persist(self, step: int, attempt: str) -> None:
-    directory = self.config.directory
+  def fence(self, step: int) -> bool:
+    """Cancels every attempt of ``step`` submitted so far; True while one of them runs."""
+    with self._lock:
+      jobs = [j for j in self._jobs.values() if j.step == step]
+      for j in jobs:
+        j.cancelled = True
+      return any(j.running for j in jobs)
+
+  def busy(self, step: int) -> bool:
+    """Whether an attempt of ``step`` is queued or running."""
+    with self._lock:
+      return any(j.step == step for j in self._jobs.values())
+
+  def status(self) -> PersistStatus:
+    with self._lock:
+      jobs = sorted((j for j in self._jobs.values() if not j.cancelled), key=lambda j: j.since)
+      return PersistStatus(tuple(sorted(j.step for j in jobs)),
+                           jobs[0].since if jobs else None, tuple(self.persisted))
+
+  def _run(self, attempt: str) -> None:
+    with self._lock:
+      job = self._jobs[attempt]
+      job.running = True
     try:
+      self._persist(job)
+    finally:
+      try:
+        self._release(job.step)
+      except Exception:  # pylint: disable=broad-except  (the store is closing)
+        logger.exception("step %d: releasing its slot after its persist failed", job.step)
+      with self._lock:
+        del self._jobs[attempt]
+        self._ended.notify_all()
+
+  def _check(self, job: _Job) -> None:
+    if job.cancelled:
+      raise Cancelled(job.step)
+
+  def _persist(self, job: _Job) -> None:
+    directory, step, attempt = self.config.directory, job.step, job.attempt
+    try:
+      self._check(job)
       with self._open_step(step) as (manifest, buffer):
         universal.write_process_shards(directory, manifest, buffer, attempt=attempt)
+      self._check(job)
       if manifest.process_index == 0:
         universal.commit_step(directory, step, process_count=manifest.process_count,
-                              timeout_secs=self.config.timeout_secs, attempt=attempt)
+                              timeout_secs=self.config.timeout_secs, attempt=attempt,
+                              check=lambda: self._check(job))
         if self.config.max_to_keep:
           universal.gc_steps(directory, max_to_keep=self.config.max_to_keep, keep=(step,))
       with self._lock:
         self.persisted.append(step)
       logger.info("step %d persisted to %s (attempt %s)", step, directory, attempt)
+    except Cancelled:
+      discard_quietly(directory, step, attempt)
+      with self._lock:
+        self.cancelled += 1
+      logger.info("step %d: persist attempt %s cancelled (the step was deleted or rolled "
+                  "back)", step, attempt)
     except Exception as e:  # pylint: disable=broad-except  (handed to the trainer)
       discard_quietly(directory, step, attempt)   # never the committed data (it refuses)
+      if job.cancelled:
+        logger.info("step %d: fenced persist attempt %s ended: %s", step, attempt, e)
+        return
       logger.error("step %d: persisting to %s failed: %s", step, directory, e)
       with self._lock:
         self._errors.append(PersistError.of(step, attempt, e))
@@ -107,21 +235,28 @@ class Persister:
       out, self._errors = self._errors, []
     return out
 
-  def wait(self, timeout_secs: float) -> None:
+  def wait_idle(self, timeout_secs: float, *, step: int | None = None) -> bool:
+    """Waits until no persist (of ``step``, or of any step) is queued or running."""
+    deadline = time.monotonic() + timeout_secs
     with self._lock:
-      futures = list(self._futures)
-    done, late = concurrent.futures.wait(futures, timeout=timeout_secs)
-    del done
-    if late:
-      raise errors.SnapshotTimeoutError(
-          f"{len(late)} persist(s) to {self.config.directory!r} did not finish within "
-          f"{timeout_secs} s")
+      while any(step is None or j.step == step for j in self._jobs.values()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return False
+        self._ended.wait(left)
+    return True
 
   def close(self, timeout_secs: float) -> None:
+    """Waits up to ``timeout_secs`` for the queued persists, then stops the thread."""
     try:
-      self.wait(timeout_secs)
+      if not self.wait_idle(timeout_secs):
+        with self._lock:
+          late = sorted(j.step for j in self._jobs.values())
+        raise errors.SnapshotTimeoutError(
+            f"persists of steps {late} to {self.config.directory!r} did not finish within "
+            f"{timeout_secs} s")
     finally:
-      self._pool.shutdown(wait=True)
+      self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def discard_quietly(directory: str, step: int, attempt: str) -> None:

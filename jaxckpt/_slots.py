@@ -10,7 +10,12 @@ bytes; the table decides:
 - a pinned slot (a reader holds it) is never handed out for writing;
 - committing step S drops every committed step >= S first (a rolled-back
   timeline: the newer steps are stale), then the oldest beyond ``keep``, never
-  the newest;
+  the newest and never one *held* for its persist;
+- a step due for storage is held from its commit until its persist has ended
+  (``commit(..., hold=True)``, then ``release``): held steps stay readable and
+  their slots are never handed out, so a later save cannot recycle a slot a
+  queued persist still has to read (when every slot is held, ``reserve`` finds
+  none free: the store's flow control then skips or waits);
 - a lent slot (restored arrays keep views of its buffer) is never written
   again: the store gives it a new buffer on its next reserve;
 - an owner's earlier ``writing`` slot is stale once it reserves again (a trainer
@@ -41,6 +46,7 @@ class SlotState:
   owner: int | None = None      # who writes it (a trainer pid; 0 in-process)
   size: int = 0                 # bytes of memory the store holds for it
   lent: bool = False
+  held: bool = False            # committed and due for storage: kept until its persist ends
   pins: dict[int, int] = dataclasses.field(default_factory=dict)   # reader -> count
 
   @property
@@ -50,11 +56,13 @@ class SlotState:
 
 @dataclasses.dataclass(frozen=True)
 class Dropped:
-  """A slot the table freed: its index, the step it held, and its former state."""
+  """A slot the table freed: its index, the step it held, its former state, and
+  whether that step was still held for its persist (its persist must be fenced)."""
 
   index: int
   step: int | None
   state: str
+  held: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +114,10 @@ class SlotTable:
     """Committed steps, oldest first."""
     return sorted(s.step for s in self.slots if s.state == COMMITTED)
 
+  def held_steps(self) -> list[int]:
+    """Committed steps held for their persist, oldest first."""
+    return sorted(s.step for s in self.slots if s.state == COMMITTED and s.held)
+
   def committed(self, step: int) -> SlotState | None:
     """The slot holding committed ``step``, or None."""
     return next((s for s in self.slots if s.state == COMMITTED and s.step == step), None)
@@ -154,16 +166,37 @@ class SlotTable:
           f"{'' if s.step is None else f' (step {s.step})'}: the reservation was given up")
     return s
 
-  def commit(self, index: int, step: int) -> list[Dropped]:
-    """Makes slot ``index`` (writing ``step``) the committed snapshot of ``step``.
-    Returns the steps dropped: newer or equal ones (a rollback), then the oldest
-    beyond ``keep``."""
+  def commit(self, index: int, step: int, *, hold: bool = False) -> list[Dropped]:
+    """Makes slot ``index`` (writing ``step``) the committed snapshot of ``step``,
+    held for its persist if ``hold``. Returns the steps dropped: newer or equal
+    ones (a rollback, held ones included: their persists belong to the abandoned
+    timeline), then the oldest beyond ``keep`` that are not held."""
     s = self.writing(index, step)
     dropped = [self._drop(o) for o in self.slots if o.state == COMMITTED and o.step >= step]
-    s.state, s.owner = COMMITTED, None
+    s.state, s.owner, s.held = COMMITTED, None, hold
+    return dropped + self._trim()
+
+  def release(self, step: int) -> list[Dropped]:
+    """Ends the hold of committed ``step`` (its persist ended); returns what the
+    keep rule drops now that it may (a no-op if ``step`` is not held)."""
+    s = self.committed(step)
+    if s is None or not s.held:
+      return []
+    s.held = False
+    return self._trim()
+
+  def _trim(self) -> list[Dropped]:
+    """Drops the oldest committed steps beyond ``keep``, never the newest nor a held one."""
     held = sorted((o for o in self.slots if o.state == COMMITTED), key=lambda o: o.step)
-    dropped += [self._drop(o) for o in held[:-self.keep]]
-    return dropped
+    extra = len(held) - self.keep
+    out = []
+    for o in held[:-1]:
+      if extra <= 0:
+        break
+      if not o.held:
+        out.append(self._drop(o))
+        extra -= 1
+    return out
 
   def abort(self, index: int) -> Dropped | None:
     """Frees slot ``index`` if it is being written (a no-op otherwise)."""
@@ -226,6 +259,6 @@ class SlotTable:
 
   @staticmethod
   def _drop(s: SlotState) -> Dropped:
-    d = Dropped(s.index, s.step, s.state)
-    s.state, s.step, s.owner = FREE, None, None
+    d = Dropped(s.index, s.step, s.state, s.held)
+    s.state, s.step, s.owner, s.held = FREE, None, None, False
     return d

@@ -29,6 +29,7 @@ class SlotTableMachine(RuleBasedStateMachine):
     self.writing: dict[int, tuple[int, int]] = {}  # slot -> (step, owner)
     self.pins: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     self.lent: set[int] = set()
+    self.held: set[int] = set()                  # steps held for their persist
     self.sizes: dict[int, int] = collections.defaultdict(int)
 
   def _free(self) -> list[int]:
@@ -50,26 +51,47 @@ class SlotTableMachine(RuleBasedStateMachine):
     self.writing[r.index] = (step, owner)
     return (r.index, step)
 
-  @rule(res=consumes(reservations))
-  def commit(self, res):
+  @rule(res=consumes(reservations), hold=st.booleans())
+  def commit(self, res, hold: bool):
     index, step = res
     if self.writing.get(index, (None,))[0] != step:
       with pytest.raises(errors.CorruptSnapshotError, match="reservation was given up"):
-        self.table.commit(index, step)
+        self.table.commit(index, step, hold=hold)
       return
-    dropped = self.table.commit(index, step)
+    dropped = self.table.commit(index, step, hold=hold)
     expect = {s for s in self.committed if s >= step}
+    was_held = {s for s in expect if s in self.held}
     del self.writing[index]
     for s in expect:
       del self.committed[s]
+      self.held.discard(s)
     self.committed[step] = index
-    while len(self.committed) > self.keep:
-      oldest = min(self.committed)
-      expect.add(oldest)
-      del self.committed[oldest]
+    if hold:
+      self.held.add(step)
+    expect |= self._trim()
     assert {d.step for d in dropped} == expect
+    assert {d.step for d in dropped if d.held} == was_held, "a held step was trimmed"
     assert all(d.state == _slots.COMMITTED for d in dropped)
     assert step in self.table.steps(), "the newest step was dropped"
+
+  def _trim(self) -> set[int]:
+    out = set()
+    for s in sorted(self.committed)[:-1]:
+      if len(self.committed) <= self.keep:
+        break
+      if s not in self.held:
+        del self.committed[s]
+        out.add(s)
+    return out
+
+  @rule(step=STEPS)
+  def release(self, step: int):
+    dropped = self.table.release(step)
+    if step in self.held:
+      self.held.discard(step)
+      assert {d.step for d in dropped} == self._trim()
+    else:
+      assert dropped == []
 
   @rule(res=consumes(reservations))
   def abort(self, res):
@@ -116,7 +138,9 @@ class SlotTableMachine(RuleBasedStateMachine):
   def discard(self, step: int):
     d = self.table.discard(step)
     assert (d is not None) == (step in self.committed)
+    assert d is None or d.held == (step in self.held)
     self.committed.pop(step, None)
+    self.held.discard(step)
 
   @rule(owner=OWNERS)
   def owner_dies(self, owner: int):
@@ -129,7 +153,8 @@ class SlotTableMachine(RuleBasedStateMachine):
   @invariant()
   def agrees_with_the_model(self):
     assert self.table.steps() == sorted(self.committed)
-    assert len(self.committed) <= self.keep
+    assert self.table.held_steps() == sorted(self.held)
+    assert len(self.committed) <= max(self.keep, len(self.held) + 1)
     for s in self.table.slots:
       if s.index in self.writing:
         assert (s.state, s.step, s.owner) == (_slots.WRITING, *self.writing[s.index])
@@ -156,6 +181,27 @@ def test_a_pinned_slot_freed_by_a_newer_commit_is_not_reused_until_unpinned():
   assert t.reserve(3, 8, owner=1) is None      # slot a is free but still read
   t.unpin(a.index, 7)
   assert t.reserve(3, 8, owner=1).index == a.index
+
+
+def test_a_held_step_outlives_the_keep_rule_until_released():
+  t = _slots.SlotTable(1)                       # two slots
+  a = t.reserve(5, 8, owner=1)
+  t.commit(a.index, 5, hold=True)               # due for storage: held until persisted
+  b = t.reserve(6, 8, owner=1)
+  assert t.commit(b.index, 6) == []             # 5 is held: not dropped by keep=1
+  assert t.steps() == [5, 6] and t.held_steps() == [5]
+  assert t.reserve(7, 8, owner=1) is None       # every slot is held or newest: none free
+  assert [d.step for d in t.release(5)] == [5]  # its persist ended: the keep rule applies
+  assert t.reserve(7, 8, owner=1).index == a.index
+
+
+def test_a_rollback_drops_held_steps_and_says_so():
+  t = _slots.SlotTable(3)
+  for step, hold in ((5, True), (6, False), (10, True)):
+    t.commit(t.reserve(step, 8, owner=1).index, step, hold=hold)
+  dropped = t.commit(t.reserve(6, 8, owner=1).index, 6)
+  assert {(d.step, d.held) for d in dropped} == {(6, False), (10, True)}
+  assert t.held_steps() == [5]
 
 
 def test_bad_slot_index_and_keep_are_refused():

@@ -6,8 +6,10 @@ A message is a ZeroMQ multipart message ``[mac, header, *raw]``:
   random ``nonce``, optionally the ``deadline`` after which the sender has given
   up, and, when arrays follow, their dtypes and shapes (``arrays``);
 * ``mac`` is the HMAC-SHA256 of ``header`` under the job's secret; a receiver
-  refuses a message whose mac does not verify (compared in constant time) or
-  whose ``ts`` is more than ``MAX_SKEW_SECS`` off its own clock;
+  refuses a message whose mac does not verify (compared in constant time),
+  whose ``ts`` is more than ``MAX_SKEW_SECS`` off its own clock, or whose
+  ``nonce`` it accepted before (:class:`Replays`: a captured message replayed
+  inside the window is refused, so a request is applied at most once);
 * ``raw`` frames carry bulk bytes (array data, snapshot ranges) without a copy
   into msgpack and outside the mac: they are either checked against checksums in
   an authenticated header (snapshots) or arrive on a connection only the job
@@ -20,9 +22,11 @@ sender whose mac did not verify: the sender learns why instead of waiting.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import os
 import secrets as _secrets
+import threading
 import time
 from typing import Any, Sequence
 
@@ -50,16 +54,25 @@ def sign(secret: bytes, header: bytes) -> bytes:
   return hmac.new(secret, header, hashlib.sha256).digest()
 
 
+def normalize_secret(given: str | bytes | None) -> bytes | None:
+  """A secret as every jaxckpt process uses it: bytes, without surrounding
+  whitespace (a token read from a file keeps its newline); None if empty."""
+  if given is None:
+    return None
+  b = (given.encode() if isinstance(given, str) else bytes(given)).strip()
+  return b or None
+
+
 def secret_bytes(given: str | bytes | None, *, who: str) -> bytes:
   """The job's secret: ``given``, else ``$JAXCKPT_JOB_SECRET``; else a clear error."""
-  given = given or os.environ.get(SECRET_ENV) or None
+  given = normalize_secret(given or os.environ.get(SECRET_ENV) or None)
   if given is None:
     raise errors.InvalidArgumentError(
         f"{who} needs the job's secret, which every message carries proof of: pass "
         f"secret= (e.g. the Lighthouse's .secret) or set ${SECRET_ENV} in every process "
         "of the job (the launcher's job, e.g. `export JAXCKPT_JOB_SECRET=$(python -c "
         "'import secrets; print(secrets.token_hex(32))')`)")
-  return given.encode() if isinstance(given, str) else bytes(given)
+  return given
 
 
 def new_secret() -> str:
@@ -87,10 +100,12 @@ def refusal(error: str, **extra: Any) -> list[bytes]:
   return [b"", pack(dict(extra, op="refused", error=error))]
 
 
-def open_(secret: bytes, frames: Sequence[Any]) -> tuple[Header, list[Any]]:
+def open_(secret: bytes, frames: Sequence[Any], *,
+          replays: Replays | None = None) -> tuple[Header, list[Any]]:
   """The verified header of a message and its raw frames; PermissionDeniedError
-  if it is not sealed with ``secret``, or too old (a replay?). A refusal (see
-  :func:`refusal`) raises PermissionDeniedError with its reason."""
+  if it is not sealed with ``secret``, too old, or (given the receiver's
+  ``replays``) seen before. A refusal (see :func:`refusal`) raises
+  PermissionDeniedError with its reason."""
   if len(frames) < 2:
     raise errors.PermissionDeniedError("a message without the job's secret was refused")
   mac, body = _bytes(frames[0]), _bytes(frames[1])
@@ -104,10 +119,56 @@ def open_(secret: bytes, frames: Sequence[Any]) -> tuple[Header, list[Any]]:
     raise errors.PermissionDeniedError(
         "a message with a wrong mac was refused (not sealed with the job's secret)")
   header = unpack(body)
-  if not isinstance(header, dict) or abs(time.time() - float(header.pop("ts", 0))) > MAX_SKEW_SECS:
+  ts = header.pop("ts", 0) if isinstance(header, dict) else 0
+  if not isinstance(ts, (int, float)) or abs(time.time() - ts) > MAX_SKEW_SECS:
     raise errors.PermissionDeniedError("a message too old or from the future was refused (a replay?)")
-  header.pop("nonce", None)
+  nonce = header.pop("nonce", None)
+  if replays is not None:
+    replays.check(nonce, float(ts))
   return header, list(frames[2:])
+
+
+def reply_of(raw: Any, who: str, where: str) -> dict[str, Any]:
+  """A peer's reply frame as a dict; anything else (not msgpack, not a map, no
+  ``ok``) is an AgentUnavailableError naming the peer and its address."""
+  try:
+    reply = unpack(raw)
+  except Exception as e:  # pylint: disable=broad-except  (msgpack raises several kinds)
+    raise errors.AgentUnavailableError(
+        f"{who} at {where} answered with bytes that are not a reply ({type(e).__name__}); "
+        "is something else listening there, or another jaxckpt version?") from None
+  if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+    raise errors.AgentUnavailableError(
+        f"{who} at {where} answered with a {type(reply).__name__} that is not a reply "
+        f"(a map with 'ok'); is something else listening there, or another jaxckpt version?")
+  return reply
+
+
+class Replays:
+  """The nonces of the sealed messages a receiver accepted, kept while their
+  timestamps are inside the window: a message seen before is refused (a
+  replay), so every request is applied at most once."""
+
+  def __init__(self) -> None:
+    self._seen: set[bytes] = set()
+    self._expiry: list[tuple[float, bytes]] = []     # a heap: (when the nonce may go, nonce)
+    self._lock = threading.Lock()
+    self.refused = 0
+
+  def check(self, nonce: Any, ts: float) -> None:
+    """Records ``nonce``; PermissionDeniedError if it was seen before."""
+    if not isinstance(nonce, bytes) or len(nonce) < 8:
+      raise errors.PermissionDeniedError("a sealed message without a nonce was refused")
+    now = time.time()
+    with self._lock:
+      while self._expiry and self._expiry[0][0] < now:
+        self._seen.discard(heapq.heappop(self._expiry)[1])
+      if nonce in self._seen:
+        self.refused += 1
+        raise errors.PermissionDeniedError(
+            "a replayed message was refused (its nonce was seen before)")
+      self._seen.add(nonce)
+      heapq.heappush(self._expiry, (ts + MAX_SKEW_SECS + 1.0, nonce))
 
 
 def remote_error(reply: dict[str, Any], who: str, op: str) -> Exception:

@@ -35,6 +35,14 @@ class SaveStats:
   last_blocking_secs: float = 0.0
   last_snapshot_secs: float = 0.0      # save() call to committed snapshot
   last_nbytes: int = 0
+  #: why saves were skipped (``skipped_busy`` in all), by reason
+  skip_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+  #: persists queued or running in the store (their slots are held), as of the last commit
+  persists_pending: int = 0
+  oldest_unpersisted_step: int | None = None
+  persist_lag_steps: int = 0           # newest committed step - oldest unpersisted one
+  persist_lag_secs: float = 0.0        # how long the oldest unpersisted step has waited
+  agent_restarts: int = 0              # dead snapshot agents replaced by a new one
 
 
 class CheckpointManager:
@@ -83,9 +91,6 @@ class CheckpointManager:
     self._store = store or self._make_store()
     if store is None and self.options.agent is not None and jax.process_count() > 1:
       _tiers.discover_agents(self._store, timeout_secs=self.options.timeout_secs)
-    self._persister = None
-    if self._persist_config is not None and self.options.agent is None:
-      self._persister = _persist.Persister(self._persist_config, self._store.read)
     self._planner = capture.Planner()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
@@ -96,6 +101,7 @@ class CheckpointManager:
     self._lock = threading.Lock()
     self._closed = False
     self.stats = SaveStats()
+    self._lag_warn_at = 2               # persists pending that get a warning (doubles each time)
     self.last_restore: _restore.RestoreInfo | None = None
     self._process = (jax.process_index(), jax.process_count())
     self._preemption = _preemption.Notice(install=self.options.handle_sigterm)
@@ -105,7 +111,7 @@ class CheckpointManager:
     a = self.options.agent
     if a is None:
       return InProcessStore(max_snapshots=self.options.max_snapshots,
-                            host_memory_limit_bytes=limit)
+                            host_memory_limit_bytes=limit, persist=self._persist_config)
     from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
     p = self.options.parity
     if p is not None:
@@ -169,13 +175,9 @@ class CheckpointManager:
     leaves, _ = tree.flatten(state)
     plan = self._planner.plan(leaves)
     slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout(step))
+    self.stats.agent_restarts = self._store.restarts
     if slot is None:
-      if persist_due:
-        raise errors.SnapshotTimeoutError(
-            f"save(step={step}): the step is due for storage but no snapshot slot freed up "
-            f"within {self._reserve_timeout(step)} s (every slot was held by a committed step "
-            "that a restore or a persist still reads); raise timeout_secs or max_snapshots")
-      self._skip_busy(step, "no snapshot slot is free")
+      self._no_slot(step, persist_due)
       return False
     try:
       sources = capture.start(leaves, plan)
@@ -188,6 +190,24 @@ class CheckpointManager:
     self.stats.started += 1
     self.stats.last_blocking_secs = time.perf_counter() - t0
     return True
+
+  def _no_slot(self, step: int, due: bool) -> None:
+    """A save found no free slot: skipped if not due for storage, else raises."""
+    status = self._store.persist_status()
+    if status.pending:
+      age = time.time() - status.oldest_since if status.oldest_since else 0.0
+      held = (f"every slot is held: persists of steps {list(status.pending)} to "
+              f"{self.directory!r} have not ended (the oldest was committed {age:.1f} s ago)")
+    else:
+      held = "every slot is held by a committed step that a restore still reads"
+    if due:
+      raise errors.SnapshotTimeoutError(
+          f"save(step={step}): the step is due for storage but no slot of "
+          f"{self._store_name()} freed up within {self._reserve_timeout(step)} s: {held}; "
+          "storage is slower than the loop: persist less often (persist_interval_steps), keep "
+          "more snapshots (max_snapshots) or wait longer (timeout_secs)")
+    self._skip_busy(step, "no snapshot slot is free (persists in flight)" if status.pending
+                    else "no snapshot slot is free", detail=held)
 
   def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
                        t0: float) -> bool:
@@ -249,10 +269,27 @@ class CheckpointManager:
     c = self._persist_config
     return c is not None and step % c.interval_steps == 0
 
-  def _skip_busy(self, step: int, why: str) -> None:
+  def _skip_busy(self, step: int, why: str, detail: str = "") -> None:
     self.stats.skipped_busy += 1
-    logger.warning("step %d: save skipped: %s (on_busy='skip'; %d skipped so far; saves due for "
-                   "storage wait instead)", step, why, self.stats.skipped_busy)
+    self.stats.skip_reasons[why] = self.stats.skip_reasons.get(why, 0) + 1
+    logger.warning("step %d: save skipped: %s (%d skipped so far; saves due for storage wait "
+                   "instead)", step, detail or why, self.stats.skipped_busy)
+
+  def _note_persist_lag(self, step: int) -> None:
+    """Updates ``stats``' persist lag after ``step`` committed; logs when it grows."""
+    status = self._store.persist_status(ask=False)
+    st = self.stats
+    st.persists_pending = len(status.pending)
+    st.oldest_unpersisted_step = status.pending[0] if status.pending else None
+    st.persist_lag_steps = step - status.pending[0] if status.pending else 0
+    st.persist_lag_secs = (time.time() - status.oldest_since) if status.oldest_since else 0.0
+    if st.persists_pending >= self._lag_warn_at:
+      self._lag_warn_at *= 2
+      logger.warning(
+          "storage is slower than the loop: %d persists to %s are queued (oldest step %d, "
+          "%.1f s and %d steps behind); while their slots are held, saves not due for storage "
+          "are skipped and due ones wait", st.persists_pending, self.directory,
+          st.oldest_unpersisted_step, st.persist_lag_secs, st.persist_lag_steps)
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` would take a snapshot: ``step`` is on the save
@@ -291,8 +328,6 @@ class CheckpointManager:
           progress_bytes=every or 0, pool=self._copy_pool)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest, persist_attempt=attempt)
-      if self._persister is not None:
-        self._persister.on_commit(step, attempt)
     except BaseException as e:  # surfaced by the next save / wait
       self._store.abort(slot)
       logger.exception("step %d: snapshot failed", step)
@@ -302,13 +337,28 @@ class CheckpointManager:
     self.stats.committed += 1
     self.stats.last_snapshot_secs = time.perf_counter() - t0
     self.stats.last_nbytes = plan.nbytes
+    if self._persist_config is not None:
+      self._note_persist_lag(step)
     logger.debug("step %d: snapshot committed (%d bytes)", step, plan.nbytes)
 
   def wait_until_finished(self, timeout_secs: float | None = None) -> None:
-    """Blocks until the snapshot in flight is committed; raises its error if it failed."""
+    """Blocks until every save so far has finished as orbax's would have: the
+    snapshot in flight is committed and, with a directory, every step saved for
+    storage is on storage (or its persist failed: its error is raised).
+
+    :meth:`wait_until_snapshotted` is the cheaper wait, for the host snapshot only.
+    """
+    timeout = timeout_secs or self.options.timeout_secs
+    self.wait_until_snapshotted(timeout)
+    if self._persist_config is not None and self.options.host_snapshots:
+      self._wait_for_persists(timeout, "wait_until_finished")
+
+  def wait_until_snapshotted(self, timeout_secs: float | None = None) -> None:
+    """Blocks until the snapshot in flight is committed in host memory (not
+    storage: see :meth:`wait_until_finished`); raises its error if it failed."""
     if self._pending is not None:
       self._wait(self._pending, timeout_secs or self.options.timeout_secs,
-                 "wait_until_finished")
+                 "wait_until_snapshotted")
     self._raise_background_error()
 
   def _wait(self, fut: concurrent.futures.Future, timeout: float, what: str) -> None:
@@ -334,37 +384,40 @@ class CheckpointManager:
     """
     if self._persist_config is None:
       return
-    self._raise_failed(self._persister.take_errors() if self._persister is not None
-                       else self._store.persist_errors(ask=ask_agent))
+    self._raise_failed(self._store.persist_errors(ask=ask_agent))
 
   def _raise_failed(self, failed: list[Any]) -> None:
     failed = [e for e in failed if e.attempt not in self._told]   # raised once only
     self._told.update(e.attempt for e in failed)
     if failed:
-      where = (f"process {self._process[0]}" + ("" if self._persister is not None
+      where = (f"process {self._process[0]}" + ("" if self.options.agent is None
                                                 else ", in its snapshot agent"))
       first = failed[0].exception(f"{where}, to {self.directory!r}")
       for other in failed[1:]:
         logger.error("also: persisting step %d failed: %s", other.step, other.message)
       raise first
 
-  def _wait_for_agent_persists(self, timeout: float) -> None:
-    """Waits until the agent persisted (or failed) every due step this manager saved."""
+  def _wait_for_persists(self, timeout: float, what: str) -> None:
+    """Waits until the store's persists of the steps this manager saved for
+    storage have ended (persisted, failed or fenced), then raises the first failure."""
     want = {s for s, a in self._attempts.items() if a not in self._told}
     failed: list[Any] = []
     deadline = time.monotonic() + timeout
     while want:
       failed += self._store.persist_errors()
-      left = want - set(self._store.persisted_steps()) - {e.step for e in failed}
+      left = want & set(self._store.persist_status().pending)
       if not left:
         break
       if time.monotonic() > deadline:
         self._raise_failed(failed)
         raise errors.SnapshotTimeoutError(
-            f"close: the snapshot agent of process {self._process[0]} did not persist steps "
-            f"{sorted(left)} to {self.directory!r} within {timeout} s (it goes on trying)")
+            f"{what}: {self._store_name()} of process {self._process[0]} did not persist "
+            f"steps {sorted(left)} to {self.directory!r} within {timeout} s (it goes on trying)")
       time.sleep(0.02)
     self._raise_failed(failed)
+
+  def _store_name(self) -> str:
+    return "the in-process store" if self.options.agent is None else "the snapshot agent"
 
   # -- what is held ---------------------------------------------------------
 
@@ -396,7 +449,7 @@ class CheckpointManager:
           "CheckpointManager(directory=...) to persist")
     if step is not None:
       step = check_step(step, "wait_until_persisted")
-    self.wait_until_finished()
+    self.wait_until_snapshotted()
     if step is None:
       if not self._attempts:
         return
@@ -457,7 +510,7 @@ class CheckpointManager:
     if self.options.parity is None:
       raise errors.InvalidArgumentError("wait_until_protected(): parity is off; set "
                        "CheckpointOptions(parity=jaxckpt.ParityOptions(...))")
-    self.wait_until_finished()
+    self.wait_until_snapshotted()
     if step is None:
       held = self._store.steps()
       if not held:
@@ -499,20 +552,25 @@ class CheckpointManager:
     return _restore.StepMetadata(step, tier, tree.nest(leaves), meta)
 
   def delete(self, step: int) -> None:
-    """Deletes ``step`` from every tier: this host's snapshot (a restore reading it
-    keeps its copy until done) and, from process 0, storage.
+    """Deletes ``step`` from every tier, for good: this host's snapshot (a
+    restore reading it keeps its copy until done), its persist (a queued one
+    never runs, a running one never commits: delete waits for it to end) and,
+    from process 0, storage. No tier holds it afterwards, nor commits it later.
 
     Raises:
       StepNotFoundError: no tier holds ``step``.
     """
     self._check_open("delete")
     step = check_step(step, "delete")
-    self.wait_until_finished()
-    held = self._store.discard(step)
+    self.wait_until_snapshotted()
+    # Fenced first: a queued persist of the step never runs, a running one never
+    # commits, and discard returns once it has ended; only then is storage cleared.
+    held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
+    fenced = self._attempts.pop(step, None) is not None
     stored = self.directory is not None and step in _tiers.storage_steps(self.directory)
     if stored and self._process[0] == 0:
       universal.discard_step(self.directory, step)
-    if not (held or stored):
+    if not (held or stored or fenced):
       raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
     self._on_storage.discard(step)
     logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
@@ -545,7 +603,7 @@ class CheckpointManager:
     target = _orbax_item(target, args, "restore", "target", "StandardRestore", required=False)
     if step is not None:
       step = check_step(step, "restore")
-    self.wait_until_finished()
+    self.wait_until_snapshotted()
     t0 = time.perf_counter()
     step, tier = _tiers.choose_step(self._store, self.directory, step,
                                     timeout_secs=self.options.timeout_secs)
@@ -601,10 +659,8 @@ class CheckpointManager:
     try:
       if self._pending is not None:
         self._wait(self._pending, self.options.timeout_secs, "close")
-      if self._persister is not None:
-        self._persister.close(self.options.timeout_secs)
-      elif self._persist_config is not None:
-        self._wait_for_agent_persists(self.options.timeout_secs)
+      if self._persist_config is not None:
+        self._wait_for_persists(self.options.timeout_secs, "close")
       self._raise_background_error()
     finally:
       self._closed = True

@@ -57,8 +57,8 @@ def test_persisted_steps_restore_from_storage_onto_another_mesh(tmp_path, use_ag
       assert jc.universal.all_steps(d) == [4, 6]                 # max_to_keep=2
       if use_agent:                  # written by the agent, never by this trainer
         deadline = time.monotonic() + 30
-        while m._store.call("persisted")["persisted"] != [2, 4, 6]:
-          assert time.monotonic() < deadline, m._store.call("persisted")
+        while m._store.persisted_steps() != [2, 4, 6]:
+          assert time.monotonic() < deadline, m._store.persist_status()
           time.sleep(0.05)
     # a fresh trainer with empty host memory: only storage has the steps
     with jc.CheckpointManager(d, options=jc.CheckpointOptions()) as m:

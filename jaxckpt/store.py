@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from jaxckpt import _slots, errors
+from jaxckpt import _persist, _slots, errors
+from jaxckpt._persist import PersistConfig, PersistError, PersistStatus  # noqa: F401  (the store's names)
 from jaxckpt.snapshot import ShardRecord, SnapshotManifest, aligned_empty
 
 
@@ -33,40 +34,6 @@ class Slot:
   nbytes: int
 
 
-@dataclasses.dataclass(frozen=True)
-class PersistError:
-  """A failed persist: which step and attempt, and the error (its jaxckpt type and errno kept)."""
-
-  step: int
-  attempt: str
-  type: str
-  message: str
-  errno: int | None = None
-
-  def to_obj(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def of(cls, step: int, attempt: str, e: BaseException) -> "PersistError":
-    if not isinstance(e, errors.JaxckptError):
-      e = errors.StorageError(*((e.errno, f"{type(e).__name__}: {e.strerror}")
-                                if isinstance(e, OSError) and e.errno else
-                                (f"{type(e).__name__}: {e}",)))
-    return cls(step, attempt, type(e).__name__,
-               e.strerror if isinstance(e, OSError) and e.errno else str(e),
-               e.errno if isinstance(e, OSError) else None)
-
-  def exception(self, where: str) -> BaseException:
-    """The error to raise in the trainer: the same jaxckpt class, errno and message."""
-    cls = getattr(errors, self.type, None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.JaxckptError)):
-      cls = errors.StorageError
-    msg = f"persisting step {self.step} ({where}) failed: {self.message}"
-    if self.errno and issubclass(cls, OSError):
-      return cls(self.errno, msg)
-    return cls(msg)
-
-
 class HostStore(abc.ABC):
   """What the manager needs from a host-memory snapshot store."""
 
@@ -77,8 +44,10 @@ class HostStore(abc.ABC):
   @abc.abstractmethod
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
-    """Makes ``slot`` the committed snapshot of ``manifest.step``; a store that
-    persists by itself (the agent) persists it as ``persist_attempt`` if due."""
+    """Makes ``slot`` the committed snapshot of ``manifest.step``. With a
+    ``persist_attempt`` (the step is due for storage) the store holds the slot
+    from this commit until the step's persist, which it runs as that attempt,
+    has ended: no later save can recycle it meanwhile."""
 
   @abc.abstractmethod
   def abort(self, slot: Slot) -> None:
@@ -114,22 +83,38 @@ class HostStore(abc.ABC):
     del ask
     return []
 
+  def persist_status(self, *, ask: bool = True) -> PersistStatus:
+    """Which persists are queued or running, and which ended on storage
+    (``ask=False``: as last heard, at no cost)."""
+    del ask
+    return PersistStatus()
+
   def persisted_steps(self) -> list[int]:
     """Steps this store persisted (its part written, and committed by process 0)."""
-    return []
+    return list(self.persist_status().persisted)
+
+  def has_free_slot(self) -> bool:
+    """Whether a ``reserve`` now would find a slot without waiting."""
+    return True
+
+  #: How often this store replaced a dead backing process (the agent).
+  restarts: int = 0
 
   @abc.abstractmethod
-  def discard(self, step: int) -> bool:
-    """Forgets committed ``step`` (a reader holding it keeps its slot until done);
-    False if it was not held."""
+  def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
+    """Forgets committed ``step`` (a reader holding it keeps its slot until done)
+    and fences its persists: a queued one never runs, a running one never
+    commits; returns once none of them runs (SnapshotTimeoutError after
+    ``timeout_secs``). False if the step was not held."""
 
   def preallocate(self, nbytes: int) -> None:
     """Allocates and touches every free slot for snapshots of ``nbytes`` now, so
     that no save pays for it (a no-op where slots are sized on reserve)."""
     del nbytes
 
-  def close(self) -> None:
-    """Releases the store's resources (a no-op by default)."""
+  def close(self, timeout_secs: float = 300.0) -> None:
+    """Waits up to ``timeout_secs`` for the persists this store runs, then
+    releases its resources."""
 
 
 class InProcessStore(HostStore):
@@ -147,12 +132,15 @@ class InProcessStore(HostStore):
 
   _OWNER = 0          # the one writer (this process)
 
-  def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int) -> None:
+  def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int,
+               persist: PersistConfig | None = None) -> None:
     self._limit = host_memory_limit_bytes
     self._table = _slots.SlotTable(max_snapshots)
     self._buffers: list[np.ndarray | None] = [None] * len(self._table)
     self._manifests: dict[int, SnapshotManifest] = {}
     self._cv = threading.Condition()
+    self._persister = None if persist is None else _persist.Persister(
+        persist, self.read, self._release)
 
   def _check_budget(self, nbytes: int) -> None:
     _slots.check_budget(slots=len(self._table), nbytes=nbytes, limit_bytes=self._limit,
@@ -181,13 +169,37 @@ class InProcessStore(HostStore):
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
-    del persist_attempt          # the manager persists what this store holds
+    persist = persist_attempt is not None and self._persister is not None
     with self._cv:
-      dropped = self._table.commit(slot.index, manifest.step)
-      for d in dropped:
-        self._manifests.pop(d.step, None)
+      self._dropped(self._table.commit(slot.index, manifest.step, hold=persist))
       self._manifests[manifest.step] = manifest
       self._cv.notify_all()
+    if persist:
+      self._persister.submit(manifest.step, persist_attempt)
+
+  def _dropped(self, dropped: list[_slots.Dropped]) -> None:
+    for d in dropped:
+      if d.state == _slots.COMMITTED:
+        self._manifests.pop(d.step, None)
+        if d.held:                          # rolled back before it was persisted
+          self._persister.fence(d.step)
+
+  def _release(self, step: int) -> None:
+    with self._cv:
+      self._dropped(self._table.release(step))
+      self._cv.notify_all()
+
+  def has_free_slot(self) -> bool:
+    with self._cv:
+      return any(s.state == _slots.FREE and not s.pinned for s in self._table.slots)
+
+  def persist_status(self, *, ask: bool = True) -> PersistStatus:
+    del ask
+    return PersistStatus() if self._persister is None else self._persister.status()
+
+  def persist_errors(self, *, ask: bool = True) -> list[PersistError]:
+    del ask
+    return [] if self._persister is None else self._persister.take_errors()
 
   def abort(self, slot: Slot) -> None:
     with self._cv:
@@ -198,12 +210,19 @@ class InProcessStore(HostStore):
     with self._cv:
       return self._table.steps()
 
-  def discard(self, step: int) -> bool:
+  def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     with self._cv:
       d = self._table.discard(step)
       self._manifests.pop(step, None)
       self._cv.notify_all()
-      return d is not None
+    if self._persister is not None:
+      self._persister.fence(step)
+      if not self._persister.wait_idle(timeout_secs, step=step):
+        raise errors.SnapshotTimeoutError(
+            f"discard of step {step}: its running persist to "
+            f"{self._persister.config.directory!r} did not stop within {timeout_secs} s "
+            "(it will not commit)")
+    return d is not None
 
   def lend(self, step: int, buffer: Any) -> bool:
     with self._cv:
@@ -225,7 +244,16 @@ class InProcessStore(HostStore):
         self._table.unpin(s.index, self._OWNER)
         self._cv.notify_all()
 
-  def close(self) -> None:
+  def close(self, timeout_secs: float | None = None) -> None:
+    """Waits for the queued persists (at most ``timeout_secs``, by default the
+    persist's own timeout), then frees the slots."""
+    try:
+      if self._persister is not None:
+        self._persister.close(timeout_secs or self._persister.config.timeout_secs)
+    finally:
+      self._free()
+
+  def _free(self) -> None:
     with self._cv:
       self._buffers = [None] * len(self._buffers)
       self._table = _slots.SlotTable(self._table.keep, len(self._table))

@@ -84,12 +84,12 @@ def job_secret(run_root: str, job: str, given: str | None = None) -> bytes:
   secure_dir(run_root)
   d = secure_dir(job_dir(run_root, job))
   path = os.path.join(d, "secret")
-  given = given or os.environ.get(SECRET_ENV) or None
+  given = _wire.normalize_secret(given or os.environ.get(SECRET_ENV) or None)
   if not os.path.exists(path):            # first start: publish it whole, atomically
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-      f.write(given or secrets.token_hex(32))
+      f.write(given.decode() if given else secrets.token_hex(32))
     try:
       os.link(tmp, path)                    # fails if another process published first
     except FileExistsError:
@@ -102,13 +102,16 @@ def job_secret(run_root: str, job: str, given: str | None = None) -> bytes:
         f"the job secret {path} has mode {oct(st.st_mode & 0o777)} and owner uid "
         f"{st.st_uid}; it must be yours and 0600: remove it (stop the job's agents first)")
   with open(path) as f:
-    have = f.read().strip()
+    have = _wire.normalize_secret(f.read())
+  if have is None:
+    raise errors.PermissionDeniedError(
+        f"the job secret {path} is empty; remove it (stop the job's agents first)")
   if given is not None and given != have:
     raise errors.PermissionDeniedError(
         f"the secret given for job {job!r} differs from the one in {path}; the job's "
         "agents use that one: give the same secret to every process, or stop the agents "
         "and remove the file")
-  return have.encode()
+  return have
 
 
 def file_size(path: str) -> int:

@@ -31,9 +31,10 @@ def request(secret: bytes, op: str, args: dict[str, Any],
   return _wire.seal(secret, {"op": op, **args}, timeout_secs=timeout_secs)
 
 
-def verify(secret: bytes, frames: list[Any]) -> dict[str, Any]:
-  """The request's header if its mac verifies; else PermissionDeniedError."""
-  return _wire.open_(secret, frames)[0]
+def verify(secret: bytes, frames: list[Any], replays: _wire.Replays | None = None) -> dict[str, Any]:
+  """The request's header if its mac verifies and (given ``replays``) it was not
+  seen before; else PermissionDeniedError."""
+  return _wire.open_(secret, frames, replays=replays)[0]
 
 
 class Client:
@@ -83,8 +84,8 @@ class Client:
       except BaseException:
         self._reset()
         raise
-    reply = unpack(parts[0].bytes)
-    if not reply.get("ok"):
+    reply = _wire.reply_of(parts[0].bytes, self.who, self.endpoint)
+    if not reply["ok"]:
       raise _wire.remote_error(reply, self.who, op)
     return reply, parts[1:]
 

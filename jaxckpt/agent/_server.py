@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import psutil
 import zmq
 
-from jaxckpt import _bulk, _slots, errors
+from jaxckpt import _bulk, _slots, _wire, errors
 from jaxckpt._spans import Spans, span_checksums
 from jaxckpt.agent import _paths, _protocol
 from jaxckpt.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
@@ -128,9 +128,11 @@ class Agent:
     self._hash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="verify")
     self.early_verified = 0            # shards whose hashing overlapped the trainer's copy
     self.persister = None
+    self.retired: list[Any] = []       # persisters replaced by a new configuration
     self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
+    self.replays = _wire.Replays()     # requests are applied at most once
 
   # -- helpers --------------------------------------------------------------
 
@@ -159,6 +161,8 @@ class Agent:
         self.parity.drop(d.step)
       if d.state == _slots.COMMITTED:
         self.manifests.pop(d.step, None)
+      if d.held and self.persister is not None:   # rolled back before it was persisted
+        self.persister.fence(d.step)
       self._end_early(self.slots[d.index])
 
   def _end_early(self, s: _Slot) -> None:
@@ -187,7 +191,10 @@ class Agent:
     self._take_lease(int(pid))
     if persist and (self.persister is None or self.persister.config.to_obj() != persist):
       from jaxckpt import _persist  # pylint: disable=import-outside-toplevel
-      self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned)
+      if self.persister is not None:      # its queue runs out on its own thread
+        self.retired.append(self.persister)
+      self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned,
+                                          self._release_held)
     if parity:
       self._configure_parity(parity)
     self.trainers.add(pid)
@@ -289,14 +296,28 @@ class Agent:
     except errors.CorruptSnapshotError:
       self._dropped([self.table.abort(index)])
       raise
-    self._dropped(self.table.commit(index, m.step))  # a rollback, then the oldest
+    persist = persist_attempt is not None and self.persister is not None
+    # a rollback, then the oldest; a step due for storage is held until persisted
+    self._dropped(self.table.commit(index, m.step, hold=persist))
     self.manifests[m.step] = manifest
-    if self.persister is not None:
-      self.persister.on_commit(m.step, persist_attempt)
+    if persist:
+      self.persister.submit(m.step, str(persist_attempt))
     if self.parity is not None and m.step in self.manifests:
       self.parity.on_commit(m.step, manifest)
-    failed = self.persister.take_errors() if self.persister is not None else []
-    return {"steps": self.steps(), "persist_errors": [e.to_obj() for e in failed]}
+    return {"steps": self.steps(), **self._persist_reply()}
+
+  def _persist_reply(self, errors: bool = True) -> dict[str, Any]:
+    """The persist status (and, with ``errors``, the errors since the last ask)."""
+    p = self.persister
+    if p is None:
+      return {"persist": {}, "persist_errors": []}
+    return {"persist": p.status().to_obj(),
+            "persist_errors": [e.to_obj() for e in p.take_errors()] if errors else []}
+
+  def _release_held(self, step: int) -> None:
+    """The persist of ``step`` ended: the keep rule may drop it now (persist thread)."""
+    with self.lock:
+      self._dropped(self.table.release(step))
 
   @contextlib.contextmanager
   def _pinned(self, step: int):
@@ -321,11 +342,9 @@ class Agent:
         self.table.unpin(s.index, me)
 
   def op_persisted(self, errors: bool = True) -> dict[str, Any]:
-    """Steps persisted, and (``errors``) the persist errors since the last ask,
-    each reported once."""
-    p = self.persister
-    return {"persisted": list(p.persisted) if p else [],
-            "errors": [e.to_obj() for e in p.take_errors()] if p and errors else []}
+    """The persist status, and (``errors``) the persist errors since the last
+    ask, each reported once."""
+    return self._persist_reply(errors)
 
   def _verify(self, s: _Slot, size: int, m: "_CommitView") -> None:
     if m.nbytes > size:
@@ -363,12 +382,27 @@ class Agent:
     return {}
 
   def op_discard(self, step: int) -> dict[str, Any]:
+    """Forgets ``step`` and fences its persists; ``persisting`` while one still
+    runs (it will not commit: the caller asks again until it has ended)."""
     d = self.table.discard(step)
     self._dropped([d] if d else [])
-    return {"discarded": d is not None}
+    busy = False
+    if self.persister is not None:
+      self.persister.fence(step)
+      busy = self.persister.busy(step)
+    return {"discarded": d is not None, "persisting": busy}
 
   def op_steps(self) -> dict[str, Any]:
-    return {"steps": self.steps()}
+    free = sum(s.state == _slots.FREE and not s.pinned for s in self.table.slots)
+    return {"steps": self.steps(), "free_slots": free}
+
+  def op_bye(self, pid: int) -> dict[str, Any]:
+    """Trainer ``pid`` closed its manager: it gives up the lease and its pins."""
+    self._dropped(self.table.forget([pid]))
+    self.trainers.discard(pid)
+    if self.lease is not None and self.lease[0] == pid:
+      self.lease = None
+    return {}
 
   def op_open(self, pid: int, step: int) -> dict[str, Any]:
     s = self.table.pin(step, pid) or self._slot_of(step)
@@ -482,7 +516,7 @@ class Agent:
 
 def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
   try:
-    req = _protocol.verify(agent.secret, frames)
+    req = _protocol.verify(agent.secret, frames, agent.replays)
   except Exception as e:  # pylint: disable=broad-except  (refused, logged, never run)
     logger.warning("refused a request: %s", e)
     err = e if isinstance(e, errors.PermissionDeniedError) else errors.PermissionDeniedError(
@@ -535,8 +569,9 @@ def serve(agent: Agent) -> None:
     sock.close(linger=1000)
     if bulk is not None:
       bulk.close()
-    if agent.persister is not None:
-      agent.persister.close(agent.persister.config.timeout_secs)
+    for p in [*agent.retired, agent.persister]:
+      if p is not None:
+        p.close(p.config.timeout_secs)
     if agent.parity is not None:
       agent.parity.close()
     agent.cleanup()

@@ -33,7 +33,7 @@ from jaxckpt.agent._protocol import Client
 from jaxckpt.options import AgentOptions
 from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
                               verify_shard)
-from jaxckpt.store import HostStore, PersistError, Slot
+from jaxckpt.store import HostStore, PersistError, PersistStatus, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ class AgentStore(HostStore):
     self._maps: dict[int, tuple[str, int, np.memmap]] = {}
     self._failed: list[PersistError] = []
     self._errors_lock = threading.Lock()
+    self._status = PersistStatus()          # as the agent's last reply said
+    self._attempts: dict[int, str] = {}     # due steps sent to this agent -> their attempts
     self.restarts = 0
     self.directory: list[dict[str, Any]] = []     # the job's agents on other machines
     self._connect()
@@ -171,7 +173,19 @@ class AgentStore(HostStore):
     logger.warning("%s died; starting a new agent (the snapshots it held are lost)", self.who)
     self._client.close()
     self.restarts += 1
+    self._lost_persists()
     self._connect()
+
+  def _lost_persists(self) -> None:
+    """The persists the dead agent had not ended are failures the trainer hears of."""
+    lost = [s for s in self._status.pending if s in self._attempts]
+    with self._errors_lock:
+      for step in lost:
+        self._failed.append(PersistError(
+            step, self._attempts[step], "AgentUnavailableError",
+            f"{self.who} died before step {step} was on storage; its snapshot was lost "
+            "with it (restore an earlier step, or save it again)"))
+    self._status = PersistStatus(persisted=self._status.persisted)
 
   def call(self, op: str, **kw: Any) -> dict[str, Any]:
     return self._client.call(op, **kw)[0]
@@ -217,22 +231,35 @@ class AgentStore(HostStore):
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
-    r = self.call("commit", index=slot.index, manifest=manifest.to_json(),
-                  persist_attempt=persist_attempt)
-    with self._errors_lock:                 # the reply brings the agent's persist errors
-      self._failed += [PersistError(**e) for e in r.get("persist_errors", [])]
+    if persist_attempt is not None:
+      self._attempts[manifest.step] = persist_attempt
+    self._take_persist(self.call("commit", index=slot.index, manifest=manifest.to_json(),
+                                 persist_attempt=persist_attempt))
 
-  def persisted_steps(self) -> list[int]:
-    return list(self.call("persisted", errors=False)["persisted"])
+  def _take_persist(self, reply: dict[str, Any]) -> None:
+    """Keeps the persist status and errors an agent's reply brings."""
+    with self._errors_lock:
+      self._failed += [PersistError(**e) for e in reply.get("persist_errors", [])]
+      if reply.get("persist"):
+        self._status = PersistStatus.from_obj(reply["persist"])
+
+  def persist_status(self, *, ask: bool = True) -> PersistStatus:
+    if ask:
+      self.ensure_alive()
+      self._take_persist(self.call("persisted", errors=False))
+    return self._status
 
   def persist_errors(self, *, ask: bool = True) -> list[PersistError]:
-    fresh = self._ask_persist_errors() if ask else []
+    if ask:
+      self.ensure_alive()
+      self._take_persist(self.call("persisted"))
     with self._errors_lock:
       known, self._failed = self._failed, []
-    return known + fresh
+    return known
 
-  def _ask_persist_errors(self) -> list[PersistError]:
-    return [PersistError(**e) for e in self.call("persisted")["errors"]]
+  def has_free_slot(self) -> bool:
+    self.ensure_alive()
+    return bool(self.call("steps")["free_slots"])
 
   def abort(self, slot: Slot) -> None:
     with contextlib.suppress(errors.AgentUnavailableError):
@@ -241,8 +268,20 @@ class AgentStore(HostStore):
   def steps(self) -> list[int]:
     return list(self.call("steps")["steps"])
 
-  def discard(self, step: int) -> bool:
-    return bool(self.call("discard", step=step)["discarded"])
+  def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_secs
+    discarded = False
+    while True:                 # fenced at once; asked again until its persist has ended
+      r = self.call("discard", step=step)
+      discarded |= bool(r["discarded"])
+      if not r["persisting"]:
+        self._attempts.pop(step, None)
+        return discarded
+      if time.monotonic() > deadline:
+        raise errors.SnapshotTimeoutError(
+            f"discard of step {step}: the persist that {self.who} runs of it did not stop "
+            f"within {timeout_secs} s (it will not commit)")
+      time.sleep(0.01)
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
@@ -254,9 +293,17 @@ class AgentStore(HostStore):
       with contextlib.suppress(errors.AgentUnavailableError):
         self.call("close", pid=os.getpid(), step=step, index=r["index"])
 
-  def close(self) -> None:
-    self._maps.clear()
-    self._client.close()
+  def close(self, timeout_secs: float = 300.0) -> None:
+    """Gives up this trainer's lease (the agent goes on persisting what is queued)."""
+    del timeout_secs            # the manager waited for its persists already
+    try:
+      if pid_alive(self.pid):
+        self.call("bye", pid=os.getpid())
+    except errors.JaxckptError as e:
+      logger.warning("%s: could not give up the lease at close: %s", self.who, e)
+    finally:
+      self._maps.clear()
+      self._client.close()
 
 
 def _map_slot(path: str, manifest: SnapshotManifest) -> np.ndarray:

@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import tensorstore as ts
@@ -82,7 +82,8 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int) -
 
 
 def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
-                    process_count: int, timeout_secs: float) -> list[dict[str, Any]]:
+                    process_count: int, timeout_secs: float,
+                    check: Callable[[], None]) -> list[dict[str, Any]]:
   deadline = time.monotonic() + timeout_secs
   parts: dict[int, dict[str, Any]] = {}
   delay = 0.02
@@ -101,6 +102,7 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
     missing = [i for i in range(process_count) if i not in parts]
     if not missing:
       return [parts[i] for i in range(process_count)]
+    check()
     check_not_committed(kv, directory, step, attempt)
     if time.monotonic() > deadline:
       raise errors.SnapshotTimeoutError(
@@ -162,12 +164,14 @@ def _finish_leaf(directory: str, step: int, leaf: dict[str, Any]) -> dict[str, A
 
 
 def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: float,
-                attempt: str) -> None:
+                attempt: str, check: Callable[[], None] = lambda: None) -> None:
   """Merges the part records of ``attempt`` into its manifest and commits the step.
 
   Run by process 0 of the attempt once all its processes called
   write_process_shards. Waits up to ``timeout_secs`` for the part records;
-  the commit marker is written last, in one put, and read back. Committing a
+  the commit marker is written last, in one put, and read back. ``check()`` is
+  called while waiting and just before the marker is written (under the commit
+  claim): if it raises (the step was deleted meanwhile), nothing is committed. Committing a
   step this attempt committed already does nothing.
 
   Raises:
@@ -186,7 +190,7 @@ def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: 
       log.info("step %d is already committed in %s by this attempt", step, directory)
       return
     raise _exists(directory, step, marker, attempt)
-  parts = _wait_for_parts(kv, directory, step, attempt, process_count, timeout_secs)
+  parts = _wait_for_parts(kv, directory, step, attempt, process_count, timeout_secs, check)
   leaves: dict[str, dict[str, Any]] = {}
   for proc, part in enumerate(parts):
     for leaf in part["leaves"]:
@@ -203,6 +207,7 @@ def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: 
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
           "process_count": process_count, "committed_at": time.time()}
   with _claimed(kv, directory, step, attempt, timeout_secs):
+    check()
     check_not_committed(kv, directory, step, attempt)
     _write_marker(kv, directory, step, mine)
   log.info("step %d committed in %s by attempt %s (%d leaves, %d processes)", step,
