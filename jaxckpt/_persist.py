@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import logging
 import os
 import tempfile
@@ -107,6 +108,12 @@ class PersistStatus:
     return cls(tuple(int(s) for s in o.get("pending", ())),
                None if o.get("oldest_since") is None else float(o["oldest_since"]),
                tuple(int(s) for s in o.get("persisted", ())))
+
+
+# A storage error with no errno (a timeout, an object store's HTTP failure) or one
+# of these is worth trying again; a full disk or a refused permission is not.
+_TRANSIENT = frozenset({None, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET,
+                        errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
 class Cancelled(Exception):
@@ -201,16 +208,7 @@ class Persister:
   def _persist(self, job: _Job) -> None:
     directory, step, attempt = self.config.directory, job.step, job.attempt
     try:
-      self._check(job)
-      with self._open_step(step) as (manifest, buffer):
-        universal.write_process_shards(directory, manifest, buffer, attempt=attempt)
-      self._check(job)
-      if manifest.process_index == 0:
-        universal.commit_step(directory, step, process_count=manifest.process_count,
-                              timeout_secs=self.config.timeout_secs, attempt=attempt,
-                              check=lambda: self._check(job))
-        if self.config.max_to_keep:
-          universal.gc_steps(directory, max_to_keep=self.config.max_to_keep, keep=(step,))
+      self._write_and_commit(job)
       with self._lock:
         self.persisted.append(step)
       logger.info("step %d persisted to %s (attempt %s)", step, directory, attempt)
@@ -228,6 +226,34 @@ class Persister:
       logger.error("step %d: persisting to %s failed: %s", step, directory, e)
       with self._lock:
         self._errors.append(PersistError.of(step, attempt, e))
+
+  def _write_and_commit(self, job: _Job) -> None:
+    """Writes this process's part and (process 0) commits; a storage that does not
+    answer or refuses for a while is tried again, with backoff, for up to the
+    persist's ``timeout_secs`` (writes of one attempt are idempotent)."""
+    directory, step, attempt = self.config.directory, job.step, job.attempt
+    deadline = time.monotonic() + self.config.timeout_secs
+    pause = 0.5
+    while True:
+      self._check(job)
+      try:
+        with self._open_step(step) as (manifest, buffer):
+          universal.write_process_shards(directory, manifest, buffer, attempt=attempt)
+        self._check(job)
+        if manifest.process_index == 0:
+          universal.commit_step(directory, step, process_count=manifest.process_count,
+                                timeout_secs=self.config.timeout_secs, attempt=attempt,
+                                check=lambda: self._check(job))
+          if self.config.max_to_keep:
+            universal.gc_steps(directory, max_to_keep=self.config.max_to_keep, keep=(step,))
+        return
+      except errors.StorageError as e:
+        if e.errno not in _TRANSIENT or time.monotonic() + pause > deadline or job.cancelled:
+          raise
+        logger.warning("step %d: storage %s failed (%s); trying again in %.1f s", step,
+                       directory, e, pause)
+        time.sleep(pause)
+        pause = min(pause * 2, 8.0)
 
   def take_errors(self) -> list[PersistError]:
     """The errors since the last call (each is handed out once)."""

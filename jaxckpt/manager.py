@@ -292,12 +292,25 @@ class CheckpointManager:
           st.oldest_unpersisted_step, st.persist_lag_secs, st.persist_lag_steps)
 
   def should_save(self, step: int) -> bool:
-    """Whether ``save(step)`` would take a snapshot: ``step`` is on the save
-    interval and the manager is open (as orbax's ``should_save``). With
-    ``on_busy="skip"`` a save that is not due for storage may still be skipped
-    while the previous snapshot is copied."""
+    """Whether ``save(step)`` now would save, exactly: the manager is open,
+    ``step`` is on the save interval and, storage-only, due for storage; with
+    host snapshots, a step not due for storage is also refused while
+    ``on_busy="skip"`` and the previous snapshot is still being copied, or when
+    no snapshot slot is free (persists hold them). A save due for storage is
+    never skipped (it waits), so it is always True for one.
+    """
     step = check_step(step, "should_save")
-    return not self._closed and step % self.options.save_interval_steps == 0
+    if self._closed or step % self.options.save_interval_steps:
+      return False
+    due = self._persist_due(step)
+    if due or not self.options.host_snapshots:
+      return due
+    pending = self._pending
+    if pending is not None and not pending.done():
+      if self.options.on_busy == "skip":
+        return False
+      return True                     # waits for it, then for a slot (bounded)
+    return self.options.on_busy == "wait" or self._store.has_free_slot()
 
   def _new_attempt(self, step: int) -> str:
     """This run's next persist attempt of ``step`` (the same on every process)."""

@@ -187,7 +187,17 @@ class AgentStore(HostStore):
             "with it (restore an earlier step, or save it again)"))
     self._status = PersistStatus(persisted=self._status.persisted)
 
+  # Requests that mean the same to a new agent: one the dead agent never
+  # answered is sent again to its replacement.
+  _RESENDABLE = frozenset({"reserve", "steps", "persisted", "discard"})
+
   def call(self, op: str, **kw: Any) -> dict[str, Any]:
+    try:
+      return self._client.call(op, **kw)[0]
+    except errors.AgentUnavailableError:
+      if op not in self._RESENDABLE or not wait_exited(self.pid, 1.0):
+        raise                             # alive but silent (hung): the caller hears it
+    self.ensure_alive()                   # it died: a new agent takes the request
     return self._client.call(op, **kw)[0]
 
   def local_agents(self) -> list[dict[str, Any]]:

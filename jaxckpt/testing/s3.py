@@ -85,18 +85,41 @@ class SeaweedS3:
     self.endpoint = f"http://{self.host}:{ports['s3']}"
     # AWS_* credentials in its environment would turn on authentication (403 for us).
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  cwd=self._dir, start_new_session=True, env=env)
-    try:
-      self._wait_for_bucket()
-    except BaseException:
-      self._stop()
-      raise
+    for tries_left in (2, 1, 0):   # it sometimes exits 255 while starting under load
+      self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    cwd=self._dir, start_new_session=True, env=env)
+      try:
+        self._wait_for_bucket()
+        break
+      except errors.StorageError:
+        if not tries_left or self._proc.poll() is None:
+          self._stop()
+          raise
+        self._proc = None
+      except BaseException:
+        self._stop()
+        raise
     self._env = contextlib.ExitStack()
     for key, value in (("AWS_ENDPOINT_URL", self.endpoint), ("AWS_ACCESS_KEY_ID", "jaxckpt"),
                        ("AWS_SECRET_ACCESS_KEY", "jaxckpt"), ("AWS_REGION", "us-east-1")):
       self._env.enter_context(_env_var(key, value))
     return self
+
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    """Storage that stops answering: the server's processes are SIGSTOPped for the
+    body (requests to it hang, connections are still accepted by the kernel)
+    and SIGCONTed after it, also when the body failed."""
+    os.killpg(self._proc.pid, signal.SIGSTOP)
+    try:
+      yield
+    finally:
+      os.killpg(self._proc.pid, signal.SIGCONT)
+
+  @property
+  def pid(self) -> int:
+    """The server's process (the leader of its process group)."""
+    return self._proc.pid
 
   def _wait_for_bucket(self) -> None:
     deadline = time.monotonic() + self.start_timeout_secs

@@ -1,0 +1,162 @@
+"""Nothing lost: due persists are kept until written, deletes stick, should_save tells the truth.
+
+Storage slower than the loop is a real SeaweedFS server whose processes are
+SIGSTOPped (``SeaweedS3.paused``); both host stores (in-process and agent) run
+the same cases with the default options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt as jc
+from jaxckpt import errors
+from jaxckpt.testing import processes
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=["in-process", "agent"])
+def make_opts(request):
+  """CheckpointOptions for one of the two host stores (an agent sandbox for the agent)."""
+  with contextlib.ExitStack() as stack:
+    agent = None
+    if request.param == "agent":
+      root, job = stack.enter_context(processes.agent_sandbox())
+      agent = jc.AgentOptions(job_name=job, run_root=root)
+
+    def make(**kw):
+      return jc.CheckpointOptions(agent=agent, **kw)
+    yield make
+
+
+def _state(step: int) -> dict:
+  rng = np.random.default_rng(step)
+  mesh = jax.make_mesh((8,), ("x",))
+  w = jax.device_put(rng.standard_normal((512, 512), dtype=np.float32),
+                     NamedSharding(mesh, P("x")))
+  return {"w": w, "b": rng.standard_normal(1000).astype(np.float32), "step": step}
+
+
+def _target() -> dict:
+  mesh = jax.make_mesh((8,), ("x",))
+  return {"w": jax.ShapeDtypeStruct((512, 512), np.float32, sharding=NamedSharding(mesh, P("x"))),
+          "b": np.zeros(1000, np.float32), "step": 0}
+
+
+def _check(out: dict, step: int) -> None:
+  want = _state(step)
+  np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(want["w"]))
+  np.testing.assert_array_equal(out["b"], want["b"])
+  assert out["step"] == step
+
+
+def test_no_due_step_is_lost_while_storage_stops_answering(s3_server, make_opts):
+  """Saves every step, persists every 5th (default max_snapshots=2, on_busy='skip')
+  while the S3 server is stopped: saves not due never block, the held slots make
+  later saves skip (counted, with the reason), and once storage answers again
+  every due step is on it, bit-exact."""
+  d = s3_server.url(uuid.uuid4().hex[:12])
+  opts = make_opts(persist_interval_steps=5, timeout_secs=120)
+  saved = []
+  with jc.CheckpointManager(d, opts) as m:
+    with s3_server.paused():
+      for step in range(1, 15):                    # due: 5 and 10, neither can be written
+        if m.save(step, _state(step)):
+          saved.append(step)
+        m.wait_until_snapshotted()
+      # the loop ran to its end while storage was stopped: no save waited for it
+      assert processes.pid_alive(s3_server.pid)
+      assert {5, 10} <= set(saved)
+      assert m.stats.persists_pending == 2 and m.stats.oldest_unpersisted_step == 5
+      assert m.stats.persist_lag_steps >= 5
+      assert m.stats.skip_reasons.get("no snapshot slot is free (persists in flight)", 0) >= 1
+    for step in range(15, 21):                     # 15 waits for a slot: storage answers again
+      if m.save(step, _state(step)):
+        saved.append(step)
+    m.wait_until_finished()                        # orbax's meaning: on storage
+    assert jc.universal.all_steps(d) == [5, 10, 15, 20]
+  with jc.CheckpointManager(d, jc.CheckpointOptions()) as fresh:
+    for step in (5, 10, 15, 20):
+      _check(fresh.restore(step, _target()), step)
+      assert fresh.last_restore.tier == "storage"
+
+
+def test_a_due_save_that_finds_every_slot_held_names_the_persists(s3_server, make_opts):
+  d = s3_server.url(uuid.uuid4().hex[:12])
+  opts = make_opts(persist_interval_steps=1, max_snapshots=1, timeout_secs=3)
+  with jc.CheckpointManager(d, opts) as m:
+    with s3_server.paused():
+      assert m.save(1, _state(1)) and m.save(2, _state(2))   # two slots, both held
+      m.wait_until_snapshotted()
+      with pytest.raises(errors.SnapshotTimeoutError,
+                         match=r"save\(step=3\): the step is due for storage but no slot of the "
+                               r"(in-process store|snapshot agent) freed up within 3 s: every "
+                               r"slot is held: persists of steps \[1, 2\]"):
+        m.save(3, _state(3))
+    m.wait_until_finished()
+    assert jc.universal.all_steps(d) == [1, 2]
+
+
+def test_a_step_deleted_while_its_persist_runs_never_comes_back(s3_server, make_opts):
+  d = s3_server.url(uuid.uuid4().hex[:12])
+  opts = make_opts(persist_interval_steps=1, timeout_secs=120)
+  with jc.CheckpointManager(d, opts) as m:
+    assert m.save(1, _state(1))
+    m.wait_until_finished()
+    with s3_server.paused():                       # step 2's persist cannot end
+      assert m.save(2, _state(2))
+      m.wait_until_snapshotted()
+      assert 2 in m._store.persist_status().pending
+      deleting = threading.Thread(target=m.delete, args=(2,))
+      deleting.start()
+    deleting.join(120)
+    assert not deleting.is_alive()
+    assert 2 not in m.all_steps()
+    m.wait_until_finished()
+    assert jc.universal.all_steps(d) == [1]
+    assert m.latest_step() == 1
+    _check(m.restore(None, _target()), 1)
+  with jc.CheckpointManager(d, jc.CheckpointOptions()) as fresh:
+    assert fresh.all_steps() == [1]
+
+
+def test_delete_right_after_the_snapshot_is_final(tmp_path, make_opts):
+  """save(1) due, wait_until_snapshotted(), delete(1) at once: no tier holds it, ever."""
+  d = str(tmp_path / "ckpt")
+  with jc.CheckpointManager(d, make_opts(persist_interval_steps=1)) as m:
+    for step in (1, 2, 3):
+      assert m.save(step, _state(step))
+      m.wait_until_snapshotted()
+      m.delete(step)
+    m.wait_until_finished()
+    assert m.all_steps() == [] and jc.universal.all_steps(d) == []
+    with pytest.raises(errors.StepNotFoundError):
+      m.restore(None, _target())
+  with pytest.raises(errors.StepNotFoundError):
+    with jc.CheckpointManager(d, jc.CheckpointOptions()) as fresh:
+      fresh.restore(None, _target())
+
+
+def test_should_save_agrees_with_save_in_every_mode(tmp_path, make_opts):
+  cases = [dict(host_snapshots=False, persist_interval_steps=4),
+           dict(persist_interval_steps=3, save_interval_steps=1),
+           dict(save_interval_steps=2)]
+  for i, kw in enumerate(cases):
+    if not kw.get("host_snapshots", True) and make_opts().agent is not None:
+      continue
+    with jc.CheckpointManager(str(tmp_path / f"c{i}"), make_opts(**kw)) as m:
+      for step in range(1, 10):
+        predicted = m.should_save(step)
+        assert m.save(step, _state(step)) == predicted, (kw, step)
+        m.wait_until_snapshotted()
+  m = jc.CheckpointManager(str(tmp_path / "closed"), make_opts())
+  m.close()
+  assert not m.should_save(2)
