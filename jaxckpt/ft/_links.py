@@ -13,13 +13,19 @@ while that neighbour does:
    older one) and acknowledges, or refuses with the reason and closes it.
 
 A stream then carries pieces, each a length-prefixed msgpack header (quorum,
-step, digest, tag, byte count) and the bytes, written straight from the
+step, digest, the gradient's layout (:mod:`jaxckpt.ft._layout`), tag, byte
+count) and the bytes, written straight from the
 sender's arrays by a sending thread (the training thread never blocks on a
 send: every member sends before it receives) and read straight into the
 receiver's buffers (:mod:`jaxckpt._bulk`'s framing). A piece of an abandoned
 attempt (another quorum or step) is skipped, and so is the rest of a piece
 the receiver stopped waiting for, so a timeout leaves the stream in step with
-its sender. A stream that ended between pieces (its sender restarted) gives way
+its sender. A piece whose digest or layout is not the receiver's is refused
+with the reason (naming the sender and what differs). A member that fails an
+attempt sends its right neighbour an *abort* (a header with the reason and no
+bytes), so the failure goes around the ring at once, with its first cause,
+instead of each member waiting out its timeout. A stream that ended between
+pieces (its sender restarted) gives way
 to the newer one; one that broke or carried anything else unexpected is closed,
 and the sender opens a new one for its next piece.
 
@@ -43,12 +49,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxckpt import _bulk, _wire, errors
+from jaxckpt.ft import _layout
 
 logger = logging.getLogger(__name__)
 
 _CHALLENGE_BYTES = 16
 _MAX_HEADER = 4096
 _HANDSHAKE_SECS = 10.0
+_MAX_REASON = 600                 # characters of an abort's reason (a header stays under _MAX_HEADER)
 
 
 @dataclasses.dataclass
@@ -141,6 +149,10 @@ class Links:
           if head["digest"] != expect["digest"]:
             return (f"group {group} is at digest {head['digest']:#x} of step {head['step']}, "
                     f"this group at {expect['digest']:#x}")
+          if "layout" in expect and head.get("layout") != expect["layout"]:
+            return _layout.mismatch(group, head.get("layout"), expect["layout"], self.group_id)
+          if head.get("abort") is not None:      # the sender failed this attempt: so must we
+            return str(head["abort"])
           if head["tag"] != tag or n != into.nbytes:
             return (f"group {group} sent piece {head['tag']} of {n} bytes where {tag} of "
                     f"{into.nbytes} was due")
@@ -179,6 +191,14 @@ class Links:
       out.pending += 1
     out.queue.put((head, segments))
     return None
+
+  def abort(self, group: str, address: str, header: dict[str, Any], reason: str,
+            deadline: float) -> None:
+    """Tells ``group`` (the right neighbour) that this member failed the attempt of
+    ``header`` and why, so it fails at once with that reason instead of waiting out
+    its timeout for a piece that will never come (and tells its own right
+    neighbour, and so on around the ring)."""
+    self.send(group, address, dict(header, tag=-1, abort=reason[:_MAX_REASON]), (), deadline)
 
   def settle(self, group: str, deadline: float) -> None:
     """Returns once no queued piece for ``group`` is still being read from its

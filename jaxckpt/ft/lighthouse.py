@@ -2,7 +2,9 @@
 
 Replica groups (their process 0) send heartbeats and, at the start of every
 step attempt, a quorum request carrying their committed step and state digest.
-The lighthouse answers all pending requests at once with a :class:`Quorum` when
+The lighthouse answers all pending requests at once (each member gets its own
+view of the quorum, :class:`jaxckpt.ft._quorum.Quorum`: O(1) bytes in steady
+state, whatever the number of groups) when
 
 * at least ``min_replicas`` groups are pending, and
 * no live member of the previous quorum is still busy with its step (waited for
@@ -15,31 +17,46 @@ lighthouse waits ``join_timeout`` for heartbeats to rebuild membership and
 carries on, so a lighthouse restart does not lose the job (groups resend their
 requests until a lighthouse answers).
 
-Every message is sealed with the job's secret (:mod:`jaxckpt._wire`): a
-request that is not is refused (logged, and answered with the reason) and
-changes nothing. A member of a quorum that was behind (catching up) is never
-waited for when the next quorum forms: it joins one once it has caught up.
+Every message is sealed with the job's secret (:mod:`jaxckpt._wire`). One that
+cannot be (no mac of the right size) is dropped unread; one whose mac does not
+verify is refused; both are counted (``refused``, also in :meth:`Lighthouse.status`),
+logged one line per 10 s with the count, and answered at most once a second per
+sender, so a flood costs little and gets no echo. A sealed message is checked
+field by field (:mod:`jaxckpt.ft._requests`) before anything uses it: a
+malformed one is refused, counted (``malformed``) and answered with the reason,
+and changes nothing. The loop takes what is queued in bounded batches, handles
+the sealed messages of a batch before it answers anyone else, and checks for a
+quorum after every batch, so no flood keeps it from forming one.
+
+A member of a quorum that was behind (catching up) is never waited for when the
+next quorum forms: it joins one once it has caught up.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
+import math
 import os
+import secrets
 import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
+import numpy as np
 import zmq
 
 from jaxckpt import _wire, errors
+from jaxckpt.ft import _intake, _quorum, _requests
+from jaxckpt.ft._quorum import Member, Quorum, View
 
 logger = logging.getLogger(__name__)
 
 _POLL_SECS = 0.01
+_BATCH = 256                       # messages handled before the next quorum check
+_MAX_MESSAGE_BYTES = 1 << 16       # every lighthouse message is far smaller
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,78 +85,14 @@ class LighthouseOptions:
         raise errors.InvalidArgumentError(f"LighthouseOptions.{name} must be a positive timedelta, got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Member:
-  """A replica group as seen in a quorum."""
-  group_id: str
-  address: str
-  step: int
-  digest: int
-  ring_address: str = ""          # where its all-reduce streams arrive (see ft/_links.py)
-
-  def to_wire(self) -> list[Any]:
-    return [self.group_id, self.address, self.step, self.digest, self.ring_address]
-
-  @classmethod
-  def from_wire(cls, obj: list[Any]) -> Member:
-    return cls(group_id=obj[0], address=obj[1], step=int(obj[2]), digest=int(obj[3]),
-               ring_address=str(obj[4]) if len(obj) > 4 else "")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Quorum:
-  """The groups that take part in one step attempt, sorted by group id."""
-  quorum_id: str
-  members: tuple[Member, ...]
-  dropped: tuple[str, ...] = ()
-
-  @property
-  def max_step(self) -> int:
-    return max(m.step for m in self.members)
-
-  @property
-  def healthy(self) -> tuple[Member, ...]:
-    """Members at the newest step with the digest most of them share (ties: the digest
-    of the smallest group id among the tied), so one member with a wrong digest
-    cannot make the others look diverged."""
-    top = [m for m in self.members if m.step == self.max_step]
-    counts = collections.Counter(m.digest for m in top)
-    most = max(counts.values())
-    digest = next(m.digest for m in top if counts[m.digest] == most)
-    return tuple(m for m in top if m.digest == digest)
-
-  @property
-  def leader(self) -> Member:
-    """The group that reduces this step: the smallest healthy group id."""
-    return self.healthy[0]
-
-  def member(self, group_id: str) -> Member:
-    for m in self.members:
-      if m.group_id == group_id:
-        return m
-    raise KeyError(f"group {group_id!r} is not in quorum {self.quorum_id} "
-                   f"(members {[m.group_id for m in self.members]})")
-
-  def rank(self, group_id: str) -> int:
-    """Position of ``group_id`` among the members (sorted by group id)."""
-    return [m.group_id for m in self.members].index(group_id)
-
-  def to_wire(self) -> dict[str, Any]:
-    return {"quorum_id": self.quorum_id, "members": [m.to_wire() for m in self.members],
-            "dropped": list(self.dropped)}
-
-  @classmethod
-  def from_wire(cls, obj: dict[str, Any]) -> Quorum:
-    return cls(quorum_id=obj["quorum_id"], members=tuple(Member.from_wire(m) for m in obj["members"]),
-               dropped=tuple(obj["dropped"]))
-
-
 @dataclasses.dataclass(slots=True)
 class _Pending:
   identity: bytes
   request_id: int
   member: Member
   since: float
+  view: str                             # the view key the member holds (see _quorum)
+  ask: int | None                       # which ask of the member this is (its resends repeat it)
 
 
 class Lighthouse:
@@ -158,9 +111,9 @@ class Lighthouse:
     self.options = options or LighthouseOptions()
     self.secret = secret or os.environ.get(_wire.SECRET_ENV) or _wire.new_secret()
     self._key = _wire.secret_bytes(self.secret, who="the lighthouse")
-    self.refused = 0            # messages refused (not sealed with the job's secret)
     self._ctx = zmq.Context()
     self._sock = _wire.socket(self._ctx, zmq.ROUTER)
+    self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)   # (a larger one drops its connection)
     host, _, port = bind.rpartition(":")
     if not host or not port.isdigit():
       raise errors.InvalidArgumentError(f"Lighthouse bind must be HOST:PORT, got {bind=}")
@@ -169,19 +122,36 @@ class Lighthouse:
     else:
       self._sock.bind(f"tcp://{host}:{port}")
     self.address = f"{host}:{port}"
+    who = f"the lighthouse at {self.address}"
+    self._refusals = _intake.Refusals(logger, who, "not sealed with the job's secret")
+    self._malformed = _intake.Refusals(logger, who, "sealed but malformed")
+    self._answers = _intake.AnswerLimiter()
     self._epoch = os.urandom(4).hex()
     self._counter = itertools.count()
+    self._formation = _quorum.Formation()
     self._last_seen: dict[str, float] = {}
     self._pending: dict[str, _Pending] = {}
+    self._answered: dict[str, tuple[int | None, dict[str, Any], Any]] = {}   # each group's last answer
     self._inflight: dict[str, float] = {}
     self._last_members: tuple[str, ...] = ()
     self._behind: set[str] = set()        # members of the last quorum that were catching up
     self._last_step: int | None = None    # the newest step a formed quorum was at
     self._quorums_formed = 0
+    self._last_form_secs = 0.0
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._started_at = time.monotonic()
     self._thread = threading.Thread(target=self._run, name=f"lighthouse-{self.address}", daemon=True)
+
+  @property
+  def refused(self) -> int:
+    """Messages refused because they were not sealed with the job's secret."""
+    return self._refusals.count
+
+  @property
+  def malformed(self) -> int:
+    """Messages sealed with the job's secret but refused as malformed."""
+    return self._malformed.count
 
   def start(self) -> Lighthouse:
     self._started_at = time.monotonic()
@@ -204,104 +174,159 @@ class Lighthouse:
     self.stop()
 
   def status(self) -> dict[str, Any]:
-    """Live groups, pending requests and the last quorum's members."""
+    """Live groups, pending requests, the last quorum's members, and the counters."""
     with self._lock:
       return self._status(time.monotonic())
 
+  # ---- the loop: one batch of messages, sealed ones first, then maybe a quorum ---------------------
+
   def _run(self) -> None:
     while not self._stop.is_set():
-      frames = _wire.recv(self._sock, _POLL_SECS)
+      batch = _intake.drain(self._sock, _POLL_SECS, _BATCH)
+      unsealed = [f for f in batch if not _intake.looks_sealed(f)]
       with self._lock:
-        while frames is not None:
-          self._handle(frames)
-          frames = _wire.recv(self._sock, 0)
-        self._maybe_form(time.monotonic())
+        for frames in batch:
+          if _intake.looks_sealed(frames):
+            self._guarded(self._handle, frames)
+        self._guarded(self._maybe_form, time.monotonic())
+      now = time.monotonic()
+      for frames in unsealed:              # dropped unread: counted, and answered sparingly
+        self._refuse(frames[0], "a message without the job's secret was refused", now)
+      self._refusals.maybe_log(now)
+      self._malformed.maybe_log(now)
 
-  def _handle(self, frames: list[Any]) -> None:
-    identity = frames[0].bytes
+  def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)``; a bug in it is logged and counted, never the end of the loop."""
+    try:
+      fn(*args)
+    except Exception as e:  # pylint: disable=broad-except  (the lighthouse must outlive any message)
+      self._malformed.add(f"internal error {type(e).__name__}: {e}")
+      logger.exception("lighthouse at %s: internal error (serving on)", self.address)
+
+  def _refuse(self, identity: bytes, reason: str, now: float) -> None:
+    self._refusals.add(reason)
+    if self._answers.allow(identity, now):
+      _wire.send(self._sock, [identity, *_wire.refusal(
+          f"the lighthouse at {self.address} refused a message: {reason}")])
+
+  def _handle(self, frames: list[bytes]) -> None:
+    identity, now = frames[0], time.monotonic()
     try:
       header, _ = _wire.open_(self._key, frames[1:])
-    except Exception as e:  # pylint: disable=broad-except  (refused, logged, never applied)
-      self.refused += 1
-      logger.warning("lighthouse refused a message: %s", e)
-      _wire.send(self._sock, [identity, *_wire.refusal(
-          f"the lighthouse at {self.address} refused a message: "
-          f"{e if isinstance(e, errors.PermissionDeniedError) else 'malformed'}")])
+    except errors.PermissionDeniedError as e:
+      self._refuse(identity, str(e), now)
       return
-    op, now = header.get("op"), time.monotonic()
-    if op == "heartbeat":
-      self._last_seen[header["group"]] = now
-    elif op == "quorum":
-      member = Member.from_wire(header["member"])
-      if self._last_step is not None and not 0 <= member.step <= self._last_step + 1:
-        # Members advance one step per quorum: a claim beyond that is a bug or a lie,
-        # and admitting it would make every honest group look behind (a stalled job).
-        logger.warning("lighthouse refused group %r: it claims step %d, the job is at %d",
-                       member.group_id, member.step, self._last_step)
-        self._sock.send_multipart([identity] + _wire.seal(self._key, {
-            "op": "refused", "request_id": header.get("request_id"),
-            "error": f"step {member.step} claimed, but the job's newest quorum was at step "
-                     f"{self._last_step}: a group can be at most one step ahead"}))
-        return
-      self._last_seen[member.group_id] = now
-      self._inflight.pop(member.group_id, None)
-      self._behind.discard(member.group_id)
-      old = self._pending.get(member.group_id)
-      self._pending[member.group_id] = _Pending(identity, header["request_id"], member,
-                                                old.since if old else now)
-    elif op == "ready":           # a member catching up is about to ask in sync: wait for it again
-      self._behind.discard(header["group"])
-      self._last_seen[header["group"]] = now
-    elif op == "status":
-      reply = dict(self._status(now), op="status", request_id=header.get("request_id"))
-      self._sock.send_multipart([identity] + _wire.seal(self._key, reply))
+    except Exception:  # pylint: disable=broad-except  (a header that verifies but does not decode)
+      self._refuse(identity, "malformed", now)
+      return
+    try:
+      request = _requests.parse(header)
+    except errors.InvalidArgumentError as e:
+      self._malformed.add(str(e))
+      self._reply(identity, {"op": "refused", "request_id": _requests.request_id_of(header),
+                             "error": f"the lighthouse at {self.address} refused a message: {e}"})
+      return
+    self._apply(identity, request, now)
+
+  def _reply(self, identity: bytes, header: dict[str, Any], arrays: Any = ()) -> None:
+    _wire.send(self._sock, [identity, *_wire.seal(self._key, header, arrays)])
+
+  def _apply(self, identity: bytes, request: _requests.Request, now: float) -> None:
+    if isinstance(request, _requests.Heartbeat):
+      self._last_seen[request.group] = now
+    elif isinstance(request, _requests.QuorumRequest):
+      self._ask(identity, request, now)
+    elif isinstance(request, _requests.Ready):   # a member catching up is about to ask in sync
+      self._behind.discard(request.group)
+      self._last_seen[request.group] = now
     else:
-      logger.warning("lighthouse got an unknown message op=%r", op)
+      self._reply(identity, dict(self._status(now), op="status", request_id=request.request_id))
+
+  def _ask(self, identity: bytes, request: _requests.QuorumRequest, now: float) -> None:
+    member = request.member
+    if self._last_step is not None and member.step > self._last_step + 1:
+      # Members advance one step per quorum: a claim beyond that is a bug or a lie,
+      # and admitting it would make every honest group look behind (a stalled job).
+      self._malformed.add(f"group {member.group_id!r} claims step {member.step}, the job is at "
+                          f"{self._last_step}")
+      self._reply(identity, {
+          "op": "refused", "request_id": request.request_id,
+          "error": f"step {member.step} claimed, but the job's newest quorum was at step "
+                   f"{self._last_step}: a group can be at most one step ahead"})
+      return
+    gid = member.group_id
+    answered = self._answered.get(gid)
+    if answered is not None and request.ask is not None and answered[0] == request.ask:
+      # A resend of an ask already answered (its reply crossed it, or was lost): the same
+      # answer again, never a new pending request that the next quorum would count on.
+      self._reply(identity, dict(answered[1], request_id=request.request_id), answered[2])
+      return
+    self._last_seen[gid] = now
+    self._inflight.pop(gid, None)
+    self._behind.discard(gid)
+    old = self._pending.get(gid)
+    self._pending[gid] = _Pending(identity, request.request_id, member, old.since if old else now,
+                                  request.view, request.ask)
 
   def _status(self, now: float) -> dict[str, Any]:
     return {"live": sorted(self._live(now)), "pending": sorted(self._pending),
-            "last_members": list(self._last_members), "quorums_formed": self._quorums_formed}
+            "last_members": list(self._last_members), "quorums_formed": self._quorums_formed,
+            "last_form_secs": self._last_form_secs, "refused": self._refusals.count,
+            "malformed": self._malformed.count}
 
   def _live(self, now: float) -> set[str]:
     limit = self.options.heartbeat_timeout.total_seconds()
     return {g for g, t in self._last_seen.items() if now - t <= limit}
 
+  def _is_live(self, group: str, now: float) -> bool:
+    return now - self._last_seen.get(group, -math.inf) <= self.options.heartbeat_timeout.total_seconds()
+
+  # ---- forming a quorum ------------------------------------------------------------------------------
+
   def _maybe_form(self, now: float) -> None:
+    """Forms a quorum when it is due. Cheap while it is not: the checks that look
+    at every group run only once the cheap ones pass."""
     opts = self.options
     join = opts.join_timeout.total_seconds()
     if not self._pending or now - self._started_at < join:
       return
     if len(self._pending) < opts.min_replicas:
       return
-    live = self._live(now)
-    busy = [g for g, t in self._inflight.items()
-            if g in live and now - t < opts.straggler_timeout.total_seconds()]
-    if busy:
-      return
+    straggler = opts.straggler_timeout.total_seconds()
+    if any(now - t < straggler and self._is_live(g, now) for g, t in self._inflight.items()):
+      return                                  # (the first busy one ends the scan)
     first = min(p.since for p in self._pending.values())
-    if live - self._pending.keys() - self._behind and now - first < join:
+    if now - first < join and self._live(now) - self._pending.keys() - self._behind:
       return
     self._form(now)
 
   def _form(self, now: float) -> None:
-    members = tuple(self._pending[g].member for g in sorted(self._pending))
-    ids = tuple(m.group_id for m in members)
-    quorum = Quorum(quorum_id=f"{self._epoch}-{next(self._counter)}", members=members,
-                    dropped=tuple(g for g in self._last_members if g not in ids))
-    for pending in self._pending.values():
-      reply = {"op": "quorum", "request_id": pending.request_id, "quorum": quorum.to_wire()}
-      _wire.send(self._sock, [pending.identity] + _wire.seal(self._key, reply))
+    t0 = time.perf_counter()
+    pending = [self._pending[g] for g in sorted(self._pending)]
+    members = [p.member for p in pending]
+    healthy = _quorum.healthy_of(members)
+    quorum_id = f"{self._epoch}-{next(self._counter)}"
+    held = {p.member.group_id: p.view for p in pending}
+    dropped = [g for g in self._last_members if g not in self._pending]
+    for p, (_, reply, blob) in zip(pending, self._formation.replies(quorum_id, members, held,
+                                                                      healthy=healthy)):
+      arrays = () if blob is None else (np.frombuffer(blob, np.uint8),)
+      header = {"op": "quorum", "request_id": p.request_id, "quorum": reply}
+      self._reply(p.identity, header, arrays)
+      self._answered[p.member.group_id] = (p.ask, header, arrays)
     self._pending.clear()
-    healthy = {m.group_id for m in quorum.healthy}
-    self._inflight = {g: now for g in healthy}      # members that are behind catch up first:
-    self._behind = set(ids) - healthy               # neither is waited for
+    ids = tuple(m.group_id for m in members)
+    self._inflight = {m.group_id: now for m in healthy}   # members that are behind catch up first:
+    self._behind = set(ids) - self._inflight.keys()         # neither is waited for
     self._last_members = ids
-    self._last_step = quorum.max_step
+    self._last_step = healthy[0].step
     self._quorums_formed += 1
-    logger.info("quorum %s formed: members=%s max_step=%d dropped=%s", quorum.quorum_id, list(ids),
-                quorum.max_step, list(quorum.dropped),
-                extra={"quorum_id": quorum.quorum_id, "quorum_size": len(ids),
-                       "step": quorum.max_step, "dropped_groups": list(quorum.dropped)})
+    self._last_form_secs = time.perf_counter() - t0
+    logger.info("quorum %s formed: %d members (%d healthy) at step %d, dropped %s in %.1f ms",
+                quorum_id, len(ids), len(healthy), self._last_step, dropped,
+                1e3 * self._last_form_secs,
+                extra={"quorum_id": quorum_id, "quorum_size": len(ids), "step": self._last_step,
+                       "dropped_groups": dropped})
 
 
 class LighthouseClient:
@@ -314,34 +339,50 @@ class LighthouseClient:
     self._ctx = ctx
     self._drop = drop
     self._resend_secs = resend_secs
-    self._ids = itertools.count(1)
+    # Request ids start at random: an ask is named by its first one, and a restarted
+    # group's asks must not look like resends of its previous life's.
+    self._ids = itertools.count(secrets.randbits(48) + 1)
     self._sock = _wire.socket(ctx, zmq.DEALER, immediate=True)
     self._sock.connect(f"tcp://{address}")
+    self.view = View()
 
   def quorum(self, member: Member, timeout: timedelta) -> Quorum | None:
-    """The quorum of the next step attempt, or None if none formed within ``timeout``."""
+    """This member's view of the quorum of the next step attempt, or None if none formed within ``timeout``."""
+    wire = self.ask(member, timeout, self.view.key)
+    return None if wire is None else self.view.resolve(member.group_id, wire)
+
+  def ask(self, member: Member, timeout: timedelta, view: str = "") -> dict[str, Any] | None:
+    """The lighthouse's reply to a quorum request (for :meth:`View.resolve`, with the
+    view difference it attached as ``delta``), or None if none came within ``timeout``.
+    ``view`` is the key of the view the member holds."""
     deadline = time.monotonic() + timeout.total_seconds()
     sent: set[int] = set()
     next_send = 0.0
+    ask = None
     while (now := time.monotonic()) < deadline:
       if now >= next_send:
         request_id = next(self._ids)
+        ask = request_id if ask is None else ask
         sent.add(request_id)
         if not self._drop():
           _wire.send(self._sock, _wire.seal(self._secret, {
-              "op": "quorum", "request_id": request_id, "member": member.to_wire()}))
+              "op": "quorum", "request_id": request_id, "member": member.to_wire(), "view": view,
+              "ask": ask}))
         next_send = now + self._resend_secs
       frames = _wire.recv(self._sock, min(deadline, next_send) - now)
       if frames is None or self._drop():
         continue
       try:
-        header, _ = _wire.open_(self._secret, frames)
+        header, raw = _wire.open_(self._secret, frames)
       except errors.PermissionDeniedError as e:
         raise errors.PermissionDeniedError(
             f"group {member.group_id!r}: {e}; give every group the lighthouse's secret "
             f"(ReplicaGroup(secret=...) or ${_wire.SECRET_ENV})") from None
       if header.get("op") == "quorum" and header.get("request_id") in sent:
-        return Quorum.from_wire(header["quorum"])
+        wire = dict(header["quorum"])
+        if raw:
+          wire["delta"] = raw[0].bytes if isinstance(raw[0], zmq.Frame) else bytes(raw[0])
+        return wire
     return None
 
   def ready(self, group_id: str) -> None:

@@ -18,6 +18,9 @@ class StepMetrics:
     dropped_groups: groups of the previous quorum or of this one that are not
       contributors of this step.
     committed: whether the step was committed by this group.
+    failure: why not, when the all-reduce did not complete (a piece that did not
+      arrive, a neighbour that failed first, gradients whose tree structure,
+      shapes or dtypes differ from a member's: named with that member).
     retries: failed attempts in a row before this one at the same step.
     quorum_secs: time spent waiting for the quorum.
     allreduce_secs: time spent in the fault-tolerant all-reduce.
@@ -32,6 +35,7 @@ class StepMetrics:
   contributors: tuple[str, ...] = ()
   dropped_groups: tuple[str, ...] = ()
   committed: bool = False
+  failure: str | None = None
   retries: int = 0
   quorum_secs: float = 0.0
   allreduce_secs: float = 0.0

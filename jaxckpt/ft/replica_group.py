@@ -46,10 +46,10 @@ import numpy as np
 import zmq
 
 from jaxckpt import _wire, errors
-from jaxckpt.ft import _allreduce, _group_comm, _links, _peer
+from jaxckpt.ft import _allreduce, _group_comm, _layout, _links, _peer
 from jaxckpt.ft.catch_up import (CatchUpServer, RemoteSnapshotSource, SnapshotSource, fetch_ring,
                                  rebuild_leaf, rebuild_state)
-from jaxckpt.ft.lighthouse import Heartbeat, LighthouseClient, Member, Quorum
+from jaxckpt.ft.lighthouse import Heartbeat, LighthouseClient, Member, Quorum, View
 from jaxckpt.ft.metrics import FtCounters, StepMetrics
 from jaxckpt.ft.ring import INITIAL_DIGEST, DigestLog, GradientRing, RingEntry, chain_digest
 
@@ -102,6 +102,7 @@ class _Attempt:
   quorum: Quorum | None
   quorum_secs: float
   participating: bool = False
+  failure: str | None = None      # why the all-reduce did not complete
   catch_up_secs: float = 0.0
   caught_up_steps: int = 0
   snapshot_step: int | None = None
@@ -149,6 +150,7 @@ class ReplicaGroup:
     self._retries = 0
     self._no_quorum_since: float | None = None
     self._layout: tuple[list[Any], Any] | None = None
+    self._view = View()            # the quorum membership this group holds (see ft/_quorum.py)
     self._comm = _group_comm.GroupComm()
     self._ctx = zmq.Context() if self._comm.is_talker else None
     if self._ctx is not None:
@@ -195,10 +197,13 @@ class ReplicaGroup:
     # leaves us behind again: chase (one ring entry each time) a bounded number of times.
     for _ in range(_CHASES):
       if quorum is None:
+        attempt.failure = "no quorum"
         return state
       if self._in_sync(quorum):
         attempt.participating = True
         return state
+      attempt.failure = (f"behind the quorum (step {self.step}, digest {self.digest:#x}; the quorum's "
+                         f"step {quorum.max_step}, digest {quorum.digest:#x})")
       if apply_fn is None:
         logger.warning("group %s is behind (step %d < %d) and start_step got no apply_fn: sitting "
                        "out", self.group_id, self.step, quorum.max_step, extra=self._extra())
@@ -233,7 +238,7 @@ class ReplicaGroup:
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     self._layout = ([_like(x) for x in leaves], treedef)
     t0 = time.monotonic()
-    outcome = self._exchange(attempt, leaves) if attempt.participating else None
+    outcome = self._exchange(attempt, leaves, _layout.of(treedef, leaves)) if attempt.participating else None
     result = grads
     if outcome is not None:
       out, contributors, digest_after = outcome
@@ -283,14 +288,19 @@ class ReplicaGroup:
                   ring_address=self._links.address)
 
   def _join(self) -> Quorum | None:
-    quorum = None
+    wire = None
     if self._comm.is_talker:
       # The others may still be waiting out the last attempt's ring (up to
       # ``timeout``) before they ask: a shorter wait would keep a group that failed
       # fast one attempt out of phase with them for good.
-      quorum = self._lighthouse.quorum(self._me(), 2 * self.timeout)
-    wire = self._comm.share(quorum.to_wire() if quorum is not None else None)
-    quorum = Quorum.from_wire(wire) if wire is not None else None
+      wire = self._lighthouse.ask(self._me(), 2 * self.timeout, self._view.key)
+    wire = self._comm.share(wire)         # (each process of the group holds the same view)
+    quorum = None
+    if wire is not None:
+      try:
+        quorum = self._view.resolve(self.group_id, wire)
+      except errors.QuorumError as e:     # (the next request asks for the whole view)
+        logger.warning("%s", e, extra=self._extra())
     now = time.monotonic()
     if quorum is not None:
       self._no_quorum_since = None
@@ -311,33 +321,36 @@ class ReplicaGroup:
     return self._lighthouse.address if self._comm.is_talker else "?"
 
   def _in_sync(self, quorum: Quorum) -> bool:
-    return self.step == quorum.max_step and self.digest == quorum.leader.digest
+    return self.step == quorum.max_step and self.digest == quorum.digest and quorum.in_ring
 
   # ---- the fault-tolerant all-reduce ---------------------------------------------------------------
 
-  def _exchange(self, attempt: _Attempt, leaves: Sequence[Any]
+  def _exchange(self, attempt: _Attempt, leaves: Sequence[Any], layout: _layout.Layout
                 ) -> tuple[list[np.ndarray], tuple[str, ...], int] | None:
     host = self._comm.to_host(leaves)
-    outcome = None
+    outcome: Any = None
     if self._comm.is_talker:
-      outcome = self._ring(attempt.quorum, host)
-    wire = self._comm.share(None if outcome is None else [list(outcome[1]), outcome[2]])
-    if wire is None:
+      outcome = self._ring(attempt.quorum, host, layout)
+    wire = self._comm.share(outcome if isinstance(outcome, str) or outcome is None
+                            else [list(outcome[1]), outcome[2]])
+    if wire is None or isinstance(wire, str):
+      attempt.failure = wire or attempt.failure
       return None
     out = self._comm.share_arrays(outcome[0] if outcome else None, [(h.shape, h.dtype) for h in host])
     return out, tuple(wire[0]), int(wire[1])
 
-  def _ring(self, quorum: Quorum, host: list[np.ndarray]
-            ) -> tuple[list[np.ndarray], tuple[str, ...], int] | None:
-    """The ring all-reduce among the quorum's healthy members (this group is one)."""
-    ring = quorum.healthy
-    ids = tuple(m.group_id for m in ring)
-    rank, size = ids.index(self.group_id), len(ring)
-    right, left = ring[(rank + 1) % size], ring[(rank - 1) % size]
+  def _ring(self, quorum: Quorum, host: list[np.ndarray], layout: _layout.Layout
+            ) -> tuple[list[np.ndarray], tuple[str, ...], int] | str:
+    """The ring all-reduce among the quorum's healthy members (this group is one);
+    why not, if it did not complete."""
+    ids = quorum.healthy
+    rank, size = ids.index(self.group_id), len(ids)
+    right, left = quorum.right, quorum.left
     deadline = time.monotonic() + self.timeout.total_seconds()
-    expect = {"q": quorum.quorum_id, "step": self.step, "digest": self.digest}
+    expect = {"q": quorum.quorum_id, "step": self.step, "digest": self.digest, "layout": layout.to_wire()}
 
     lost: list[str] = []                         # why a piece for the right neighbour was lost
+    failed: list[str] = []                       # why a piece from the left one was not taken
 
     def send(tag: int, segments: list[np.ndarray]) -> None:
       if not self._dropping() and not lost:
@@ -351,23 +364,27 @@ class ReplicaGroup:
     def recv(tag: int, into: np.ndarray) -> bool:
       if self._dropping():                       # cut off: hears nothing until the timeout
         time.sleep(max(0.0, deadline - time.monotonic()))
+        failed.append("cut off by the fault injector")
         return False
       if lost:                                   # the sum cannot complete without this group's piece
-        logger.warning("group %s: step %d's piece for %s was lost (%s); not committing", self.group_id,
-                       self.step, right.group_id, lost[0], extra=self._extra())
-        return False
-      why = self._links.recv(left.group_id, expect, tag, into, deadline)
-      if why is not None:
-        logger.warning("group %s: piece %d of step %d did not arrive from %s (%s); not committing",
-                       self.group_id, tag, self.step, left.group_id, why, extra=self._extra())
-      return why is None
+        failed.append(f"step {self.step}'s piece for group {right.group_id} was lost ({lost[0]})")
+      else:
+        why = self._links.recv(left.group_id, expect, tag, into, deadline)
+        if why is None:
+          return True
+        failed.append(f"piece {tag} from group {left.group_id}: {why}")
+      logger.warning("group %s does not commit step %d: %s", self.group_id, self.step, failed[-1],
+                     extra=self._extra())
+      return False
 
     result = _allreduce.ring_mean(host, rank, size, send, recv, self._buffers)
     if result is None:
+      if not lost and not self._dropping():      # the right neighbour cannot complete either: tell it why
+        self._links.abort(right.group_id, right.ring_address, expect, failed[-1], deadline)
       # The first hop goes out of the caller's own arrays: none may still be
       # read once allreduce returns them (on success the ring itself proves it).
       self._links.settle(right.group_id, deadline)
-      return None
+      return failed[-1]
     return result, ids, chain_digest(self.digest, result)
 
   def _commit(self, entry: RingEntry) -> None:
@@ -379,13 +396,14 @@ class ReplicaGroup:
     committed = bool(contributors)
     self._committed = committed
     quorum = attempt.quorum
-    members = tuple(m.group_id for m in quorum.members) if quorum is not None else ()
+    members = quorum.members if quorum is not None else ()
     dropped = tuple(sorted(set(quorum.dropped if quorum else ()) |
                            (set(members) - set(contributors) if committed else set())))
     self.metrics = StepMetrics(
         step=attempt.step, attempt=attempt.index, quorum_id=quorum.quorum_id if quorum else None,
         quorum_size=len(members), contributors=contributors, dropped_groups=dropped,
-        committed=committed, retries=self._retries, quorum_secs=attempt.quorum_secs,
+        committed=committed, failure=None if committed else attempt.failure,
+        retries=self._retries, quorum_secs=attempt.quorum_secs,
         allreduce_secs=allreduce_secs, catch_up_secs=attempt.catch_up_secs,
         caught_up_steps=attempt.caught_up_steps, snapshot_step=attempt.snapshot_step)
     self._retries = 0 if committed else self._retries + 1
@@ -415,9 +433,9 @@ class ReplicaGroup:
       if plan["snapshot"] is not None:
         attempt.snapshot_step = plan["step"]
         self.counters.snapshot_fetches += 1
-      if (step, digest) != (quorum.max_step, quorum.leader.digest):
+      if (step, digest) != (quorum.max_step, quorum.digest):
         raise errors.QuorumError(f"catch-up reached step {step} digest {digest:#x}, not the quorum's "
-                                 f"step {quorum.max_step} digest {quorum.leader.digest:#x}")
+                                 f"step {quorum.max_step} digest {quorum.digest:#x}")
       # Replayed up to the step in flight: tell the lighthouse to wait for us next, then take
       # that step's result from a peer once it has committed it.
       last = self._talker_plan(lambda: self._await_entry(quorum), state, like)
@@ -480,10 +498,13 @@ class ReplicaGroup:
                      "layout: pass grads_like= (e.g. the params) to start_step()")
 
   def _catch_up_peer(self, quorum: Quorum) -> Member:
-    healthy = [m for m in quorum.healthy if m.group_id != self.group_id]
+    healthy = [m for m in quorum.peers if m.group_id != self.group_id]
+    if not healthy:
+      raise KeyError(f"quorum {quorum.quorum_id} names no healthy peer for group {self.group_id} to "
+                     "catch up from")
     # Each failed attempt in a row asks the next healthy peer, so one that is slow to answer
     # (busy serving someone else, or gone) delays catch-up by one attempt, never for good.
-    return healthy[-1 - self._retries % len(healthy)]
+    return healthy[self._retries % len(healthy)]
 
   def _fetch_plan(self, quorum: Quorum) -> dict[str, Any]:
     peer = self._catch_up_peer(quorum)
@@ -519,13 +540,13 @@ class ReplicaGroup:
     deadline = time.monotonic() + self.timeout.total_seconds()
     entries: list[RingEntry] = []
     while (left := deadline - time.monotonic()) > 0:
-      got = fetch_ring(self._sender, peer.address, quorum.max_step, quorum.leader.digest,
+      got = fetch_ring(self._sender, peer.address, quorum.max_step, quorum.digest,
                        quorum.max_step + 1, left)
       if got is not None:
         entries = got
         break
       time.sleep(0.005)
-    return {"step": quorum.max_step, "digest": quorum.leader.digest, "snapshot": None,
+    return {"step": quorum.max_step, "digest": quorum.digest, "snapshot": None,
             "entries": entries}
 
   def _default_peer_source(self, peer: Member) -> SnapshotSource:

@@ -185,3 +185,65 @@ def test_leader_closing_right_after_a_step_still_delivers_the_result():
   assert committed == {"g0": True, "g1": True}
   for g in grads:
     np.testing.assert_array_equal(out[g], np.full(8 << 20, 2.0, np.float32))
+
+
+def _steps(lh, gid, grads_per_step, out):
+  with ReplicaGroup(lighthouse=lh.address, group_id=gid, timeout=timedelta(seconds=10), options=OPTS,
+                    secret=lh.secret) as ft:
+    for grads in grads_per_step:
+      ft.start_step()
+      avg = ft.allreduce(grads)
+      out.append((ft.should_commit(), ft.metrics, avg, ft.step))
+
+
+def _together(lh, plans):
+  out = {g: [] for g in plans}
+  threads = [threading.Thread(target=_steps, args=(lh, g, plans[g], out[g])) for g in plans]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=60)
+  assert not any(t.is_alive() for t in threads)
+  return out
+
+
+F32 = np.float32
+
+
+@pytest.mark.parametrize("mine, theirs, what", [
+    ({"a": np.ones(8, F32)}, {"a": np.ones(4, F32), "b": np.ones(4, F32)}, "tree structure ("),
+    ({"a": np.ones(8, F32)}, {"a": np.ones((2, 4), F32)}, "shapes"),
+    ({"a": np.ones(8, F32)}, {"a": np.ones(8, ml_dtypes.bfloat16)}, "dtypes"),
+    ({"a": np.ones(8, F32)}, {"b": np.ones(8, F32)}, "tree structure"),
+])
+def test_groups_averaging_differently_laid_out_gradients_commit_nothing_and_name_each_other(
+    mine, theirs, what, caplog):
+  # Same total size, so the flat ring would have averaged them (issue 23 item 3).
+  with Lighthouse("127.0.0.1:0", dataclasses.replace(LH, min_replicas=2)) as lh:
+    out = _together(lh, {"g0": [mine, mine], "g1": [theirs, mine]})
+  for me, other, grads in (("g0", "g1", theirs), ("g1", "g0", mine)):
+    committed, metrics, avg, step = out[me][0]
+    assert not committed and step == 0, (me, metrics)
+    assert metrics.failure is not None and f"group {other} averages" in metrics.failure, metrics.failure
+    assert f"they differ in {what}" in metrics.failure, metrics.failure
+    assert f"group {me} does not commit step 0" in caplog.text
+  # The next attempt, with the same layout everywhere, commits the plain mean (the abort
+  # pieces of the failed attempt are skipped).
+  for g in ("g0", "g1"):
+    committed, metrics, avg, step = out[g][1]
+    assert committed and step == 1 and metrics.failure is None
+    np.testing.assert_array_equal(avg["a"], np.ones(8, F32))
+
+
+def test_one_odd_group_fails_the_whole_ring_at_once_with_its_name():
+  same, odd = {"w": np.full(6, 2.0, F32)}, {"w": np.full(6, 2.0, ml_dtypes.bfloat16)}
+  with Lighthouse("127.0.0.1:0", dataclasses.replace(LH, min_replicas=3)) as lh:
+    out = _together(lh, {"g0": [same], "g1": [same], "g2": [odd]})
+  failures = {g: out[g][0][1].failure for g in out}
+  assert not any(out[g][0][0] for g in out), failures
+  # g0 and g2 each see the other's pieces; g1 (left neighbour g0, same layout) learns it from
+  # g0's abort, not by waiting out its timeout, and names the odd group all the same.
+  assert "group g2 averages {'w': bfloat16[6]} where group g0 averages {'w': float32[6]}" in failures["g0"]
+  assert "group g1 averages {'w': float32[6]} where group g2 averages {'w': bfloat16[6]}" in failures["g2"]
+  assert "group g2 averages {'w': bfloat16[6]}" in failures["g1"], failures["g1"]
+  assert all(out[g][0][1].allreduce_secs < 5 for g in out), {g: out[g][0][1].allreduce_secs for g in out}

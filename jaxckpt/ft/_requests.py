@@ -1,0 +1,140 @@
+"""The lighthouse's requests, checked field by field before anything uses them.
+
+A sealed message proves only that its sender holds the job's secret, not that it
+is well formed: a buggy (or compromised) member could send a heartbeat without a
+group or a step that is not an int. :func:`parse` turns a verified header into
+one typed request, or raises InvalidArgumentError naming the field, what it
+should be and what came; the lighthouse refuses such a message with that reason
+and changes nothing.
+
+>>> parse({"op": "heartbeat", "group": "g0"})
+Heartbeat(group='g0')
+>>> parse({"op": "ready", "group": 3})
+Traceback (most recent call last):
+...
+jaxckpt.errors.InvalidArgumentError: 'ready' needs group: a string of 1 to 256 characters, got 3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+from jaxckpt import errors
+from jaxckpt.ft._quorum import Member
+
+_MAX_NAME = 256                 # group ids, addresses
+_MAX_VIEW = 64                  # a view key (see _quorum.view_key: 32 hex digits)
+_MAX_INT = (1 << 63) - 1        # steps and request ids
+_MAX_DIGEST = (1 << 64) - 1     # xxh3_64 digests
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Heartbeat:
+  group: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ready:
+  group: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuorumRequest:
+  request_id: int
+  member: Member
+  view: str
+  ask: int | None               # the first request id of the member's ask (its resends repeat it)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Status:
+  request_id: int | None
+
+
+Request = Union[Heartbeat, Ready, QuorumRequest, Status]
+
+
+def parse(header: Any) -> Request:
+  """The request ``header`` (an opened, verified message header) stands for."""
+  if not isinstance(header, dict):
+    raise errors.InvalidArgumentError(f"a message header must be a map, got {type(header).__name__}")
+  op = header.get("op")
+  parser = _PARSERS.get(op) if isinstance(op, str) else None
+  if parser is None:
+    raise errors.InvalidArgumentError(
+        f"unknown op {_show(op)}: the lighthouse handles {sorted(_PARSERS)}")
+  return parser(header)
+
+
+def request_id_of(header: Any) -> int | None:
+  """The header's request id if it is a valid one (to answer a refusal with), else None."""
+  rid = header.get("request_id") if isinstance(header, dict) else None
+  return rid if _is_int(rid, 0, _MAX_INT) else None
+
+
+def _heartbeat(h: dict[str, Any]) -> Heartbeat:
+  return Heartbeat(_name(h, "heartbeat", "group"))
+
+
+def _ready(h: dict[str, Any]) -> Ready:
+  return Ready(_name(h, "ready", "group"))
+
+
+def _status(h: dict[str, Any]) -> Status:
+  rid = h.get("request_id")
+  if rid is not None and not _is_int(rid, 0, _MAX_INT):
+    raise _bad("status", "request_id", f"absent or an int in [0, {_MAX_INT}]", rid)
+  return Status(rid)
+
+
+def _quorum(h: dict[str, Any]) -> QuorumRequest:
+  rid = h.get("request_id")
+  if not _is_int(rid, 0, _MAX_INT):
+    raise _bad("quorum", "request_id", f"an int in [0, {_MAX_INT}]", rid)
+  view = h.get("view", "")
+  if not isinstance(view, str) or len(view) > _MAX_VIEW:
+    raise _bad("quorum", "view", f"a string of at most {_MAX_VIEW} characters", view)
+  ask = h.get("ask")
+  if ask is not None and not _is_int(ask, 0, _MAX_INT):
+    raise _bad("quorum", "ask", f"absent or an int in [0, {_MAX_INT}]", ask)
+  return QuorumRequest(rid, _member(h.get("member")), view, ask)
+
+
+def _member(obj: Any) -> Member:
+  want = "a list [group_id, address, step, digest, ring_address]"
+  if not isinstance(obj, (list, tuple)) or len(obj) not in (4, 5):
+    raise _bad("quorum", "member", want, obj)
+  fields = list(obj) + [""] * (5 - len(obj))
+  gid, address, step, digest, ring = fields
+  for name, value, lo in (("group_id", gid, 1), ("address", address, 1), ("ring_address", ring, 0)):
+    if not (isinstance(value, str) and lo <= len(value) <= _MAX_NAME):
+      raise _bad("quorum", f"member.{name}", f"a string of {lo} to {_MAX_NAME} characters", value)
+  if not _is_int(step, 0, _MAX_INT):
+    raise _bad("quorum", "member.step", f"an int in [0, {_MAX_INT}]", step)
+  if not _is_int(digest, 0, _MAX_DIGEST):
+    raise _bad("quorum", "member.digest", f"an int in [0, 2**64)", digest)
+  return Member(group_id=gid, address=address, step=step, digest=digest, ring_address=ring)
+
+
+def _name(h: dict[str, Any], op: str, field: str) -> str:
+  value = h.get(field)
+  if not (isinstance(value, str) and 1 <= len(value) <= _MAX_NAME):
+    raise _bad(op, field, f"a string of 1 to {_MAX_NAME} characters", value)
+  return value
+
+
+def _is_int(value: Any, lo: int, hi: int) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _bad(op: str, field: str, want: str, got: Any) -> errors.InvalidArgumentError:
+  return errors.InvalidArgumentError(f"{op!r} needs {field}: {want}, got {_show(got)}")
+
+
+def _show(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
+_PARSERS = {"heartbeat": _heartbeat, "ready": _ready, "quorum": _quorum, "status": _status}
