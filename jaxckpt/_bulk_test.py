@@ -117,3 +117,51 @@ def test_an_unreachable_server_is_named():
   listener.close()
   with pytest.raises(errors.AgentUnavailableError, match="the test server is not reachable"):
     _fetch(address, [(0, 10)])
+
+
+@pytest.mark.parametrize("reply, why", [
+    (b"\xc1\xc1garbage", "bytes that are not a reply"),                 # not msgpack
+    (msgpack.packb([1, 2, 3]), "a list that is not a reply"),           # msgpack, not a map
+    (msgpack.packb({"hello": 1}), "a dict that is not a reply"),        # a map without 'ok'
+    (None, r"a bulk frame of 4294967295 bytes \(over 1048576\) was refused"),  # oversized
+    (b"", "broke off"),                                                  # truncated frame
+])
+def test_a_peers_bad_reply_is_a_jaxckpt_error_naming_the_peer_and_address(reply, why):
+  listener = socket.create_server(("127.0.0.1", 0))
+  def serve_bad():
+    conn, _ = listener.accept()
+    with conn:
+      conn.recv(1 << 16)
+      if reply is None:
+        conn.sendall(b"\xff\xff\xff\xff")
+      elif reply == b"":
+        conn.sendall((100).to_bytes(4, "big") + b"short")
+      else:
+        conn.sendall(len(reply).to_bytes(4, "big") + reply)
+  t = threading.Thread(target=serve_bad, daemon=True)
+  t.start()
+  try:
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    with pytest.raises(errors.AgentUnavailableError) as e:
+      _fetch(address, [(0, 10)])
+    assert "the test server" in str(e.value) and address in str(e.value)
+    assert __import__("re").search(why, str(e.value)), str(e.value)
+  finally:
+    t.join(5)
+    listener.close()
+
+
+def test_a_replayed_bulk_request_is_refused():
+  sent = []
+  with _server(bytes(range(64)), served=sent) as srv:
+    host, port = srv.address.split(":")
+    frames = _bulk._wire.seal(SECRET, {"op": "bulk", "what": "x", "ranges": [[0, 8]]})
+
+    def send():
+      with socket.create_connection((host, int(port)), timeout=10) as c:
+        _bulk.send_frames(c, frames)
+        return msgpack.unpackb(_bulk.recv_frame(c, 1 << 20), raw=False)
+    assert send()["ok"]
+    again = send()
+    assert not again["ok"] and "replayed" in again["error"]
+    assert len(sent) == 1                      # served once

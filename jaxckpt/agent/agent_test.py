@@ -175,6 +175,26 @@ def test_killed_agent_is_replaced_by_the_next_save_without_hanging(sandbox):
     np.testing.assert_array_equal(m.restore(target={"w": jnp.zeros(8)})["w"], np.full(8, 2.0))
 
 
+def test_an_agent_killed_while_committing_is_replaced_by_the_next_save(sandbox):
+  root, job = sandbox
+  opts = jc.CheckpointOptions(agent=agent_opts(root, job, request_timeout_secs=5),
+                              host_memory_limit_bytes=1 << 30)
+  x = sharded(np.random.default_rng(0).standard_normal((4096, 1024), dtype=np.float32))
+  with jc.CheckpointManager(options=opts) as m:
+    assert m.save(1, {"w": x})
+    m.wait_until_finished()
+    old = m._store.pid
+    assert m.save(2, {"w": x})                  # 16 MiB: copied and committed in the background
+    os.kill(old, signal.SIGKILL)                # while it is copied, hashed or committed
+    with pytest.raises(errors.JaxckptError):
+      m.wait_until_snapshotted()
+    assert m.save(3, {"w": x}, force=True)      # at once, no waiting for the kill to settle
+    m.wait_until_snapshotted()
+    assert m._store.pid != old and m.stats.agent_restarts == 1
+    assert m.all_steps() == [3]
+    np.testing.assert_array_equal(np.asarray(m.restore(target={"w": x})["w"]), np.asarray(x))
+
+
 def test_budget_error_names_the_sizes(sandbox):
   root, job = sandbox
   opts = jc.CheckpointOptions(agent=agent_opts(root, job), host_memory_limit_bytes=1 << 20)

@@ -197,3 +197,66 @@ def test_one_live_trainer_per_job_and_host_and_a_dead_ones_lease_passes_on():
     c = subprocess.run([sys.executable, "-c", TRAINER, root, job, "200", "go"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert "SAVED [100, 200]" in c.stdout, c.stdout + c.stderr      # A's step 100 kept
+
+
+CLOSE_AND_LINGER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import jaxckpt as jc
+    root, job = sys.argv[1], sys.argv[2]
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root))
+    with jc.CheckpointManager(options=opts) as m:      # a notebook kernel: closes, lives on
+      m.save(1, {"w": np.full(8, 1.0)})
+      m.wait_until_finished()
+    print("CLOSED", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_close_gives_up_the_lease_while_the_process_lives_on():
+  with processes.agent_sandbox() as (root, job):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    a = subprocess.Popen([sys.executable, "-c", CLOSE_AND_LINGER, root, job],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+      assert a.stdout.readline().startswith("CLOSED")
+      b = subprocess.run([sys.executable, "-c", TRAINER, root, job, "2", "go"],
+                         capture_output=True, text=True, timeout=120, env=env)
+      assert "SAVED [1, 2]" in b.stdout, b.stdout + b.stderr
+      assert a.poll() is None                        # the first process still runs
+    finally:
+      a.kill()
+      a.wait(timeout=30)
+
+
+def test_a_captured_sealed_request_replayed_later_is_refused(held):
+  opts, root, job, info = held
+  secret = _paths.job_secret(root, job)
+  with jc.CheckpointManager(options=opts) as m:
+    assert m.save(2, {"w": np.zeros((64, 8), np.float32)})
+    m.wait_until_finished()
+    captured = _protocol.request(secret, "discard", {"step": 2})
+    assert _raw(info["ipc"], captured)["ok"]           # the original, applied
+    assert m.save(2, {"w": np.ones((64, 8), np.float32)})   # the trainer saves step 2 again
+    m.wait_until_finished()
+    reply = _raw(info["ipc"], captured)                # the replay, inside the time window
+    assert not reply["ok"] and "replayed" in reply["error"]
+    assert 2 in m.all_steps()
+    np.testing.assert_array_equal(m.restore(2, target={"w": np.zeros((64, 8), np.float32)})["w"],
+                                  np.ones((64, 8), np.float32))
+
+
+@pytest.mark.parametrize("suffix", ["\n", "  \n", "\r\n"])
+def test_a_secret_read_from_a_file_works_as_given(suffix):
+  with processes.agent_sandbox() as (root, job):
+    token = "t0k3n" * 8
+    def opts(secret):
+      return jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root,
+                                                        secret=secret))
+    with jc.CheckpointManager(options=opts(token + suffix)) as m:   # a fresh job: written
+      assert m.save(1, {"w": np.ones(8)})
+      m.wait_until_finished()
+    with jc.CheckpointManager(options=opts(token)) as m:            # read back: the same
+      assert m.all_steps() == [1]
+    with pytest.raises(errors.PermissionDeniedError, match="differs"):
+      jc.CheckpointManager(options=opts("another-token-" * 2 + suffix))
