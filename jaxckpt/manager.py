@@ -242,7 +242,7 @@ class CheckpointManager:
     """
     self._check_open("prepare")
     leaves, _ = tree.flatten(state)
-    plan = self._planner.plan(leaves)
+    plan = self._planner.plan(leaves, wait=True)
     capture.warm_up(leaves, plan)
     self._store.preallocate(plan.nbytes)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -11,6 +14,8 @@ import numpy as np
 from jaxckpt.capture._pack import PackPlan, make_pack_plan, packable
 from jaxckpt.snapshot import Box, LeafRecord, align, box_from_index, box_shape, full_box
 from jaxckpt.tree import Leaf
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,26 +68,91 @@ def sharding_info(x: Any) -> dict[str, Any] | None:
   return None
 
 
-class Planner:
-  """Computes and caches the CapturePlan for a tree layout."""
+class _Layout:
+  """What is known of one tree layout: its plan with the packed gather, and
+  the plan without it that saves use until the gather is compiled."""
 
-  def __init__(self) -> None:
-    self._cache: dict[tuple, CapturePlan] = {}
+  def __init__(self, leaves: Sequence[Leaf]) -> None:
+    self.packed = _make_plan(leaves)
+    self.ready = threading.Event()
+    self.error: BaseException | None = None
+    if self.packed.pack is None:
+      self.fallback = self.packed
+      self.ready.set()
+      return
+    self.fallback = _make_plan(leaves, pack=False)
+    pack = self.packed.pack
+    avals = [jax.ShapeDtypeStruct(leaves[i].value.shape, leaves[i].value.dtype,
+                                  sharding=leaves[i].value.sharding) for i in pack.leaves]
+    threading.Thread(target=self._compile, args=(avals,), daemon=True,
+                     name="jaxckpt-pack-compile").start()
 
-  def plan(self, leaves: Sequence[Leaf]) -> CapturePlan:
+  def _compile(self, avals: list[Any]) -> None:
+    """Compiles the packed gather (seconds for thousands of leaves) off the loop."""
+    try:
+      pack = self.packed.pack
+      compiled = pack.fn.lower(*avals).compile()
+      self.packed = dataclasses.replace(self.packed, pack=dataclasses.replace(pack, fn=compiled))
+    except Exception as e:  # pylint: disable=broad-except  (saves go on without it)
+      self.error = e
+      self.packed = self.fallback
+      logger.warning("the packed gather of a %d-leaf layout did not compile (%s); saves "
+                     "copy shard by shard", len(pack.leaves), e)
+    finally:
+      self.ready.set()
+
+  def plan(self, wait: bool) -> CapturePlan:
+    if wait:
+      self.ready.wait()
+    return self.packed if self.ready.is_set() else self.fallback
+
+
+class _Layouts:
+  """Every layout this process has saved, bounded: whatever was compiled for a
+  layout is shared by every manager (a manager made again in a notebook, or
+  in a test, saves warm at once)."""
+
+  def __init__(self, size: int = 64) -> None:
+    self._lock = threading.Lock()
+    self._size = size
+    self._layouts: collections.OrderedDict[tuple, _Layout] = collections.OrderedDict()
+
+  def get(self, leaves: Sequence[Leaf]) -> _Layout:
     sig = _signature(leaves)
-    plan = self._cache.get(sig)
-    if plan is None:
-      plan = self._cache[sig] = _make_plan(leaves)
-      if len(self._cache) > 8:          # layouts rarely change; bound the cache
-        self._cache.pop(next(iter(self._cache)))
-    return plan
+    with self._lock:
+      layout = self._layouts.get(sig)
+      if layout is not None:
+        self._layouts.move_to_end(sig)
+        return layout
+    layout = _Layout(leaves)          # planned outside the lock (can take a while)
+    with self._lock:
+      layout = self._layouts.setdefault(sig, layout)
+      while len(self._layouts) > self._size:
+        self._layouts.popitem(last=False)
+    return layout
 
 
-def _make_plan(leaves: Sequence[Leaf]) -> CapturePlan:
+_LAYOUTS = _Layouts()     # process-wide by design: the compiled gathers outlive managers
+
+
+class Planner:
+  """The CapturePlan of a tree layout, from the process-wide cache.
+
+  The first save of a layout never waits for a compiler: it copies shard by
+  shard while the packed gather compiles on a thread of its own, and later
+  saves use the gather once it is ready. ``plan(..., wait=True)`` (``prepare``)
+  waits for it.
+  """
+
+  def plan(self, leaves: Sequence[Leaf], *, wait: bool = False) -> CapturePlan:
+    return _LAYOUTS.get(leaves).plan(wait)
+
+
+def _make_plan(leaves: Sequence[Leaf], *, pack: bool = True) -> CapturePlan:
   values = [leaf.value for leaf in leaves]
-  pack = make_pack_plan(values, [i for i, leaf in enumerate(leaves)
-                                 if leaf.kind != "scalar" and packable(leaf.value)], base=0)
+  pack = None if not pack else make_pack_plan(
+      values, [i for i, leaf in enumerate(leaves)
+               if leaf.kind != "scalar" and packable(leaf.value)], base=0)
   packed = set(pack.leaves) if pack else set()
   templates, shards, offset = [], [], pack.nbytes if pack else 0
   for i, leaf in enumerate(leaves):

@@ -5,6 +5,7 @@ a JAX release changes it, they fail and the capture strategy must be revisited.
 """
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +62,7 @@ def test_live_numpy_view_makes_xla_skip_the_donation():
 def test_capture_start_holds_values_through_donation():
   a = _sharded()
   leaves, _ = tree.flatten({"a": a})
-  plan = capture.Planner().plan(leaves)
+  plan = capture.Planner().plan(leaves, wait=True)
   sources = capture.start(leaves, plan)
   _donating_step()(a).block_until_ready()
   buf = np.empty(plan.nbytes, np.uint8)
@@ -111,7 +112,7 @@ def _small_state(axis_type=jax.sharding.AxisType.Explicit):
 
 def _capture(state, donate=False):
   leaves, _ = tree.flatten(state)
-  plan = capture.Planner().plan(leaves)
+  plan = capture.Planner().plan(leaves, wait=True)
   sources = capture.start(leaves, plan)
   if donate:
     for x in state.values():
@@ -182,7 +183,7 @@ def test_manifest_json_from_the_layout_template_equals_a_fresh_encoding():
   state.update({"step": 7, "name": 'quote " and \u00e9', "flag": True, "x": 1.5,
                 "key": jax.random.key(3), "np": np.arange(3)})
   leaves, _ = tree.flatten(state)
-  plan = capture.Planner().plan(leaves)
+  plan = capture.Planner().plan(leaves, wait=True)
   buf = np.zeros(plan.nbytes, np.uint8)
   for step in (1, 2):                        # the first save builds the template, the second reuses it
     leaves, _ = tree.flatten(dict(state, step=step, name=f"run {step} \"x\""))
@@ -201,7 +202,7 @@ def test_a_path_that_looks_like_a_template_hole_is_encoded_exactly():
   state['"@@jaxckpt:c0@@"'] = np.zeros(2)
   state["@@jaxckpt:step@@"] = 5
   leaves, _ = tree.flatten(state)
-  plan = capture.Planner().plan(leaves)
+  plan = capture.Planner().plan(leaves, wait=True)
   m = capture.complete(plan, capture.start(leaves, plan), np.zeros(plan.nbytes, np.uint8), step=1)
   assert m.to_json() == dataclasses.replace(m, json_renderer=None).to_json()
   assert plan.json_template[0] is not None
@@ -228,7 +229,7 @@ def test_copy_pool_gives_the_same_bytes_records_and_progress_as_one_thread():
   import concurrent.futures  # pylint: disable=import-outside-toplevel
   state = _big_state()
   leaves, _ = tree.flatten(state)
-  plan = capture.Planner().plan(leaves)
+  plan = capture.Planner().plan(leaves, wait=True)
   assert sum(s.nbytes > (1 << 20) for s in plan.shards) >= 10
   outs = []
   for threads in (None, 3):
@@ -259,7 +260,7 @@ def test_a_failing_shard_waits_for_the_pool_before_raising():
   import concurrent.futures  # pylint: disable=import-outside-toplevel
   state = _big_state()
   leaves, _ = tree.flatten(state)
-  plan = capture.Planner().plan(leaves)
+  plan = capture.Planner().plan(leaves, wait=True)
   sources = capture.start(leaves, plan)
   bad = len(plan.shards) - 1
   sources[bad] = np.zeros(plan.shards[bad].nbytes + 1, np.uint8)   # one byte too many
@@ -271,3 +272,56 @@ def test_a_failing_shard_waits_for_the_pool_before_raising():
     assert pool.submit(lambda: 1).result() == 1
     snapshot = buf.copy()
   np.testing.assert_array_equal(buf, snapshot)
+
+
+def _many_small(n: int, seed: int = 0) -> dict:
+  mesh = jax.make_mesh((8,), ("x",))
+  rng = np.random.default_rng(seed)
+  return {f"w{i:05d}": jax.device_put(rng.standard_normal((16, 8), dtype=np.float32),
+                                      NamedSharding(mesh, P("x")))
+          for i in range(n)}
+
+
+def test_a_first_save_never_waits_for_the_compiler_and_the_next_manager_starts_warm():
+  """The packed gather compiles on its own thread: the first plan of a new layout
+  copies shard by shard (bytes exact); once compiled, every planner of the
+  process (a second manager) gets the packed plan at once."""
+  state = _many_small(64, seed=1)
+  leaves, _ = tree.flatten(state)
+  first = capture.Planner().plan(leaves)
+  assert first.pack is None                         # not waiting for XLA
+  buf = np.empty(first.nbytes, np.uint8)
+  manifest = capture.complete(first, capture.start(leaves, first), buf, step=1)
+  for leaf in manifest.leaves:
+    got = _read_leaf(buf, leaf)
+    np.testing.assert_array_equal(got, np.asarray(state[leaf.path.strip("[]'")]))
+  warm = capture.Planner().plan(leaves, wait=True)
+  assert warm.pack is not None and len(warm.pack.leaves) == 64
+  again, _ = tree.flatten(_many_small(64, seed=2))  # same layout, new values, new planner
+  assert capture.Planner().plan(again) is warm
+
+
+def _read_leaf(buf, leaf):
+  out = np.zeros(leaf.shape, leaf.numpy_dtype)
+  for s in leaf.shards:
+    shape = [b - a for a, b in s.index]
+    out[tuple(slice(a, b) for a, b in s.index)] = np.frombuffer(
+        buf, leaf.numpy_dtype, int(np.prod(shape)), s.offset).reshape(shape)
+  return out
+
+
+def _first_plan_secs(n: int) -> float:
+  leaves, _ = tree.flatten(_many_small(n, seed=n))
+  t0 = time.perf_counter()
+  plan = capture.Planner().plan(leaves)
+  capture.start(leaves, plan)
+  return time.perf_counter() - t0
+
+
+def test_the_first_saves_blocking_cost_grows_linearly_with_leaves():
+  """A ratio at two sizes, not a wall-clock limit: 4x the leaves may cost at
+  most ~6x (it was superlinear: XLA compiling the gather in the save)."""
+  _first_plan_secs(50)                              # imports and caches warmed
+  small = min(_first_plan_secs(250 + i) for i in range(3))
+  large = min(_first_plan_secs(1000 + i) for i in range(3))
+  assert large / small < 6.5, (small, large)
