@@ -129,12 +129,17 @@ def _merge_leaf(step: int, into: dict[str, Any], part: dict[str, Any], proc: int
       raise errors.CorruptSnapshotError(
           f"commit of step {step}: chunk {key} of leaf {into['path']!r} has checksum {value} "
           f"on process {proc} but {into['chunks'][key]} elsewhere; replicas differ")
-  seen = {tuple(map(tuple, b)) for b in into["boxes"]}
-  into["boxes"] += [b for b in part.get("boxes", []) if tuple(map(tuple, b)) not in seen]
+  seen = into.setdefault("_seen", {tuple(map(tuple, b)) for b in into["boxes"]})
+  for b in part.get("boxes", []):      # one set per leaf across parts: linear in processes
+    key = tuple(map(tuple, b))
+    if key not in seen:
+      seen.add(key)
+      into["boxes"].append(b)
 
 
 def _finish_leaf(directory: str, step: int, leaf: dict[str, Any]) -> dict[str, Any]:
   """Checks that the written boxes cover the leaf; hashes chunks no process hashed."""
+  leaf.pop("_seen", None)
   boxes = man.boxes_of(leaf)
   if leaf["kind"] != "scalar":
     have = sum(snap.box_size(b) for b in boxes)
