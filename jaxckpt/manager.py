@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import (_persist, _preemption, _restore, _storage_only, _tiers, capture, errors, tree,
-                     universal)
+from jaxckpt import (_items, _persist, _preemption, _restore, _storage_only, _tiers, capture,
+                     errors, tree, universal)
 from jaxckpt.agent import _paths
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
@@ -159,6 +159,9 @@ class CheckpointManager:
     """
     t0 = time.perf_counter()
     self._check_open("save")
+    if _items.is_composite(args) and state is None:
+      state, metadata = _items.to_tree(args, metadata)
+      args = None
     state = _orbax_item(state, args, "save", "state", "StandardSave")
     self._raise_background_error(ask_agent=False)
     step = check_step(step, "save")
@@ -613,9 +616,17 @@ class CheckpointManager:
       CorruptSnapshotError: a stored shard fails its checksum.
     """
     self._check_open("restore")
-    target = _orbax_item(target, args, "restore", "target", "StandardRestore", required=False)
     if step is not None:
       step = check_step(step, "restore")
+    if _items.is_composite(args) and target is None:
+      step = self.latest_step() if step is None else step
+      if step is None:
+        raise errors.StepNotFoundError("restore(): no step is held on any tier; save first")
+      meta = self.metadata(step)
+      return _items.restore(args, meta.metadata,
+                            lambda t: self.restore(step, t, partial=partial),
+                            lambda name: meta.tree[name])
+    target = _orbax_item(target, args, "restore", "target", "StandardRestore", required=False)
     self.wait_until_snapshotted()
     t0 = time.perf_counter()
     step, tier = _tiers.choose_step(self._store, self.directory, step,
@@ -727,11 +738,11 @@ def _orbax_item(given: Any, args: Any, verb: str, name: str, orbax_cls: str, *,
         f"the orbax form of {name}=)")
   try:
     return args.item
-  except (AttributeError, KeyError):       # (orbax's Composite raises KeyError)
+  except (AttributeError, KeyError):
     raise errors.InvalidArgumentError(
         f"{verb}(args={type(args).__name__}(...)): jaxckpt takes one tree per step, as "
-        f"args=ocp.args.{orbax_cls}(tree) or {name}=tree; save several items as one dict "
-        "(e.g. {'state': state, 'dataset': ds_state})") from None
+        f"args=ocp.args.{orbax_cls}(tree), {name}=tree, or several items as "
+        "args=ocp.args.Composite(name=ocp.args.StandardSave(...), ...)") from None
 
 
 def _agree_run_id(timeout_secs: float) -> str:
