@@ -54,10 +54,16 @@ class CheckpointOptions:
       exchange parity among themselves, so a restore rebuilds up to
       ``parity.parity`` lost hosts per group; needs ``agent``. None: off.
     handle_sigterm: turn SIGTERM into a preemption notice that
-      ``reached_preemption(step)`` reports (the process is not killed), so the
-      loop can take a last snapshot and exit cleanly. Installed only from the
-      main thread, and only if no other handler (e.g. JAX's preemption
-      service) owns SIGTERM.
+      ``reached_preemption(step)`` reports, so the loop can take a last
+      snapshot and exit cleanly. Installed only from the main thread, and only
+      if no other handler (e.g. JAX's preemption service) owns SIGTERM.
+    sigterm_grace_secs: the longest the process lives after SIGTERM when its
+      loop never asks ``reached_preemption``: it may ask until
+      ``min(10 s, half of this)`` before the end; then the manager commits its
+      newest snapshot and the process ends by SIGTERM's default action. The
+      default, 25 s, fits inside the 30 s that Kubernetes, Slurm and GCE
+      preemption give before SIGKILL; set it a few seconds under your
+      scheduler's grace. A loop that asks in time owns the exit.
     host_snapshots: False is the storage-only mode, for states that do not
       fit in host memory twice: no snapshot is held in host memory; each
       ``save()`` due for storage stages the leaves a few at a time through one
@@ -85,6 +91,7 @@ class CheckpointOptions:
   persist_interval_steps: int | None = None
   max_to_keep: int | None = None
   handle_sigterm: bool = True
+  sigterm_grace_secs: float = 25.0
   parity: "ParityOptions | None" = None
   copy_threads: int | None = None
   host_snapshots: bool = True
@@ -99,6 +106,7 @@ class CheckpointOptions:
                        f"got on_busy={self.on_busy!r}")
     _positive(self, "busy_timeout_secs")
     _positive(self, "timeout_secs")
+    _positive(self, "sigterm_grace_secs")
     if self.host_memory_limit_bytes is not None:
       _at_least(self, "host_memory_limit_bytes", 1)
     for name in ("persist_interval_steps", "max_to_keep"):
@@ -145,9 +153,12 @@ class AgentOptions:
   Attributes:
     job_name: names the job; agents and their shared memory are per job and host.
     host_id: this process's host index; None means ``jax.process_index()``.
-    run_root: directory holding each agent's files (default /dev/shm/jaxckpt-UID).
-      Hosts find each other's agents there, so on a multi-host cluster point
-      it at a directory every host sees, or run one job per machine.
+    run_root: this host's directory for its agents' files: slot files, logs,
+      the job's secret (default /dev/shm/jaxckpt-UID, created 0700). Each
+      host's run root is private to it: hosts find each other's agents through
+      the job (``jax.distributed``'s key-value store), never through a shared
+      directory, so on a cluster leave it at each machine's own default (or a
+      local tmpfs path), not a network filesystem.
     spawn: start the agent if none is running (False: a sidecar must be up).
     idle_timeout_secs: the agent exits this long after its last trainer died.
     request_timeout_secs: the longest wait for one agent reply.
