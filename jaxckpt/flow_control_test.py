@@ -160,3 +160,23 @@ def test_should_save_agrees_with_save_in_every_mode(tmp_path, make_opts):
   m = jc.CheckpointManager(str(tmp_path / "closed"), make_opts())
   m.close()
   assert not m.should_save(2)
+
+
+@pytest.mark.parametrize("kw", [dict(persist_interval_steps=4), dict(max_to_keep=3)])
+def test_storage_options_without_a_directory_are_refused_naming_them(kw):
+  name, value = next(iter(kw.items()))
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=rf"CheckpointOptions\({name}={value}\) .* no directory"):
+    jc.CheckpointManager(None, jc.CheckpointOptions(**kw))
+
+
+def test_a_loop_with_100ms_steps_and_a_small_state_is_never_skipped(make_opts):
+  """The defaults (on_busy='skip', max_snapshots=2): a small state's snapshot takes
+  a few ms, so with 100 ms steps no save is skipped, with or without the agent."""
+  import time
+  with jc.CheckpointManager(None, make_opts()) as m:
+    for step in range(1, 31):
+      assert m.save(step, _state(step)), m.stats
+      time.sleep(0.1)
+    m.wait_until_finished()
+    assert m.stats.skipped_busy == 0 and m.stats.committed == 30

@@ -23,6 +23,11 @@ from jaxckpt.store import HostStore, InProcessStore
 
 logger = logging.getLogger(__name__)
 
+# on_busy="skip" waits this fraction of the loop's time since the last save (at most
+# SKIP_GRACE_MAX_SECS) for a copy that is nearly done before it skips a save.
+SKIP_GRACE_FRACTION = 0.1
+SKIP_GRACE_MAX_SECS = 0.05
+
 
 @dataclasses.dataclass
 class SaveStats:
@@ -77,6 +82,15 @@ class CheckpointManager:
     self._persist_counts: dict[int, int] = {}
     self._on_storage: set[int] = set()
     self._told: set[str] = set()              # persist attempts whose failure was raised
+    if self.directory is None and (self.options.persist_interval_steps is not None
+                                   or self.options.max_to_keep is not None):
+      given = ", ".join(f"{n}={getattr(self.options, n)!r}" for n in
+                        ("persist_interval_steps", "max_to_keep")
+                        if getattr(self.options, n) is not None)
+      raise errors.InvalidArgumentError(
+          f"CheckpointOptions({given}) says how to keep steps on storage, but the manager has "
+          "no directory, so nothing would ever be persisted: pass CheckpointManager("
+          "'/path/or/s3://bucket/run', options), or leave them None for host snapshots only")
     if not self.options.host_snapshots and self.directory is None:
       raise errors.InvalidArgumentError(
           "CheckpointOptions(host_snapshots=False) writes every save straight to storage, so "
@@ -89,6 +103,8 @@ class CheckpointManager:
       self._run_id = _agree_run_id(self.options.timeout_secs)
       self._on_storage = set(_tiers.storage_steps(self.directory))
     self._store = store or self._make_store()
+    if store is not None and self._persist_config is not None:
+      store.persist_to(self._persist_config)   # every store persists what it holds
     if store is None and self.options.agent is not None and jax.process_count() > 1:
       _tiers.discover_agents(self._store, timeout_secs=self.options.timeout_secs)
     self._planner = capture.Planner()
@@ -102,6 +118,7 @@ class CheckpointManager:
     self._closed = False
     self.stats = SaveStats()
     self._lag_warn_at = 2               # persists pending that get a warning (doubles each time)
+    self._last_save_at = time.perf_counter()
     self.last_restore: _restore.RestoreInfo | None = None
     self._process = (jax.process_index(), jax.process_count())
     self._preemption = _preemption.Notice(install=self.options.handle_sigterm)
@@ -190,6 +207,7 @@ class CheckpointManager:
     attempt = self._new_attempt(step) if persist_due else None
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
                                       metadata, t0, attempt)
+    self._last_save_at = t0
     self.stats.started += 1
     self.stats.last_blocking_secs = time.perf_counter() - t0
     return True
@@ -260,12 +278,23 @@ class CheckpointManager:
       return True
     due = self._persist_due(step)
     if self.options.on_busy == "skip" and not due:
+      if self._done_within_grace(pending):
+        self._raise_background_error(ask_agent=False)
+        return True
       self._skip_busy(step, "the previous snapshot is still being copied")
       return False
     self._wait(pending, self._reserve_timeout(step),
                f"save of step {step}" + (" (due for storage: never skipped)" if due else ""))
     self._raise_background_error(ask_agent=False)
     return True
+
+  def _done_within_grace(self, pending: concurrent.futures.Future) -> bool:
+    """Waits for a copy that is nearly done, at most a tenth of the time the loop
+    took since the last save (a loaded machine's jitter, not a stall)."""
+    grace = min(SKIP_GRACE_FRACTION * (time.perf_counter() - self._last_save_at),
+                SKIP_GRACE_MAX_SECS)
+    done, _ = concurrent.futures.wait([pending], timeout=max(grace, 0.0))
+    return bool(done)
 
   def _persist_due(self, step: int) -> bool:
     """Whether a save of ``step`` is due for storage (such a save is never skipped)."""
@@ -310,9 +339,10 @@ class CheckpointManager:
       return due
     pending = self._pending
     if pending is not None and not pending.done():
-      if self.options.on_busy == "skip":
+      if self.options.on_busy == "wait":
+        return True                   # waits for it, then for a slot (bounded)
+      if not self._done_within_grace(pending):
         return False
-      return True                     # waits for it, then for a slot (bounded)
     return self.options.on_busy == "wait" or self._store.has_free_slot()
 
   def _new_attempt(self, step: int) -> str:

@@ -97,6 +97,13 @@ class HostStore(abc.ABC):
     """Whether a ``reserve`` now would find a slot without waiting."""
     return True
 
+  def persist_to(self, config: PersistConfig) -> None:
+    """From now on, persists the steps committed with a ``persist_attempt`` as
+    ``config`` says (the manager calls it when it has a directory)."""
+    raise errors.InvalidArgumentError(
+        f"{type(self).__name__} does not persist snapshots, so a CheckpointManager with a "
+        "directory cannot use it; implement HostStore.persist_to, or pass directory=None")
+
   #: How often this store replaced a dead backing process (the agent).
   restarts: int = 0
 
@@ -139,8 +146,18 @@ class InProcessStore(HostStore):
     self._buffers: list[np.ndarray | None] = [None] * len(self._table)
     self._manifests: dict[int, SnapshotManifest] = {}
     self._cv = threading.Condition()
-    self._persister = None if persist is None else _persist.Persister(
-        persist, self.read, self._release)
+    self._persister = None
+    if persist is not None:
+      self.persist_to(persist)
+
+  def persist_to(self, config: PersistConfig) -> None:
+    if self._persister is not None and self._persister.config == config:
+      return
+    if self._persister is not None:
+      raise errors.InvalidArgumentError(
+          f"this in-process store persists to {self._persister.config.directory!r} already; "
+          "one store per manager")
+    self._persister = _persist.Persister(config, self.read, self._release)
 
   def _check_budget(self, nbytes: int) -> None:
     _slots.check_budget(slots=len(self._table), nbytes=nbytes, limit_bytes=self._limit,

@@ -243,8 +243,24 @@ class AgentStore(HostStore):
              persist_attempt: str | None = None) -> None:
     if persist_attempt is not None:
       self._attempts[manifest.step] = persist_attempt
-    self._take_persist(self.call("commit", index=slot.index, manifest=manifest.to_json(),
-                                 persist_attempt=persist_attempt))
+    offsets, sizes, sums = [], [], []
+    for leaf in manifest.leaves:          # what the agent verifies, as a compact table
+      for s in leaf.shards:
+        offsets.append(s.offset)
+        sizes.append(s.nbytes)
+        sums.append(s.checksum)
+    self._take_persist(self.call(
+        "commit", index=slot.index, manifest=manifest.to_json(), step=manifest.step,
+        nbytes=manifest.nbytes, spans=[offsets, sizes, sums],
+        process=[manifest.process_index, manifest.process_count],
+        persist_attempt=persist_attempt))
+
+  def persist_to(self, config: Any) -> None:
+    obj = config.to_obj()
+    if obj != self._persist:
+      self._persist = obj
+      self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
+                        limit_bytes=self._limit, persist=self._persist, parity=self._parity)
 
   def _take_persist(self, reply: dict[str, Any]) -> None:
     """Keeps the persist status and errors an agent's reply brings."""
