@@ -9,6 +9,7 @@ import sys
 from jaxckpt.agent import cli as agent_cli
 from jaxckpt.ft import cli as ft_cli
 from jaxckpt import goodput
+from jaxckpt import goodput_plan
 from jaxckpt.universal import cli as universal_cli
 from jaxckpt.universal import convert_cli
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
   convert_cli.register(sub)
   ft_cli.register(sub)
   goodput.register_cli(sub)
+  goodput_plan.register_cli(sub)
   for parser in sub.choices.values():  # subcommand help is plain text, whatever markup its docstring has
     if parser.description:
       parser.description = plain_text(parser.description)

@@ -8,7 +8,7 @@ import pytest
 from jaxckpt import cli
 
 
-@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate"])
+@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate", "plan"])
 def test_each_subcommand_has_help(command, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main([command, "--help"])
@@ -20,7 +20,7 @@ def test_console_script_runs():
   out = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "--help"], capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 0
-  for command in ("agent", "inspect", "verify", "lighthouse", "simulate"):
+  for command in ("agent", "inspect", "verify", "lighthouse", "simulate", "plan"):
     assert command in out.stdout
 
 
@@ -29,11 +29,11 @@ def test_python_dash_m_jaxckpt_runs():
                        text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("usage: jaxckpt")
-  for command in ("agent", "inspect", "verify", "import-orbax", "export-orbax", "lighthouse", "simulate"):
+  for command in ("agent", "inspect", "verify", "import-orbax", "export-orbax", "lighthouse", "simulate", "plan"):
     assert command in out.stdout
 
 
-@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate"])
+@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate", "plan"])
 def test_help_is_plain_text(command, capsys):
   with pytest.raises(SystemExit):
     cli.main([command, "--help"])
