@@ -98,6 +98,7 @@ def test_format_md_claim_on_which_dtypes_zarr_python_reads(tmp_path, dtype, zarr
 def _port_section() -> tuple[str, str, str]:
   text = (_DOCS / "howto.md").read_text()
   section = text.split("## Port an orbax training loop", 1)[1].split("\n## ", 1)[0]
+  section = section.split("\n### ", 1)[0]
   diff, = re.findall(r"```diff\n(.*?)```", section, re.S)
   orbax_src, jaxckpt_src = re.findall(r"```python\n(.*?)```", section, re.S)
   return diff, orbax_src, jaxckpt_src
@@ -111,6 +112,15 @@ def test_the_orbax_port_changes_only_the_import_and_the_manager():
   changed = [line for line in want.splitlines()[2:] if line[:1] in "+-"]
   assert changed[0] == "+import jaxckpt"
   assert all("CheckpointManager" in line or "Options(" in line for line in changed[1:]), changed
+
+
+def test_the_composite_and_grain_example_runs_as_written(tmp_path):
+  text = (_DOCS / "howto.md").read_text()
+  section = text.split("### Several items: `Composite`", 1)[1].split("\n## ", 1)[0].split("\n### ")[0]
+  src, = re.findall(r"```python\n(.*?)```", section, re.S)
+  proc = subprocess.run([sys.executable, "-c", src], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
