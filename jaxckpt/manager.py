@@ -121,7 +121,9 @@ class CheckpointManager:
     self._last_save_at = time.perf_counter()
     self.last_restore: _restore.RestoreInfo | None = None
     self._process = (jax.process_index(), jax.process_count())
-    self._preemption = _preemption.Notice(install=self.options.handle_sigterm)
+    self._preemption = _preemption.Notice(install=self.options.handle_sigterm,
+                                          grace_secs=self.options.sigterm_grace_secs,
+                                          on_deadline=self._close_before_exit)
 
   def _make_store(self) -> HostStore:
     limit = self.options.host_memory_limit_bytes or default_host_memory_limit_bytes()
@@ -723,6 +725,14 @@ class CheckpointManager:
         self._copy_pool.shutdown(wait=True)
       self._store.close()
       self._preemption.uninstall()
+
+  def _close_before_exit(self) -> None:
+    """SIGTERM's grace ran out and the loop never asked ``reached_preemption``: the
+    snapshot in flight is committed (and persisted, if due) before the process ends."""
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except  (the process ends next; say why)
+      logger.exception("closing the manager before the SIGTERM deadline failed")
 
   def __enter__(self) -> "CheckpointManager":
     return self

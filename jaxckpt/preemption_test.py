@@ -141,10 +141,6 @@ for step in range(1, 100_000):           # never asks reached_preemption
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "needs CheckpointManager to pass its options to the notice: in manager.py, "
-    "_preemption.Notice(install=self.options.handle_sigterm, "
-    "grace_secs=self.options.sigterm_grace_secs, on_deadline=self.close)"))
 def test_a_manager_loop_that_never_polls_commits_its_newest_step_and_ends_within_the_grace(tmp_path):
   code, out, secs = _run(MANAGER_LOOP, tmp_path / "ckpt", 4.0, wait=4.0 + 4.0)
   assert code == -signal.SIGTERM and secs < 4.0 + 1.0
