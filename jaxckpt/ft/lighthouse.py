@@ -45,18 +45,22 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-import numpy as np
 import zmq
 
 from jaxckpt import _wire, errors
-from jaxckpt.ft import _intake, _quorum, _requests
+from jaxckpt.ft import _intake, _quorum, _requests, _route
 from jaxckpt.ft._quorum import Member, Quorum, View
 
 logger = logging.getLogger(__name__)
 
 _POLL_SECS = 0.01
 _BATCH = 256                       # messages handled before the next quorum check
+_PUBLIC_BATCH = 64                 # messages read from the public port at a time
+_FLOOD_PAUSE_SECS = 0.005          # after a public batch mostly refused: read only the private port
 _MAX_MESSAGE_BYTES = 1 << 16       # every lighthouse message is far smaller
+_MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
+_RESCAN_SECS = 0.01                # how stale the set of live groups not yet asking may be
+Peer = tuple  # (socket, ZeroMQ identity): where a message came from, and where its answer goes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,7 +91,7 @@ class LighthouseOptions:
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
-  identity: bytes
+  peer: Peer
   request_id: int
   member: Member
   since: float
@@ -111,17 +115,23 @@ class Lighthouse:
     self.options = options or LighthouseOptions()
     self.secret = secret or os.environ.get(_wire.SECRET_ENV) or _wire.new_secret()
     self._key = _wire.secret_bytes(self.secret, who="the lighthouse")
-    self._ctx = zmq.Context()
-    self._sock = _wire.socket(self._ctx, zmq.ROUTER)
-    self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)   # (a larger one drops its connection)
     host, _, port = bind.rpartition(":")
     if not host or not port.isdigit():
       raise errors.InvalidArgumentError(f"Lighthouse bind must be HOST:PORT, got {bind=}")
+    self._ctx = zmq.Context()
+    self._sock = _wire.socket(self._ctx, zmq.ROUTER)
+    self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)   # (a larger one drops its connection)
     if port == "0":
       port = str(self._sock.bind_to_random_port(f"tcp://{host}"))
     else:
       self._sock.bind(f"tcp://{host}:{port}")
     self.address = f"{host}:{port}"
+    # The job's own door (see ft/_route.py): a CURVE handshake keyed by the secret keeps floods out.
+    self._private, self.private_port = None, None
+    if _route.HAS_CURVE:
+      self._private = _route.private_socket(self._ctx, self._key)
+      self._private.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
+      self.private_port = self._private.bind_to_random_port(f"tcp://{host}")
     who = f"the lighthouse at {self.address}"
     self._refusals = _intake.Refusals(logger, who, "not sealed with the job's secret")
     self._malformed = _intake.Refusals(logger, who, "sealed but malformed")
@@ -131,13 +141,16 @@ class Lighthouse:
     self._formation = _quorum.Formation()
     self._last_seen: dict[str, float] = {}
     self._pending: dict[str, _Pending] = {}
-    self._answered: dict[str, tuple[int | None, dict[str, Any], Any]] = {}   # each group's last answer
+    self._answered: dict[str, tuple[int | None, dict[str, Any], bytes | None]] = {}   # each group's last answer
     self._inflight: dict[str, float] = {}
     self._last_members: tuple[str, ...] = ()
     self._behind: set[str] = set()        # members of the last quorum that were catching up
     self._last_step: int | None = None    # the newest step a formed quorum was at
     self._quorums_formed = 0
     self._last_form_secs = 0.0
+    self._first_pending: float | None = None    # when the oldest pending request came
+    self._waiting: set[str] | None = None       # live groups that neither asked nor catch up (last scan)
+    self._scanned_at = 0.0
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._started_at = time.monotonic()
@@ -165,6 +178,8 @@ class Lighthouse:
     if self._thread.is_alive():
       self._thread.join(timeout=5)
     self._sock.close(linger=0)
+    if self._private is not None:
+      self._private.close(linger=0)
     self._ctx.term()
 
   def __enter__(self) -> Lighthouse:
@@ -178,22 +193,44 @@ class Lighthouse:
     with self._lock:
       return self._status(time.monotonic())
 
-  # ---- the loop: one batch of messages, sealed ones first, then maybe a quorum ---------------------
+  # ---- the loop: a batch from each door, sealed messages first, then maybe a quorum ----------------
 
   def _run(self) -> None:
+    both, private_only = zmq.Poller(), zmq.Poller()
+    both.register(self._sock, zmq.POLLIN)
+    if self._private is not None:
+      both.register(self._private, zmq.POLLIN)
+      private_only.register(self._private, zmq.POLLIN)
+    quiet_until = 0.0                 # the public port is not read before (it was flooded)
     while not self._stop.is_set():
-      batch = _intake.drain(self._sock, _POLL_SECS, _BATCH)
-      unsealed = [f for f in batch if not _intake.looks_sealed(f)]
-      with self._lock:
-        for frames in batch:
-          if _intake.looks_sealed(frames):
-            self._guarded(self._handle, frames)
-        self._guarded(self._maybe_form, time.monotonic())
       now = time.monotonic()
-      for frames in unsealed:              # dropped unread: counted, and answered sparingly
-        self._refuse(frames[0], "a message without the job's secret was refused", now)
-      self._refusals.maybe_log(now)
-      self._malformed.maybe_log(now)
+      paused = self._private is not None and now < quiet_until
+      ready = dict((private_only if paused else both).poll(
+          1000 * (min(_POLL_SECS, quiet_until - now) if paused else _POLL_SECS)))
+      batch = [((self._private, f[0]), f) for f in self._read(self._private, ready, _BATCH)]
+      public = [((self._sock, f[0]), f) for f in self._read(self._sock, ready, _PUBLIC_BATCH)]
+      refused = self._refusals.count
+      self._serve(batch + public)
+      if self._refusals.count - refused > _PUBLIC_BATCH // 2:
+        quiet_until = time.monotonic() + _FLOOD_PAUSE_SECS   # (so a flood costs a bounded share of a core)
+
+  @staticmethod
+  def _read(sock: zmq.Socket | None, ready: dict[Any, int], limit: int) -> list[list[bytes]]:
+    return _intake.drain(sock, 0, limit) if sock is not None and sock in ready else []
+
+  def _serve(self, batch: list[tuple[Peer, list[bytes]]]) -> None:
+    """Handles the sealed messages of ``batch``, checks for a quorum, then refuses the rest."""
+    with self._lock:
+      for peer, frames in batch:
+        if _intake.looks_sealed(frames):
+          self._guarded(self._handle, peer, frames)
+      self._guarded(self._maybe_form, time.monotonic())
+    now = time.monotonic()
+    for peer, frames in batch:             # dropped unread: counted, and answered sparingly
+      if not _intake.looks_sealed(frames):
+        self._refuse(peer, "a message without the job's secret was refused", now)
+    self._refusals.maybe_log(now)
+    self._malformed.maybe_log(now)
 
   def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
     """``fn(*args)``; a bug in it is logged and counted, never the end of the loop."""
@@ -203,53 +240,70 @@ class Lighthouse:
       self._malformed.add(f"internal error {type(e).__name__}: {e}")
       logger.exception("lighthouse at %s: internal error (serving on)", self.address)
 
-  def _refuse(self, identity: bytes, reason: str, now: float) -> None:
+  def _refuse(self, peer: Peer, reason: str, now: float) -> None:
     self._refusals.add(reason)
-    if self._answers.allow(identity, now):
-      _wire.send(self._sock, [identity, *_wire.refusal(
+    if self._answers.allow(peer, now):
+      _wire.send(peer[0], [peer[1], *_wire.refusal(
           f"the lighthouse at {self.address} refused a message: {reason}")])
 
-  def _handle(self, frames: list[bytes]) -> None:
-    identity, now = frames[0], time.monotonic()
+  def _handle(self, peer: Peer, frames: list[bytes]) -> None:
+    now = time.monotonic()
     try:
       header, _ = _wire.open_(self._key, frames[1:])
     except errors.PermissionDeniedError as e:
-      self._refuse(identity, str(e), now)
+      self._refuse(peer, str(e), now)
       return
     except Exception:  # pylint: disable=broad-except  (a header that verifies but does not decode)
-      self._refuse(identity, "malformed", now)
+      self._refuse(peer, "malformed", now)
       return
     try:
       request = _requests.parse(header)
     except errors.InvalidArgumentError as e:
       self._malformed.add(str(e))
-      self._reply(identity, {"op": "refused", "request_id": _requests.request_id_of(header),
-                             "error": f"the lighthouse at {self.address} refused a message: {e}"})
+      self._reply(peer, {"op": "refused", "request_id": _requests.request_id_of(header),
+                         "error": f"the lighthouse at {self.address} refused a message: {e}"})
       return
-    self._apply(identity, request, now)
+    self._apply(peer, request, now)
 
-  def _reply(self, identity: bytes, header: dict[str, Any], arrays: Any = ()) -> None:
-    _wire.send(self._sock, [identity, *_wire.seal(self._key, header, arrays)])
+  def _reply(self, peer: Peer, header: dict[str, Any], attachment: bytes | None = None) -> None:
+    """Sends ``header`` sealed, and ``attachment`` (authenticated by a hash in the header) as a raw frame."""
+    if peer[0] is self._sock and self.private_port is not None:
+      header = dict(header, private=self.private_port)    # (where the job's own traffic goes)
+    mac, body = _wire.seal(self._key, header)
+    sock = peer[0]
+    # Frame by frame with int flags, copied: send_multipart's flag arithmetic and zero-copy
+    # frames cost more than the send itself on frames this small (a quorum sends G replies).
+    # A ROUTER never blocks: it drops what a peer that stopped reading has no room for.
+    sock.send(peer[1], _MORE)
+    sock.send(mac, _MORE)
+    if attachment is None:
+      sock.send(body, _LAST)
+    else:
+      sock.send(body, _MORE)
+      sock.send(attachment, _LAST)
 
-  def _apply(self, identity: bytes, request: _requests.Request, now: float) -> None:
+  def _apply(self, peer: Peer, request: _requests.Request, now: float) -> None:
     if isinstance(request, _requests.Heartbeat):
+      if self._last_seen.setdefault(request.group, now) == now:
+        self._waiting = None            # (a group not seen before: who is waited for changes)
       self._last_seen[request.group] = now
     elif isinstance(request, _requests.QuorumRequest):
-      self._ask(identity, request, now)
+      self._ask(peer, request, now)
     elif isinstance(request, _requests.Ready):   # a member catching up is about to ask in sync
       self._behind.discard(request.group)
       self._last_seen[request.group] = now
+      self._waiting = None
     else:
-      self._reply(identity, dict(self._status(now), op="status", request_id=request.request_id))
+      self._reply(peer, dict(self._status(now), op="status", request_id=request.request_id))
 
-  def _ask(self, identity: bytes, request: _requests.QuorumRequest, now: float) -> None:
+  def _ask(self, peer: Peer, request: _requests.QuorumRequest, now: float) -> None:
     member = request.member
     if self._last_step is not None and member.step > self._last_step + 1:
       # Members advance one step per quorum: a claim beyond that is a bug or a lie,
       # and admitting it would make every honest group look behind (a stalled job).
       self._malformed.add(f"group {member.group_id!r} claims step {member.step}, the job is at "
                           f"{self._last_step}")
-      self._reply(identity, {
+      self._reply(peer, {
           "op": "refused", "request_id": request.request_id,
           "error": f"step {member.step} claimed, but the job's newest quorum was at step "
                    f"{self._last_step}: a group can be at most one step ahead"})
@@ -259,13 +313,17 @@ class Lighthouse:
     if answered is not None and request.ask is not None and answered[0] == request.ask:
       # A resend of an ask already answered (its reply crossed it, or was lost): the same
       # answer again, never a new pending request that the next quorum would count on.
-      self._reply(identity, dict(answered[1], request_id=request.request_id), answered[2])
+      self._reply(peer, dict(answered[1], request_id=request.request_id), answered[2])
       return
     self._last_seen[gid] = now
     self._inflight.pop(gid, None)
     self._behind.discard(gid)
     old = self._pending.get(gid)
-    self._pending[gid] = _Pending(identity, request.request_id, member, old.since if old else now,
+    if old is None and self._waiting is not None:
+      self._waiting.discard(gid)
+    if not self._pending:
+      self._first_pending = now
+    self._pending[gid] = _Pending(peer, request.request_id, member, old.since if old else now,
                                   request.view, request.ask)
 
   def _status(self, now: float) -> dict[str, Any]:
@@ -295,10 +353,19 @@ class Lighthouse:
     straggler = opts.straggler_timeout.total_seconds()
     if any(now - t < straggler and self._is_live(g, now) for g, t in self._inflight.items()):
       return                                  # (the first busy one ends the scan)
-    first = min(p.since for p in self._pending.values())
-    if now - first < join and self._live(now) - self._pending.keys() - self._behind:
+    first = min(p.since for p in self._pending.values()) if self._first_pending is None else self._first_pending
+    if now - first < join and self._waiting_for(now):
       return
     self._form(now)
+
+  def _waiting_for(self, now: float) -> bool:
+    """Whether a live group has neither asked nor is catching up. The full scan runs
+    at most every _RESCAN_SECS and after membership changes; in between, each
+    request only takes its group off the set the last scan found."""
+    if self._waiting is None or now - self._scanned_at >= _RESCAN_SECS:
+      self._waiting = self._live(now) - self._pending.keys() - self._behind
+      self._scanned_at = now
+    return bool(self._waiting)
 
   def _form(self, now: float) -> None:
     t0 = time.perf_counter()
@@ -310,11 +377,11 @@ class Lighthouse:
     dropped = [g for g in self._last_members if g not in self._pending]
     for p, (_, reply, blob) in zip(pending, self._formation.replies(quorum_id, members, held,
                                                                       healthy=healthy)):
-      arrays = () if blob is None else (np.frombuffer(blob, np.uint8),)
       header = {"op": "quorum", "request_id": p.request_id, "quorum": reply}
-      self._reply(p.identity, header, arrays)
-      self._answered[p.member.group_id] = (p.ask, header, arrays)
+      self._reply(p.peer, header, blob)
+      self._answered[p.member.group_id] = (p.ask, header, blob)
     self._pending.clear()
+    self._first_pending, self._waiting = None, None
     ids = tuple(m.group_id for m in members)
     self._inflight = {m.group_id: now for m in healthy}   # members that are behind catch up first:
     self._behind = set(ids) - self._inflight.keys()         # neither is waited for
@@ -342,8 +409,7 @@ class LighthouseClient:
     # Request ids start at random: an ask is named by its first one, and a restarted
     # group's asks must not look like resends of its previous life's.
     self._ids = itertools.count(secrets.randbits(48) + 1)
-    self._sock = _wire.socket(ctx, zmq.DEALER, immediate=True)
-    self._sock.connect(f"tcp://{address}")
+    self._route = _route.Route(ctx, address, self._secret)   # the public port, then the private one
     self.view = View()
 
   def quorum(self, member: Member, timeout: timedelta) -> Quorum | None:
@@ -365,11 +431,11 @@ class LighthouseClient:
         ask = request_id if ask is None else ask
         sent.add(request_id)
         if not self._drop():
-          _wire.send(self._sock, _wire.seal(self._secret, {
+          self._route.send(_wire.seal(self._secret, {
               "op": "quorum", "request_id": request_id, "member": member.to_wire(), "view": view,
-              "ask": ask}))
+              "ask": ask}), deadline)
         next_send = now + self._resend_secs
-      frames = _wire.recv(self._sock, min(deadline, next_send) - now)
+      frames = self._route.recv(min(deadline, next_send) - now)
       if frames is None or self._drop():
         continue
       try:
@@ -378,6 +444,8 @@ class LighthouseClient:
         raise errors.PermissionDeniedError(
             f"group {member.group_id!r}: {e}; give every group the lighthouse's secret "
             f"(ReplicaGroup(secret=...) or ${_wire.SECRET_ENV})") from None
+      if self._route.learn(header):
+        next_send = 0.0                   # (asks again at once, through the private port)
       if header.get("op") == "quorum" and header.get("request_id") in sent:
         wire = dict(header["quorum"])
         if raw:
@@ -388,10 +456,10 @@ class LighthouseClient:
   def ready(self, group_id: str) -> None:
     """Tells the lighthouse that ``group_id`` (catching up) asks in sync next."""
     if not self._drop():
-      _wire.send(self._sock, _wire.seal(self._secret, {"op": "ready", "group": group_id}))
+      self._route.send(_wire.seal(self._secret, {"op": "ready", "group": group_id}))
 
   def close(self) -> None:
-    self._sock.close(linger=0)
+    self._route.close()
 
 
 class Heartbeat:

@@ -1,0 +1,102 @@
+"""The lighthouse's two doors: a public port for anyone, a private one only the job can open.
+
+Anyone who reaches the lighthouse's public address can send to it as fast as a
+core allows, and a server must read a message to learn it is garbage. So the
+lighthouse also listens on a *private* port secured with ZeroMQ's CURVE
+handshake, whose server key is derived from the job's secret (HMAC-SHA256 of a
+fixed label): a process without the secret cannot complete the handshake, and
+what it sends there never reaches Python. Messages on both ports are sealed and
+checked the same way (:mod:`jaxckpt._wire`); the private port only keeps the
+job's own traffic apart from a flood, which the lighthouse reads on the public
+port at a bounded rate.
+
+A client (:class:`Route`) starts on the public address, learns the private port
+from the first sealed reply (its ``private`` field) and moves there; when a send
+to the private port cannot go out (the lighthouse restarted: another private
+port), it moves back and learns the new one. A client with a wrong secret never
+moves: the public port answers it with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import time
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+
+from jaxckpt import _wire
+
+_LABEL = b"jaxckpt lighthouse private port (CURVE server key)"
+_CONNECT_SECS = 2.0               # how long a new connection may take to complete its handshake
+
+HAS_CURVE = zmq.has("curve")
+
+
+def curve_keys(key: bytes) -> tuple[bytes, bytes]:
+  """The private port's CURVE (public, secret) server keys (z85) for the job's secret ``key``."""
+  secret = z85.encode(hmac.new(key, _LABEL, hashlib.sha256).digest())
+  return zmq.curve_public(secret), secret
+
+
+def private_socket(ctx: zmq.Context, key: bytes) -> zmq.Socket:
+  """The lighthouse's private ROUTER socket (not bound yet)."""
+  sock = _wire.socket(ctx, zmq.ROUTER)
+  sock.curve_server = True
+  sock.curve_secretkey = curve_keys(key)[1]
+  return sock
+
+
+class Route:
+  """A client's DEALER socket to the lighthouse: the public address, or its private port once known."""
+
+  def __init__(self, ctx: zmq.Context, address: str, key: bytes) -> None:
+    self._ctx, self.address, self._key = ctx, address, key
+    self._host = address.rpartition(":")[0]
+    self.private: int | None = None
+    self._connected_by = 0.0              # a new connection's handshake is waited for until then
+    self.sock = self._open(None)
+
+  def learn(self, header: dict[str, Any]) -> bool:
+    """Moves to the private port a sealed reply names, if not there yet; whether it moved."""
+    port = header.get("private")
+    if not HAS_CURVE or self.private is not None or not isinstance(port, int) or not 0 < port < 65536:
+      return False
+    self._move(port)
+    return True
+
+  def send(self, frames: list[Any], deadline: float | None = None) -> bool:
+    """Sends without blocking, but for a new connection's handshake (until ``deadline``
+    at the latest); False if it could not go out."""
+    if _wire.send(self.sock, frames):
+      return True
+    left = min(self._connected_by, math.inf if deadline is None else deadline) - time.monotonic()
+    if left > 0 and self.sock.poll(int(left * 1000) + 1, zmq.POLLOUT) and _wire.send(self.sock, frames):
+      return True
+    if self.private is None:
+      return False
+    self._move(None)                      # the private port is gone: back to the public one
+    return _wire.send(self.sock, frames)
+
+  def recv(self, timeout_secs: float) -> list[Any] | None:
+    return _wire.recv(self.sock, timeout_secs)
+
+  def close(self) -> None:
+    self.sock.close(linger=0)
+
+  def _move(self, port: int | None) -> None:
+    self.sock.close(linger=0)
+    self.private = port
+    self.sock = self._open(port)
+
+  def _open(self, port: int | None) -> zmq.Socket:
+    self._connected_by = time.monotonic() + _CONNECT_SECS
+    sock = _wire.socket(self._ctx, zmq.DEALER, immediate=True)
+    if port is not None:
+      sock.curve_serverkey = curve_keys(self._key)[0]
+      sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(f"tcp://{self.address if port is None else f'{self._host}:{port}'}")
+    return sock
