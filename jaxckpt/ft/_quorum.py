@@ -24,10 +24,14 @@ and a quorum costs the lighthouse O(G); a new member gets the whole view once.
 >>> a = Member(group_id="g0", address="h:1", step=3, digest=7, ring_address="h:2")
 >>> b = Member(group_id="g1", address="h:3", step=3, digest=7, ring_address="h:4")
 >>> formed = Formation(max_views=4)
->>> replies = {g: (r, blob) for g, r, blob in formed.replies("q-0", [a, b], {"g0": "", "g1": ""})}
->>> q = View().resolve("g1", dict(replies["g1"][0], delta=replies["g1"][1]))
+>>> view = View()
+>>> gid, reply, blob = formed.replies("q-0", [a, b], {"g0": "", "g1": ""})[1]
+>>> q = view.resolve("g1", dict(reply, delta=blob))
 >>> q.members, q.healthy, q.rank("g1"), q.left.group_id, q.max_step
 (('g0', 'g1'), ('g0', 'g1'), 1, 'g0', 3)
+>>> gid, reply, blob = formed.replies("q-1", [a, b], {"g0": view.key, "g1": view.key})[1]
+>>> blob is None, view.resolve("g1", reply).members         # nothing changed: no membership sent
+(True, ('g0', 'g1'))
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import msgpack
 
@@ -122,11 +126,8 @@ def healthy_of(members: Sequence[Member]) -> list[Member]:
 
 def view_key(flags: dict[str, bool]) -> str:
   """The name of a view: a hash of its sorted ids and their healthy flags."""
-  h = hashlib.blake2b(digest_size=16)
-  for gid in sorted(flags):
-    h.update(gid.encode())
-    h.update(b"\x01" if flags[gid] else b"\x00")
-  return h.hexdigest()
+  text = "\n".join(f"{gid}\t{int(flags[gid])}" for gid in sorted(flags))
+  return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 class Formation:
@@ -140,7 +141,7 @@ class Formation:
 
   def replies(self, quorum_id: str, members: Sequence[Member], held: dict[str, str], *,
               healthy: Sequence[Member] | None = None
-              ) -> Iterator[tuple[str, dict[str, Any], bytes | None]]:
+              ) -> list[tuple[str, dict[str, Any], bytes | None]]:
     """``(group_id, reply, attachment)`` for every member: ``members`` sorted by
     id, ``held`` maps each to the view key it holds ("" for none), ``healthy`` is
     :func:`healthy_of` the members (computed here if not given)."""
@@ -153,6 +154,7 @@ class Formation:
     self._last_ids = ids
     attachments: dict[str, tuple[bytes, bytes] | None] = {}   # per view held: (difference, its hash)
     ring = {m.group_id: i for i, m in enumerate(healthy)}
+    out = []
     head = {"id": quorum_id, "step": healthy[0].step, "digest": healthy[0].digest, "n": len(ids),
             "view": key}
     for rank, m in enumerate(members):
@@ -170,8 +172,9 @@ class Formation:
         reply["right"] = healthy[(pos + 1) % len(healthy)].to_wire()
       else:
         reply["peers"] = [p.to_wire() for p in _peers(healthy, rank)]
-      yield m.group_id, reply, None if attached is None else attached[0]
+      out.append((m.group_id, reply, None if attached is None else attached[0]))
     self._remember(key, flags)
+    return out
 
   def _difference(self, base: str, flags: dict[str, bool], key: str, dropped: list[str]) -> bytes | None:
     old = self._views.get(base)

@@ -1,6 +1,7 @@
 """The lighthouse against real clients on loopback (port 0)."""
 
 import dataclasses
+import statistics
 import threading
 import time
 from datetime import timedelta
@@ -12,6 +13,7 @@ import zmq
 
 from jaxckpt import _wire, errors
 from jaxckpt.ft import _requests
+from jaxckpt.ft._simulate import SimulatedGroups
 from jaxckpt.ft.lighthouse import Heartbeat, Lighthouse, LighthouseClient, LighthouseOptions, Member
 
 FAST = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5),
@@ -337,3 +339,31 @@ def test_a_resend_of_an_answered_ask_gets_the_same_answer_and_is_not_a_new_reque
     finally:
       sock.close()
       ctx.term()
+
+
+# ---- scale (issue 24) ---------------------------------------------------------------------------------
+
+
+def _rounds(groups: int, steady: int = 5):
+  opts = LighthouseOptions(min_replicas=groups, join_timeout=timedelta(milliseconds=10),
+                           heartbeat_timeout=timedelta(seconds=120), straggler_timeout=timedelta(seconds=120))
+  with Lighthouse("127.0.0.1:0", opts) as lh, SimulatedGroups(lh, groups) as sim:
+    cold = sim.round()                      # every member gets the whole view once
+    return cold, [sim.round() for _ in range(steady)]
+
+
+def test_quorum_cost_per_group_stays_flat_as_groups_grow():
+  small, large = 64, 1024
+  (cold_s, steady_s), (cold_l, steady_l) = _rounds(small), _rounds(large)
+  # Bytes: a member's steady-state reply does not grow with the job (it used to list every member).
+  per_member = lambda rs, g: statistics.median(r.reply_bytes_total for r in rs) / g
+  assert per_member(steady_l, large) <= 1.1 * per_member(steady_s, small), (steady_s[0], steady_l[0])
+  assert max(r.reply_bytes_max for r in steady_l) < 512
+  # Time per group, 16x the groups: a quadratic cost would be ~16x per group; linear is ~1x.
+  per_group = lambda rs, g, f: statistics.median(getattr(r, f) for r in rs) / g
+  ratio = per_group(steady_l, large, "quorum_secs") / per_group(steady_s, small, "quorum_secs")
+  assert ratio < 4, (ratio, [r.quorum_secs for r in steady_s], [r.quorum_secs for r in steady_l])
+  # The first quorum carries the whole membership to each member, packed once: the
+  # lighthouse's own time per group stays flat there too.
+  cold_ratio = (cold_l.form_secs / large) / (cold_s.form_secs / small)
+  assert cold_ratio < 4, (cold_ratio, cold_s, cold_l)
