@@ -63,10 +63,8 @@ def flatten(state: PyTree) -> tuple[list[Leaf], Any]:
       _PATHS.pop(next(iter(_PATHS)))
     paths = _PATHS[treedef] = [jax.tree_util.keystr(p) for p, _ in
                                jax.tree_util.tree_flatten_with_path(state)[0]]
-  out = [_classify(p, x) for p, x in zip(paths, leaves)]
-  if None in out:              # static callables (rare): not saved
-    out = [leaf for leaf in out if leaf is not None]
-  return out, treedef
+  # _classify gives None for a static callable: not saved
+  return [leaf for leaf in map(_classify, paths, leaves) if leaf is not None], treedef
 
 
 _PATHS: dict[Any, list[str]] = {}
