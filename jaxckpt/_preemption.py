@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -83,6 +84,7 @@ class Notice:
       if current in (signal.SIG_DFL, None):
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True
+        _INSTALLED.add(self)
         self._watch()
       else:
         logger.info("SIGTERM already handled by %r; relying on it for preemption", current)
@@ -218,12 +220,38 @@ class Notice:
     if self._installed and threading.current_thread() is threading.main_thread():
       signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
       self._installed = False
+      _INSTALLED.discard(self)
       if self._wakeup is not None:
         if signal.set_wakeup_fd(-1) != self._wakeup[1]:
           logger.warning("the signal wakeup fd was replaced while the preemption notice held it")
         for fd in self._wakeup:
           os.close(fd)                 # the watcher's read ends: it returns
         self._wakeup = None
+
+
+_INSTALLED: "weakref.WeakSet[Notice]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+  """A forked child (a data loader's worker, a pool's) inherits the handler and the wakeup fd:
+  a SIGTERM sent to it (``Pool.terminate()``) would start the parent's grace through the shared
+  pipe, and the child would outlive it. The notice is the parent's: the child gets SIGTERM's
+  default action back and its copies of the pipe are closed."""
+  for notice in list(_INSTALLED):
+    _INSTALLED.discard(notice)
+    notice._installed = False      # pylint: disable=protected-access
+    try:
+      signal.signal(signal.SIGTERM, signal.SIG_DFL)
+      if notice._wakeup is not None:  # pylint: disable=protected-access
+        signal.set_wakeup_fd(-1)
+        for fd in notice._wakeup:     # pylint: disable=protected-access
+          os.close(fd)
+    except (ValueError, OSError):
+      pass
+    notice._wakeup = None          # pylint: disable=protected-access
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def terminate(why: str) -> None:

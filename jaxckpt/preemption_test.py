@@ -118,6 +118,28 @@ def test_a_second_sigterm_ends_the_process_at_once():
   assert secs < 5.0
 
 
+FORK = r"""
+import os, signal, sys, time
+from jaxckpt import _preemption
+notice = _preemption.Notice(install=True, grace_secs=30.0)
+child = os.fork()
+if child == 0:                              # a worker, as a data loader or a pool forks one
+    time.sleep(60)
+    os._exit(0)
+time.sleep(0.5)
+os.kill(child, signal.SIGTERM)              # Pool.terminate() does this
+_, status = os.waitpid(child, 0)
+time.sleep(0.5)
+print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, notice.event.is_set())
+"""
+
+
+def test_a_forked_child_dies_of_sigterm_and_the_parent_hears_nothing():
+  out = subprocess.run([sys.executable, "-c", FORK], capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == ["True", "False"]
+
+
 def test_the_default_grace_fits_inside_common_schedulers():
   grace = jc.CheckpointOptions().sigterm_grace_secs
   assert grace == _preemption.DEFAULT_GRACE_SECS <= 25.0        # Kubernetes, Slurm, GCE: 30 s
