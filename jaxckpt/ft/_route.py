@@ -11,16 +11,19 @@ job's own traffic apart from a flood, which the lighthouse reads on the public
 port at a bounded rate.
 
 A client (:class:`Route`) starts on the public address, learns the private port
-from the first sealed reply (its ``private`` field) and moves there; when a send
-to the private port cannot go out (the lighthouse restarted: another private
-port), it moves back and learns the new one. A client with a wrong secret never
-moves: the public port answers it with the reason.
+from the first sealed reply (its ``private`` field) and moves there once its
+handshake completes (a port that does not answer, say behind a firewall, is not
+tried again: the client stays on the public address); when a send to the
+private port cannot go out (the lighthouse restarted: another private port), it
+moves back and learns the new one. A client with a wrong secret never moves: the
+public port answers it with the reason.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import time
 from typing import Any
@@ -29,6 +32,8 @@ import zmq
 from zmq.utils import z85
 
 from jaxckpt import _wire
+
+logger = logging.getLogger(__name__)
 
 _LABEL = b"jaxckpt lighthouse private port (CURVE server key)"
 _CONNECT_SECS = 2.0               # how long a new connection may take to complete its handshake
@@ -58,28 +63,44 @@ class Route:
     self._host = address.rpartition(":")[0]
     self.private: int | None = None
     self._connected_by = 0.0              # a new connection's handshake is waited for until then
+    self._up = False                      # whether this socket's connection was up once
+    self._unreachable: int | None = None  # a private port whose handshake never completed
     self.sock = self._open(None)
 
   def learn(self, header: dict[str, Any]) -> bool:
     """Moves to the private port a sealed reply names, if not there yet; whether it moved."""
     port = header.get("private")
-    if not HAS_CURVE or self.private is not None or not isinstance(port, int) or not 0 < port < 65536:
+    if (not HAS_CURVE or self.private is not None or not isinstance(port, int) or not 0 < port < 65536
+        or port == self._unreachable):
       return False
     self._move(port)
+    if not self.sock.poll(int(_CONNECT_SECS * 1000), zmq.POLLOUT):   # its handshake (a firewall?)
+      logger.warning("the lighthouse's private port %s:%d did not answer within %.0f s: staying on "
+                     "its public address %s", self._host, port, _CONNECT_SECS, self.address)
+      self._unreachable = port
+      self._move(None)
+      return False
+    self._up = True
     return True
 
   def send(self, frames: list[Any], deadline: float | None = None) -> bool:
     """Sends without blocking, but for a new connection's handshake (until ``deadline``
     at the latest); False if it could not go out."""
-    if _wire.send(self.sock, frames):
+    if self._sent(frames):
       return True
-    left = min(self._connected_by, math.inf if deadline is None else deadline) - time.monotonic()
-    if left > 0 and self.sock.poll(int(left * 1000) + 1, zmq.POLLOUT) and _wire.send(self.sock, frames):
-      return True
+    if not self._up:                      # a new connection: its handshake may take a moment
+      left = min(self._connected_by, math.inf if deadline is None else deadline) - time.monotonic()
+      if left > 0 and self.sock.poll(int(left * 1000) + 1, zmq.POLLOUT) and self._sent(frames):
+        return True
     if self.private is None:
       return False
     self._move(None)                      # the private port is gone: back to the public one
-    return _wire.send(self.sock, frames)
+    return self.send(frames, deadline)
+
+  def _sent(self, frames: list[Any]) -> bool:
+    ok = _wire.send(self.sock, frames)
+    self._up = self._up or ok             # (it was up once: a later failure means it is gone)
+    return ok
 
   def recv(self, timeout_secs: float) -> list[Any] | None:
     return _wire.recv(self.sock, timeout_secs)
@@ -93,7 +114,7 @@ class Route:
     self.sock = self._open(port)
 
   def _open(self, port: int | None) -> zmq.Socket:
-    self._connected_by = time.monotonic() + _CONNECT_SECS
+    self._connected_by, self._up = time.monotonic() + _CONNECT_SECS, False
     sock = _wire.socket(self._ctx, zmq.DEALER, immediate=True)
     if port is not None:
       sock.curve_serverkey = curve_keys(self._key)[0]

@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
                  help="wait this long for live groups that have not asked yet (default 1)")
   p.add_argument("--straggler-timeout", type=float, default=60.0, metavar="SECS",
                  help="wait this long for busy members of the previous quorum (default 60)")
+  p.add_argument("--private-port", type=int, default=0, metavar="PORT",
+                 help="port of the job's private door on the same interface (CURVE, keyed by the "
+                      "secret; groups learn it from the lighthouse's replies); default 0: any free port")
   p.add_argument("--secret-file", metavar="PATH",
                  help="file holding the job's secret (mode 0600); default: $JAXCKPT_JOB_SECRET")
   p.set_defaults(func=run_lighthouse)
@@ -56,7 +59,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
   stop = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: stop.set())
-  with Lighthouse(args.bind, options, secret=secret) as lighthouse:
+  with Lighthouse(args.bind, options, secret=secret, private_port=args.private_port) as lighthouse:
     print(f"lighthouse serving on {lighthouse.address}", flush=True)
     stop.wait()
   return 0

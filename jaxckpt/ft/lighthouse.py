@@ -28,6 +28,11 @@ and changes nothing. The loop takes what is queued in bounded batches, handles
 the sealed messages of a batch before it answers anyone else, and checks for a
 quorum after every batch, so no flood keeps it from forming one.
 
+The job's own traffic moves to a second, *private* port (:mod:`jaxckpt.ft._route`:
+a CURVE handshake keyed by the secret, so nothing a stranger sends there reaches
+Python); the public address stays open to anyone, and while a flood fills it,
+it is read at a bounded rate and the private port is served first.
+
 A member of a quorum that was behind (catching up) is never waited for when the
 next quorum forms: it joins one once it has caught up.
 """
@@ -104,6 +109,9 @@ class Lighthouse:
 
   ``secret`` is the job's secret (else ``$JAXCKPT_JOB_SECRET``, else a new
   random one): hand ``lighthouse.secret`` to every group of the job.
+  ``private_port`` is the port of the job's private door on the same interface
+  (0: any free one, told to the groups in every sealed reply; None: none, all
+  traffic on ``bind``).
 
   >>> with Lighthouse("127.0.0.1:0", LighthouseOptions(min_replicas=1)) as lh:
   ...   lh.address.startswith("127.0.0.1:")
@@ -111,7 +119,7 @@ class Lighthouse:
   """
 
   def __init__(self, bind: str = "127.0.0.1:0", options: LighthouseOptions | None = None, *,
-               secret: str | None = None):
+               secret: str | None = None, private_port: int | None = 0):
     self.options = options or LighthouseOptions()
     self.secret = secret or os.environ.get(_wire.SECRET_ENV) or _wire.new_secret()
     self._key = _wire.secret_bytes(self.secret, who="the lighthouse")
@@ -128,10 +136,14 @@ class Lighthouse:
     self.address = f"{host}:{port}"
     # The job's own door (see ft/_route.py): a CURVE handshake keyed by the secret keeps floods out.
     self._private, self.private_port = None, None
-    if _route.HAS_CURVE:
+    if _route.HAS_CURVE and private_port is not None:
       self._private = _route.private_socket(self._ctx, self._key)
       self._private.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
-      self.private_port = self._private.bind_to_random_port(f"tcp://{host}")
+      if private_port == 0:
+        self.private_port = self._private.bind_to_random_port(f"tcp://{host}")
+      else:
+        self._private.bind(f"tcp://{host}:{private_port}")
+        self.private_port = private_port
     who = f"the lighthouse at {self.address}"
     self._refusals = _intake.Refusals(logger, who, "not sealed with the job's secret")
     self._malformed = _intake.Refusals(logger, who, "sealed but malformed")
@@ -411,6 +423,11 @@ class LighthouseClient:
     self._ids = itertools.count(secrets.randbits(48) + 1)
     self._route = _route.Route(ctx, address, self._secret)   # the public port, then the private one
     self.view = View()
+
+  @property
+  def private_port(self) -> int | None:
+    """The lighthouse's private port this client sends through, once it learned it."""
+    return self._route.private
 
   def quorum(self, member: Member, timeout: timedelta) -> Quorum | None:
     """This member's view of the quorum of the next step attempt, or None if none formed within ``timeout``."""

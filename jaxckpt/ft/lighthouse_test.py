@@ -354,16 +354,42 @@ def _rounds(groups: int, steady: int = 5):
 
 def test_quorum_cost_per_group_stays_flat_as_groups_grow():
   small, large = 64, 1024
-  (cold_s, steady_s), (cold_l, steady_l) = _rounds(small), _rounds(large)
+  runs = {g: [_rounds(g, steady=5 if i == 0 else 0) for i in range(3)] for g in (small, large)}
+  steady_s, steady_l = runs[small][0][1], runs[large][0][1]
   # Bytes: a member's steady-state reply does not grow with the job (it used to list every member).
   per_member = lambda rs, g: statistics.median(r.reply_bytes_total for r in rs) / g
   assert per_member(steady_l, large) <= 1.1 * per_member(steady_s, small), (steady_s[0], steady_l[0])
   assert max(r.reply_bytes_max for r in steady_l) < 512
-  # Time per group, 16x the groups: a quadratic cost would be ~16x per group; linear is ~1x.
+  # Time per group (medians), 16x the groups: a quadratic cost would be ~16x per group (a reply
+  # listing every member measured ~20x); linear ~1x (0.4-2x here, loaded).
   per_group = lambda rs, g, f: statistics.median(getattr(r, f) for r in rs) / g
   ratio = per_group(steady_l, large, "quorum_secs") / per_group(steady_s, small, "quorum_secs")
   assert ratio < 4, (ratio, [r.quorum_secs for r in steady_s], [r.quorum_secs for r in steady_l])
   # The first quorum carries the whole membership to each member, packed once: the
-  # lighthouse's own time per group stays flat there too.
-  cold_ratio = (cold_l.form_secs / large) / (cold_s.form_secs / small)
-  assert cold_ratio < 4, (cold_ratio, cold_s, cold_l)
+  # lighthouse's own time per group stays about flat there too (its bytes do grow with G; here
+  # 1.5-4x on a loaded 2-core machine; packing the view per member measured 11-16x).
+  cold = {g: [cold for cold, _ in runs[g]] for g in runs}
+  cold_ratio = per_group(cold[large], large, "form_secs") / per_group(cold[small], small, "form_secs")
+  assert cold_ratio < 6, (cold_ratio, cold)
+
+
+@pytest.mark.parametrize("same_private_port", [False, True])
+def test_a_client_on_the_private_port_follows_a_restarted_lighthouse(same_private_port):
+  ctx = zmq.Context()
+  lh = Lighthouse("127.0.0.1:0", FAST).start()
+  client = None
+  try:
+    client = LighthouseClient(ctx, lh.address, resend_secs=0.2)
+    assert client.quorum(_member("g0", 0), timedelta(seconds=5)) is not None
+    assert client.private_port == lh.private_port is not None        # it moved to the private port
+    address, private = lh.address, lh.private_port
+    lh.stop()
+    lh = Lighthouse(address, FAST, private_port=private if same_private_port else 0).start()
+    got = client.quorum(_member("g0", 1), timedelta(seconds=10))
+    assert got is not None and got.members == ("g0",)
+    assert client.private_port == lh.private_port
+  finally:
+    if client is not None:
+      client.close()
+    lh.stop()
+    ctx.term()
