@@ -84,20 +84,20 @@ def _ready(h: dict[str, Any]) -> Ready:
 def _status(h: dict[str, Any]) -> Status:
   rid = h.get("request_id")
   if rid is not None and not _is_int(rid, 0, _MAX_INT):
-    raise _bad("status", "request_id", f"absent or an int in [0, {_MAX_INT}]", rid)
+    raise _bad("status", "request_id", "absent or an int in [0, 2**63)", rid)
   return Status(rid)
 
 
 def _quorum(h: dict[str, Any]) -> QuorumRequest:
   rid = h.get("request_id")
   if not _is_int(rid, 0, _MAX_INT):
-    raise _bad("quorum", "request_id", f"an int in [0, {_MAX_INT}]", rid)
+    raise _bad("quorum", "request_id", "an int in [0, 2**63)", rid)
   view = h.get("view", "")
   if not isinstance(view, str) or len(view) > _MAX_VIEW:
     raise _bad("quorum", "view", f"a string of at most {_MAX_VIEW} characters", view)
   ask = h.get("ask")
   if ask is not None and not _is_int(ask, 0, _MAX_INT):
-    raise _bad("quorum", "ask", f"absent or an int in [0, {_MAX_INT}]", ask)
+    raise _bad("quorum", "ask", "absent or an int in [0, 2**63)", ask)
   return QuorumRequest(rid, _member(h.get("member")), view, ask)
 
 
@@ -111,9 +111,9 @@ def _member(obj: Any) -> Member:
     if not (isinstance(value, str) and lo <= len(value) <= _MAX_NAME):
       raise _bad("quorum", f"member.{name}", f"a string of {lo} to {_MAX_NAME} characters", value)
   if not _is_int(step, 0, _MAX_INT):
-    raise _bad("quorum", "member.step", f"an int in [0, {_MAX_INT}]", step)
+    raise _bad("quorum", "member.step", "an int in [0, 2**63)", step)
   if not _is_int(digest, 0, _MAX_DIGEST):
-    raise _bad("quorum", "member.digest", f"an int in [0, 2**64)", digest)
+    raise _bad("quorum", "member.digest", "an int in [0, 2**64)", digest)
   return Member(group_id=gid, address=address, step=step, digest=digest, ring_address=ring)
 
 
