@@ -15,6 +15,7 @@ so a crash at any point before the marker leaves nothing that
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -88,17 +89,18 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
   parts: dict[int, dict[str, Any]] = {}
   delay = 0.02
   while True:
-    for i in range(process_count):
-      if i not in parts:
-        obj = lay.read_json(kv, lay.part_key(step, i, attempt))
-        if obj is not None:
-          man.validate(obj, what=f"part record of process {i} at step {step}")
-          if obj.get("attempt") != attempt or obj.get("process_index") != i:
-            raise errors.CorruptSnapshotError(
-                f"commit of step {step}: the part record of process {i} under attempt "
-                f"{attempt!r} says attempt {obj.get('attempt')!r}, process "
-                f"{obj.get('process_index')!r}; it is damaged")
-          parts[i] = obj
+    waiting = [i for i in range(process_count) if i not in parts]
+    reads = [kv.read(lay.part_key(step, i, attempt)) for i in waiting]   # all at once
+    for i, read in zip(waiting, reads):
+      obj = lay.json_of(read, lay.part_key(step, i, attempt), kv)
+      if obj is not None:
+        _check_part(obj, step, i)
+        if obj.get("attempt") != attempt or obj.get("process_index") != i:
+          raise errors.CorruptSnapshotError(
+              f"commit of step {step}: the part record of process {i} under attempt "
+              f"{attempt!r} says attempt {obj.get('attempt')!r}, process "
+              f"{obj.get('process_index')!r}; it is damaged")
+        parts[i] = obj
     missing = [i for i in range(process_count) if i not in parts]
     if not missing:
       return [parts[i] for i in range(process_count)]
@@ -111,6 +113,21 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
           "they are late or died while persisting (the step stays uncommitted)")
     time.sleep(delay)
     delay = min(delay * 2, 0.5)
+
+
+def _check_part(obj: Any, step: int, proc: int) -> None:
+  """The part record's outline (its leaves are checked as they merge, and the merged
+  manifest against the schema, once: validating every part was quadratic in practice)."""
+  what = f"part record of process {proc} at step {step}"
+  if not (isinstance(obj, dict) and obj.get("format") == man.FORMAT
+          and obj.get("version") == man.VERSION and obj.get("step") == step
+          and isinstance(obj.get("leaves"), list) and isinstance(obj.get("metadata"), dict)
+          and all(isinstance(leaf, dict) and isinstance(leaf.get("path"), str)
+                  and isinstance(leaf.get("chunks", {}), dict)
+                  and isinstance(leaf.get("boxes", []), list) for leaf in obj["leaves"])):
+    raise errors.ManifestError(
+        f"{what} does not follow manifest.schema.json v{man.VERSION}; it was written by "
+        "another jaxckpt version or damaged")
 
 
 def _merge_leaf(step: int, into: dict[str, Any], part: dict[str, Any], proc: int) -> None:
@@ -129,7 +146,9 @@ def _merge_leaf(step: int, into: dict[str, Any], part: dict[str, Any], proc: int
       raise errors.CorruptSnapshotError(
           f"commit of step {step}: chunk {key} of leaf {into['path']!r} has checksum {value} "
           f"on process {proc} but {into['chunks'][key]} elsewhere; replicas differ")
-  seen = into.setdefault("_seen", {tuple(map(tuple, b)) for b in into["boxes"]})
+  seen = into.get("_seen")
+  if seen is None:                     # built once per leaf, not once per part
+    seen = into["_seen"] = {tuple(map(tuple, b)) for b in into["boxes"]}
   for b in part.get("boxes", []):      # one set per leaf across parts: linear in processes
     key = tuple(map(tuple, b))
     if key not in seen:
@@ -195,18 +214,48 @@ def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: 
       log.info("step %d is already committed in %s by this attempt", step, directory)
       return
     raise _exists(directory, step, marker, attempt)
-  parts = _wait_for_parts(kv, directory, step, attempt, process_count, timeout_secs, check)
+  with _no_gc():      # reading and merging build ~P x leaves dicts: collections scan them all
+    parts = _wait_for_parts(kv, directory, step, attempt, process_count, timeout_secs, check)
+    return _commit_parts(kv, directory, step, attempt, process_count, timeout_secs, check,
+                         parts)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+  """The cyclic collector paused (what is built here holds no cycles): its full
+  collections scan every live object, so they made the merge quadratic in processes."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was:
+      gc.enable()
+
+
+def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, process_count: int,
+                  timeout_secs: float, check: Callable[[], None],
+                  parts: list[dict[str, Any]]) -> None:
   leaves: dict[str, dict[str, Any]] = {}
-  for proc, part in enumerate(parts):
-    for leaf in part["leaves"]:
-      if leaf["path"] not in leaves:
-        leaves[leaf["path"]] = dict(leaf, chunks=dict(leaf.get("chunks", {})),
-                                    boxes=list(leaf.get("boxes", [])))
-      else:
-        _merge_leaf(step, leaves[leaf["path"]], leaf, proc)
-  merged = [_finish_leaf(directory, step, leaf) for leaf in leaves.values()]
+  proc = 0
+  try:
+    for proc, part in enumerate(parts):
+      for leaf in part["leaves"]:
+        if leaf["path"] not in leaves:
+          leaves[leaf["path"]] = dict(leaf, chunks=dict(leaf.get("chunks", {})),
+                                      boxes=list(leaf.get("boxes", [])))
+        else:
+          _merge_leaf(step, leaves[leaf["path"]], leaf, proc)
+    merged = [_finish_leaf(directory, step, leaf) for leaf in leaves.values()]
+  except (TypeError, ValueError, KeyError, AttributeError) as e:
+    if isinstance(e, errors.JaxckptError):
+      raise
+    raise errors.ManifestError(
+        f"commit of step {step}: a part record (process {proc} or before) is damaged: "
+        f"{type(e).__name__}: {e}") from None
   doc = man.document(step=step, process_count=process_count,
                      metadata=parts[0]["metadata"], leaves=merged)
+  man.validate(doc, what=f"manifest of step {step} merged from {process_count} part records")
   body = man.encode(doc, what=f"manifest of step {step}")
   kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),

@@ -159,7 +159,12 @@ def check_attempt(attempt: str) -> str:
 
 def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:
   """Reads one JSON object, or None if the key is missing."""
-  res = kv.read(key).result(timeout=REQUEST_TIMEOUT_SECS)
+  return json_of(kv.read(key), key, kv)
+
+
+def json_of(read: Any, key: str, kv: ts.KvStore) -> dict[str, Any] | None:
+  """The JSON object a started ``kv.read(key)`` returns, or None if the key is missing."""
+  res = read.result(timeout=REQUEST_TIMEOUT_SECS)
   if res.state != "value":
     return None
   try:

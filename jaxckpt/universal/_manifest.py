@@ -10,8 +10,9 @@ import dataclasses
 import functools
 import importlib.resources
 import json
-from typing import Any
+from typing import Any, Callable
 
+import fastjsonschema
 import jsonschema
 import numpy as np
 
@@ -112,11 +113,31 @@ def _validator() -> jsonschema.protocols.Validator:
   return cls(schema())
 
 
+@functools.lru_cache(maxsize=1)
+def _fast_validator() -> Callable[[Any], Any]:
+  """The schema compiled to Python once (fastjsonschema: ~20x jsonschema's speed). The
+  schema's keywords mean the same in draft 07, which fastjsonschema compiles."""
+  return fastjsonschema.compile(dict(schema(), **{"$schema": _DRAFT_07}))
+
+
+_DRAFT_07 = "http://json-schema.org/draft-07/schema#"
+
+
 def validate(obj: dict[str, Any], *, what: str) -> None:
-  """Raises ManifestError naming ``what`` and the failing field if ``obj`` is off-schema."""
+  """Raises ManifestError naming ``what`` and the failing field if ``obj`` is off-schema.
+
+  The compiled validator decides; jsonschema runs only to name the failing field."""
+  try:
+    _fast_validator()(obj)
+    return
+  except fastjsonschema.JsonSchemaException:
+    pass
   error = jsonschema.exceptions.best_match(_validator().iter_errors(obj))
-  if error is not None:
-    e = error
+  if error is None:              # the two disagree: refuse, as the compiled one did
+    raise errors.ManifestError(f"{what} does not follow manifest.schema.json v{VERSION}; it "
+                               "was written by another jaxckpt version or damaged")
+  e = error
+  if e is not None:
     where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
     raise errors.ManifestError(
         f"{what} does not follow manifest.schema.json v{VERSION} at {where}: {e.message}; "

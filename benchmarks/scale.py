@@ -1,0 +1,200 @@
+"""How jaxckpt's costs grow with leaves and with processes, side by side with orbax.
+
+Curves (JSON on stdout; ``--plot DIR`` also draws one PNG per curve):
+
+* ``leaves``: a state of N float32 (64, 64) leaves sharded over 8 CPU devices, random
+  values (orbax's writer compresses constant fills). Each run is a fresh process, so a
+  first save is a first save. jaxckpt: first ``save()`` blocking, warm ``save()``
+  blocking, persist of a warm step (``save`` to ``wait_until_persisted``), objects on
+  storage for one step, restore from storage. orbax (``CheckpointManager``, async):
+  first ``save`` blocking, ``save`` to finished, restore.
+* ``commit``: process 0's commit of a step whose part records P simulated processes
+  wrote (100 leaves, each process one row block of every leaf), P = 64 .. 4096.
+* ``lighthouse``: see ``benchmarks/lighthouse_scale.py`` (quorum time and reply bytes
+  against the number of groups); ``--lighthouse`` runs it and includes its JSON.
+
+Each figure is the median of ``--repeats`` runs; ``slopes`` gives the per-unit cost
+between the two largest sizes (ms per leaf, ms per process).
+
+    python benchmarks/scale.py --leaves 10 100 1000 4000 --processes 64 256 1024 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# One run of the leaves curve, in a fresh interpreter (JSON on its last line).
+_LEAVES_RUN = r"""
+import json, os, sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+n, tool, d = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+mesh = jax.make_mesh((8,), ("x",))
+rng = np.random.default_rng(n)
+def state(seed):
+  r = np.random.default_rng(seed)
+  return {f"w{i:05d}": jax.device_put(r.standard_normal((64, 64), dtype=np.float32),
+                                      NamedSharding(mesh, P("x"))) for i in range(n)}
+abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state(0).items()}
+s1, s2, s3 = state(1), state(2), state(3)
+out = {}
+def count_files(path):
+  return sum(len(f) for _, _, f in os.walk(path))
+if tool == "jaxckpt":
+  import jaxckpt as jc
+  opts = jc.CheckpointOptions(persist_interval_steps=2, handle_sigterm=False)
+  with jc.CheckpointManager(d, opts) as m:
+    t = time.perf_counter(); m.save(1, s1); out["first_save_secs"] = time.perf_counter() - t
+    m.wait_until_finished()
+    m.prepare(s1)                                   # the compiled gather, for the warm figures
+    warm = []
+    for step in (3, 5, 7):
+      t = time.perf_counter(); m.save(step, s2); warm.append(time.perf_counter() - t)
+      m.wait_until_snapshotted()
+    out["warm_save_secs"] = sorted(warm)[1]
+    t = time.perf_counter(); m.save(8, s3); m.wait_until_persisted(8)
+    out["persist_secs"] = time.perf_counter() - t
+  step_dir = [p for p in os.listdir(d) if p.startswith("step_") and p.endswith("8")][0]
+  out["objects_per_step"] = count_files(os.path.join(d, step_dir))
+  with jc.CheckpointManager(d, jc.CheckpointOptions(handle_sigterm=False)) as m:
+    t = time.perf_counter(); r = m.restore(8, abstract); jax.block_until_ready(r)
+    out["restore_secs"] = time.perf_counter() - t
+else:
+  import orbax.checkpoint as ocp
+  mgr = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+  t = time.perf_counter(); mgr.save(1, args=ocp.args.StandardSave(s1)); out["first_save_secs"] = time.perf_counter() - t
+  mgr.wait_until_finished()
+  t = time.perf_counter(); mgr.save(8, args=ocp.args.StandardSave(s3)); mgr.wait_until_finished()
+  out["persist_secs"] = time.perf_counter() - t
+  out["objects_per_step"] = count_files(os.path.join(d, "8"))
+  mgr.close()
+  mgr = ocp.CheckpointManager(d)
+  t = time.perf_counter(); r = mgr.restore(8, args=ocp.args.StandardRestore(abstract)); jax.block_until_ready(r)
+  out["restore_secs"] = time.perf_counter() - t
+  mgr.close()
+print(json.dumps(out), flush=True)
+os._exit(0)    # (a daemon thread inside XLA must not take the interpreter's exit down)
+"""
+
+
+def _median_runs(runs: list[dict[str, float]]) -> dict[str, float]:
+  keys = runs[0].keys()
+  return {k: round(statistics.median(r[k] for r in runs), 4) for k in keys}
+
+
+def leaves_curve(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+  rows = []
+  for n in sizes:
+    row: dict[str, Any] = {"leaves": n}
+    for tool in ("jaxckpt", "orbax"):
+      runs = []
+      for _ in range(repeats):
+        d = tempfile.mkdtemp(prefix=f"scale-{tool}-")
+        try:
+          p = subprocess.run([sys.executable, "-c", _LEAVES_RUN, str(n), tool, d],
+                             capture_output=True, text=True, timeout=3600, cwd=ROOT,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+          if p.returncode != 0:
+            raise RuntimeError(f"{tool} at {n} leaves failed:\n{p.stderr[-3000:]}")
+          runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        finally:
+          shutil.rmtree(d, ignore_errors=True)
+      row[tool] = _median_runs(runs)
+    j, o = row["jaxckpt"], row["orbax"]
+    row["ratio_jaxckpt_over_orbax"] = {
+        "first_save": round(j["first_save_secs"] / o["first_save_secs"], 3),
+        "persist": round(j["persist_secs"] / o["persist_secs"], 3),
+        "restore": round(j["restore_secs"] / o["restore_secs"], 3)}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    rows.append(row)
+  return rows
+
+
+def commit_curve(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+  from jaxckpt.testing.scale import simulated_commit_secs  # pylint: disable=import-outside-toplevel
+  rows = []
+  for p in sizes:
+    secs = [simulated_commit_secs(p) for _ in range(repeats)]
+    rows.append({"processes": p, "commit_secs": round(statistics.median(secs), 4),
+                 "per_process_ms": round(1e3 * statistics.median(secs) / p, 4)})
+    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+  return rows
+
+
+def _slope(rows: list[dict[str, Any]], x: str, y) -> float | None:
+  if len(rows) < 2:
+    return None
+  a, b = rows[-2], rows[-1]
+  return round(1e3 * (y(b) - y(a)) / (b[x] - a[x]), 4)
+
+
+def _plot(out: dict[str, Any], where: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  os.makedirs(where, exist_ok=True)
+  if out.get("leaves"):
+    rows = out["leaves"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, key, title in zip(axes, ("first_save_secs", "persist_secs", "restore_secs"),
+                              ("first save() blocks", "save to on storage", "restore from storage")):
+      for tool in ("jaxckpt", "orbax"):
+        ax.plot([r["leaves"] for r in rows], [r[tool][key] for r in rows], "o-", label=tool)
+      ax.set_xscale("log"), ax.set_yscale("log"), ax.set_title(title), ax.set_xlabel("leaves")
+    axes[0].set_ylabel("seconds"), axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(where, "scale_leaves.png"), dpi=80)
+  if out.get("commit"):
+    rows = out["commit"]
+    fig, ax = plt.subplots(figsize=(4.5, 3.4))
+    ax.plot([r["processes"] for r in rows], [r["commit_secs"] for r in rows], "o-")
+    ax.set_xscale("log"), ax.set_yscale("log"), ax.set_xlabel("processes (simulated)")
+    ax.set_ylabel("commit seconds"), ax.set_title("commit of one step, 100 leaves")
+    fig.tight_layout()
+    fig.savefig(os.path.join(where, "scale_commit.png"), dpi=80)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000, 4000])
+  ap.add_argument("--processes", type=int, nargs="*", default=[64, 256, 1024, 4096])
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--lighthouse", action="store_true", help="run lighthouse_scale.py too")
+  ap.add_argument("--plot", help="write one PNG per curve into this directory")
+  args = ap.parse_args()
+  out: dict[str, Any] = {"repeats": args.repeats, "cores": os.cpu_count()}
+  out["leaves"] = leaves_curve(args.leaves, args.repeats) if args.leaves else []
+  out["commit"] = commit_curve(args.processes, args.repeats) if args.processes else []
+  if args.lighthouse:
+    p = subprocess.run([sys.executable, os.path.join(HERE, "lighthouse_scale.py")],
+                       capture_output=True, text=True, check=True, cwd=ROOT)
+    out["lighthouse"] = json.loads(p.stdout)
+  out["slopes"] = {
+      "first_save_ms_per_leaf": _slope(out["leaves"], "leaves",
+                                       lambda r: r["jaxckpt"]["first_save_secs"]),
+      "persist_ms_per_leaf": _slope(out["leaves"], "leaves", lambda r: r["jaxckpt"]["persist_secs"]),
+      "orbax_save_ms_per_leaf": _slope(out["leaves"], "leaves",
+                                       lambda r: r["orbax"]["persist_secs"]),
+      "commit_ms_per_process": _slope(out["commit"], "processes", lambda r: r["commit_secs"]),
+  }
+  if args.plot:
+    _plot(out, args.plot)
+  print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  main()
