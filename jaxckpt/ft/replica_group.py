@@ -15,6 +15,12 @@ Each step attempt: (1) the lighthouse forms a quorum; (2) its healthy members
 reduce-scatter and an all-gather in group-id order, float32 or wider
 accumulators, every chunk summed once in a fixed order, so every member commits
 bit-identical bytes, and each sends about ``2 (G - 1) / G`` of the gradient).
+Members agree on what they average as well as on the step: every ring piece
+carries the gradient's layout (tree structure, shapes, dtypes:
+:mod:`jaxckpt.ft._layout`), a piece of another layout is refused naming its
+sender and what differs, and a member that fails an attempt tells its right
+neighbour why (an abort), so no member commits a mixed average and all of them
+know the first cause (``metrics.failure``) at once.
 A member that is behind does not hold the healthy ones up: it fetches the
 missed steps (or a snapshot and the steps after it) from a healthy peer's
 serving thread while they commit, replays them, also replays the step they are
