@@ -34,6 +34,7 @@ class Round:
   groups: int
   quorum_secs: float          # the last request sent .. every reply received
   form_secs: float            # the lighthouse's own time forming it (replies sealed and queued)
+  lighthouse_cpu_secs: float  # CPU time the lighthouse spent on the round (G requests, the quorum, G replies)
   reply_bytes_mean: float
   reply_bytes_max: int
   reply_bytes_total: int
@@ -62,6 +63,7 @@ class SimulatedGroups:
   def round(self) -> Round:
     """One quorum: all groups ask at ``self.step``; returns its cost and advances the step."""
     asked = {}
+    cpu = self._lh.status()["cpu_secs"]
     for i in range(self.n - 1):
       asked[self._ask(i)] = i
     self._wait_pending(self.n - 1)
@@ -71,7 +73,9 @@ class SimulatedGroups:
     secs = time.perf_counter() - t0
     sizes = self._read(replies, asked)
     self.step += 1
-    return Round(groups=self.n, quorum_secs=secs, form_secs=self._lh.status()["last_form_secs"],
+    status = self._lh.status()
+    return Round(groups=self.n, quorum_secs=secs, form_secs=status["last_form_secs"],
+                 lighthouse_cpu_secs=status["cpu_secs"] - cpu,
                  reply_bytes_mean=sum(sizes) / len(sizes), reply_bytes_max=max(sizes),
                  reply_bytes_total=sum(sizes))
 

@@ -160,6 +160,7 @@ class Lighthouse:
     self._last_step: int | None = None    # the newest step a formed quorum was at
     self._quorums_formed = 0
     self._last_form_secs = 0.0
+    self._cpu_secs = 0.0                        # CPU time of the serving thread so far
     self._first_pending: float | None = None    # when the oldest pending request came
     self._waiting: set[str] | None = None       # live groups that neither asked nor catch up (last scan)
     self._scanned_at = 0.0
@@ -237,6 +238,7 @@ class Lighthouse:
         if _intake.looks_sealed(frames):
           self._guarded(self._handle, peer, frames)
       self._guarded(self._maybe_form, time.monotonic())
+      self._cpu_secs = time.thread_time()
     now = time.monotonic()
     for peer, frames in batch:             # dropped unread: counted, and answered sparingly
       if not _intake.looks_sealed(frames):
@@ -341,7 +343,8 @@ class Lighthouse:
   def _status(self, now: float) -> dict[str, Any]:
     return {"live": sorted(self._live(now)), "pending": sorted(self._pending),
             "last_members": list(self._last_members), "quorums_formed": self._quorums_formed,
-            "last_form_secs": self._last_form_secs, "refused": self._refusals.count,
+            "last_form_secs": self._last_form_secs, "cpu_secs": self._cpu_secs,
+            "refused": self._refusals.count,
             "malformed": self._malformed.count}
 
   def _live(self, now: float) -> set[str]:
