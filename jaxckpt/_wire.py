@@ -24,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import math
 import os
 import secrets as _secrets
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -101,7 +102,7 @@ def refusal(error: str, **extra: Any) -> list[bytes]:
 
 
 def open_(secret: bytes, frames: Sequence[Any], *,
-          replays: Replays | None = None) -> tuple[Header, list[Any]]:
+          replays: "Replays | NewerPerSender | None" = None) -> tuple[Header, list[Any]]:
   """The verified header of a message and its raw frames; PermissionDeniedError
   if it is not sealed with ``secret``, too old, or (given the receiver's
   ``replays``) seen before. A refusal (see :func:`refusal`) raises
@@ -124,7 +125,7 @@ def open_(secret: bytes, frames: Sequence[Any], *,
     raise errors.PermissionDeniedError("a message too old or from the future was refused (a replay?)")
   nonce = header.pop("nonce", None)
   if replays is not None:
-    replays.check(nonce, float(ts))
+    replays.check(nonce, float(ts), header)
   return header, list(frames[2:])
 
 
@@ -155,8 +156,9 @@ class Replays:
     self._lock = threading.Lock()
     self.refused = 0
 
-  def check(self, nonce: Any, ts: float) -> None:
+  def check(self, nonce: Any, ts: float, header: Header) -> None:
     """Records ``nonce``; PermissionDeniedError if it was seen before."""
+    del header
     if not isinstance(nonce, bytes) or len(nonce) < 8:
       raise errors.PermissionDeniedError("a sealed message without a nonce was refused")
     now = time.time()
@@ -169,6 +171,34 @@ class Replays:
             "a replayed message was refused (its nonce was seen before)")
       self._seen.add(nonce)
       heapq.heappush(self._expiry, (ts + MAX_SKEW_SECS + 1.0, nonce))
+
+
+class NewerPerSender:
+  """Replay refusal in memory that grows with senders, not messages: a message
+  that names its sender (``sender(header)``, e.g. a replica group's id) must be
+  newer than the last one accepted from that sender (a replay, or an old message
+  overtaken by a newer one, is refused: a sender's next message supersedes it);
+  one that names none goes through ``others`` (a nonce cache) when given."""
+
+  def __init__(self, sender: Callable[[Header], Any], others: Replays | None = None) -> None:
+    self._sender = sender
+    self._others = others
+    self._newest: dict[Any, float] = {}
+    self._lock = threading.Lock()
+    self.refused = 0
+
+  def check(self, nonce: Any, ts: float, header: Header) -> None:
+    key = self._sender(header)
+    if key is None:
+      if self._others is not None:
+        self._others.check(nonce, ts, header)
+      return
+    with self._lock:
+      if ts <= self._newest.get(key, -math.inf):
+        self.refused += 1
+        raise errors.PermissionDeniedError(
+            "a replayed message was refused (not newer than the last one from its sender)")
+      self._newest[key] = ts
 
 
 def remote_error(reply: dict[str, Any], who: str, op: str) -> Exception:

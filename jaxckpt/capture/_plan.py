@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import logging
 import threading
 from typing import Any, Sequence
@@ -12,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxckpt.capture._pack import PackPlan, make_pack_plan, packable
-from jaxckpt.snapshot import Box, LeafRecord, align, box_from_index, box_shape, full_box
+from jaxckpt.snapshot import Box, LeafRecord, align, box_from_index, full_box
 from jaxckpt.tree import Leaf
 
 logger = logging.getLogger(__name__)
@@ -73,31 +74,38 @@ class _Layout:
   the plan without it that saves use until the gather is compiled."""
 
   def __init__(self, leaves: Sequence[Leaf]) -> None:
-    self.packed = _make_plan(leaves)
+    # Saves start on the shard-by-shard plan at once; the packed plan (one compiled
+    # gather of the small sharded leaves) is made and compiled on a thread of its own.
+    self.fallback = self.packed = _make_plan(leaves, pack=False)
     self.ready = threading.Event()
     self.error: BaseException | None = None
-    if self.packed.pack is None:
-      self.fallback = self.packed
-      self.ready.set()
+    if not any(leaf.kind != "scalar" and isinstance(leaf.value, jax.Array)
+               and all(d.platform == "cpu" for d in leaf.value.sharding.device_set)
+               for leaf in leaves):
+      self.ready.set()                 # nothing could be packed (accelerators, numpy leaves)
       return
-    self.fallback = _make_plan(leaves, pack=False)
-    pack = self.packed.pack
-    avals = [jax.ShapeDtypeStruct(leaves[i].value.shape, leaves[i].value.dtype,
-                                  sharding=leaves[i].value.sharding) for i in pack.leaves]
-    threading.Thread(target=self._compile, args=(avals,), daemon=True,
+    # Not a daemon: the interpreter's exit waits for it (a thread still inside XLA
+    # when the interpreter tears down aborts the process).
+    threading.Thread(target=self._pack, args=(list(leaves),), daemon=False,
                      name="jaxckpt-pack-compile").start()
 
-  def _compile(self, avals: list[Any]) -> None:
-    """Compiles the packed gather (seconds for thousands of leaves) off the loop."""
+  def _pack(self, leaves: list[Leaf]) -> None:
+    """Plans and compiles the packed gather (seconds for thousands of leaves)."""
+    pack = None
     try:
-      pack = self.packed.pack
-      compiled = pack.fn.lower(*avals).compile()
-      self.packed = dataclasses.replace(self.packed, pack=dataclasses.replace(pack, fn=compiled))
+      packed = _make_plan(leaves, pack=True)
+      pack = packed.pack
+      if pack is not None:
+        avals = [jax.ShapeDtypeStruct(leaves[i].value.shape, leaves[i].value.dtype,
+                                      sharding=leaves[i].value.sharding) for i in pack.leaves]
+        del leaves                       # the arrays of the first save are not held meanwhile
+        compiled = pack.fn.lower(*avals).compile()
+        self.packed = dataclasses.replace(packed, pack=dataclasses.replace(pack, fn=compiled))
     except Exception as e:  # pylint: disable=broad-except  (saves go on without it)
       self.error = e
       self.packed = self.fallback
       logger.warning("the packed gather of a %d-leaf layout did not compile (%s); saves "
-                     "copy shard by shard", len(pack.leaves), e)
+                     "copy shard by shard", 0 if pack is None else len(pack.leaves), e)
     finally:
       self.ready.set()
 
@@ -174,7 +182,7 @@ def _make_plan(leaves: Sequence[Leaf], *, pack: bool = True) -> CapturePlan:
     few = (isinstance(x, jax.Array) and len(stored) == 1
            and len(x.sharding.device_set) > 4)
     for box, data_index in stored:
-      nbytes = int(np.prod(box_shape(box), dtype=np.int64)) * dtype.itemsize
+      nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
       shards.append(ShardSlot(i, box, offset, nbytes, data_index, on_cpu, few))
       offset = align(offset + nbytes)
   return CapturePlan(tuple(templates), tuple(shards), offset, pack)
@@ -183,11 +191,24 @@ def _make_plan(leaves: Sequence[Leaf], *, pack: bool = True) -> CapturePlan:
 def _stored_boxes(x: Any) -> list[tuple[Box, int]]:
   """This process's replica-0 shards of ``x``, each box once, with their data index.
 
-  Computed once per layout: ``addressable_shards`` is slow (it builds a Shard
-  per device), so saves index ``addressable_data`` with these positions.
+  Computed once per (sharding, shape): ``addressable_shards`` is slow (it builds
+  a Shard per device), and the leaves of a model share a few layouts.
   """
   if not isinstance(x, jax.Array):
     return [(full_box(x.shape), 0)]
+  key = (x.sharding, tuple(x.shape))
+  got = _BOXES.get(key)
+  if got is None:
+    got = _BOXES[key] = _stored_boxes_of(x)
+    if len(_BOXES) > 4096:
+      _BOXES.pop(next(iter(_BOXES)))
+  return got
+
+
+_BOXES: dict[tuple, list[tuple[Box, int]]] = {}   # (sharding, shape) -> stored boxes
+
+
+def _stored_boxes_of(x: jax.Array) -> list[tuple[Box, int]]:
   seen, out = set(), []
   for i, s in enumerate(x.addressable_shards):
     box = box_from_index(s.index, x.shape)

@@ -146,6 +146,10 @@ class Lighthouse:
         self.private_port = private_port
     who = f"the lighthouse at {self.address}"
     self._refusals = _intake.Refusals(logger, who, "not sealed with the job's secret")
+    # A group's heartbeats, quorum requests and readiness each supersede its last
+    # one: a captured message replayed (or overtaken) is refused, in memory that
+    # grows with groups, not messages. Status requests change nothing.
+    self._replays = _wire.NewerPerSender(_sender_of)
     self._malformed = _intake.Refusals(logger, who, "sealed but malformed")
     self._answers = _intake.AnswerLimiter()
     self._epoch = os.urandom(4).hex()
@@ -263,7 +267,7 @@ class Lighthouse:
   def _handle(self, peer: Peer, frames: list[bytes]) -> None:
     now = time.monotonic()
     try:
-      header, _ = _wire.open_(self._key, frames[1:])
+      header, _ = _wire.open_(self._key, frames[1:], replays=self._replays)
     except errors.PermissionDeniedError as e:
       self._refuse(peer, str(e), now)
       return
@@ -480,6 +484,21 @@ class LighthouseClient:
 
   def close(self) -> None:
     self._route.close()
+
+
+def _sender_of(header: dict[str, Any]) -> Any:
+  """(op, group) of a message that changes the lighthouse's state; None for the rest."""
+  op = header.get("op")
+  if op in ("heartbeat", "ready"):
+    return (op, _hashable(header.get("group")))
+  if op == "quorum":
+    member = header.get("member")
+    return (op, _hashable(member[0] if isinstance(member, (list, tuple)) and member else None))
+  return None
+
+
+def _hashable(x: Any) -> Any:
+  return x if isinstance(x, (str, int, float, bool, type(None))) else repr(x)
 
 
 class Heartbeat:

@@ -208,3 +208,35 @@ def test_the_private_port_opens_only_to_holders_of_the_secret():
       route.close()
     finally:
       ctx.destroy(linger=0)        # (closes whatever a failed assertion left open)
+
+
+def _until(cond, what, timeout_secs=30.0):
+  deadline = time.monotonic() + timeout_secs
+  while not cond():
+    assert time.monotonic() < deadline, f"waited {timeout_secs} s for {what}"
+    time.sleep(0.01)
+
+
+def test_a_captured_sealed_message_replayed_to_the_lighthouse_is_refused():
+  """A dead group's heartbeat replayed (it would keep the group live) is refused with
+  the reason; the group's next real message still counts."""
+  key = b"the-job"
+  with Lighthouse("127.0.0.1:0", LH, secret="the-job") as lh:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{lh.address}")
+    try:
+      beat = _wire.seal(key, {"op": "heartbeat", "group": "gX"})
+      sock.send_multipart(beat)
+      _until(lambda: "gX" in lh.status()["live"], "the first heartbeat")
+      sock.send_multipart(beat)                        # the captured frames, again
+      assert sock.poll(10000), "the replay was not answered"
+      with pytest.raises(errors.PermissionDeniedError, match="replayed"):
+        _wire.open_(key, sock.recv_multipart())
+      _until(lambda: "gX" not in lh.status()["live"], "gX to be dropped")  # replays keep nobody live
+      sock.send_multipart(_wire.seal(key, {"op": "heartbeat", "group": "gX"}))
+      _until(lambda: "gX" in lh.status()["live"], "a fresh heartbeat")
+    finally:
+      sock.close()
+      ctx.term()
