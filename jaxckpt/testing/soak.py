@@ -1,0 +1,642 @@
+"""The chaos soak: a 4-process job under a seeded schedule of faults, every restore checked.
+
+A job of four processes (``jax.distributed`` on CPU, :mod:`jaxckpt.testing.soak_worker`),
+each on a "machine" of its own (its own run root and loopback address
+127.0.1.N, so its own snapshot agent), parity m=1 over the four, saving every
+step and persisting every 5th to a real SeaweedFS, runs to a fixed step while
+faults are injected one at a time:
+
+- ``kill_trainer``: SIGKILL one trainer. The others hang in the next
+  collective (MEASURED.md), so the job is restarted: every trainer killed, the
+  agents kept, all relaunched.
+- ``kill_agent``: SIGKILL one agent. The trainers go on (the next save of that
+  host starts a new agent); a few steps later the job is killed and relaunched.
+- ``lose_host``: SIGKILL one machine's trainer and agent and remove its run
+  root (its shared memory); the job is relaunched with an empty machine there.
+- ``s3_pause``: SIGSTOP the S3 server for 20-30 s (less in the short form)
+  while the job runs, then SIGCONT.
+- ``delete``: every trainer stops at the next step due for storage, deletes it
+  right after its snapshot (its persist still running), closes and exits; the
+  relaunched job must never see that step.
+- ``restart``: every trainer stops after the same step, closes and exits; the
+  job is relaunched.
+
+Each relaunch restores the newest step, and each trainer compares every shard it
+restored with the reference (:class:`soak_worker.Reference`, the same seed)
+bit for bit. At the end every step on storage is read back and compared too, and
+every step due for storage whose save returned True and whose snapshot committed
+on every host is accounted for: on storage, deleted, rolled back (a later
+restore went back before it: a fault destroyed every copy before it was
+persisted), or lost. Only processes this module started (the trainers, and the
+agents they spawned under this soak's run root) are ever killed, by pid, and
+everything is cleaned up when the soak fails too.
+
+>>> result = run(steps=60, seed=0, short=True)      # doctest: +SKIP
+>>> result["due_steps"]["lost"], result["wrong_restores"]   # doctest: +SKIP
+(0, 0)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import psutil
+
+from jaxckpt.testing import processes
+from jaxckpt.testing.soak_worker import Reference
+
+KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart")
+HOSTS = 4
+PERSIST_INTERVAL = 5
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass
+class Fault:
+  kind: str
+  host: int
+  gap: int                  # job-wide committed steps after the last recovery before it
+  pause_secs: float = 0.0
+
+
+def plan(seed: int, n_faults: int, *, short: bool) -> list[Fault]:
+  """The seeded fault schedule: every kind once (shuffled), then kinds drawn at random."""
+  rng = random.Random(seed)
+  kinds = list(KINDS)
+  rng.shuffle(kinds)
+  kinds += [rng.choice(KINDS) for _ in range(max(0, n_faults - len(kinds)))]
+  out = []
+  for kind in kinds:
+    pause = rng.uniform(6.0, 9.0) if short else rng.uniform(20.0, 30.0)
+    gap = rng.randint(4, 7) if short else rng.randint(6, 14)
+    out.append(Fault(kind, rng.randrange(HOSTS), gap, round(pause, 1) if kind == "s3_pause"
+                     else 0.0))
+  return out
+
+
+class SoakError(RuntimeError):
+  """The soak could not go on (a wait timed out); names what it waited for."""
+
+
+class TrainerDied(SoakError):
+  """A trainer exited when none was expected to (an unplanned failure)."""
+
+
+class Trainer:
+  """One trainer process; its stdout lines are parsed by a thread into events."""
+
+  def __init__(self, job: "Job", index: int, argv: list[str], log_path: str) -> None:
+    self.job, self.index = job, index
+    self.log = open(log_path, "a", buffering=1)  # pylint: disable=consider-using-with
+    self.p = subprocess.Popen([sys.executable, "-m", "jaxckpt.testing.soak_worker", *argv],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=REPO,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    self.tail: collections.deque[str] = collections.deque(maxlen=60)
+    self.restored: tuple[int, str, str, float] | None = None
+    self.fresh = False
+    self.available: set[int] | None = None
+    self.last_step: int | None = None
+    self.saved: dict[int, bool] = {}
+    self.agent_restarts = 0
+    self.skipped = 0
+    self.save_errors: list[str] = []
+    self.reported: set[tuple[int, int]] = set()   # (incarnation, step) an error said was lost
+    self.deleted: int | None = None
+    self.stopped: int | None = None
+    self.done = False
+    self.error: str | None = None
+    self.expect_exit = False
+    self.reader = threading.Thread(target=self._read, daemon=True,
+                                   name=f"soak-trainer{index}")
+    self.reader.start()
+
+  def _read(self) -> None:
+    for line in self.p.stdout:
+      self.log.write(line)
+      line = line.rstrip("\n")
+      self.tail.append(line)
+      w = line.split()
+      with self.job.cond:
+        if not w:
+          pass
+        elif w[0] == "STEP" and len(w) == 5:
+          s = int(w[1])
+          self.saved[s] = w[2] == "1"
+          self.last_step, self.agent_restarts, self.skipped = s, int(w[3]), int(w[4])
+        elif w[0] == "RESTORED" and len(w) == 5:
+          self.restored = (int(w[1]), w[2], w[3], float(w[4]))
+          self.last_step = int(w[1])
+        elif w[0] == "AVAILABLE" and len(w) == 2:
+          self.available = set() if w[1] == "-" else {int(x) for x in w[1].split(",")}
+        elif w[0] == "FRESH":
+          self.fresh, self.last_step = True, 0
+        elif w[0] == "SAVE_ERROR":
+          self.save_errors.append(line)
+        elif w[0] == "DELETED":
+          self.deleted = int(w[1])
+        elif w[0] == "STOPPED":
+          self.stopped = int(w[1])
+        elif w[0] == "DONE":
+          self.done = True
+        elif w[0] == "ERROR" and self.error is None:
+          self.error = line
+        self.job.cond.notify_all()
+    self.p.wait()
+    with self.job.cond:
+      self.job.cond.notify_all()
+
+  def send(self, line: str) -> None:
+    with contextlib.suppress(OSError):
+      self.p.stdin.write(line + "\n")
+      self.p.stdin.flush()
+
+  def kill(self) -> None:
+    """SIGKILL (by pid: our own child) and reap."""
+    self.expect_exit = True
+    if self.p.poll() is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(self.p.pid, signal.SIGKILL)
+    self.p.wait(timeout=60)
+
+  def close(self) -> None:
+    self.kill()
+    self.reader.join(timeout=30)
+    for f in (self.p.stdin, self.p.stdout, self.log):
+      with contextlib.suppress(OSError):
+        f.close()
+
+
+class Job:
+  """One incarnation of the 4-process job."""
+
+  def __init__(self, soak: "Soak", incarnation: int, *, fresh: bool) -> None:
+    self.soak, self.incarnation = soak, incarnation
+    self.cond = threading.Condition()
+    port = processes.free_port()
+    self.trainers: list[Trainer] = []
+    self.t0 = time.monotonic()
+    for i in range(HOSTS):
+      root, address = soak.machine(i)
+      argv = ["--port", str(port), "--num-processes", str(HOSTS), "--process-id", str(i),
+              "--run-root", root, "--tcp-host", address, "--job", soak.job_name,
+              "--directory", soak.directory, "--seed", str(soak.seed),
+              "--steps", str(soak.steps), "--rows", str(soak.rows), "--cols", str(soak.cols),
+              "--persist-interval", str(PERSIST_INTERVAL)] + (["--fresh"] if fresh else [])
+      self.trainers.append(Trainer(self, i, argv, os.path.join(
+          soak.log_dir, f"inc{incarnation:02d}-p{i}.log")))
+
+  def wait(self, pred: Callable[[], bool], timeout: float, what: str) -> None:
+    """Waits for ``pred`` (checked on every event); TrainerDied if a trainer
+    exited unexpectedly, SoakError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    with self.cond:
+      while not pred():
+        dead = [t for t in self.trainers if t.p.poll() is not None and not t.expect_exit
+                and not t.done and t.stopped is None]
+        if dead:
+          t = dead[0]
+          raise TrainerDied(f"incarnation {self.incarnation}: trainer {t.index} exited with "
+                            f"{t.p.returncode} while waiting for {what}: "
+                            f"{t.error or 'no ERROR line'}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise SoakError(f"incarnation {self.incarnation}: timed out after {timeout} s "
+                          f"waiting for {what}; trainers at steps "
+                          f"{[t.last_step for t in self.trainers]}\n" + self.tails())
+        self.cond.wait(min(left, 0.5))
+
+  def tails(self, n: int = 15) -> str:
+    return "\n".join(f"--- trainer {t.index} (pid {t.p.pid}, exit {t.p.poll()}):\n" +
+                     "\n".join(list(t.tail)[-n:]) for t in self.trainers)
+
+  def progress(self) -> int:
+    """The newest step every trainer has gone past (saved or skipped)."""
+    steps = [t.last_step for t in self.trainers]
+    return -1 if None in steps else min(steps)
+
+  def furthest(self) -> int:
+    return max((t.last_step or 0) for t in self.trainers)
+
+  def complete_steps(self) -> list[int]:
+    """Steps whose snapshot committed on every host in this incarnation."""
+    common = set.intersection(*({s for s, ok in t.saved.items() if ok} for t in self.trainers))
+    return sorted(common)
+
+  def send(self, line: str) -> None:
+    for t in self.trainers:
+      t.send(line)
+
+  def kill(self) -> None:
+    for t in self.trainers:
+      t.kill()
+
+  def close(self) -> None:
+    for t in self.trainers:
+      t.close()
+
+
+class Soak:
+  """Runs the schedule; see the module docstring. Use :func:`run`."""
+
+  def __init__(self, *, steps: int, seed: int, short: bool, rows: int, cols: int,
+               log_dir: str, n_faults: int | None = None) -> None:
+    self.steps, self.seed, self.short = steps, seed, short
+    self.rows, self.cols = rows, cols
+    self.log_dir = log_dir
+    self.faults = plan(seed, n_faults or len(KINDS), short=short)
+    self.job_name = "soak" + uuid.uuid4().hex[:8]
+    self.root = tempfile.mkdtemp(prefix="jaxckpt-soak-",
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    self.directory = ""
+    self.s3 = None
+    self.job: Job | None = None
+    self.incarnation = 0
+    self.reference = Reference(seed, rows, cols)
+    # accounting
+    self.versions: dict[tuple[int, int], set[int]] = {}   # (incarnation, due step) -> savers
+    self.deleted: set[tuple[int, int]] = set()
+    self.rolled_back: dict[tuple[int, int], int] = {}   # version -> the incarnation that went back
+    self.available: dict[int, set[int]] = {}   # incarnation -> steps any tier held at its restore
+    self.causes: dict[int, str] = {}           # incarnation -> what ended the one before it
+    self.hit: dict[int, list[str]] = collections.defaultdict(list)   # faults per incarnation
+    self.injected: collections.Counter[str] = collections.Counter()
+    self.tiers: collections.Counter[str] = collections.Counter()
+    self.log: list[dict[str, Any]] = []
+    self.redone = 0
+    self.wrong: list[str] = []
+    self.behind: list[str] = []
+    self.unplanned: list[str] = []
+    self.save_errors: list[str] = []
+    self.reported: set[tuple[int, int]] = set()   # (incarnation, step) an error said was lost
+    self.delete_violations: list[str] = []
+    self.skipped = 0
+    self.agent_restarts = 0
+    self.restart_secs: list[float] = []
+    self.pause_progress: list[int] = []
+
+  def keep_agent_logs(self, i: int, tag: str) -> None:
+    """Copies machine ``i``'s agent logs into the log directory (before its run root goes)."""
+    d = os.path.join(self.machine(i)[0], self.job_name)
+    with contextlib.suppress(OSError):
+      for name in os.listdir(d):
+        if name.endswith(".log"):
+          shutil.copy(os.path.join(d, name),
+                      os.path.join(self.log_dir, f"agent-machine{i}-{tag}-{name}"))
+
+  def machine(self, i: int) -> tuple[str, str]:
+    """Machine ``i``'s own run root and loopback address (nothing shared between them)."""
+    return os.path.join(self.root, f"machine{i}"), f"127.0.1.{i + 1}"
+
+  # -- incarnations ---------------------------------------------------------
+
+  def launch(self, *, fresh: bool, cause: str, expect_min: int | None = None,
+             expect_not: int | None = None, progress: int = 0) -> None:
+    """Starts a new incarnation; without ``fresh`` waits for every trainer's restore
+    and records it (tier, bit-exactness, steps re-done, what it rolled back)."""
+    for tries_left in (2, 1, 0):
+      self.incarnation += 1 if self.job is not None else 0
+      self.job = job = Job(self, self.incarnation, fresh=fresh)
+      try:
+        job.wait(lambda: all(t.fresh or t.available is not None for t in job.trainers), 600,
+                 "every trainer's restore" if not fresh else "every trainer to start fresh")
+        break
+      except TrainerDied:
+        # Another program took the coordinator's port between our pick and its bind: not
+        # a fault of the job's; start it again on another port.
+        if not tries_left or not any("Failed to add port" in line for t in job.trainers
+                                     for line in t.tail):
+          raise
+        job.kill()
+        job.close()
+    if fresh:
+      return
+    self.restart_secs.append(time.monotonic() - job.t0)
+    got = {t.restored[0] for t in job.trainers}
+    tiers = [t.restored[1] for t in job.trainers]
+    step = min(got)
+    self.causes[self.incarnation] = cause
+    entry = {"cause": cause, "incarnation": self.incarnation, "restored_step": step,
+             "tiers": sorted(set(tiers)), "steps_redone": max(0, progress - step)}
+    self.available[self.incarnation] = set().union(*(t.available for t in job.trainers))
+    self.log.append(entry)
+    self.tiers[tiers[0]] += 1
+    self.redone += max(0, progress - step)
+    if len(got) != 1:
+      self.wrong.append(f"{cause}: trainers restored different steps {sorted(got)}")
+    for t in job.trainers:
+      if t.restored[2] != "ok":
+        self.wrong.append(f"{cause}: trainer {t.index} restored step {t.restored[0]} from "
+                          f"{t.restored[1]}: {t.restored[2]}")
+    if expect_not is not None and step == expect_not:
+      self.wrong.append(f"{cause}: restored step {step}, which was deleted")
+    if expect_min is not None and step < expect_min:
+      self.behind.append(f"{cause}: restored step {step}, older than step {expect_min} that "
+                         "every host had committed (a host that skipped later saves keeps it "
+                         "while the others' keep rule may drop it)")
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+    stored = set(universal.all_steps(self.directory))
+    for v in self.versions:                     # versions after the restored step: abandoned
+      if v[0] < self.incarnation and v[1] > step and v not in self.rolled_back:
+        self.rolled_back[v] = self.incarnation
+        if v[1] in stored and v not in self.deleted:
+          self.behind.append(f"{cause}: restored step {step} although step {v[1]} was on "
+                             "storage")
+
+  def absorb(self) -> None:
+    """Records the ending incarnation's saves (before it is replaced)."""
+    job = self.job
+    if job is None:
+      return
+    for s in {s for t in job.trainers for s in t.saved}:
+      if s % PERSIST_INTERVAL == 0:
+        savers = {t.index for t in job.trainers if t.saved.get(s)}
+        self.versions[(job.incarnation, s)] = savers
+    for t in job.trainers:
+      self.save_errors += [f"incarnation {job.incarnation}: {e}" for e in t.save_errors]
+      for e in t.save_errors:
+        if "persisting step " in e:
+          self.reported.add((job.incarnation, int(e.split("persisting step ")[1].split()[0])))
+    self.skipped += sum(t.skipped for t in job.trainers)
+    self.agent_restarts += sum(t.agent_restarts for t in job.trainers)
+
+  def kill_job(self) -> int:
+    """SIGKILLs every trainer (their agents live on); returns how far the job had got."""
+    furthest = self.job.furthest()
+    self.job.kill()
+    self.absorb()
+    self.job.close()
+    return furthest
+
+  def relaunch_after_kill(self, cause: str, *, expect_min: int | None) -> None:
+    progress = self.kill_job()
+    self.launch(fresh=False, cause=cause, expect_min=expect_min, progress=progress)
+
+  # -- faults ---------------------------------------------------------------
+
+  def agent_pid(self, host: int) -> int:
+    pids = processes.agent_pids(self.machine(host)[0])
+    if len(pids) != 1:
+      raise SoakError(f"machine {host} has agents {pids}, not one")
+    return pids[0]
+
+  def inject(self, fault: Fault, *, relaunch: bool = True) -> dict[str, Any]:
+    """Injects ``fault`` and recovers (``relaunch``: a killed agent's job is also
+    relaunched, when no later fault would restore it)."""
+    job, h = self.job, fault.host
+    at = job.progress()
+    info: dict[str, Any] = {"kind": fault.kind, "host": h, "at_step": at}
+    self.injected[fault.kind] += 1
+    self.hit[job.incarnation].append(fault.kind)
+    newest = (job.complete_steps() or [None])[-1]
+    if fault.kind == "kill_trainer":
+      job.trainers[h].kill()
+      self.relaunch_after_kill("kill_trainer", expect_min=newest)
+    elif fault.kind == "kill_agent":
+      pid = self.agent_pid(h)
+      self.keep_agent_logs(h, f"killed{self.incarnation:02d}")
+      os.kill(pid, signal.SIGKILL)
+      processes.wait_gone(pid, 30, f"the agent of machine {h}")
+      t = job.trainers[h]
+      before = t.agent_restarts
+      job.wait(lambda: t.agent_restarts > before, 300,
+               f"trainer {h} to replace its killed agent")
+      target = job.progress() + 3
+      job.wait(lambda: job.progress() >= target, 300, f"the job to reach step {target}")
+      info["agent_replaced_by_step"] = job.progress()
+      if relaunch:          # else the trainers go on; the next fault's restore checks them
+        self.relaunch_after_kill("kill_agent", expect_min=job.complete_steps()[-1])
+    elif fault.kind == "lose_host":
+      root = self.machine(h)[0]
+      pid = self.agent_pid(h)
+      job.trainers[h].kill()
+      os.kill(pid, signal.SIGKILL)
+      processes.wait_gone(pid, 30, f"the agent of machine {h}")
+      self.keep_agent_logs(h, f"lost{self.incarnation:02d}")
+      shutil.rmtree(root)
+      self.relaunch_after_kill("lose_host", expect_min=None)
+    elif fault.kind == "s3_pause":
+      info["pause_secs"] = fault.pause_secs
+      before = job.progress()
+      deadline = time.monotonic() + fault.pause_secs
+      with self.s3.paused():
+        with job.cond:
+          while time.monotonic() < deadline:
+            job.cond.wait(deadline - time.monotonic())
+        info["steps_while_paused"] = job.progress() - before
+      self.pause_progress.append(info["steps_while_paused"])
+    elif fault.kind in ("restart", "delete"):
+      progress = job.furthest()
+      job.send(f"STOP {fault.kind}")
+      job.wait(lambda: all(t.stopped is not None for t in job.trainers), 600,
+               f"every trainer to stop ({fault.kind})")
+      stops = {t.stopped for t in job.trainers}
+      for t in job.trainers:
+        t.p.wait(timeout=120)
+        t.expect_exit = True
+      if len(stops) != 1:
+        raise SoakError(f"{fault.kind}: trainers stopped at different steps {sorted(stops)}")
+      stop = stops.pop()
+      progress = max(progress, stop)
+      complete = job.complete_steps()
+      self.absorb()
+      job.close()
+      expect_not = None
+      if fault.kind == "delete":
+        info["deleted_step"] = stop
+        complete = [s for s in complete if s % PERSIST_INTERVAL == 0]  # older ones may be dropped
+        self.deleted.add((job.incarnation, stop))
+        if {t.deleted for t in job.trainers} != {stop}:
+          self.delete_violations.append(f"not every trainer deleted step {stop}")
+        from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+        if stop in universal.all_steps(self.directory):
+          self.delete_violations.append(f"step {stop} is on storage after delete() and close()")
+        expect_not, expect_min = stop, max([s for s in complete if s < stop], default=None)
+      else:
+        expect_min = max(complete, default=None)
+      self.launch(fresh=False, cause=fault.kind, expect_min=expect_min, expect_not=expect_not,
+                  progress=progress)
+    if self.log and fault.kind != "s3_pause" and (relaunch or fault.kind != "kill_agent"):
+      info.update({k: self.log[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
+    return info
+
+  # -- the run --------------------------------------------------------------
+
+  def _continue_after_failure(self, e: TrainerDied) -> None:
+    """A trainer died unplanned: kill the job, relaunch it, go on (counted)."""
+    self.unplanned.append(str(e)[:600])
+    self.hit[self.job.incarnation].append("unplanned")
+    if len(self.unplanned) > 4:
+      raise SoakError("more than 4 unplanned failures; the last:\n" + self.job.tails()) from e
+    self.relaunch_after_kill("unplanned", expect_min=None)
+
+  def run(self) -> dict[str, Any]:
+    from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
+    t0 = time.monotonic()
+    with SeaweedS3() as s3:
+      self.s3 = s3
+      self.directory = s3.url("soak-" + uuid.uuid4().hex[:8])
+      self.launch(fresh=True, cause="start")
+      faults = list(self.faults)
+      while True:
+        try:
+          if faults:
+            fault = faults[0]
+            base = max(0, self.job.progress())
+            target = base + fault.gap
+            if target >= self.steps - 2:
+              raise SoakError(f"--steps {self.steps} is too few for the schedule: fault "
+                              f"{fault.kind} would come at step {target}")
+            job = self.job
+            job.wait(lambda: job.progress() >= target, 600, f"the job to reach step {target}")
+            faults.pop(0)         # injected once, even if a trainer dies meanwhile
+            later = {f.kind for f in faults} - {"s3_pause", "kill_agent"}
+            self.log.append(self.inject(fault, relaunch=not later) | {"fault": True})
+          else:
+            job = self.job
+            job.wait(lambda: all(t.done for t in job.trainers), 900,
+                     f"every trainer to finish step {self.steps}")
+            for t in job.trainers:
+              t.p.wait(timeout=120)
+              t.expect_exit = True
+            self.absorb()
+            job.close()
+            break
+        except TrainerDied as e:
+          self._continue_after_failure(e)
+      verified, storage_wrong = self.verify_storage()
+      wall = time.monotonic() - t0
+    return self.result(verified, storage_wrong, wall)
+
+  def verify_storage(self) -> tuple[list[int], list[str]]:
+    """Reads every step on storage back (one process, numpy) and compares it with the reference."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+    wrong = []
+    with jc.CheckpointManager(self.directory, jc.CheckpointOptions(handle_sigterm=False)) as m:
+      steps = jc.universal.all_steps(self.directory)
+      for s in steps:
+        out = m.restore(s, target=None)
+        want = self.reference.arrays(s)
+        for k, v in want.items():
+          if np.asarray(out[k]).tobytes() != v.tobytes():
+            wrong.append(f"storage step {s}: {k} differs")
+        key = np.asarray(jax.random.key_data(out["key"]))
+        if key.tobytes() != self.reference.key_data(s).tobytes():
+          wrong.append(f"storage step {s}: key differs")
+        if out["data"] != {"position": s}:
+          wrong.append(f"storage step {s}: data {out['data']}")
+    return steps, wrong
+
+  def result(self, stored: list[int], storage_wrong: list[str], wall: float) -> dict[str, Any]:
+    committed = {v: s for v, s in self.versions.items() if len(s) == HOSTS}
+    fates: dict[str, list[list[int]]] = collections.defaultdict(list)
+    destroyed_by: collections.Counter[str] = collections.Counter()
+    for v in sorted(committed):
+      # the first later restore at which no tier could restore it: a fault had destroyed
+      # every copy of it (a restore that went back before it is one such)
+      gone = next((e for e in sorted(self.available) if e > v[0]
+                   and v[1] not in self.available[e]), None)
+      if v in self.deleted:
+        fates["deleted"].append(list(v))
+      elif v in self.rolled_back or (gone is not None and v[1] not in stored):
+        fates["destroyed_by_fault"].append(list(v))
+        upto = self.rolled_back.get(v, gone)
+        destroyed_by["+".join(k for e in range(v[0], upto) for k in self.hit.get(e, ()))
+                     or "unknown"] += 1
+      elif v[1] in stored:
+        fates["persisted"].append(list(v))
+      else:
+        fates["lost"].append(list(v))
+    return {
+        "steps": self.steps, "seed": self.seed, "short": self.short,
+        "processes": HOSTS, "parity": {"group_size": HOSTS, "parity": 1},
+        "persist_interval_steps": PERSIST_INTERVAL,
+        "state_bytes": self.rows * self.cols * 8 + 16 * 4,
+        "faults_injected": dict(sorted(self.injected.items())),
+        "recoveries_by_tier": dict(sorted(self.tiers.items())),
+        "restores": sum(self.tiers.values()),
+        "steps_redone": self.redone,
+        "due_steps": {"committed": len(committed), "persisted": len(fates["persisted"]),
+                      "deleted": len(fates["deleted"]),
+                      "destroyed_by_fault": len(fates["destroyed_by_fault"]),
+                      "destroyed_by_fault_kind": dict(destroyed_by),
+                      "lost": len(fates["lost"])},
+        "lost_steps": fates["lost"],
+        # lost ones whose loss the trainer heard of (AgentUnavailableError: the agent
+        # that was persisting them died), as (incarnation, step)
+        "lost_steps_reported": [v for v in fates["lost"] if tuple(v) in self.reported],
+        "destroyed_steps": fates["destroyed_by_fault"],
+        "wrong_restores": len(self.wrong), "wrong_restore_details": self.wrong,
+        "restores_older_than_newest_complete": self.behind,
+        "delete_violations": self.delete_violations,
+        "storage_steps_verified": len(stored), "storage_wrong": storage_wrong,
+        "unplanned_failures": self.unplanned,
+        "agent_unavailable_errors_reported": len(self.save_errors),
+        "save_error_details": self.save_errors[:10],
+        "saves_skipped": self.skipped, "agent_restarts": self.agent_restarts,
+        "steps_progressed_while_s3_paused": self.pause_progress,
+        "relaunch_to_restored_secs": [round(x, 1) for x in self.restart_secs],
+        "schedule": self.log,
+        "wall_secs": round(wall, 1),
+    }
+
+  def cleanup(self) -> None:
+    """Kills every process this soak started (trainers, then the agents they spawned
+    under this soak's run root, found by the root in their command line) by pid,
+    and removes the run root (every machine's shared memory)."""
+    if self.job is not None:
+      with contextlib.suppress(Exception):
+        self.job.close()
+    for i in range(HOSTS):
+      self.keep_agent_logs(i, "end")
+    ours = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+      with contextlib.suppress(psutil.Error, TypeError):
+        if any(self.root in arg for arg in proc.info["cmdline"] or ()):
+          ours.append(proc.info["pid"])
+    ours += processes.agent_pids(self.root)
+    for pid in set(ours):
+      if pid != os.getpid():
+        with contextlib.suppress(ProcessLookupError):
+          os.kill(pid, signal.SIGKILL)
+    for pid in set(ours):
+      with contextlib.suppress(TimeoutError):
+        processes.wait_gone(pid, 30, "a soak process")
+    shutil.rmtree(self.root, ignore_errors=True)
+
+
+def run(steps: int, seed: int, *, short: bool = False, rows: int = 256, cols: int = 512,
+        n_faults: int | None = None, log_dir: str | None = None) -> dict[str, Any]:
+  """Runs the soak and returns its figures (see the module docstring).
+
+  ``log_dir`` keeps every trainer's output (default: a temporary directory,
+  removed when the soak passed, kept and named in the error when it failed).
+  """
+  own_logs = log_dir is None
+  log_dir = log_dir or tempfile.mkdtemp(prefix="jaxckpt-soak-logs-")
+  soak = Soak(steps=steps, seed=seed, short=short, rows=rows, cols=cols, log_dir=log_dir,
+              n_faults=n_faults)
+  try:
+    out = soak.run()
+  except BaseException as e:
+    raise SoakError(f"the soak failed (trainer logs kept in {log_dir}): {e}") from e
+  finally:
+    soak.cleanup()
+  if own_logs:
+    shutil.rmtree(log_dir, ignore_errors=True)
+  return out

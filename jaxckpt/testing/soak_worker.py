@@ -1,0 +1,295 @@
+"""One trainer of the chaos soak (:mod:`jaxckpt.testing.soak`): a process of a
+``jax.distributed`` job on loopback with its own run root, address and agent.
+
+  python -m jaxckpt.testing.soak_worker --port P --num-processes 4 --process-id I \
+      --run-root R --tcp-host 127.0.1.M --job J --directory s3://bucket/run \
+      --seed S --steps N [--fresh]
+
+The training state is a deterministic function of the seed and the step
+(:func:`reference`): integer arithmetic whose result is the same bits in numpy
+and in XLA, with a sum over the whole job each step (a cross-process
+collective, as a real step's gradient reduction is). Without ``--fresh`` the
+trainer restores the newest step, compares every addressable shard with the
+reference bit for bit and goes on from there; it saves every step (parity m=1,
+every 5th step persisted) until step N.
+
+It talks to the soak on stdout, one line per event:
+
+  TIMING ...                             (seconds to import, join the job, open the manager)
+  RESTORED step tier ok|BAD:<why> secs   FRESH
+  AVAILABLE s1,s2,...                    (after a restore: mgr.all_steps())
+  STEP step saved restarts skipped       (after save() and wait_until_snapshotted())
+  SAVE_ERROR step type: message          (an earlier step's persist failed or the agent
+                                          died: said, and the loop goes on)
+  DELETED step   STOPPED step   DONE step   ERROR type: message (then it exits 3)
+
+and reads commands on stdin: ``STOP restart`` (every trainer stops after the
+same step, agreed through the step's collective, closes its manager and exits)
+and ``STOP delete`` (the same, at the next step due for storage, which every
+trainer deletes right after its snapshot, while its persist runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+# The state: w (uint32, rows sharded over every device of the job), f (float32,
+# derived from w, columns sharded), rep (uint32, replicated), a typed PRNG key
+# (replicated) and a non-array position.
+_MUL, _ADD = np.uint32(1664525), 1013904223
+CODES = {"restart": 1, "delete": 2}
+
+
+def initial(seed: int, rows: int, cols: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  w = rng.integers(0, 2**32, (rows, cols), dtype=np.uint32)
+  return {"w": w, "f": _derived(w), "rep": rng.integers(0, 2**32, (16,), dtype=np.uint32)}
+
+
+def _derived(w: np.ndarray) -> np.ndarray:
+  return (w >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)   # exact: < 2**24
+
+
+def advance(vals: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+  """The numpy reference of one training step (the same bits as :func:`_jax_step`)."""
+  w, rep = vals["w"], vals["rep"]
+  total = np.sum(w, dtype=np.uint32)                  # wraps mod 2**32, as XLA's does
+  w2 = w * _MUL + np.uint32((_ADD + step + int(total)) % 2**32)
+  w2 ^= w2 >> np.uint32(13)
+  rep2 = rep * np.uint32(3) + np.uint32((int(total) + step) % 2**32)
+  return {"w": w2, "f": _derived(w2), "rep": rep2}
+
+
+class Reference:
+  """The expected state at any step, by replaying the numpy reference (cached)."""
+
+  def __init__(self, seed: int, rows: int, cols: int) -> None:
+    self.seed = seed
+    self._vals = {0: initial(seed, rows, cols)}
+    self._keys: dict[int, np.ndarray] = {}
+
+  def arrays(self, step: int) -> dict[str, np.ndarray]:
+    have = max(s for s in self._vals if s <= step)
+    vals = self._vals[have]
+    for s in range(have + 1, step + 1):
+      vals = advance(vals, s)
+      if s % 16 == 0 or s == step:
+        self._vals[s] = vals
+    return vals
+
+  def key_data(self, step: int) -> np.ndarray:
+    """The PRNG key's data at ``step`` (fold_in of the step each step)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    if step not in self._keys:
+      have = max([s for s in self._keys if s <= step], default=None)
+      key = (jax.random.key(self.seed) if have is None
+             else jax.random.wrap_key_data(self._keys[have]))
+      for s in range((0 if have is None else have) + 1, step + 1):
+        key = jax.random.fold_in(key, s)
+      self._keys[step] = np.asarray(jax.random.key_data(key))
+    return self._keys[step]
+
+
+def _commands() -> "queue.Queue[str]":
+  q: queue.Queue[str] = queue.Queue()
+
+  def read() -> None:
+    for line in sys.stdin:
+      q.put(line.strip())
+  threading.Thread(target=read, daemon=True, name="soak-stdin").start()
+  return q
+
+
+def say(*words: object) -> None:
+  print(*words, flush=True)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--port", type=int, required=True)
+  p.add_argument("--num-processes", type=int, required=True)
+  p.add_argument("--process-id", type=int, required=True)
+  p.add_argument("--run-root", required=True)
+  p.add_argument("--tcp-host", required=True)
+  p.add_argument("--job", required=True)
+  p.add_argument("--directory", required=True)
+  p.add_argument("--seed", type=int, required=True)
+  p.add_argument("--steps", type=int, required=True)
+  p.add_argument("--rows", type=int, default=256)
+  p.add_argument("--cols", type=int, default=512)
+  p.add_argument("--persist-interval", type=int, default=5)
+  p.add_argument("--timeout-secs", type=float, default=90.0)
+  p.add_argument("--fresh", action="store_true")
+  a = p.parse_args(argv)
+  try:
+    return _run(a)
+  except BaseException as e:  # pylint: disable=broad-except  (reported, then a hard exit)
+    say(f"ERROR {type(e).__name__}: {str(e)[:2000]}".replace("\n", " | "))
+    traceback.print_exc(file=sys.stdout)
+    sys.stdout.flush()
+    os._exit(3)               # no jax.distributed shutdown barrier with dead peers
+
+
+def _run(a: argparse.Namespace) -> int:
+  import logging  # pylint: disable=import-outside-toplevel
+  logging.basicConfig(level=logging.WARNING, stream=sys.stdout,
+                      format=f"[p{a.process_id} %(asctime)s %(name)s %(levelname)s] %(message)s")
+  t_start = time.perf_counter()
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_num_cpu_devices", 2)
+  t_import = time.perf_counter()
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
+                             num_processes=a.num_processes, process_id=a.process_id,
+                             initialization_timeout=180)
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  from jaxckpt import errors  # pylint: disable=import-outside-toplevel
+
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+  n_dev = len(devices)
+  shard = {"w": NamedSharding(mesh, P("x")), "f": NamedSharding(mesh, P(None, "x")),
+           "rep": NamedSharding(mesh, P()), "key": NamedSharding(mesh, P()),
+           "flags": NamedSharding(mesh, P("x"))}
+  ref = Reference(a.seed, a.rows, a.cols)
+
+  def put(vals: dict[str, np.ndarray], key_data: np.ndarray, step: int) -> dict:
+    out = {k: jax.make_array_from_callback(v.shape, shard[k], lambda i, v=v: v[i])
+           for k, v in vals.items()}
+    key = jax.make_array_from_callback(key_data.shape, shard["key"], lambda i: key_data[i])
+    return {**out, "key": jax.random.wrap_key_data(key), "data": {"position": step}}
+
+  def _jax_step(w, rep, key, flags, step):
+    total = jnp.sum(w, dtype=jnp.uint32)
+    w2 = w * jnp.uint32(_MUL) + (jnp.uint32(_ADD) + step + total)
+    w2 = w2 ^ (w2 >> jnp.uint32(13))
+    f = (w2 >> jnp.uint32(8)).astype(jnp.float32) * jnp.float32(2.0**-24)
+    rep2 = rep * jnp.uint32(3) + (total + step)
+    return w2, f, rep2, jax.random.fold_in(key, step), jnp.max(flags)
+
+  step_fn = jax.jit(_jax_step, out_shardings=(shard["w"], shard["f"], shard["rep"], shard["key"],
+                                               shard["rep"]))
+
+  opts = jc.CheckpointOptions(
+      max_snapshots=2, save_interval_steps=1, on_busy="skip",
+      persist_interval_steps=a.persist_interval, timeout_secs=a.timeout_secs,
+      handle_sigterm=False,
+      agent=jc.AgentOptions(job_name=a.job, run_root=a.run_root, tcp_host=a.tcp_host,
+                            idle_timeout_secs=900, request_timeout_secs=30),
+      parity=jc.ParityOptions(group_size=a.num_processes, parity=1))
+  commands = _commands()
+  t_init = time.perf_counter()
+  mgr = jc.CheckpointManager(a.directory, opts)
+  t_mgr = time.perf_counter()
+  say(f"TIMING import={t_import - t_start:.2f} distributed={t_init - t_import:.2f} "
+      f"manager={t_mgr - t_init:.2f}")
+  if a.fresh:
+    start = 0
+    state = put(ref.arrays(0), ref.key_data(0), 0)
+    say("FRESH")
+  else:
+    t0 = time.perf_counter()
+    target = put(ref.arrays(0), ref.key_data(0), 0)
+    state = mgr.restore(target=target)
+    start = mgr.last_restore.step
+    why = _compare(state, ref, start, shard)
+    say("RESTORED", start, mgr.last_restore.tier, "ok" if why is None else f"BAD:{why}",
+        f"{time.perf_counter() - t0:.3f}")
+    if why is not None:                  # go on from the reference: later checks stay sharp
+      state = put(ref.arrays(start), ref.key_data(start), start)
+    # what any tier could restore now (held, rebuildable from parity, stored)
+    say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
+  code, stopping = 0, 0
+  for step in range(start + 1, a.steps + 1):
+    while not commands.empty():
+      words = commands.get().split()
+      if words[:1] == ["STOP"]:
+        code = max(code, CODES[words[1]])
+    flags = jax.make_array_from_callback(
+        (n_dev,), shard["flags"], lambda i, c=code: np.full((n_dev,), c, np.int32)[i])
+    w, f, rep, key, agreed = step_fn(state["w"], state["rep"], state["key"], flags,
+                                     jnp.uint32(step))
+    agreed = int(np.asarray(agreed.addressable_data(0)))    # the loop's "loss fetch"
+    state = {"w": w, "f": f, "rep": rep, "key": key, "data": {"position": step}}
+    stopping = max(stopping, agreed)
+    saved = _save(mgr, step, state, errors)
+    say("STEP", step, int(saved), mgr.stats.agent_restarts, mgr.stats.skipped_busy)
+    if stopping == CODES["restart"] or (stopping == CODES["delete"]
+                                        and step % a.persist_interval == 0):
+      if stopping == CODES["delete"]:
+        mgr.delete(step)
+        say("DELETED", step)
+      _close(mgr, errors)
+      say("STOPPED", step)
+      os._exit(0)
+  _close(mgr, errors)
+  say("DONE", a.steps)
+  os._exit(0)
+
+
+def _reported(e: BaseException, errors) -> bool:
+  """Whether ``e`` is a failure the loop goes on after: an earlier step's persist
+  that failed (raised from a later call), or an agent that died (the next save
+  starts a new one)."""
+  return isinstance(e, errors.JaxckptError) and (
+      isinstance(e, errors.AgentUnavailableError) or str(e).startswith("persisting step "))
+
+
+def _save(mgr, step: int, state: dict, errors) -> bool:
+  """save() then wait_until_snapshotted(); a failure the loop goes on after is
+  said (SAVE_ERROR) and the save is tried again (at most twice)."""
+  for tries_left in (2, 1, 0):
+    try:
+      saved = mgr.save(step, state)
+      mgr.wait_until_snapshotted()
+      return saved
+    except Exception as e:  # pylint: disable=broad-except
+      if not _reported(e, errors):
+        raise
+      say(f"SAVE_ERROR {step} {type(e).__name__}: {e}".replace("\n", " | "))
+      if not tries_left:
+        return False
+  return False
+
+
+def _close(mgr, errors) -> None:
+  """close(), which waits for this run's persists; their failures are said."""
+  try:
+    mgr.close()
+  except Exception as e:  # pylint: disable=broad-except  (closed all the same)
+    if not _reported(e, errors):
+      raise
+    say(f"SAVE_ERROR close {type(e).__name__}: {e}".replace("\n", " | "))
+
+
+def _compare(state: dict, ref: Reference, step: int, shard: dict) -> str | None:
+  """Why the restored ``state`` differs from the reference at ``step`` (None: bit-exact)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  want = ref.arrays(step)
+  for k, v in want.items():
+    got = state[k]
+    if got.sharding != shard[k]:
+      return f"{k}:sharding:{got.sharding}"
+    for s in got.addressable_shards:
+      a, b = np.asarray(s.data), v[s.index]
+      if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+        return f"{k}{s.index}:differs"
+  if np.asarray(jax.random.key_data(state["key"]).addressable_data(0)).tobytes() != \
+      ref.key_data(step).tobytes():
+    return "key:differs"
+  if state["data"] != {"position": step}:
+    return f"data:{state['data']}"
+  return None
+
+
+if __name__ == "__main__":
+  sys.exit(main())
