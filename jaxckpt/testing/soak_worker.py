@@ -230,9 +230,18 @@ def _run(a: argparse.Namespace) -> int:
         say("DELETED", step)
       _close(mgr, errors)
       say("STOPPED", step)
-      os._exit(0)
+      _leave(jax)
   _close(mgr, errors)
   say("DONE", a.steps)
+  _leave(jax)
+
+
+def _leave(jax) -> None:
+  """Exits once every process of the job is leaving: the coordinator (process 0)
+  going first aborts the others (MEASURED.md), so they meet in jax.distributed's
+  shutdown barrier first."""
+  jax.distributed.shutdown()
+  sys.stdout.flush()
   os._exit(0)
 
 
