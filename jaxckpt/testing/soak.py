@@ -477,11 +477,16 @@ class Soak:
 
   def _continue_after_failure(self, e: TrainerDied) -> None:
     """A trainer died unplanned: kill the job, relaunch it, go on (counted)."""
-    self.unplanned.append(str(e)[:600])
-    self.hit[self.job.incarnation].append("unplanned")
-    if len(self.unplanned) > 4:
-      raise SoakError("more than 4 unplanned failures; the last:\n" + self.job.tails()) from e
-    self.relaunch_after_kill("unplanned", expect_min=None)
+    while True:
+      self.unplanned.append(str(e)[:600])
+      self.hit[self.job.incarnation].append("unplanned")
+      if len(self.unplanned) > 4:
+        raise SoakError("more than 4 unplanned failures; the last:\n" + self.job.tails()) from e
+      try:
+        self.relaunch_after_kill("unplanned", expect_min=None)
+        return
+      except TrainerDied as again:
+        e = again
 
   def run(self) -> dict[str, Any]:
     from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel

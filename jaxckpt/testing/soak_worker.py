@@ -199,7 +199,14 @@ def _run(a: argparse.Namespace) -> int:
   else:
     t0 = time.perf_counter()
     target = put(ref.arrays(0), ref.key_data(0), 0)
-    state = mgr.restore(target=target)
+    for tries_left in (1, 0):
+      try:
+        state = mgr.restore(target=target)
+        break
+      except Exception as e:  # pylint: disable=broad-except
+        if not tries_left or not _reported(e, errors):   # (raised before the restore began)
+          raise
+        say(f"SAVE_ERROR restore {type(e).__name__}: {e}".replace("\n", " | "))
     start = mgr.last_restore.step
     why = _compare(state, ref, start, shard)
     say("RESTORED", start, mgr.last_restore.tier, "ok" if why is None else f"BAD:{why}",
@@ -254,28 +261,41 @@ def _reported(e: BaseException, errors) -> bool:
 
 
 def _save(mgr, step: int, state: dict, errors) -> bool:
-  """save() then wait_until_snapshotted(); a failure the loop goes on after is
-  said (SAVE_ERROR) and the save is tried again (at most twice)."""
+  """save() then wait_until_snapshotted(); True if the snapshot committed on this host.
+
+  A failure the loop goes on after is said (SAVE_ERROR). save() raising it has
+  not started the save (it raises before anything), so it is tried again; once
+  save() returned, never (a second save of a due step would be a second persist
+  attempt on this process alone, which the other processes' parts never match).
+  """
   for tries_left in (2, 1, 0):
     try:
       saved = mgr.save(step, state)
-      mgr.wait_until_snapshotted()
-      return saved
+      break
     except Exception as e:  # pylint: disable=broad-except
       if not _reported(e, errors):
         raise
       say(f"SAVE_ERROR {step} {type(e).__name__}: {e}".replace("\n", " | "))
       if not tries_left:
         return False
-  return False
+  try:
+    mgr.wait_until_snapshotted()
+  except Exception as e:  # pylint: disable=broad-except
+    if not _reported(e, errors):
+      raise
+    say(f"SAVE_ERROR {step} {type(e).__name__}: {e}".replace("\n", " | "))
+    # an earlier step's persist (raised after this snapshot committed), or this snapshot's own
+    return saved and str(e).startswith("persisting step ")
+  return saved
 
 
 def _close(mgr, errors) -> None:
-  """close(), which waits for this run's persists; their failures are said."""
+  """close(), which waits for this run's persists; their failures (and a persist
+  that did not end in time: the agent goes on with it) are said."""
   try:
     mgr.close()
   except Exception as e:  # pylint: disable=broad-except  (closed all the same)
-    if not _reported(e, errors):
+    if not (_reported(e, errors) or isinstance(e, errors.SnapshotTimeoutError)):
       raise
     say(f"SAVE_ERROR close {type(e).__name__}: {e}".replace("\n", " | "))
 
