@@ -27,11 +27,18 @@ import time
 import uuid
 from typing import Any, Callable, ContextManager
 
-from jaxckpt import errors, universal
+from jaxckpt import errors
 from jaxckpt.snapshot import SnapshotManifest
-from jaxckpt.universal import _layout
 
 logger = logging.getLogger(__name__)
+
+
+def _universal() -> Any:
+  """The universal format's package, imported on first use: it imports JAX (through
+  ``jaxckpt.tree``), and an agent that never persists must not pay for that. The
+  one function-level import of this module."""
+  import jaxckpt.universal  # pylint: disable=import-outside-toplevel
+  return jaxckpt.universal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,14 +245,14 @@ class Persister:
       self._check(job)
       try:
         with self._open_step(step) as (manifest, buffer):
-          universal.write_process_shards(directory, manifest, buffer, attempt=attempt)
+          _universal().write_process_shards(directory, manifest, buffer, attempt=attempt)
         self._check(job)
         if manifest.process_index == 0:
-          universal.commit_step(directory, step, process_count=manifest.process_count,
+          _universal().commit_step(directory, step, process_count=manifest.process_count,
                                 timeout_secs=self.config.timeout_secs, attempt=attempt,
                                 check=lambda: self._check(job))
           if self.config.max_to_keep:
-            universal.gc_steps(directory, max_to_keep=self.config.max_to_keep, keep=(step,))
+            _universal().gc_steps(directory, max_to_keep=self.config.max_to_keep, keep=(step,))
         return
       except errors.StorageError as e:
         if e.errno not in _TRANSIENT or time.monotonic() + pause > deadline or job.cancelled:
@@ -288,7 +295,7 @@ class Persister:
 def discard_quietly(directory: str, step: int, attempt: str) -> None:
   """Removes what a losing attempt wrote (best effort: it is unreachable anyway)."""
   try:
-    universal.discard_attempt(directory, step, attempt)
+    _universal().discard_attempt(directory, step, attempt)
   except errors.StepExistsError:
     pass                          # it committed (a later stage failed): keep it
   except Exception as e:  # pylint: disable=broad-except
@@ -310,6 +317,7 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
     raise errors.InvalidArgumentError(
         f"directory={directory!r} is empty; pass a path or a URL (s3://bucket/prefix), or "
         "None for host snapshots only")
+  _layout = _universal()._layout
   local = _layout.local_path(directory)
   if local is None:
     kv = _layout.open_kvstore(directory, timeout_secs=timeout_secs)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+import enum
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -17,14 +18,55 @@ from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, al
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
 
 
+class Tier(str, enum.Enum):
+  """Where a restore read its step, fastest first. A ``str``: ``tier == "host"`` holds."""
+
+  HOST = "host"          # every saving process's snapshot held in host memory
+  PARITY = "parity"      # some lost, rebuilt from the survivors' Reed-Solomon parity
+  STORAGE = "storage"    # the universal format
+
+  def __repr__(self) -> str:
+    return repr(self.value)
+
+  __str__ = str.__str__
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RestoreInfo:
   """What the last restore did: ``mgr.last_restore``."""
 
   step: int
-  tier: str          # "host" | "parity" | "storage"
+  tier: Tier
   seconds: float
   nbytes: int
+
+
+class Piece(Protocol):
+  """One saving process's snapshot of a step, as a restore reads it: held here
+  (:class:`BufferPiece`) or by another host's agent (``agent.client.RemotePiece``,
+  ``remote``: read ahead over the network by ``fetch``)."""
+
+  manifest: SnapshotManifest
+  bytes_read: int
+  remote: bool
+
+  def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None: ...
+  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
+  def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
+  def span(self, start: int, nbytes: int) -> np.ndarray | None: ...
+
+
+class Source(Protocol):
+  """A step on one tier, as :func:`restore_tree` reads it."""
+
+  step: int
+  leaves: Sequence[LeafRecord]
+
+  @property
+  def bytes_read(self) -> int: ...
+  def prefetch(self, needed: dict[int, set[Box]]) -> None: ...
+  def reader(self, i: int, *, private: bool = True,
+             boxes: Any = None) -> Callable[[Box], np.ndarray]: ...
 
 
 class LeafMetadata(NamedTuple):
@@ -64,6 +106,8 @@ class BufferPiece:
   the slot from its pool) and returns whether it could.
   """
 
+  remote = False
+
   def __init__(self, manifest: SnapshotManifest, buffer: Any, *, private: bool = False,
                lend: Callable[[], bool] | None = None) -> None:
     self.manifest = manifest
@@ -72,6 +116,10 @@ class BufferPiece:
     self._verified: set[int] = set()
     self._private = private
     self._lend = lend
+
+  def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None:
+    """Nothing to read ahead: the bytes are here."""
+    del wanted
 
   def _mark_read(self, shard: ShardRecord) -> None:
     self._verified.add(shard.offset)
@@ -117,7 +165,7 @@ class BufferPiece:
 class HostSource:
   """A step held as host snapshots: one piece per saving process."""
 
-  def __init__(self, pieces: Sequence[Any]) -> None:
+  def __init__(self, pieces: Sequence[Piece]) -> None:
     self.pieces = pieces
     self.step = pieces[0].manifest.step
     self.leaves = pieces[0].manifest.leaves
@@ -136,7 +184,7 @@ class HostSource:
       for box in boxes:
         for p, leaf, s in _serving(shards, box):
           wanted.setdefault(id(p), []).append((leaf, s))
-    remote = [p for p in self.pieces if id(p) in wanted and hasattr(p, "fetch")]
+    remote = [p for p in self.pieces if id(p) in wanted and p.remote]
     with concurrent.futures.ThreadPoolExecutor(max(1, len(remote))) as pool:   # hosts at once
       for f in [pool.submit(p.fetch, wanted[id(p)]) for p in remote]:
         f.result()
@@ -157,8 +205,7 @@ class HostSource:
       found = _serving(shards, box)
       if len(found) == 1 and found[0][2].index == box:
         p, leaf, s = found[0]
-        own = getattr(p, "shard_private", None) if private else None
-        return own(leaf, s) if own else p.shard_array(leaf, s)   # remote pieces: private already
+        return p.shard_private(leaf, s) if private else p.shard_array(leaf, s)
       return assemble_region(box, rec.numpy_dtype,
                              [(s.index, p.shard_array(leaf, s)) for p, leaf, s in found],
                              path=rec.path)
@@ -177,7 +224,7 @@ def _serving(shards: Sequence[tuple[Any, LeafRecord, ShardRecord]],
   return [exact] if exact else [x for x in shards if box_intersection(x[2].index, box) is not None]
 
 
-def restore_tree(source: Any, target: Any, *, partial: bool = False) -> Any:
+def restore_tree(source: Source, target: Any, *, partial: bool = False) -> Any:
   """Restores the tree held by ``source`` onto ``target``'s structure and shardings.
 
   A source has ``step``, ``leaves`` (LeafRecords in tree order) and
@@ -192,8 +239,7 @@ def restore_tree(source: Any, target: Any, *, partial: bool = False) -> Any:
     targets, treedef, index = match_target(target, saved, source.step, partial=partial)
   needed = {i: _needed_boxes(saved[i], t) for i, t in zip(index, targets)
             if saved[i].kind != "scalar"}
-  if hasattr(source, "prefetch"):
-    source.prefetch(needed)
+  source.prefetch(needed)
   # One thread on purpose: restoring into fresh memory is bound by page faults,
   # and two threads faulting in one process took twice as long (measured).
   values = [_leaf_value(source, i, saved[i], t, needed.get(i)) for i, t in zip(index, targets)]

@@ -26,30 +26,9 @@ logger = logging.getLogger(__name__)
 _agreements = [0]
 
 
-def is_agent_store(store: HostStore) -> bool:
-  return hasattr(store, "run_root")
-
-
-@contextlib.contextmanager
-def agent_clients(store: HostStore) -> Iterator[dict[int, Any]]:
-  """Clients of every live agent of the store's job, by host id (none for other stores)."""
-  if not is_agent_store(store):
-    yield {}
-    return
-  from jaxckpt.agent import client as agent_client  # pylint: disable=import-outside-toplevel
-  with agent_client.clients_of(store.agents(), store.opts.job_name, local_pid=store.pid,
-                               secret=store.secret,
-                               timeout_secs=store.opts.request_timeout_secs) as clients:
-    yield clients
-
-
 def complete_steps(store: HostStore) -> list[int]:
-  """Steps whose every saving process's snapshot is held by some live agent."""
-  if not is_agent_store(store):
-    return store.steps()
-  from jaxckpt.agent.client import complete_steps_of  # pylint: disable=import-outside-toplevel
-  with agent_clients(store) as clients:
-    return complete_steps_of(clients)
+  """Steps whose every saving process's snapshot is held in the job."""
+  return store.complete_steps()
 
 
 def storage_steps(directory: str | None) -> list[int]:
@@ -60,13 +39,8 @@ def storage_steps(directory: str | None) -> list[int]:
 
 
 def parity_steps(store: HostStore) -> dict[int, Any]:
-  """What the live agents say about the parity of each step they protect
-  ({step: ``_parity.StepParity``}); empty without agents or parity."""
-  if not is_agent_store(store):
-    return {}
-  from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
-  with agent_clients(store) as clients:
-    return _parity.survey(clients)
+  """What the job's agents say about the parity of each step they protect."""
+  return store.parity_steps()
 
 
 def protected_steps(store: HostStore) -> list[int]:
@@ -113,8 +87,35 @@ def _rebuildable(held: list[int], store: HostStore) -> tuple[list[int], dict[int
   return sorted(ok), why
 
 
+def restore(store: HostStore, directory: str | None, step: int | None, target: Any, *,
+            partial: bool, timeout_secs: float) -> tuple[Any, _restore.RestoreInfo]:
+  """Chooses the step and its fastest tier, reads it onto ``target``, and says
+  what it did: the one place a restore's tiers are chosen and read, top to
+  bottom. A host or parity read that finds a damaged or lost snapshot falls
+  back to storage when storage holds the step."""
+  t0 = time.perf_counter()
+  step, tier = choose_step(store, directory, step, timeout_secs=timeout_secs)
+  if tier is not _restore.Tier.STORAGE:
+    try:
+      with host_pieces(store, step, rebuild=tier is _restore.Tier.PARITY) as pieces:
+        source: _restore.Source = _restore.HostSource(pieces)
+        out = jax.block_until_ready(_restore.restore_tree(source, target, partial=partial))
+    except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
+      if step not in storage_steps(directory):
+        raise
+      logger.warning("step %d: %s tier failed (%s); reading storage instead", step, tier.value, e)
+      tier = _restore.Tier.STORAGE
+  if tier is _restore.Tier.STORAGE:
+    source = StorageSource(directory, step)
+    out = jax.block_until_ready(_restore.restore_tree(source, target, partial=partial))
+  info = _restore.RestoreInfo(step, tier, time.perf_counter() - t0, source.bytes_read)
+  logger.info("restored step %d from %s (%d bytes, %.3f s)", step, tier.value, info.nbytes,
+              info.seconds)
+  return out, info
+
+
 def choose_step(store: HostStore, directory: str | None, step: int | None, *,
-                timeout_secs: float) -> tuple[int, str]:
+                timeout_secs: float) -> tuple[int, _restore.Tier]:
   """The step to restore and the fastest tier that holds it: "host" (every
   saving process's snapshot is held), "parity" (some are lost but the
   survivors' parity rebuilds them) or "storage".
@@ -147,7 +148,8 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
         + (f"; on storage: {stored}" if directory else ""))
   if jax.process_count() > 1:
     step = agree(step, timeout_secs=timeout_secs)
-  tier = "host" if step in held else "parity" if step in rebuilt else "storage"
+  tier = (_restore.Tier.HOST if step in held else _restore.Tier.PARITY if step in rebuilt
+          else _restore.Tier.STORAGE)
   return step, tier
 
 
@@ -166,6 +168,10 @@ class StorageSource:
   @property
   def bytes_read(self) -> int:
     return self.reader_.bytes_read
+
+  def prefetch(self, needed: Any) -> None:
+    """Nothing: each reader fetches its boxes at once."""
+    del needed
 
   def reader(self, i: int, *, private: bool = True, boxes: Any = None):
     """``read_region(box)`` for leaf ``i``: every stored chunk read once, verified
@@ -224,29 +230,11 @@ def agree(step: int, *, timeout_secs: float) -> int:
                                        what="the step they hold"))
 
 
-def discover_agents(store: HostStore, *, timeout_secs: float) -> None:
-  """Tells every process of a multi-process job where the job's agents are.
-
-  Each process publishes the agents of the job on its own machine (its run root
-  is private) through jax.distributed's key-value store; every process keeps
-  the whole list (restores read other hosts' pieces from it) and hands its
-  agent the job's current agents by host id (for parity exchange). No
-  directory is shared between hosts.
-  """
-  import json  # pylint: disable=import-outside-toplevel
-  mine = {"own": store.info, "local": store.local_agents()}
-  everyone = [json.loads(v) for v in allgather(
-      f"agents/{store.opts.job_name}", json.dumps(mine), timeout_secs=timeout_secs,
-      what="their snapshot agents' addresses")]
-  store.directory = [a for e in everyone for a in e["local"]]
-  store.call("peers", peers={str(e["own"]["host"]): e["own"] for e in everyone})
-
-
 @contextlib.contextmanager
 def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterator[list[Any]]:
-  """This host's piece first (if it holds one), then remote pieces for the other
-  saving processes of ``step``; with ``rebuild``, the pieces of lost hosts
-  rebuilt from parity (checksum-verified) as local buffers."""
+  """This host's piece first (if it holds one), then the pieces the job holds
+  elsewhere for the other saving processes of ``step``; with ``rebuild``, the
+  pieces of lost hosts rebuilt from parity (checksum-verified) as local buffers."""
   with contextlib.ExitStack() as stack:
     pieces = []
     local_index = None
@@ -258,40 +246,5 @@ def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterat
       if manifest.process_count == 1:
         yield pieces
         return
-    if not is_agent_store(store):
-      raise errors.StepNotFoundError(f"step {step} is not held in this process")
-    clients = stack.enter_context(agent_clients(store))
-    pieces += _remote_pieces(store, clients, step, local_index, stack)
-    if rebuild:
-      pieces += _rebuilt_pieces(clients, step, pieces)
+    pieces += store.other_pieces(step, local_index, rebuild=rebuild, have=pieces, stack=stack)
     yield pieces
-
-
-def _remote_pieces(store: HostStore, clients: dict[int, Any], step: int,
-                   local_index: int | None, stack: contextlib.ExitStack) -> list[Any]:
-  """Other agents' pieces of ``step``, each saving process once, pinned while restoring."""
-  from jaxckpt.agent.client import open_remote_piece  # pylint: disable=import-outside-toplevel
-  out, found = [], set() if local_index is None else {local_index}
-  for c in clients.values():
-    if c.pid == store.pid and local_index is not None:
-      continue
-    piece = open_remote_piece(c, step, stack)
-    if piece is not None and piece.manifest.process_index not in found:
-      out.append(piece)
-      found.add(piece.manifest.process_index)
-  return out
-
-
-def _rebuilt_pieces(clients: dict[int, Any], step: int, pieces: list[Any]) -> list[Any]:
-  """The snapshots of the saving processes that no live agent holds, from parity."""
-  from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
-  if not pieces:
-    raise errors.UnrecoverableLossError(f"step {step}: no host holds any piece of it")
-  count = pieces[0].manifest.process_count
-  lost = sorted(set(range(count)) - {p.manifest.process_index for p in pieces})
-  if not lost:
-    return []
-  have = {p.manifest.process_index: p for p in pieces}   # their bytes are not read twice
-  rebuilt = _parity.recover(clients, step, lost, have=have)
-  logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)
-  return [_restore.BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]

@@ -106,7 +106,7 @@ class CheckpointManager:
     if store is not None and self._persist_config is not None:
       store.persist_to(self._persist_config)   # every store persists what it holds
     if store is None and self.options.agent is not None and jax.process_count() > 1:
-      _tiers.discover_agents(self._store, timeout_secs=self.options.timeout_secs)
+      self._store.discover(timeout_secs=self.options.timeout_secs)
     self._planner = capture.Planner()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
@@ -660,36 +660,12 @@ class CheckpointManager:
                             lambda name: meta.tree[name])
     target = _orbax_item(target, args, "restore", "target", "StandardRestore", required=False)
     self.wait_until_snapshotted()
-    t0 = time.perf_counter()
-    step, tier = _tiers.choose_step(self._store, self.directory, step,
-                                    timeout_secs=self.options.timeout_secs)
-    if tier in ("host", "parity"):
-      try:
-        out, nbytes = self._restore_host(step, target, rebuild=tier == "parity", partial=partial)
-      except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
-        if step not in _tiers.storage_steps(self.directory):
-          raise
-        logger.warning("step %d: %s tier failed (%s); reading storage instead", step, tier, e)
-        tier = "storage"
-    if tier == "storage":
-      source = _tiers.StorageSource(self.directory, step)
-      out = _restore.restore_tree(source, target, partial=partial)
-      jax.block_until_ready(out)
-      nbytes = source.bytes_read
+    out, self.last_restore = _tiers.restore(self._store, self.directory, step, target,
+                                            partial=partial,
+                                            timeout_secs=self.options.timeout_secs)
     if target is None:
       out = tree.nest(out)
-    self.last_restore = _restore.RestoreInfo(step, tier, time.perf_counter() - t0, nbytes)
-    logger.info("restored step %d from %s (%d bytes, %.3f s)", step, tier, nbytes,
-                self.last_restore.seconds)
     return out
-
-  def _restore_host(self, step: int, target: Any, *, rebuild: bool,
-                    partial: bool = False) -> tuple[Any, int]:
-    with _tiers.host_pieces(self._store, step, rebuild=rebuild) as pieces:
-      source = _restore.HostSource(pieces)
-      out = _restore.restore_tree(source, target, partial=partial)
-      jax.block_until_ready(out)
-      return out, source.bytes_read
 
   # -- preemption -----------------------------------------------------------
 

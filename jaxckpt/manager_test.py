@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import jaxckpt as jc
-from jaxckpt import errors
+from jaxckpt import capture, errors, tree
 
 
 def mesh(shape, names):
@@ -387,9 +387,10 @@ def test_many_small_sharded_leaves_restore_exactly_onto_another_mesh():
                       (rng.normal(size=(8, 8)) * 50).astype(dt)) for i, dt in enumerate(dtypes)}
   with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
     state = {k: jax.jit(lambda a: a.copy())(put(v, src_mesh, "a", "b")) for k, v in values.items()}
+    m.prepare(state)                  # the gather compiled (a first save would not wait for it)
     save_now(m, 1, state)
-    assert m._planner._cache and all(p.pack is not None and len(p.pack.leaves) == len(dtypes)
-                                     for p in m._planner._cache.values())
+    plan = capture.Planner().plan(tree.flatten(state)[0])
+    assert plan.pack is not None and len(plan.pack.leaves) == len(dtypes)
     out = m.restore(target={k: put(np.zeros_like(v), dst_mesh, "d", "c")
                             for k, v in values.items()})
   for k, v in values.items():
@@ -400,8 +401,10 @@ def test_small_leaves_on_a_one_device_mesh_take_the_per_shard_path():
   one = mesh((1,), ("x",))
   values = {f"p{i}": np.arange(8, dtype=np.float32) + i for i in range(6)}
   with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
-    save_now(m, 1, {k: put(v, one, "x") for k, v in values.items()})
-    assert all(p.pack is None for p in m._planner._cache.values())
+    state = {k: put(v, one, "x") for k, v in values.items()}
+    m.prepare(state)
+    save_now(m, 1, state)
+    assert capture.Planner().plan(tree.flatten(state)[0], wait=True).pack is None
     out = m.restore(target={k: put(np.zeros_like(v), one, "x") for k, v in values.items()})
   for k, v in values.items():
     assert_same(out[k], v)

@@ -107,6 +107,29 @@ class HostStore(abc.ABC):
   #: How often this store replaced a dead backing process (the agent).
   restarts: int = 0
 
+  # -- the job: what a store shared by several hosts (the agents) adds ---------
+
+  def complete_steps(self) -> list[int]:
+    """Steps for which every saving process's snapshot is held somewhere in the job."""
+    return self.steps()
+
+  def parity_steps(self) -> dict[int, Any]:
+    """``{step: _parity.StepParity}`` of the steps the job's agents protect (none here)."""
+    return {}
+
+  def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
+                   have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
+    """The pieces of ``step`` held elsewhere in the job (each pinned until ``stack``
+    closes) and, with ``rebuild``, those of lost hosts rebuilt from parity;
+    ``have`` are the pieces found so far. This process's store is the whole story
+    here: StepNotFoundError."""
+    del local_index, rebuild, have, stack
+    raise errors.StepNotFoundError(f"step {step} is not held in this process")
+
+  def discover(self, *, timeout_secs: float) -> None:
+    """Learns where the job's other hosts keep their snapshots (a no-op here)."""
+    del timeout_secs
+
   @abc.abstractmethod
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     """Forgets committed ``step`` (a reader holding it keeps its slot until done)

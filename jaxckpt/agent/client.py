@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 
 from jaxckpt import errors
-from jaxckpt.agent import _paths
+from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.options import AgentOptions
 from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
@@ -211,6 +211,52 @@ class AgentStore(HostStore):
     out.update((a["tcp"], a) for a in self.local_agents())
     return list(out.values())
 
+  # -- the job's other agents (HostStore's job methods) -------------------------
+
+  @contextlib.contextmanager
+  def job_clients(self) -> Iterator[dict[int, Client]]:
+    """Clients of every agent of the job this store knows of (see :func:`clients_of`)."""
+    with clients_of(self.agents(), self.opts.job_name, local_pid=self.pid, secret=self.secret,
+                    timeout_secs=self.opts.request_timeout_secs) as clients:
+      yield clients
+
+  def complete_steps(self) -> list[int]:
+    with self.job_clients() as clients:
+      return complete_steps_of(clients)
+
+  def parity_steps(self) -> dict[int, Any]:
+    with self.job_clients() as clients:
+      return _parity.survey(clients)
+
+  def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
+                   have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
+    clients = stack.enter_context(self.job_clients())
+    out, found = [], set() if local_index is None else {local_index}
+    for c in clients.values():
+      if c.pid == self.pid and local_index is not None:
+        continue                             # this host's own piece is read from its memory
+      piece = open_remote_piece(c, step, stack)
+      if piece is not None and piece.manifest.process_index not in found:
+        out.append(piece)
+        found.add(piece.manifest.process_index)
+    if rebuild:
+      out += _rebuilt_pieces(clients, step, [*have, *out])
+    return out
+
+  def discover(self, *, timeout_secs: float) -> None:
+    """Publishes the agents of the job on this machine (its run root is private)
+    through jax.distributed's key-value store and learns everyone's: restores
+    read other hosts' pieces from that list, and this host's agent gets the
+    job's current agents by host id (for parity exchange). No directory is
+    shared between hosts."""
+    from jaxckpt import _tiers  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
+    mine = {"own": self.info, "local": self.local_agents()}
+    everyone = [json.loads(v) for v in _tiers.allgather(
+        f"agents/{self.opts.job_name}", json.dumps(mine), timeout_secs=timeout_secs,
+        what="their snapshot agents' addresses")]
+    self.directory = [a for e in everyone for a in e["local"]]
+    self.call("peers", peers={str(e["own"]["host"]): e["own"] for e in everyone})
+
   def _map(self, index: int, path: str, size: int) -> np.ndarray:
     if size == 0:                      # a state with no array bytes (only scalars)
       return np.empty(0, np.uint8)
@@ -358,6 +404,8 @@ class RemotePiece:
   reading it if no ``fetch`` did.
   """
 
+  remote = True
+
   def __init__(self, client: Client, manifest: SnapshotManifest) -> None:
     self.client = client
     self.manifest = manifest
@@ -414,6 +462,10 @@ class RemotePiece:
     if shard.offset not in self._cache:
       self.fetch([(leaf, shard)])
     return self._cache[shard.offset].view(leaf.numpy_dtype).reshape(box_shape(shard.index))
+
+  def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
+    """A fetched shard is a fresh array of its own: private already."""
+    return self.shard_array(leaf, shard)
 
 
 def job_agents(run_root: str, job: str) -> dict[int, dict[str, Any]]:
@@ -483,6 +535,21 @@ def open_remote_piece(client: Client, step: int,
   stack.callback(_unpin, client, step, r["index"])
   manifest = SnapshotManifest.from_json(r["manifest"])
   return RemotePiece(client, manifest)
+
+
+def _rebuilt_pieces(clients: dict[int, Client], step: int, pieces: list[Any]) -> list[Any]:
+  """The snapshots of the saving processes that no live agent holds, from parity."""
+  if not pieces:
+    raise errors.UnrecoverableLossError(f"step {step}: no host holds any piece of it")
+  count = pieces[0].manifest.process_count
+  lost = sorted(set(range(count)) - {p.manifest.process_index for p in pieces})
+  if not lost:
+    return []
+  from jaxckpt._restore import BufferPiece  # pylint: disable=import-outside-toplevel  (JAX: trainer side only; the agent process imports this module)
+  have = {p.manifest.process_index: p for p in pieces}   # their bytes are not read twice
+  rebuilt = _parity.recover(clients, step, lost, have=have)
+  logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)
+  return [BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]
 
 
 def _unpin(client: Client, step: int, index: int) -> None:

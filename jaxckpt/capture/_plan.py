@@ -69,6 +69,9 @@ def sharding_info(x: Any) -> dict[str, Any] | None:
   return None
 
 
+SYNC_PACK_LEAVES = 128     # layouts with at most this many CPU leaves compile in the first save
+
+
 class _Layout:
   """What is known of one tree layout: its plan with the packed gather, and
   the plan without it that saves use until the gather is compiled."""
@@ -76,14 +79,18 @@ class _Layout:
   def __init__(self, leaves: Sequence[Leaf]) -> None:
     # Saves start on the shard-by-shard plan at once; the packed plan (one compiled
     # gather of the small sharded leaves) is made and compiled on a thread of its own.
-    self.fallback = self.packed = _make_plan(leaves, pack=False)
+    # A small layout compiles in a fraction of a second (the cost grows faster than
+    # the leaves): it is compiled here, so that even the first snapshots are fast.
     self.ready = threading.Event()
     self.error: BaseException | None = None
-    if not any(leaf.kind != "scalar" and isinstance(leaf.value, jax.Array)
-               and all(d.platform == "cpu" for d in leaf.value.sharding.device_set)
-               for leaf in leaves):
-      self.ready.set()                 # nothing could be packed (accelerators, numpy leaves)
+    on_cpu = sum(leaf.kind != "scalar" and isinstance(leaf.value, jax.Array)
+                 and all(d.platform == "cpu" for d in leaf.value.sharding.device_set)
+                 for leaf in leaves)
+    if on_cpu <= SYNC_PACK_LEAVES:
+      self.fallback = self.packed = _make_plan(leaves, pack=True)
+      self.ready.set()
       return
+    self.fallback = self.packed = _make_plan(leaves, pack=False)
     # Not a daemon: the interpreter's exit waits for it (a thread still inside XLA
     # when the interpreter tears down aborts the process).
     threading.Thread(target=self._pack, args=(list(leaves),), daemon=False,

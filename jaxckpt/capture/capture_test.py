@@ -286,7 +286,7 @@ def test_a_first_save_never_waits_for_the_compiler_and_the_next_manager_starts_w
   """The packed gather compiles on its own thread: the first plan of a new layout
   copies shard by shard (bytes exact); once compiled, every planner of the
   process (a second manager) gets the packed plan at once."""
-  state = _many_small(64, seed=1)
+  state = _many_small(200, seed=1)                  # over SYNC_PACK_LEAVES: compiled aside
   leaves, _ = tree.flatten(state)
   first = capture.Planner().plan(leaves)
   assert first.pack is None                         # not waiting for XLA
@@ -296,8 +296,8 @@ def test_a_first_save_never_waits_for_the_compiler_and_the_next_manager_starts_w
     got = _read_leaf(buf, leaf)
     np.testing.assert_array_equal(got, np.asarray(state[leaf.path.strip("[]'")]))
   warm = capture.Planner().plan(leaves, wait=True)
-  assert warm.pack is not None and len(warm.pack.leaves) == 64
-  again, _ = tree.flatten(_many_small(64, seed=2))  # same layout, new values, new planner
+  assert warm.pack is not None and len(warm.pack.leaves) == 200
+  again, _ = tree.flatten(_many_small(200, seed=2))  # same layout, new values, new planner
   assert capture.Planner().plan(again) is warm
 
 
