@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import jax
 
-from jaxckpt import _restore, errors
+from jaxckpt import _restore, _wait, errors
 from jaxckpt.store import HostStore
 
 logger = logging.getLogger(__name__)
@@ -50,22 +50,21 @@ def protected_steps(store: HostStore) -> list[int]:
 
 def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
   """Polls the agents until ``step`` is protected; the timeout names the late hosts."""
-  deadline = time.monotonic() + timeout_secs
-  while True:
-    sp = parity_steps(store).get(step)
-    if sp is not None and sp.protected:
-      return
+  last: list[Any] = [None]
+
+  def protected() -> bool:
+    sp = last[0] = parity_steps(store).get(step)
     if sp is not None and sp.errors:      # a failed parity is never retried: say so now
       raise errors.ParityError(
           f"step {step} will not be protected: " + "; ".join(
               f"host {h}: {e}" for h, e in sorted(sp.errors.items())))
-    if time.monotonic() > deadline:
-      late = "all hosts" if sp is None else f"hosts {sorted(set(range(sp.process_count)) - sp.done)}"
-      why = "" if sp is None else "; ".join(f"host {h}: {e}" for h, e in sp.errors.items())
-      raise errors.SnapshotTimeoutError(
-          f"step {step} was not protected within {timeout_secs} s: {late} hold no finished "
-          f"parity of it" + (f" ({why})" if why else ""))
-    time.sleep(0.005)
+    return sp is not None and sp.protected
+
+  def late() -> str:
+    sp = last[0]
+    hosts = "all hosts" if sp is None else f"hosts {sorted(set(range(sp.process_count)) - sp.done)}"
+    return f"step {step} was not protected within {timeout_secs} s: {hosts} hold no finished parity of it"
+  _wait.until(protected, timeout_secs=timeout_secs, late=late, poll_secs=0.005)
 
 
 def rebuildable_steps(held: list[int], store: HostStore) -> list[int]:

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import (_items, _persist, _preemption, _restore, _storage_only, _tiers, capture,
-                     errors, tree, universal)
+from jaxckpt import (_items, _persist, _preemption, _restore, _storage_only, _tiers, _wait,
+                     capture, errors, tree, universal)
 from jaxckpt.agent import _paths
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
@@ -450,18 +450,18 @@ class CheckpointManager:
     storage have ended (persisted, failed or fenced), then raises the first failure."""
     want = {s for s, a in self._attempts.items() if a not in self._told}
     failed: list[Any] = []
-    deadline = time.monotonic() + timeout
-    while want:
-      failed += self._store.persist_errors()
-      left = want & set(self._store.persist_status().pending)
-      if not left:
-        break
-      if time.monotonic() > deadline:
-        self._raise_failed(failed)
-        raise errors.SnapshotTimeoutError(
-            f"{what}: {self._store_name()} of process {self._process[0]} did not persist "
-            f"steps {sorted(left)} to {self.directory!r} within {timeout} s (it goes on trying)")
-      time.sleep(0.02)
+
+    def ended() -> bool:
+      failed.extend(self._store.persist_errors())
+      return not want & set(self._store.persist_status().pending)
+
+    def late() -> str:
+      self._raise_failed(failed)          # a failure said first: it is why, not the wait
+      left = sorted(want & set(self._store.persist_status(ask=False).pending))
+      return (f"{what}: {self._store_name()} of process {self._process[0]} did not persist "
+              f"steps {left} to {self.directory!r} within {timeout} s (it goes on trying)")
+    if want:
+      _wait.until(ended, timeout_secs=timeout, late=late)
     self._raise_failed(failed)
 
   def _store_name(self) -> str:
@@ -504,14 +504,13 @@ class CheckpointManager:
       step = max(self._attempts)
     attempt = self._attempts.get(step)
     timeout = timeout_secs or self.options.timeout_secs
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def stored() -> bool:
       self._raise_persist_error()
       if step in _tiers.storage_steps(self.directory):
         by = universal.committed_by(self.directory, step)
         if attempt is None or by == attempt:
-          self._on_storage.add(step)
-          return
+          return True
         self._told.add(attempt)
         raise errors.StepExistsError(
             f"step {step} is already committed in {self.directory!r} by persist attempt "
@@ -521,16 +520,18 @@ class CheckpointManager:
         raise errors.StepNotFoundError(
             f"wait_until_persisted(step={step}): this manager never saved step {step} for "
             f"storage and it is not on {self.directory!r}")
-      if time.monotonic() > deadline:
-        count = self._process[1]
-        late = universal.missing_parts(self.directory, step, attempt, count)
-        who = (f"processes {late} of {count} (their agents or trainers) did not write their "
-               "part" if late else "every process wrote its part but process 0 did not "
-               "commit it")
-        raise errors.SnapshotTimeoutError(
-            f"step {step} was not persisted to {self.directory!r} within {timeout} s: {who} "
-            f"(persist attempt {attempt!r})")
-      time.sleep(0.02)
+      return False
+
+    def late() -> str:
+      count = self._process[1]
+      missing = universal.missing_parts(self.directory, step, attempt, count)
+      who = (f"processes {missing} of {count} (their agents or trainers) did not write their "
+             "part" if missing else "every process wrote its part but process 0 did not "
+             "commit it")
+      return (f"step {step} was not persisted to {self.directory!r} within {timeout} s: {who} "
+              f"(persist attempt {attempt!r})")
+    _wait.until(stored, timeout_secs=timeout, late=late)
+    self._on_storage.add(step)
 
   def protected_steps(self) -> list[int]:
     """Steps whose parity every host's agent holds in full (parity on), oldest first.

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import psutil
 
-from jaxckpt import errors
+from jaxckpt import _wait, errors
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.options import AgentOptions
@@ -341,19 +341,17 @@ class AgentStore(HostStore):
     return list(self.call("steps")["steps"])
 
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_secs
-    discarded = False
-    while True:                 # fenced at once; asked again until its persist has ended
+    discarded = []
+
+    def fenced() -> bool:       # fenced at once; asked again until its persist has ended
       r = self.call("discard", step=step)
-      discarded |= bool(r["discarded"])
-      if not r["persisting"]:
-        self._attempts.pop(step, None)
-        return discarded
-      if time.monotonic() > deadline:
-        raise errors.SnapshotTimeoutError(
-            f"discard of step {step}: the persist that {self.who} runs of it did not stop "
-            f"within {timeout_secs} s (it will not commit)")
-      time.sleep(0.01)
+      discarded.append(bool(r["discarded"]))
+      return not r["persisting"]
+    _wait.until(fenced, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda: (
+        f"discard of step {step}: the persist that {self.who} runs of it did not stop within "
+        f"{timeout_secs} s (it will not commit)"))
+    self._attempts.pop(step, None)
+    return any(discarded)
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
