@@ -25,11 +25,17 @@ Each relaunch restores the newest step, and each trainer compares every shard it
 restored with the reference (:class:`soak_worker.Reference`, the same seed)
 bit for bit. At the end every step on storage is read back and compared too, and
 every step due for storage whose save returned True and whose snapshot committed
-on every host is accounted for: on storage, deleted, rolled back (a later
-restore went back before it: a fault destroyed every copy before it was
-persisted), or lost. Only processes this module started (the trainers, and the
-agents they spawned under this soak's run root) are ever killed, by pid, and
-everything is cleaned up when the soak fails too.
+on every host (a *version*: the incarnation of the job that saved it, and the
+step) is accounted for. Right after every fault that can destroy a snapshot
+(a relaunch's restore, or a killed agent's replacement) every trainer says what
+any tier could restore (``mgr.all_steps()``: held on every host, rebuildable from
+parity, or stored). A version is *deleted*; *destroyed by a fault* when the first
+such look after it found no tier holding it (every copy went before it was
+persisted); *persisted* when its step is on storage at the end; else *lost*: it
+could still be restored after the fault, yet never reached storage. Only
+processes this module started (the trainers, and the agents they spawned under
+this soak's run root) are ever killed, by pid, and everything is cleaned up when
+the soak fails too.
 
 >>> result = run(steps=60, seed=0, short=True)      # doctest: +SKIP
 >>> result["due_steps"]["lost"], result["wrong_restores"]   # doctest: +SKIP
@@ -43,6 +49,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -87,6 +94,10 @@ def plan(seed: int, n_faults: int, *, short: bool) -> list[Fault]:
   return out
 
 
+# tensorstore's S3 client logs these at every persist: kept in the logs, not in the tails
+_NOISE = re.compile(r"\.aws/|AuthCredentialsProvider|Gloo\]")
+
+
 class SoakError(RuntimeError):
   """The soak could not go on (a wait timed out); names what it waited for."""
 
@@ -128,7 +139,8 @@ class Trainer:
     for line in self.p.stdout:
       self.log.write(line)
       line = line.rstrip("\n")
-      self.tail.append(line)
+      if not _NOISE.search(line):
+        self.tail.append(line)
       w = line.split()
       with self.job.cond:
         if not w:
@@ -270,9 +282,10 @@ class Soak:
     self.versions: dict[tuple[int, int], set[int]] = {}   # (incarnation, due step) -> savers
     self.deleted: set[tuple[int, int]] = set()
     self.rolled_back: dict[tuple[int, int], int] = {}   # version -> the incarnation that went back
-    self.available: dict[int, set[int]] = {}   # incarnation -> steps any tier held at its restore
-    self.causes: dict[int, str] = {}           # incarnation -> what ended the one before it
-    self.hit: dict[int, list[str]] = collections.defaultdict(list)   # faults per incarnation
+    # What any tier could restore right after each fault (mgr.all_steps() of every trainer):
+    # (incarnation, newest step of it the sample covers (None: the earlier ones only),
+    #  steps, the fault before it)
+    self.samples: list[tuple[int, int | None, set[int], str]] = []
     self.injected: collections.Counter[str] = collections.Counter()
     self.tiers: collections.Counter[str] = collections.Counter()
     self.log: list[dict[str, Any]] = []
@@ -328,10 +341,10 @@ class Soak:
     got = {t.restored[0] for t in job.trainers}
     tiers = [t.restored[1] for t in job.trainers]
     step = min(got)
-    self.causes[self.incarnation] = cause
     entry = {"cause": cause, "incarnation": self.incarnation, "restored_step": step,
              "tiers": sorted(set(tiers)), "steps_redone": max(0, progress - step)}
-    self.available[self.incarnation] = set().union(*(t.available for t in job.trainers))
+    self.samples.append((self.incarnation, None,
+                         set().union(*(t.available for t in job.trainers)), cause))
     self.log.append(entry)
     self.tiers[tiers[0]] += 1
     self.redone += max(0, progress - step)
@@ -355,6 +368,19 @@ class Soak:
         if v[1] in stored and v not in self.deleted:
           self.behind.append(f"{cause}: restored step {step} although step {v[1]} was on "
                              "storage")
+
+  def sample(self, upto: int, cause: str) -> None:
+    """Asks every trainer what any tier could restore now (steps <= ``upto`` of this
+    incarnation and every earlier one count) and records it."""
+    job = self.job
+    with job.cond:
+      for t in job.trainers:
+        t.available = None
+    job.send("AVAIL")
+    job.wait(lambda: all(t.available is not None for t in job.trainers), 300,
+             "every trainer's restorable steps")
+    self.samples.append((job.incarnation, upto,
+                         set().union(*(t.available for t in job.trainers)), cause))
 
   def absorb(self) -> None:
     """Records the ending incarnation's saves (before it is replaced)."""
@@ -400,7 +426,6 @@ class Soak:
     at = job.progress()
     info: dict[str, Any] = {"kind": fault.kind, "host": h, "at_step": at}
     self.injected[fault.kind] += 1
-    self.hit[job.incarnation].append(fault.kind)
     newest = (job.complete_steps() or [None])[-1]
     if fault.kind == "kill_trainer":
       job.trainers[h].kill()
@@ -414,6 +439,7 @@ class Soak:
       before = t.agent_restarts
       job.wait(lambda: t.agent_restarts > before, 300,
                f"trainer {h} to replace its killed agent")
+      self.sample(at, "kill_agent")
       target = job.progress() + 3
       job.wait(lambda: job.progress() >= target, 300, f"the job to reach step {target}")
       info["agent_replaced_by_step"] = job.progress()
@@ -479,7 +505,6 @@ class Soak:
     """A trainer died unplanned: kill the job, relaunch it, go on (counted)."""
     while True:
       self.unplanned.append(str(e)[:600])
-      self.hit[self.job.incarnation].append("unplanned")
       if len(self.unplanned) > 4:
         raise SoakError("more than 4 unplanned failures; the last:\n" + self.job.tails()) from e
       try:
@@ -554,15 +579,16 @@ class Soak:
     for v in sorted(committed):
       # the first later restore at which no tier could restore it: a fault had destroyed
       # every copy of it (a restore that went back before it is one such)
-      gone = next((e for e in sorted(self.available) if e > v[0]
-                   and v[1] not in self.available[e]), None)
+      # Destroyed: no tier could restore it at the first look after a fault hit it
+      # (a look comes right after every fault that can destroy a snapshot). Lost: it
+      # was there then, yet never reached storage.
+      first = next((smp for smp in self.samples if smp[0] > v[0]
+                    or (smp[0] == v[0] and smp[1] is not None and v[1] <= smp[1])), None)
       if v in self.deleted:
         fates["deleted"].append(list(v))
-      elif v in self.rolled_back or (gone is not None and v[1] not in stored):
+      elif first is not None and v[1] not in first[2]:
         fates["destroyed_by_fault"].append(list(v))
-        upto = self.rolled_back.get(v, gone)
-        destroyed_by["+".join(k for e in range(v[0], upto) for k in self.hit.get(e, ()))
-                     or "unknown"] += 1
+        destroyed_by[first[3]] += 1
       elif v[1] in stored:
         fates["persisted"].append(list(v))
       else:

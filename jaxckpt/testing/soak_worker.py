@@ -17,16 +17,17 @@ It talks to the soak on stdout, one line per event:
 
   TIMING ...                             (seconds to import, join the job, open the manager)
   RESTORED step tier ok|BAD:<why> secs   FRESH
-  AVAILABLE s1,s2,...                    (after a restore: mgr.all_steps())
+  AVAILABLE s1,s2,...                    (after a restore, or asked: mgr.all_steps())
   STEP step saved restarts skipped       (after save() and wait_until_snapshotted())
   SAVE_ERROR step type: message          (an earlier step's persist failed or the agent
                                           died: said, and the loop goes on)
   DELETED step   STOPPED step   DONE step   ERROR type: message (then it exits 3)
 
-and reads commands on stdin: ``STOP restart`` (every trainer stops after the
-same step, agreed through the step's collective, closes its manager and exits)
-and ``STOP delete`` (the same, at the next step due for storage, which every
-trainer deletes right after its snapshot, while its persist runs).
+and reads commands on stdin: ``AVAIL`` (say AVAILABLE after the next step),
+``STOP restart`` (every trainer stops after the same step, agreed through the
+step's collective, closes its manager and exits) and ``STOP delete`` (the same,
+at the next step due for storage, which every trainer deletes right after its
+snapshot, while its persist runs).
 """
 
 from __future__ import annotations
@@ -217,10 +218,12 @@ def _run(a: argparse.Namespace) -> int:
     say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
   code, stopping = 0, 0
   for step in range(start + 1, a.steps + 1):
+    avail = False
     while not commands.empty():
       words = commands.get().split()
       if words[:1] == ["STOP"]:
         code = max(code, CODES[words[1]])
+      avail |= words == ["AVAIL"]
     flags = jax.make_array_from_callback(
         (n_dev,), shard["flags"], lambda i, c=code: np.full((n_dev,), c, np.int32)[i])
     w, f, rep, key, agreed = step_fn(state["w"], state["rep"], state["key"], flags,
@@ -230,6 +233,8 @@ def _run(a: argparse.Namespace) -> int:
     stopping = max(stopping, agreed)
     saved = _save(mgr, step, state, errors)
     say("STEP", step, int(saved), mgr.stats.agent_restarts, mgr.stats.skipped_busy)
+    if avail:
+      say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
     if stopping == CODES["restart"] or (stopping == CODES["delete"]
                                         and step % a.persist_interval == 0):
       if stopping == CODES["delete"]:
