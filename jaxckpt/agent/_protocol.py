@@ -19,16 +19,19 @@ import numpy as np
 import zmq
 
 from jaxckpt import _bulk, _wire, errors
+from jaxckpt.agent import _requests
 from jaxckpt.snapshot import aligned_empty
 from jaxckpt._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
 
 
 def request(secret: bytes, op: str, args: dict[str, Any],
             timeout_secs: float | None = None) -> list[Any]:
-  """The sealed frames of a request (before its raw frames). A request with a
-  ``timeout_secs`` carries its deadline: an agent that gets to it later (it was
-  stopped, or hung) does not apply it, since the caller has given up."""
-  return _wire.seal(secret, {"op": op, **args}, timeout_secs=timeout_secs)
+  """The sealed frames of request ``op`` (one of :mod:`jaxckpt.agent._requests`,
+  checked here) before its raw frames. A request with a ``timeout_secs``
+  carries its deadline: an agent that gets to it later (it was stopped, or
+  hung) does not apply it, since the caller has given up."""
+  header = _requests.encode(_requests.of(op, **args))
+  return _wire.seal(secret, header, timeout_secs=timeout_secs)
 
 
 def verify(secret: bytes, frames: list[Any], replays: _wire.Replays | None = None) -> dict[str, Any]:

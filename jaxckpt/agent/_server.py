@@ -27,7 +27,7 @@ import zmq
 
 from jaxckpt import _bulk, _slots, _wire, errors
 from jaxckpt._spans import Spans, span_checksums
-from jaxckpt.agent import _paths, _protocol
+from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
 
 logger = logging.getLogger("jaxckpt.agent")
@@ -559,22 +559,39 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
     err = e if isinstance(e, errors.PermissionDeniedError) else errors.PermissionDeniedError(
         f"malformed request refused ({type(e).__name__})")
     return [_protocol.pack({"ok": False, "error": str(err), "type": type(err).__name__})]
-  op = req.pop("op", "")
+  op = req.get("op", "")
   if _protocol.expired(req):
     logger.warning("request %s arrived after its caller gave up; not applied", op)
     return [_protocol.pack({"ok": False, "type": "AgentUnavailableError",
                             "error": f"{op!r} arrived after its deadline; not applied"})]
-  fn = getattr(agent, "op_" + str(op), None)
   try:
-    if fn is None:
-      raise errors.JaxckptError(f"unknown request op={op!r}")
+    request = _requests.decode(req)
+    handler = HANDLERS[type(request)]
     with agent.lock:
-      out = fn(**req)
+      out = handler(agent, **{f.name: getattr(request, f.name)
+                              for f in dataclasses.fields(request)})
   except Exception as e:  # the error travels back to the caller, typed
     logger.warning("request %s failed: %s", op, e)
     return [_protocol.pack({"ok": False, "error": str(e), "type": type(e).__name__})]
   reply, raw = out if isinstance(out, tuple) else (out, [])
   return [_protocol.pack({"ok": True, **reply}), *raw]
+
+
+# The handler of each request, by its type (agent/_requests.py is the table of requests).
+HANDLERS: dict[type[_requests.Request], Any] = {
+    _requests.Hello: Agent.op_hello, _requests.Reserve: Agent.op_reserve,
+    _requests.Written: Agent.op_written, _requests.Commit: Agent.op_commit,
+    _requests.Abort: Agent.op_abort, _requests.Discard: Agent.op_discard,
+    _requests.Persisted: Agent.op_persisted, _requests.Bye: Agent.op_bye,
+    _requests.Steps: Agent.op_steps, _requests.Held: Agent.op_held,
+    _requests.Open: Agent.op_open, _requests.Close: Agent.op_close,
+    _requests.Manifest: Agent.op_manifest, _requests.Peers: Agent.op_peers,
+    _requests.PeerManifest: Agent.op_peer_manifest,
+    _requests.ParityStatus: Agent.op_parity_status,
+    _requests.ParityInfo: Agent.op_parity_info, _requests.Status: Agent.op_status,
+    _requests.Stop: Agent.op_stop,
+}
+assert set(HANDLERS) == set(_requests.REQUESTS.values()), "a request without a handler"
 
 
 def serve(agent: Agent) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import socket
 import struct
 import subprocess
@@ -260,3 +261,20 @@ def test_a_secret_read_from_a_file_works_as_given(suffix):
       assert m.all_steps() == [1]
     with pytest.raises(errors.PermissionDeniedError, match="differs"):
       jc.CheckpointManager(options=opts("another-token-" * 2 + suffix))
+
+
+@pytest.mark.parametrize("header, why", [
+    ({"op": "reserve", "pid": 1, "step": "3", "nbytes": 64}, r"field step='3' is not a <class 'int'>"),
+    ({"op": "reserve", "pid": 1, "step": 3}, "missing 1 required"),
+    ({"op": "discard", "step": 1, "extra": 2}, r"has no fields \['extra'\]"),
+    ({"op": "op_reserve"}, "unknown request op='op_reserve'"),
+    ({"op": "commit", "index": 0, "manifest": "{}", "step": 1, "nbytes": 0, "spans": "x",
+      "process": [0, 1]}, "field spans='x'"),
+])
+def test_a_sealed_request_of_the_wrong_shape_is_refused_naming_the_field(held, header, why):
+  """Every request is one of agent/_requests.py's dataclasses, checked before its handler runs."""
+  _, root, job, info = held
+  reply = _raw(info["ipc"], _protocol._wire.seal(_paths.job_secret(root, job), header))
+  assert not reply["ok"] and reply["type"] == "InvalidArgumentError"
+  assert re.search(why, reply["error"]), reply["error"]
+  assert _raw(info["ipc"], _protocol.request(_paths.job_secret(root, job), "steps", {}))["steps"] == [1]
