@@ -16,7 +16,7 @@ every 5th step persisted) until step N.
 It talks to the soak on stdout, one line per event:
 
   TIMING ...                             (seconds to import, join the job, open the manager)
-  RESTORED step tier ok|BAD:<why> secs   FRESH
+  RESTORED step tier ok|BAD:<why> secs   FRESH    (tier "none": nothing was left, step 0)
   AVAILABLE s1,s2,...                    (after a restore, or asked: mgr.all_steps())
   STEP step saved restarts skipped       (after save() and wait_until_snapshotted())
   SAVE_ERROR step type: message          (an earlier step's persist failed or the agent
@@ -197,6 +197,13 @@ def _run(a: argparse.Namespace) -> int:
     start = 0
     state = put(ref.arrays(0), ref.key_data(0), 0)
     say("FRESH")
+  elif not _anything_restorable(mgr):
+    # A fault destroyed every copy of every step (a host lost before any step was
+    # protected or persisted): the job starts again from step 0, as a real one would.
+    start = 0
+    state = put(ref.arrays(0), ref.key_data(0), 0)
+    say("RESTORED 0 none ok 0")
+    say("AVAILABLE -")
   else:
     t0 = time.perf_counter()
     target = put(ref.arrays(0), ref.key_data(0), 0)
@@ -255,6 +262,14 @@ def _leave(jax) -> None:
   jax.distributed.shutdown()
   sys.stdout.flush()
   os._exit(0)
+
+
+def _anything_restorable(mgr) -> bool:
+  """Whether any process of the job sees a restorable step on any tier (agreed:
+  every process gets the same answer)."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  mine = np.int32(bool(mgr.all_steps()))
+  return bool(np.max(multihost_utils.process_allgather(mine)))
 
 
 def _reported(e: BaseException, errors) -> bool:
