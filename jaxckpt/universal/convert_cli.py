@@ -80,8 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
                  help="step to write (default: the orbax step, 0 for a bare save)")
   p.add_argument("--layout", choices=["auto", "nnx", "plain"], default="auto",
                  help="nnx: Flax NNX paths and typed RNG keys, restorable into "
-                 "nnx.state(nnx.eval_shape(...)); plain: orbax's paths; auto (default): nnx "
-                 "when every leaf path ends in ['value']")
+                 "nnx.state(nnx.eval_shape(...)); plain: orbax's paths; auto (default): NNX "
+                 "paths for each NNX state in the tree (the whole tree, or e.g. the 'train' "
+                 "entry of a dict around it), orbax's paths elsewhere")
   p.set_defaults(handler=import_orbax_command)
 
   p = parser("export-orbax", _EXPORT_HELP)
