@@ -62,7 +62,8 @@ def test_docs_build_without_warnings_and_document_every_public_name(html: pathli
 
 @pytest.mark.slow
 def test_benchmark_plots_are_embedded_and_small(html: pathlib.Path):
-  for png in ("goodput.png", "goodput_measured.png", "goodput_tornado.png", "parity_codec.png", "train_overhead.png"):
+  for png in ("goodput.png", "goodput_measured.png", "goodput_tornado.png", "parity_codec.png", "train_overhead.png",
+              "scale_leaves.png", "scale_commit.png"):
     src = _DOCS / "_static" / png
     assert src.stat().st_size < 150_000, f"{png} is {src.stat().st_size} bytes"
     assert png in (html / "benchmarks.html").read_text(), png
