@@ -288,7 +288,8 @@ class Soak:
     self.samples: list[tuple[int, int | None, set[int], str]] = []
     self.injected: collections.Counter[str] = collections.Counter()
     self.tiers: collections.Counter[str] = collections.Counter()
-    self.log: list[dict[str, Any]] = []
+    self.log: list[dict[str, Any]] = []         # the faults and unplanned failures, in order
+    self.recoveries: list[dict[str, Any]] = []  # every relaunch's restore
     self.redone = 0
     self.wrong: list[str] = []
     self.behind: list[str] = []
@@ -345,7 +346,7 @@ class Soak:
              "tiers": sorted(set(tiers)), "steps_redone": max(0, progress - step)}
     self.samples.append((self.incarnation, None,
                          set().union(*(t.available for t in job.trainers)), cause))
-    self.log.append(entry)
+    self.recoveries.append(entry)
     self.tiers[tiers[0]] += 1
     self.redone += max(0, progress - step)
     if len(got) != 1:
@@ -424,7 +425,9 @@ class Soak:
     relaunched, when no later fault would restore it)."""
     job, h = self.job, fault.host
     at = job.progress()
-    info: dict[str, Any] = {"kind": fault.kind, "host": h, "at_step": at}
+    info: dict[str, Any] = {"kind": fault.kind, "at_step": at}
+    if fault.kind in ("kill_trainer", "kill_agent", "lose_host"):
+      info["host"] = h
     self.injected[fault.kind] += 1
     newest = (job.complete_steps() or [None])[-1]
     if fault.kind == "kill_trainer":
@@ -495,8 +498,8 @@ class Soak:
         expect_min = max(complete, default=None)
       self.launch(fresh=False, cause=fault.kind, expect_min=expect_min, expect_not=expect_not,
                   progress=progress)
-    if self.log and fault.kind != "s3_pause" and (relaunch or fault.kind != "kill_agent"):
-      info.update({k: self.log[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
+    if fault.kind != "s3_pause" and (relaunch or fault.kind != "kill_agent"):
+      info.update({k: self.recoveries[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
     return info
 
   # -- the run --------------------------------------------------------------
@@ -507,8 +510,12 @@ class Soak:
       self.unplanned.append(str(e)[:600])
       if len(self.unplanned) > 4:
         raise SoakError("more than 4 unplanned failures; the last:\n" + self.job.tails()) from e
+      self.log.append({"kind": "unplanned", "at_step": self.job.progress(),
+                       "what": str(e)[:300]})
       try:
         self.relaunch_after_kill("unplanned", expect_min=None)
+        self.log[-1].update({k: self.recoveries[-1][k]
+                             for k in ("restored_step", "tiers", "steps_redone")})
         return
       except TrainerDied as again:
         e = again
@@ -534,7 +541,7 @@ class Soak:
             job.wait(lambda: job.progress() >= target, 600, f"the job to reach step {target}")
             faults.pop(0)         # injected once, even if a trainer dies meanwhile
             later = {f.kind for f in faults} - {"s3_pause", "kill_agent"}
-            self.log.append(self.inject(fault, relaunch=not later) | {"fault": True})
+            self.log.append(self.inject(fault, relaunch=not later))
           else:
             job = self.job
             job.wait(lambda: all(t.done for t in job.trainers), 900,
