@@ -69,7 +69,7 @@ class Notice:
     self.event = threading.Event()
     self.grace_secs = grace_secs
     self._callbacks: list[Callable[[], Any]] = [] if on_deadline is None else [on_deadline]
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()   # the Python handler may run while the main thread holds it
     self._timer: threading.Timer | None = None
     self._heard: dict[str, int] = {}
     self._sigterms = 0
@@ -155,16 +155,21 @@ class Notice:
       if sigterms == self._sigterms:
         return
       self._sigterms = sigterms
-      if sigterms == 1:
-        logger.warning("SIGTERM received: preemption notice; snapshot and exit at the next step "
-                       "(reached_preemption); if it is not asked within %.1f s, the newest "
-                       "snapshot is committed and the process ends by %.1f s", self.poll_secs,
-                       self.grace_secs)
+      first = sigterms == 1
+      if first:
         self._timer = threading.Timer(self.poll_secs, self._on_deadline)
         self._timer.daemon = True
         self.event.set()
         self._timer.start()
-        return
+    # Logged outside the lock: the Python handler runs in the main thread, which may be
+    # inside a logging call (holding its handler's lock) when the signal lands, while the
+    # wakeup thread logs here too: under the lock, each waited for the other's lock.
+    if first:
+      logger.warning("SIGTERM received: preemption notice; snapshot and exit at the next step "
+                     "(reached_preemption); if it is not asked within %.1f s, the newest "
+                     "snapshot is committed and the process ends by %.1f s", self.poll_secs,
+                     self.grace_secs)
+      return
     terminate("a second SIGTERM")
 
   # -- the deadline -----------------------------------------------------------
