@@ -31,12 +31,15 @@ def test_the_schedule_is_seeded_and_has_every_kind():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_chaos_soak_short_form_loses_nothing_and_restores_exactly():
-  out = soak.run(steps=60, seed=0, short=True)
-  report = json.dumps(out, indent=1)
+def test_chaos_soak_short_form_loses_nothing_and_restores_exactly(tmp_path):
+  logs = tmp_path / "logs"                     # every trainer's and agent's log, kept by pytest
+  logs.mkdir()
+  out = soak.run(steps=60, seed=0, short=True, log_dir=str(logs))
+  report = json.dumps(out, indent=1) + f"\n(logs in {logs})"
   assert out["due_steps"]["lost"] == 0, report
   assert out["wrong_restores"] == 0, report
   assert out["storage_wrong"] == [] and out["delete_violations"] == [], report
   assert set(out["faults_injected"]) == set(soak.KINDS), report
   assert all(n >= 1 for n in out["faults_injected"].values()), report
-  assert out["restores"] >= 5 and out["storage_steps_verified"] >= 1, report
+  # a relaunch (and its checked restore) after every fault but an S3 stop and a killed agent
+  assert out["restores"] >= 4 and out["storage_steps_verified"] >= 1, report
