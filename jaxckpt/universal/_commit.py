@@ -246,6 +246,12 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
                                       boxes=list(leaf.get("boxes", [])))
         else:
           _merge_leaf(step, leaves[leaf["path"]], leaf, proc)
+    for leaf in leaves.values():
+      leaf.pop("_seen", None)
+    # The merged records against the schema, once (not every part: quadratic in practice).
+    man.validate(man.document(step=step, process_count=process_count,
+                              metadata=parts[0]["metadata"], leaves=list(leaves.values())),
+                 what=f"the part records of step {step} ({process_count} processes)")
     merged = [_finish_leaf(directory, step, leaf) for leaf in leaves.values()]
   except (TypeError, ValueError, KeyError, AttributeError) as e:
     if isinstance(e, errors.JaxckptError):
@@ -255,7 +261,6 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
         f"{type(e).__name__}: {e}") from None
   doc = man.document(step=step, process_count=process_count,
                      metadata=parts[0]["metadata"], leaves=merged)
-  man.validate(doc, what=f"manifest of step {step} merged from {process_count} part records")
   body = man.encode(doc, what=f"manifest of step {step}")
   kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
