@@ -28,11 +28,11 @@ def main() -> int:
   p.add_argument("--short", action="store_true",
                  help="the CI form: S3 paused 6-9 s, shorter gaps between faults")
   p.add_argument("--quick", action="store_true",
-                 help="the CI form as the test runs it: --short --steps 60 (about 2 minutes)")
+                 help="the CI form as the test runs it: --short --steps 90 (about 2 minutes)")
   p.add_argument("--log-dir", default=None, help="keep every trainer's and agent's log here")
   a = p.parse_args()
   if a.quick:
-    a.short, a.steps = True, 60
+    a.short, a.steps = True, 90
   n = a.faults or max(len(soak.KINDS), a.steps // 25)
   out = soak.run(a.steps, a.seed, short=a.short, n_faults=n, log_dir=a.log_dir)
   out["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])

@@ -37,7 +37,7 @@ processes this module started (the trainers, and the agents they spawned under
 this soak's run root) are ever killed, by pid, and everything is cleaned up when
 the soak fails too.
 
->>> result = run(steps=60, seed=0, short=True)      # doctest: +SKIP
+>>> result = run(steps=90, seed=0, short=True)      # doctest: +SKIP
 >>> result["due_steps"]["lost"], result["wrong_restores"]   # doctest: +SKIP
 (0, 0)
 """
@@ -75,7 +75,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Fault:
   kind: str
   host: int
-  gap: int                  # job-wide committed steps after the last recovery before it
+  gap: int                  # steps every trainer has gone past since the last recovery
+  lead: int                 # the trainers run on at most this many steps past that
   pause_secs: float = 0.0
 
 
@@ -88,9 +89,9 @@ def plan(seed: int, n_faults: int, *, short: bool) -> list[Fault]:
   out = []
   for kind in kinds:
     pause = rng.uniform(6.0, 9.0) if short else rng.uniform(20.0, 30.0)
-    gap = rng.randint(4, 7) if short else rng.randint(6, 14)
-    out.append(Fault(kind, rng.randrange(HOSTS), gap, round(pause, 1) if kind == "s3_pause"
-                     else 0.0))
+    gap = rng.randint(3, 6) if short else rng.randint(6, 14)
+    out.append(Fault(kind, rng.randrange(HOSTS), gap, rng.randint(1, 3),
+                     round(pause, 1) if kind == "s3_pause" else 0.0))
   return out
 
 
@@ -207,7 +208,8 @@ class Job:
               "--run-root", root, "--tcp-host", address, "--job", soak.job_name,
               "--directory", soak.directory, "--seed", str(soak.seed),
               "--steps", str(soak.steps), "--rows", str(soak.rows), "--cols", str(soak.cols),
-              "--persist-interval", str(PERSIST_INTERVAL)] + (["--fresh"] if fresh else [])
+              "--persist-interval", str(PERSIST_INTERVAL), "--run-ahead", "0"]
+      argv += ["--fresh"] if fresh else []       # (each holds before its first step: GO)
       self.trainers.append(Trainer(self, i, argv, os.path.join(
           soak.log_dir, f"inc{incarnation:02d}-p{i}.log")))
 
@@ -277,6 +279,7 @@ class Soak:
     self.s3 = None
     self.job: Job | None = None
     self.incarnation = 0
+    self.base = 0                     # where the job stood after the last fault's recovery
     self.reference = Reference(seed, rows, cols)
     # accounting
     self.versions: dict[tuple[int, int], set[int]] = {}   # (incarnation, due step) -> savers
@@ -337,11 +340,12 @@ class Soak:
         job.kill()
         job.close()
     if fresh:
+      self.base = 0
       return
     self.restart_secs.append(time.monotonic() - job.t0)
     got = {t.restored[0] for t in job.trainers}
     tiers = [t.restored[1] for t in job.trainers]
-    step = min(got)
+    step = self.base = min(got)
     entry = {"cause": cause, "incarnation": self.incarnation, "restored_step": step,
              "tiers": sorted(set(tiers)), "steps_redone": max(0, progress - step)}
     self.samples.append((self.incarnation, None,
@@ -425,6 +429,8 @@ class Soak:
     relaunched, when no later fault would restore it)."""
     job, h = self.job, fault.host
     at = job.progress()
+    # room to run through the fault (an S3 stop lets the job run into its held slots)
+    job.send(f"GO {min(self.steps, at + (15 if self.short else 40))}")
     info: dict[str, Any] = {"kind": fault.kind, "at_step": at}
     if fault.kind in ("kill_trainer", "kill_agent", "lose_host"):
       info["host"] = h
@@ -498,7 +504,9 @@ class Soak:
         expect_min = max(complete, default=None)
       self.launch(fresh=False, cause=fault.kind, expect_min=expect_min, expect_not=expect_not,
                   progress=progress)
-    if fault.kind != "s3_pause" and (relaunch or fault.kind != "kill_agent"):
+    if fault.kind == "s3_pause" or (fault.kind == "kill_agent" and not relaunch):
+      self.base = self.job.progress()
+    else:
       info.update({k: self.recoveries[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
     return info
 
@@ -532,18 +540,19 @@ class Soak:
         try:
           if faults:
             fault = faults[0]
-            base = max(0, self.job.progress())
-            target = base + fault.gap
-            if target >= self.steps - 2:
+            target = self.base + fault.gap
+            if target + fault.lead >= self.steps - 2:
               raise SoakError(f"--steps {self.steps} is too few for the schedule: fault "
                               f"{fault.kind} would come at step {target}")
             job = self.job
+            job.send(f"GO {target + fault.lead}")
             job.wait(lambda: job.progress() >= target, 600, f"the job to reach step {target}")
             faults.pop(0)         # injected once, even if a trainer dies meanwhile
             later = {f.kind for f in faults} - {"s3_pause", "kill_agent"}
             self.log.append(self.inject(fault, relaunch=not later))
           else:
             job = self.job
+            job.send(f"GO {self.steps}")
             job.wait(lambda: all(t.done for t in job.trainers), 900,
                      f"every trainer to finish step {self.steps}")
             for t in job.trainers:

@@ -34,7 +34,7 @@ def test_the_schedule_is_seeded_and_has_every_kind():
 def test_chaos_soak_short_form_loses_nothing_and_restores_exactly(tmp_path):
   logs = tmp_path / "logs"                     # every trainer's and agent's log, kept by pytest
   logs.mkdir()
-  out = soak.run(steps=60, seed=0, short=True, log_dir=str(logs))
+  out = soak.run(steps=90, seed=0, short=True, log_dir=str(logs))
   report = json.dumps(out, indent=1) + f"\n(logs in {logs})"
   assert out["due_steps"]["lost"] == 0, report
   assert out["wrong_restores"] == 0, report

@@ -23,8 +23,9 @@ It talks to the soak on stdout, one line per event:
                                           died: said, and the loop goes on)
   DELETED step   STOPPED step   DONE step   ERROR type: message (then it exits 3)
 
-and reads commands on stdin: ``AVAIL`` (say AVAILABLE after the next step),
-``STOP restart`` (every trainer stops after the same step, agreed through the
+and reads commands on stdin: ``GO k`` (run up to step k, then hold: the soak
+places its faults this way, a few steps after their seeded step at most),
+``AVAIL`` (say AVAILABLE after the next step, or at once while held), ``STOP restart`` (every trainer stops after the same step, agreed through the
 step's collective, closes its manager and exits) and ``STOP delete`` (the same,
 at the next step due for storage, which every trainer deletes right after its
 snapshot, while its persist runs).
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
   p.add_argument("--persist-interval", type=int, default=5)
   p.add_argument("--timeout-secs", type=float, default=90.0)
   p.add_argument("--fresh", action="store_true")
+  p.add_argument("--run-ahead", type=int, default=None,
+                 help="hold before step START + this + 1 until the soak says GO (default: run on)")
   a = p.parse_args(argv)
   try:
     return _run(a)
@@ -223,14 +226,19 @@ def _run(a: argparse.Namespace) -> int:
       state = put(ref.arrays(start), ref.key_data(start), start)
     # what any tier could restore now (held, rebuildable from parity, stored)
     say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
-  code, stopping = 0, 0
+  ctl = _Control(ceiling=a.steps if a.run_ahead is None else start + a.run_ahead)
+  stopping = 0
   for step in range(start + 1, a.steps + 1):
-    avail = False
-    while not commands.empty():
-      words = commands.get().split()
-      if words[:1] == ["STOP"]:
-        code = max(code, CODES[words[1]])
-      avail |= words == ["AVAIL"]
+    while True:
+      while not commands.empty():
+        ctl.handle(commands.get())
+      if ctl.avail and step > ctl.ceiling:         # held: answer at once
+        say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
+        ctl.avail = False
+      if step <= ctl.ceiling:
+        break
+      ctl.handle(commands.get())                   # held until the soak says GO
+    code = ctl.code
     flags = jax.make_array_from_callback(
         (n_dev,), shard["flags"], lambda i, c=code: np.full((n_dev,), c, np.int32)[i])
     w, f, rep, key, agreed = step_fn(state["w"], state["rep"], state["key"], flags,
@@ -240,8 +248,9 @@ def _run(a: argparse.Namespace) -> int:
     stopping = max(stopping, agreed)
     saved = _save(mgr, step, state, errors)
     say("STEP", step, int(saved), mgr.stats.agent_restarts, mgr.stats.skipped_busy)
-    if avail:
+    if ctl.avail:
       say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
+      ctl.avail = False
     if stopping == CODES["restart"] or (stopping == CODES["delete"]
                                         and step % a.persist_interval == 0):
       if stopping == CODES["delete"]:
@@ -262,6 +271,22 @@ def _leave(jax) -> None:
   jax.distributed.shutdown()
   sys.stdout.flush()
   os._exit(0)
+
+
+class _Control:
+  """What the soak said on stdin: stop (and how), say what is restorable, how far to run."""
+
+  def __init__(self, ceiling: int) -> None:
+    self.code, self.avail, self.ceiling = 0, False, ceiling
+
+  def handle(self, line: str) -> None:
+    words = line.split()
+    if words[:1] == ["STOP"]:
+      self.code = max(self.code, CODES[words[1]])
+    elif words == ["AVAIL"]:
+      self.avail = True
+    elif words[:1] == ["GO"]:
+      self.ceiling = int(words[1])
 
 
 def _anything_restorable(mgr) -> bool:
