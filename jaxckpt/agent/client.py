@@ -173,19 +173,47 @@ class AgentStore(HostStore):
     logger.warning("%s died; starting a new agent (the snapshots it held are lost)", self.who)
     self._client.close()
     self.restarts += 1
-    self._lost_persists()
-    self._connect()
-
-  def _lost_persists(self) -> None:
-    """The persists the dead agent had not ended are failures the trainer hears of."""
-    lost = [s for s in self._status.pending if s in self._attempts]
-    with self._errors_lock:
-      for step in lost:
-        self._failed.append(PersistError(
-            step, self._attempts[step], "AgentUnavailableError",
-            f"{self.who} died before step {step} was on storage; its snapshot was lost "
-            "with it (restore an earlier step, or save it again)"))
+    lost = [(s, self._attempts[s]) for s in self._status.pending if s in self._attempts]
     self._status = PersistStatus(persisted=self._status.persisted)
+    self._connect()
+    if lost:
+      # The steps the dead agent held for storage: this host's piece of each is rebuilt
+      # from the other hosts' parity (when parity is on) and written as the same attempt,
+      # on a thread of its own (process 0's commit waits for it); else it is reported.
+      threading.Thread(target=self._persist_lost, args=(lost,), daemon=True,
+                       name="jaxckpt-repersist").start()
+
+  def _persist_lost(self, lost: list[tuple[int, str]]) -> None:
+    for step, attempt in lost:
+      try:
+        self._persist_rebuilt(step, attempt)
+        logger.warning("step %d: rebuilt from parity and persisted after %s died", step, self.who)
+      except Exception as e:  # pylint: disable=broad-except  (handed to the trainer, typed)
+        with self._errors_lock:
+          self._failed.append(PersistError(
+              step, attempt, "AgentUnavailableError",
+              f"{self.who} died before step {step} was on storage, and its piece could not be "
+              f"rebuilt from parity ({type(e).__name__}: {e}); restore an earlier step, or "
+              "save it again"))
+
+  def _persist_rebuilt(self, step: int, attempt: str) -> None:
+    if not (self._parity and self._persist):
+      raise errors.UnrecoverableLossError("parity is off: nothing else holds the piece")
+    from jaxckpt import _persist  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
+    config = _persist.PersistConfig(**self._persist)
+    universal = _persist._universal()   # pylint: disable=protected-access
+    with contextlib.ExitStack() as stack:
+      pieces = self.other_pieces(step, None, rebuild=True, have=[], stack=stack)
+      rebuilt = [p for p in pieces if not p.remote]     # the dead agent's: rebuilt here
+      if not rebuilt:
+        raise errors.UnrecoverableLossError(f"no piece of step {step} was rebuilt")
+      for piece in rebuilt:
+        universal.write_process_shards(config.directory, piece.manifest, piece.buffer,
+                                       attempt=attempt)
+        if piece.manifest.process_index == 0:
+          universal.commit_step(config.directory, step,
+                                process_count=piece.manifest.process_count,
+                                timeout_secs=config.timeout_secs, attempt=attempt)
 
   # Requests that mean the same to a new agent: one the dead agent never
   # answered is sent again to its replacement.
