@@ -187,8 +187,11 @@ def _run(a: argparse.Namespace) -> int:
       max_snapshots=2, save_interval_steps=1, on_busy="skip",
       persist_interval_steps=a.persist_interval, timeout_secs=a.timeout_secs,
       handle_sigterm=False,
+      # Agents on loopback answer in milliseconds. After an agent is replaced, every
+      # question to all of the job's agents (all_steps(), restore) still waits this long
+      # for the dead one's address, once per kind of question.
       agent=jc.AgentOptions(job_name=a.job, run_root=a.run_root, tcp_host=a.tcp_host,
-                            idle_timeout_secs=900, request_timeout_secs=30),
+                            idle_timeout_secs=900, request_timeout_secs=10),
       parity=jc.ParityOptions(group_size=a.num_processes, parity=1))
   commands = _commands()
   t_init = time.perf_counter()
