@@ -30,9 +30,11 @@ step) is accounted for. Right after every fault that can destroy a snapshot
 (a relaunch's restore, or a killed agent's replacement) every trainer says what
 any tier could restore (``mgr.all_steps()``: held on every host, rebuildable from
 parity, or stored). A version is *deleted*; *destroyed by a fault* when the first
-such look after it found no tier holding it (every copy went before it was
-persisted); *persisted* when its step is on storage at the end; else *lost*: it
-could still be restored after the fault, yet never reached storage. Only
+such look after it, right after a killed agent or a lost host, found no tier
+holding it (every copy went before it was persisted); *persisted* when its step
+is on storage at the end; else *lost*: it could still be restored after the
+fault (or no fault that destroys snapshots came before the look that missed it),
+yet it never reached storage. Only
 processes this module started (the trainers, and the agents they spawned under
 this soak's run root) are ever killed, by pid, and everything is cleaned up when
 the soak fails too.
@@ -66,6 +68,8 @@ from jaxckpt.testing import processes
 from jaxckpt.testing.soak_worker import Reference
 
 KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart")
+# The faults that can destroy a committed snapshot: the others leave every agent alive.
+DESTRUCTIVE = ("kill_agent", "lose_host")
 HOSTS = 4
 PERSIST_INTERVAL = 5
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -602,7 +606,7 @@ class Soak:
                     or (smp[0] == v[0] and smp[1] is not None and v[1] <= smp[1])), None)
       if v in self.deleted:
         fates["deleted"].append(list(v))
-      elif first is not None and v[1] not in first[2]:
+      elif first is not None and v[1] not in first[2] and first[3] in DESTRUCTIVE:
         fates["destroyed_by_fault"].append(list(v))
         destroyed_by[first[3]] += 1
       elif v[1] in stored:
