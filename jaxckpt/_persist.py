@@ -201,7 +201,8 @@ class Persister:
       self._persist(job)
     finally:
       try:
-        self._release(job.step)
+        if not job.cancelled:     # a fenced job's slot went with its step (a new save of the
+          self._release(job.step)  # same step may hold one now: not ours to release)
       except Exception:  # pylint: disable=broad-except  (the store is closing)
         logger.exception("step %d: releasing its slot after its persist failed", job.step)
       with self._lock:
