@@ -10,13 +10,31 @@ Curves (JSON on stdout; ``--plot DIR`` also draws one PNG per curve):
   first ``save`` blocking, ``save`` to finished, restore.
 * ``commit``: process 0's commit of a step whose part records P simulated processes
   wrote (100 leaves, each process one row block of every leaf), P = 64 .. 4096.
+* ``bytes`` (``--bytes-mib``, off unless asked): a state of 8 float32 (rows, 1024)
+  leaves of M MiB in all, rows sharded over 8 CPU devices, random values. jaxckpt's
+  persist (``save`` of a step due for storage to ``wait_until_finished``), orbax's
+  async save to finished and a raw tensorstore write of the same arrays (zarr3, one
+  chunk per shard, all in flight at once: the machine's limit), each after a warm-up
+  save, timed in one process; then jaxckpt's and orbax's restore, each in a fresh
+  process, with the peak growth of its resident memory (GB held per GB restored).
+  ``secs_per_gib`` is each figure over the state's size.
+* ``real_processes`` (``--real-processes``, off unless asked): P real processes of a
+  ``jax.distributed`` job on loopback (1 CPU device each) holding a random
+  ``--real-mib`` MiB state sharded across them, the checkpoint directory shared:
+  jaxckpt's persist on every process vs orbax's multi-process save to finished, and
+  restore, as process 0 sees them between barriers (one job per tool; its figures are
+  the medians of ``--repeats`` saves and restores after a warm-up save).
 * ``lighthouse``: see ``benchmarks/lighthouse_scale.py`` (quorum time and reply bytes
   against the number of groups); ``--lighthouse`` runs it and includes its JSON.
 
 Each figure is the median of ``--repeats`` runs; ``slopes`` gives the per-unit cost
-between the two largest sizes (ms per leaf, ms per process).
+between the two largest sizes (ms per leaf, ms per process, s per GiB); each row's
+``ratio_jaxckpt_over_orbax`` (and ``_over_tensorstore``) divides figures of one run.
 
     python benchmarks/scale.py --leaves 10 100 1000 4000 --processes 64 256 1024 4096
+    python benchmarks/scale.py --leaves --processes --bytes-mib 256 1024 4096 \
+        --real-processes 2 4 8
+    python benchmarks/scale.py --quick      # leaves 10 100, processes 64 256, bytes 64 128
 """
 
 from __future__ import annotations
@@ -134,17 +152,57 @@ def commit_curve(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
   return rows
 
 
-def _slope(rows: list[dict[str, Any]], x: str, y) -> float | None:
+def _ratio(a: float, b: float) -> float:
+  return round(a / b, 3)
+
+
+def bytes_curve(sizes_mib: list[float], repeats: int) -> list[dict[str, Any]]:
+  from jaxckpt.testing.scale import bytes_point  # pylint: disable=import-outside-toplevel
+  rows = []
+  for mib in sizes_mib:
+    row = bytes_point(mib, repeats)
+    j, o, t = row["jaxckpt"], row["orbax"], row["tensorstore"]
+    for tool in (j, o, t):
+      tool["secs_per_gib"] = {k: round(v / row["gib"], 4) for k, v in tool.items()
+                              if k.endswith("_secs")}
+    row["ratio_jaxckpt_over_orbax"] = {
+        "persist": _ratio(j["persist_secs"], o["persist_secs"]),
+        "restore": _ratio(j["restore_secs"], o["restore_secs"]),
+        "restore_rss": _ratio(j["restore_rss_gb_per_gb"], o["restore_rss_gb_per_gb"])}
+    row["ratio_jaxckpt_over_tensorstore"] = {
+        "persist": _ratio(j["persist_secs"], t["persist_secs"])}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    rows.append(row)
+  return rows
+
+
+def real_processes_curve(sizes: list[int], mib: float, repeats: int) -> list[dict[str, Any]]:
+  from jaxckpt.testing.scale import real_processes_point  # pylint: disable=import-outside-toplevel
+  rows = []
+  for p in sizes:
+    row = real_processes_point(p, mib, repeats)
+    j, o = row["jaxckpt"], row["orbax"]
+    row["ratio_jaxckpt_over_orbax"] = {
+        "persist": _ratio(j["persist_secs"], o["persist_secs"]),
+        "restore": _ratio(j["restore_secs"], o["restore_secs"])}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    rows.append(row)
+  return rows
+
+
+def _slope(rows: list[dict[str, Any]], x: str, y, scale: float = 1e3) -> float | None:
+  """``y``'s growth per unit of ``x`` between the two largest sizes (ms per unit by default)."""
   if len(rows) < 2:
     return None
   a, b = rows[-2], rows[-1]
-  return round(1e3 * (y(b) - y(a)) / (b[x] - a[x]), 4)
+  return round(scale * (y(b) - y(a)) / (b[x] - a[x]), 4)
 
 
 def _plot(out: dict[str, Any], where: str) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
   os.makedirs(where, exist_ok=True)
   if out.get("leaves"):
     rows = out["leaves"]
@@ -165,20 +223,74 @@ def _plot(out: dict[str, Any], where: str) -> None:
     ax.set_ylabel("commit seconds"), ax.set_title("commit of one step, 100 leaves")
     fig.tight_layout()
     fig.savefig(os.path.join(where, "scale_commit.png"), dpi=80)
+  if out.get("bytes"):
+    rows = out["bytes"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    x = [r["gib"] for r in rows]
+    for tool in ("jaxckpt", "orbax", "tensorstore"):
+      axes[0].plot(x, [r[tool]["persist_secs"] for r in rows], "o-", label=tool)
+    for tool in ("jaxckpt", "orbax"):
+      axes[1].plot(x, [r[tool]["restore_secs"] for r in rows], "o-", label=tool)
+      axes[2].plot(x, [r[tool]["restore_rss_gb_per_gb"] for r in rows], "o-", label=tool)
+    for ax, title in zip(axes, ("save to on storage", "restore from storage",
+                                "restore: GB held per GB restored")):
+      ax.set_xscale("log"), ax.set_title(title), ax.set_xlabel("state GiB")
+      ax.set_xticks(x, [f"{g:g}" for g in x])
+      ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    for ax in axes[:2]:
+      ax.set_yscale("log")
+      ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+      ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+      ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    axes[0].set_ylabel("seconds"), axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(where, "scale_bytes.png"), dpi=80)
+  if out.get("real_processes"):
+    rows = out["real_processes"]
+    fig, axes = plt.subplots(1, 2, figsize=(8.5, 3.4))
+    for ax, key, title in zip(axes, ("persist_secs", "restore_secs"),
+                              ("save to on storage", "restore from storage")):
+      for tool in ("jaxckpt", "orbax"):
+        ax.plot([r["processes"] for r in rows], [r[tool][key] for r in rows], "o-", label=tool)
+      ax.set_xscale("log", base=2), ax.set_title(f"{title}, {rows[0]['mib']:g} MiB")
+      ax.set_xticks([r["processes"] for r in rows], [str(r["processes"]) for r in rows])
+      ax.set_ylim(bottom=0)
+      ax.set_xlabel("jax.distributed processes")
+    axes[0].set_ylabel("seconds"), axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(where, "scale_real_processes.png"), dpi=80)
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--leaves", type=int, nargs="*", default=[10, 100, 1000, 4000])
-  ap.add_argument("--processes", type=int, nargs="*", default=[64, 256, 1024, 4096])
+  ap.add_argument("--leaves", type=int, nargs="*", help="default 10 100 1000 4000")
+  ap.add_argument("--processes", type=int, nargs="*", help="simulated, for the commit curve; "
+                  "default 64 256 1024 4096")
+  ap.add_argument("--bytes-mib", type=float, nargs="*", help="state sizes of the bytes curve "
+                  "(off unless given; e.g. 256 1024 4096)")
+  ap.add_argument("--real-processes", type=int, nargs="*", help="jax.distributed job sizes "
+                  "(off unless given; e.g. 2 4 8)")
+  ap.add_argument("--real-mib", type=float, help="the real-process state's total size "
+                  "(default 256)")
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--quick", action="store_true", help="small sizes where none are given: "
+                  "leaves 10 100, processes 64 256, bytes 64 128, real processes 2 4 of 64 MiB")
   ap.add_argument("--lighthouse", action="store_true", help="run lighthouse_scale.py too")
   ap.add_argument("--plot", help="write one PNG per curve into this directory")
   args = ap.parse_args()
+  for name, full, quick in (("leaves", [10, 100, 1000, 4000], [10, 100]),
+                            ("processes", [64, 256, 1024, 4096], [64, 256]),
+                            ("bytes_mib", [], [64, 128]), ("real_processes", [], [2, 4]),
+                            ("real_mib", 256.0, 64.0)):
+    if getattr(args, name) is None:
+      setattr(args, name, quick if args.quick else full)
   out: dict[str, Any] = {"repeats": args.repeats, "cores": os.cpu_count()}
   out["leaves"] = leaves_curve(args.leaves, args.repeats) if args.leaves else []
   out["commit"] = commit_curve(args.processes, args.repeats) if args.processes else []
+  out["bytes"] = bytes_curve(args.bytes_mib, args.repeats) if args.bytes_mib else []
+  out["real_processes"] = (real_processes_curve(args.real_processes, args.real_mib, args.repeats)
+                           if args.real_processes else [])
   if args.lighthouse:
     p = subprocess.run([sys.executable, os.path.join(HERE, "lighthouse_scale.py")],
                        capture_output=True, text=True, check=True, cwd=ROOT)
@@ -191,6 +303,14 @@ def main() -> None:
                                        lambda r: r["orbax"]["persist_secs"]),
       "commit_ms_per_process": _slope(out["commit"], "processes", lambda r: r["commit_secs"]),
   }
+  for tool in ("jaxckpt", "orbax", "tensorstore"):
+    out["slopes"][f"{tool}_persist_secs_per_gib"] = _slope(
+        out["bytes"], "gib", lambda r, t=tool: r[t]["persist_secs"], scale=1)
+  for tool in ("jaxckpt", "orbax"):
+    out["slopes"][f"{tool}_restore_secs_per_gib"] = _slope(
+        out["bytes"], "gib", lambda r, t=tool: r[t]["restore_secs"], scale=1)
+    out["slopes"][f"{tool}_real_persist_ms_per_process"] = _slope(
+        out["real_processes"], "processes", lambda r, t=tool: r[t]["persist_secs"])
   if args.plot:
     _plot(out, args.plot)
   print(json.dumps(out, indent=1))
