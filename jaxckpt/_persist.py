@@ -105,16 +105,18 @@ class PersistStatus:
   pending: tuple[int, ...] = ()
   oldest_since: float | None = None      # time.time() the oldest pending step was committed
   persisted: tuple[int, ...] = ()
+  attempts: tuple[tuple[int, str], ...] = ()   # (step, attempt) of each pending persist
 
   def to_obj(self) -> dict[str, Any]:
     return {"pending": list(self.pending), "oldest_since": self.oldest_since,
-            "persisted": list(self.persisted)}
+            "persisted": list(self.persisted), "attempts": [list(a) for a in self.attempts]}
 
   @classmethod
   def from_obj(cls, o: dict[str, Any]) -> "PersistStatus":
     return cls(tuple(int(s) for s in o.get("pending", ())),
                None if o.get("oldest_since") is None else float(o["oldest_since"]),
-               tuple(int(s) for s in o.get("persisted", ())))
+               tuple(int(s) for s in o.get("persisted", ())),
+               tuple((int(s), str(a)) for s, a in o.get("attempts", ())))
 
 
 # A storage error with no errno (a timeout, an object store's HTTP failure) or one
@@ -191,7 +193,8 @@ class Persister:
     with self._lock:
       jobs = sorted((j for j in self._jobs.values() if not j.cancelled), key=lambda j: j.since)
       return PersistStatus(tuple(sorted(j.step for j in jobs)),
-                           jobs[0].since if jobs else None, tuple(self.persisted))
+                           jobs[0].since if jobs else None, tuple(self.persisted),
+                           tuple(sorted((j.step, j.attempt) for j in jobs)))
 
   def _run(self, attempt: str) -> None:
     with self._lock:

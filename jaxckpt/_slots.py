@@ -10,7 +10,9 @@ bytes; the table decides:
 - a pinned slot (a reader holds it) is never handed out for writing;
 - committing step S drops every committed step >= S first (a rolled-back
   timeline: the newer steps are stale), then the oldest beyond ``keep``, never
-  the newest and never one *held* for its persist;
+  the newest, never one *held* for its persist, and never the newest step
+  *protected* by parity (``protect``: the one a lost host can still be rebuilt
+  to while the newer ones wait for their parity);
 - a step due for storage is held from its commit until its persist has ended
   (``commit(..., hold=True)``, then ``release``): held steps stay readable and
   their slots are never handed out, so a later save cannot recycle a slot a
@@ -47,6 +49,7 @@ class SlotState:
   size: int = 0                 # bytes of memory the store holds for it
   lent: bool = False
   held: bool = False            # committed and due for storage: kept until its persist ends
+  protected: bool = False       # its parity is done (the newest such step is kept)
   pins: dict[int, int] = dataclasses.field(default_factory=dict)   # reader -> count
 
   @property
@@ -173,8 +176,23 @@ class SlotTable:
     timeline), then the oldest beyond ``keep`` that are not held."""
     s = self.writing(index, step)
     dropped = [self._drop(o) for o in self.slots if o.state == COMMITTED and o.step >= step]
-    s.state, s.owner, s.held = COMMITTED, None, hold
+    s.state, s.owner, s.held, s.protected = COMMITTED, None, hold, False
     return dropped + self._trim()
+
+  def protect(self, step: int) -> list[Dropped]:
+    """Committed ``step`` is protected (its parity is done): it is kept while it is
+    the newest protected step; returns what the keep rule drops now (an older
+    protected step, no longer needed). A no-op if ``step`` is not held here."""
+    s = self.committed(step)
+    if s is None or s.protected:
+      return []
+    s.protected = True
+    return self._trim()
+
+  def protected_step(self) -> int | None:
+    """The newest committed step protected by parity, or None."""
+    steps = [s.step for s in self.slots if s.state == COMMITTED and s.protected]
+    return max(steps) if steps else None
 
   def release(self, step: int) -> list[Dropped]:
     """Ends the hold of committed ``step`` (its persist ended); returns what the
@@ -186,14 +204,16 @@ class SlotTable:
     return self._trim()
 
   def _trim(self) -> list[Dropped]:
-    """Drops the oldest committed steps beyond ``keep``, never the newest nor a held one."""
-    held = sorted((o for o in self.slots if o.state == COMMITTED), key=lambda o: o.step)
-    extra = len(held) - self.keep
+    """Drops the oldest committed steps beyond ``keep``: never the newest, a held
+    one, or the newest protected one."""
+    committed = sorted((o for o in self.slots if o.state == COMMITTED), key=lambda o: o.step)
+    extra = len(committed) - self.keep
+    guard = self.protected_step()
     out = []
-    for o in held[:-1]:
+    for o in committed[:-1]:
       if extra <= 0:
         break
-      if not o.held:
+      if not o.held and o.step != guard:
         out.append(self._drop(o))
         extra -= 1
     return out
@@ -260,5 +280,5 @@ class SlotTable:
   @staticmethod
   def _drop(s: SlotState) -> Dropped:
     d = Dropped(s.index, s.step, s.state, s.held)
-    s.state, s.step, s.owner, s.held = FREE, None, None, False
+    s.state, s.step, s.owner, s.held, s.protected = FREE, None, None, False, False
     return d

@@ -195,6 +195,26 @@ def test_a_held_step_outlives_the_keep_rule_until_released():
   assert t.reserve(7, 8, owner=1).index == a.index
 
 
+def test_the_newest_protected_step_outlives_the_keep_rule_until_a_newer_one_is_protected():
+  t = _slots.SlotTable(1, count=3)
+  t.commit(t.reserve(5, 8, owner=1).index, 5)
+  assert t.protect(5) == [] and t.protected_step() == 5
+  assert t.commit(t.reserve(6, 8, owner=1).index, 6) == []   # 5 is the newest protected
+  assert [d.step for d in t.commit(t.reserve(7, 8, owner=1).index, 7)] == [6]
+  assert t.steps() == [5, 7]                                   # 6 went (keep=1), 5 stays
+  assert [d.step for d in t.protect(7)] == [5]                 # a newer one is protected
+  assert t.steps() == [7] and t.protected_step() == 7
+  assert t.protect(99) == []                                   # not held here: a no-op
+
+
+def test_a_protected_step_rolled_back_is_dropped_and_forgotten():
+  t = _slots.SlotTable(2)
+  t.commit(t.reserve(5, 8, owner=1).index, 5)
+  t.protect(5)
+  assert [d.step for d in t.commit(t.reserve(4, 8, owner=1).index, 4)] == [5]
+  assert t.protected_step() is None and t.steps() == [4]
+
+
 def test_a_rollback_drops_held_steps_and_says_so():
   t = _slots.SlotTable(3)
   for step, hold in ((5, True), (6, False), (10, True)):

@@ -107,6 +107,7 @@ class CheckpointManager:
       store.persist_to(self._persist_config)   # every store persists what it holds
     if store is None and self.options.agent is not None and jax.process_count() > 1:
       self._store.discover(timeout_secs=self.options.timeout_secs)
+      self._store.recover_persists(jax.process_index())
     self._planner = capture.Planner()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
@@ -222,7 +223,8 @@ class CheckpointManager:
       held = (f"every slot is held: persists of steps {list(status.pending)} to "
               f"{self.directory!r} have not ended (the oldest was committed {age:.1f} s ago)")
     else:
-      held = "every slot is held by a committed step that a restore still reads"
+      held = ("every slot is held by a committed step: one a restore still reads, or the "
+              "newest step protected by parity, kept until a newer one is protected")
     if due:
       raise errors.SnapshotTimeoutError(
           f"save(step={step}): the step is due for storage but no slot of "
@@ -437,6 +439,11 @@ class CheckpointManager:
   def _raise_failed(self, failed: list[Any]) -> None:
     failed = [e for e in failed if e.attempt not in self._told]   # raised once only
     self._told.update(e.attempt for e in failed)
+    earlier = [e for e in failed if not e.attempt.startswith(f"{self._run_id}-")]
+    for e in earlier:         # an earlier run's (its agent outlived it): not this run's save
+      logger.error("a persist of step %d by an earlier run (attempt %s) failed: %s; that "
+                   "step is not on storage", e.step, e.attempt, e.message)
+    failed = [e for e in failed if e not in earlier]
     if failed:
       where = (f"process {self._process[0]}" + ("" if self.options.agent is None
                                                 else ", in its snapshot agent"))

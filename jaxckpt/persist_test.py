@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
 import jaxckpt.universal as u
-from jaxckpt import errors
+from jaxckpt import _wait, errors
 from jaxckpt.testing import processes
 from jaxckpt.universal import _fixtures
 
@@ -214,3 +214,32 @@ def test_gc_keeps_the_newest_and_a_restore_onto_another_mesh_is_exact(storage_di
   np.testing.assert_array_equal(np.asarray(out["w"]), np.full((16, 4), 4.0, np.float32))
   np.testing.assert_array_equal(out["b"], np.full(3, 4))
   assert u.verify_step(u.open_step(storage_dir, 3)) == []
+
+
+def test_an_earlier_runs_failed_persist_is_logged_not_raised_to_the_next_run(tmp_path, caplog):
+  # The agent outlives its trainer: the persist of step 5 by run A fails after A stopped
+  # asking. Run B (a relaunch on the same agent) never saved step 5: its restore and its
+  # own saves go on, and A's failure is logged, naming the step and the earlier run.
+  d = str(tmp_path / "ckpt")
+  with _agent_opts(tmp_path, persist_interval_steps=5, timeout_secs=5.0) as opts:
+    a = jc.CheckpointManager(d, opts)
+    try:
+      assert a.save(5, _state(5.0))
+      a.wait_until_snapshotted()
+      os.rename(d, d + ".away")                      # its writes now fail: not a directory
+      with open(d, "w") as f:
+        f.write("x")
+      _wait.until(lambda: not a._store.persist_status().pending,   # pylint: disable=protected-access
+                  timeout_secs=60, late=lambda: "run A's persist of step 5 did not end")
+      os.unlink(d)
+      os.rename(d + ".away", d)
+      with jc.CheckpointManager(d, opts) as b:
+        np.testing.assert_array_equal(b.restore(5)["w"], np.full((16, 4), 5.0, np.float32))
+        assert b.save(10, _state(10.0))
+        b.wait_until_finished()
+        assert u.all_steps(d) == [10]
+      assert any("by an earlier run" in r.getMessage() and "step 5" in r.getMessage()
+                 for r in caplog.records)
+    finally:
+      with contextlib.suppress(errors.JaxckptError):
+        a.close()

@@ -130,6 +130,11 @@ class HostStore(abc.ABC):
     """Learns where the job's other hosts keep their snapshots (a no-op here)."""
     del timeout_secs
 
+  def recover_persists(self, process_index: int) -> None:
+    """Writes this process's part of persists the job still waits on that this
+    store lost (a new agent after a lost machine); a no-op here."""
+    del process_index
+
   @abc.abstractmethod
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     """Forgets committed ``step`` (a reader holding it keeps its slot until done)

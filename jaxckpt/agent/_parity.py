@@ -7,7 +7,11 @@ committed the step, pulls the data chunks of the stripes it holds parity for
 from their agents, encodes them, and stores its parity blocks in its own
 shared-memory files. It also keeps every group member's manifest and the
 checksums of every piece of its stripes: restore needs both to rebuild a lost
-host. A step is *protected* when every host holds its parity for it.
+host. A step is *protected* when every host holds its parity for it: each
+agent tells its group peers when its own parity of a step is done
+(``parity_done``), and once all of its group has said so the keep rule keeps
+that step while it is the newest such (``SlotTable.protect``), so a lost host
+can always be rebuilt to some step while the newer ones wait for their parity.
 
 Restore side (:func:`survey`, :func:`recover`): which steps the survivors can
 rebuild, and the rebuilt, checksum-verified snapshots of lost hosts.
@@ -89,12 +93,19 @@ class Record:
   process_count: int = 0
   secs: float | None = None
   error: str | None = None
+  seq: int = 0                                 # the agent's commit count when it committed
+  group: tuple[int, ...] = ()                  # the parity group's hosts (this one too)
 
 
 def _warm_up(config: ParityConfig) -> None:
   """Loads the compiled codec (seconds on a busy machine) before the first step needs it."""
   k = max(config.group_size - config.parity, 1)
   _lib().codec.codec(k, config.parity).encode([np.zeros(64, np.uint8)] * k)
+
+
+# How long a group peer may hold a newer step but not this one before this one's parity
+# is given up (it skipped it, or has yet to roll back to it after a relaunch).
+AHEAD_GRACE_SECS = 30.0
 
 
 class _Superseded(Exception):
@@ -115,7 +126,9 @@ class ParityWorker:
     self.records: dict[int, Record] = {}
     self.slots: list[_ParitySlot] = []
     self.process_count: int | None = None
-    self._newest = -1
+    self._newest = -1          # the step committed last (lower after a rollback)
+    self._seq = 0              # commits so far: a record with a lower seq is superseded
+    self._peers_done: dict[int, set[int]] = {}   # step -> group peers whose parity is done
     self._peers: dict[int, tuple[int, Client]] = {}
     self._scratch_bufs: list[np.ndarray] = []
     self._stop = threading.Event()
@@ -126,12 +139,32 @@ class ParityWorker:
 
   def on_commit(self, step: int, manifest: str) -> None:
     """Schedules the parity of a just-committed step; returns at once."""
-    rec = self.records[step] = Record(step, time.monotonic())
+    self._seq += 1
+    rec = self.records[step] = Record(step, time.monotonic(), seq=self._seq)
     self._newest = step
     self._pool.submit(self._run, rec, SnapshotManifest.from_json(manifest), manifest)
 
+  def peer_done(self, step: int, host: int) -> None:
+    """Group peer ``host`` finished its parity of ``step``: protected once every
+    member of the group has (this host included)."""
+    self._peers_done.setdefault(step, set()).add(host)
+    if len(self._peers_done) > 64:        # steps never committed here do not pile up
+      oldest = min(self.records, default=step)
+      for s in [s for s in self._peers_done if s < oldest]:
+        del self._peers_done[s]
+    rec = self.records.get(step)
+    if rec is not None:
+      self._maybe_protected(rec)
+
+  def _maybe_protected(self, rec: Record) -> None:
+    """Under the agent's lock: tells the agent once all of ``rec``'s group is done."""
+    if (rec.state == "done" and rec.group and self.records.get(rec.step) is rec
+        and set(rec.group) - {self.agent.host} <= self._peers_done.get(rec.step, set())):
+      self.agent.protected(rec.step)
+
   def drop(self, step: int) -> None:
     """Forgets a dropped step's parity (its slot is reused once no thread writes it)."""
+    self._peers_done.pop(step, None)
     rec = self.records.pop(step, None)
     if rec is not None and rec.slot is not None and rec.state != "pending":
       rec.slot.step = None
@@ -185,7 +218,7 @@ class ParityWorker:
 
   def _run(self, rec: Record, manifest: SnapshotManifest, manifest_json: str) -> None:
     try:
-      if self._newest > rec.step:        # fell behind: protect the newest step instead
+      if self._superseded(rec):          # fell behind: protect the newest step instead
         raise _Superseded()
       self._protect(rec, manifest, manifest_json)
     except _Superseded:
@@ -198,6 +231,18 @@ class ParityWorker:
       self._finish(rec, "done", None)
       logger.info("step %d: parity stored on host %d (%.3f s after commit)", rec.step,
                   self.agent.host, rec.secs)
+      self._tell_done(rec)
+
+  def _tell_done(self, rec: Record) -> None:
+    """Tells the group's peers this host's parity of ``rec.step`` is done (network
+    I/O: outside the agent's lock; a peer that does not hear it keeps the step
+    unprotected, which only keeps an older step longer)."""
+    for h in rec.group:
+      if h != self.agent.host:
+        try:
+          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=self.agent.host)
+        except Exception as e:  # pylint: disable=broad-except  (never ends the parity thread)
+          logger.warning("step %d: telling host %d its parity is done failed: %s", rec.step, h, e)
 
   def _finish(self, rec: Record, state: str, error: str | None) -> None:
     with self.agent.lock:
@@ -205,6 +250,8 @@ class ParityWorker:
       rec.secs = time.monotonic() - rec.committed_at
       if rec.slot is not None and (state != "done" or self.records.get(rec.step) is not rec):
         rec.slot.step = None            # failed, or dropped while we computed it
+      if state == "done":
+        self._maybe_protected(rec)      # its group's peers may all have said so already
 
   def _protect(self, rec: Record, manifest: SnapshotManifest, manifest_json: str) -> None:
     me, n = manifest.process_index, manifest.process_count
@@ -216,7 +263,8 @@ class ParityWorker:
           "unset (it defaults to jax.process_index())")
     _lib().check_hosts(n, self.config.options)
     group = next(g for g in _lib().groups(n, self.config.group_size) if me in g)
-    rec.manifests = self._gather(rec.step, group, me, manifest_json)
+    rec.group = tuple(group)
+    rec.manifests = self._gather(rec, group, me, manifest_json)
     sizes = [0] * n
     for h, js in rec.manifests.items():
       sizes[h] = SnapshotManifest.from_json(js).nbytes
@@ -294,11 +342,22 @@ class ParityWorker:
     out[n:] = 0
     return out
 
-  def _gather(self, step: int, group: tuple[int, ...], me: int,
+  def _superseded(self, rec: Record) -> bool:
+    """A later commit came (a newer step, or an older or the same one after a
+    rollback), or the step was dropped: protect the current timeline instead."""
+    return self._seq > rec.seq or self.records.get(rec.step) is not rec
+
+  def _gather(self, rec: Record, group: tuple[int, ...], me: int,
               manifest_json: str) -> dict[int, str]:
-    """Every group member's manifest of ``step``, once each has committed it."""
+    """Every group member's manifest of ``rec.step``, once each has committed it."""
+    step = rec.step
     out = {me: manifest_json}
-    deadline = time.monotonic() + self.config.timeout_secs
+    start = time.monotonic()
+    deadline = start + self.config.timeout_secs
+    # A peer whose newest step is newer skipped or dropped this one, or still holds a
+    # step of a timeline the job rolled back from (it commits this one soon): it is
+    # given up on only once it has stayed ahead for a while.
+    ahead_for = min(self.config.timeout_secs, AHEAD_GRACE_SECS)
     while True:
       for h in [h for h in group if h not in out]:
         r = self._ask(h, "peer_manifest", step=step)
@@ -306,14 +365,15 @@ class ParityWorker:
           continue
         if r["manifest"] is not None:
           out[h] = r["manifest"]
-        elif r["newest"] is not None and r["newest"] > step:
+        elif (r["newest"] is not None and r["newest"] > step
+              and time.monotonic() - start > ahead_for):
           raise errors.StepNotFoundError(
-              f"host {h} committed step {r['newest']} but not step {step} (it skipped or "
-              f"dropped it), so step {step} cannot be protected")
+              f"host {h} committed step {r['newest']} but not step {step} within "
+              f"{ahead_for} s (it skipped or dropped it), so step {step} cannot be protected")
       late = [h for h in group if h not in out]
       if not late:
         return out
-      if self._newest > step or self._stop.is_set():
+      if self._superseded(rec) or self._stop.is_set():
         raise _Superseded()
       if time.monotonic() > deadline:
         raise errors.SnapshotTimeoutError(
@@ -321,9 +381,11 @@ class ParityWorker:
             f"{list(group)} did not commit step {step} within {self.config.timeout_secs} s")
       time.sleep(self.config.poll_secs)
 
-  def _ask(self, host: int, op: str, **kw: Any) -> dict[str, Any] | None:
+  def _ask(self, host: int, op: str, timeout_secs: float = 5.0,
+           **kw: Any) -> dict[str, Any] | None:
     try:
-      return self._peer(host).call(op, timeout_secs=min(5.0, self.config.timeout_secs), **kw)[0]
+      return self._peer(host).call(op, timeout_secs=min(timeout_secs, self.config.timeout_secs),
+                                   **kw)[0]
     except errors.AgentUnavailableError as e:
       logger.debug("host %d: %s", host, e)
       self._peers.pop(host, None)

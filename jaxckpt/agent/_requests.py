@@ -136,13 +136,22 @@ class Manifest(Request):
 
 @_request("peers")
 class Peers(Request):
-  """The job's current agents by host id (their address records)."""
+  """The job's current agents by host id (their address records); with ``merge``,
+  only the hosts named change (a host's agent was replaced)."""
   peers: dict
+  merge: bool = False
 
 
 @_request("peer_manifest")
 class PeerManifest(Request):
   step: int
+
+
+@_request("parity_done")
+class ParityDone(Request):
+  """A group peer's parity thread says: my parity of ``step`` is done (host ``peer``)."""
+  step: int
+  peer: int
 
 
 @_request("parity_status")
@@ -167,10 +176,8 @@ class Stop(Request):
   pass
 
 
-REQUESTS: dict[str, type[Request]] = {
-    cls.op: cls for cls in (Hello, Reserve, Written, Commit, Abort, Discard, Persisted, Bye,
-                            Steps, Held, Open, Close, Manifest, Peers, PeerManifest,
-                            ParityStatus, ParityInfo, Status, Stop)}
+# Every request class above, by op: a new request is taken once it is declared.
+REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in Request.__subclasses__()}
 
 
 def of(op: str, **fields: Any) -> Request:

@@ -344,6 +344,12 @@ class Agent:
     return {"persist": p.status().to_obj(),
             "persist_errors": [e.to_obj() for e in p.take_errors()] if errors else []}
 
+  def protected(self, step: int) -> None:
+    """This host's parity of ``step`` is done (parity thread, lock held): the keep
+    rule keeps it while it is the newest such step."""
+    with self.lock:
+      self._dropped(self.table.protect(step))
+
   def _release_held(self, step: int) -> None:
     """The persist of ``step`` ended: the keep rule may drop it now (persist thread)."""
     with self.lock:
@@ -416,10 +422,13 @@ class Agent:
     self._dropped([d] if d else [])
     return {}
 
-  def op_peers(self, peers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+  def op_peers(self, peers: dict[str, dict[str, Any]], merge: bool = False) -> dict[str, Any]:
     """The job's current agents by host id (their address records), published
-    through the job's coordination service: parity reaches its peers there."""
-    self.peers = {int(h): dict(info) for h, info in peers.items()}
+    through the job's coordination service: parity reaches its peers there.
+    ``merge``: only the hosts named change (a trainer announces its host's new
+    agent after the old one died)."""
+    new = {int(h): dict(info) for h, info in peers.items()}
+    self.peers = {**self.peers, **new} if merge else new
     return {}
 
   def op_discard(self, step: int) -> dict[str, Any]:
@@ -435,7 +444,8 @@ class Agent:
 
   def op_steps(self) -> dict[str, Any]:
     free = sum(s.state == _slots.FREE and not s.pinned for s in self.table.slots)
-    return {"steps": self.steps(), "free_slots": free}
+    return {"steps": self.steps(), "free_slots": free,
+            "protected": self.table.protected_step()}
 
   def op_bye(self, pid: int) -> dict[str, Any]:
     """Trainer ``pid`` closed its manager: it gives up the lease and its pins."""
@@ -496,6 +506,12 @@ class Agent:
     """A peer's parity thread asks: have you committed ``step``? (its manifest if so)."""
     steps = self.steps()
     return {"manifest": self.manifests.get(step), "newest": steps[-1] if steps else None}
+
+  def op_parity_done(self, step: int, peer: int) -> dict[str, Any]:
+    """Group peer ``peer`` finished its parity of ``step`` (``ParityWorker.peer_done``)."""
+    if self.parity is not None:
+      self.parity.peer_done(int(step), int(peer))
+    return {}
 
   def op_parity_status(self) -> dict[str, Any]:
     if self.parity is None:
@@ -577,21 +593,10 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
   return [_protocol.pack({"ok": True, **reply}), *raw]
 
 
-# The handler of each request, by its type (agent/_requests.py is the table of requests).
+# The handler of each request, by its type (agent/_requests.py is the table of
+# requests): ``Agent.op_`` + its op. A request declared without one fails here, at import.
 HANDLERS: dict[type[_requests.Request], Any] = {
-    _requests.Hello: Agent.op_hello, _requests.Reserve: Agent.op_reserve,
-    _requests.Written: Agent.op_written, _requests.Commit: Agent.op_commit,
-    _requests.Abort: Agent.op_abort, _requests.Discard: Agent.op_discard,
-    _requests.Persisted: Agent.op_persisted, _requests.Bye: Agent.op_bye,
-    _requests.Steps: Agent.op_steps, _requests.Held: Agent.op_held,
-    _requests.Open: Agent.op_open, _requests.Close: Agent.op_close,
-    _requests.Manifest: Agent.op_manifest, _requests.Peers: Agent.op_peers,
-    _requests.PeerManifest: Agent.op_peer_manifest,
-    _requests.ParityStatus: Agent.op_parity_status,
-    _requests.ParityInfo: Agent.op_parity_info, _requests.Status: Agent.op_status,
-    _requests.Stop: Agent.op_stop,
-}
-assert set(HANDLERS) == set(_requests.REQUESTS.values()), "a request without a handler"
+    cls: getattr(Agent, "op_" + cls.op) for cls in _requests.REQUESTS.values()}
 
 
 def serve(agent: Agent) -> None:

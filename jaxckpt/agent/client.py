@@ -137,6 +137,7 @@ class AgentStore(HostStore):
     self._attempts: dict[int, str] = {}     # due steps sent to this agent -> their attempts
     self.restarts = 0
     self.directory: list[dict[str, Any]] = []     # the job's agents on other machines
+    self._peers: dict[str, dict[str, Any]] = {}   # host id -> its current agent (discover)
     self._connect()
 
   @property
@@ -175,13 +176,74 @@ class AgentStore(HostStore):
     self.restarts += 1
     lost = [(s, self._attempts[s]) for s in self._status.pending if s in self._attempts]
     self._status = PersistStatus(persisted=self._status.persisted)
+    dead = self.info
     self._connect()
+    self._announce(dead)
     if lost:
       # The steps the dead agent held for storage: this host's piece of each is rebuilt
       # from the other hosts' parity (when parity is on) and written as the same attempt,
       # on a thread of its own (process 0's commit waits for it); else it is reported.
       threading.Thread(target=self._persist_lost, args=(lost,), daemon=True,
                        name="jaxckpt-repersist").start()
+
+  def recover_persists(self, process_index: int) -> None:
+    """Writes this process's part of the persists the job's other agents still wait
+    on that this host's agent can no longer write: it is a new agent (the machine
+    was lost, or the agent died while no trainer ran), so each such step's piece
+    is rebuilt from parity and written as the same attempt, on a thread of its own
+    (process 0's commit waits for it). Runs once the job's agents are known
+    (``discover``); a no-op without parity or a persist directory."""
+    if not (self._parity and self._persist):
+      return
+    from jaxckpt import _persist  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
+    universal = _persist._universal()   # pylint: disable=protected-access
+    directory = self._persist["directory"]
+    mine = set(self.steps())
+    waiting: dict[int, str] = {}
+    with self.job_clients() as clients:
+      for c in clients.values():
+        if c.pid == self.pid:
+          continue
+        try:
+          status = PersistStatus.from_obj(c.call("persisted", errors=False)[0]["persist"] or {})
+        except errors.AgentUnavailableError as e:
+          logger.warning("recovering persists: %s", e)
+          continue
+        waiting.update((s, a) for s, a in status.attempts if s not in mine)
+    lost = []
+    for step, attempt in sorted(waiting.items()):
+      if universal.committed_by(directory, step) is not None:
+        continue
+      if universal.missing_parts(directory, step, attempt, of=[process_index]):
+        lost.append((step, attempt))
+    if lost:
+      logger.warning("steps %s: the job's other agents wait on this host's part, which "
+                     "its new agent does not hold; rebuilding it from parity",
+                     [s for s, _ in lost])
+      threading.Thread(target=self._persist_lost, args=(lost,), daemon=True,
+                       name="jaxckpt-repersist").start()
+
+  def _announce(self, dead: dict[str, Any]) -> None:
+    """Tells the job's agents (this host's new one too) where this host's agent is
+    now, so parity reaches it, and forgets the ``dead`` one's address; an agent
+    that does not answer hears it at the next ``discover``. Only in a job that
+    was discovered (several hosts)."""
+    if not self._peers:
+      return
+    old_pid = dead["pid"]
+    self.directory = [a for a in self.directory if a["tcp"] != dead["tcp"]] + [self.info]
+    self._peers[str(self.host)] = self.info
+    mine = {str(self.host): self.info}
+    with self.job_clients() as clients:
+      for c in clients.values():
+        try:
+          if c.pid == self.pid:
+            c.call("peers", peers=self._peers)
+          else:
+            c.call("peers", peers=mine, merge=True)
+        except errors.AgentUnavailableError as e:
+          logger.warning("telling %s of host %d's new agent (the old was pid %s): %s",
+                         c.who, self.host, old_pid, e)
 
   def _persist_lost(self, lost: list[tuple[int, str]]) -> None:
     for step, attempt in lost:
@@ -202,6 +264,11 @@ class AgentStore(HostStore):
     from jaxckpt import _persist  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
     config = _persist.PersistConfig(**self._persist)
     universal = _persist._universal()   # pylint: disable=protected-access
+    if universal.committed_by(config.directory, step) is not None:
+      return        # it ended on storage before its agent died (the status was stale)
+    if self.host != 0 and not universal.missing_parts(config.directory, step, attempt,
+                                                      of=[self.host]):
+      return        # the dead agent wrote this host's part; process 0 commits it
     with contextlib.ExitStack() as stack:
       pieces = self.other_pieces(step, None, rebuild=True, have=[], stack=stack)
       rebuilt = [p for p in pieces if not p.remote]     # the dead agent's: rebuilt here
@@ -263,7 +330,11 @@ class AgentStore(HostStore):
     for c in clients.values():
       if c.pid == self.pid and local_index is not None:
         continue                             # this host's own piece is read from its memory
-      piece = open_remote_piece(c, step, stack)
+      try:
+        piece = open_remote_piece(c, step, stack)
+      except errors.AgentUnavailableError as e:
+        logger.warning("step %d: skipping %s (its pieces count as lost): %s", step, c.who, e)
+        continue
       if piece is not None and piece.manifest.process_index not in found:
         out.append(piece)
         found.add(piece.manifest.process_index)
@@ -283,7 +354,8 @@ class AgentStore(HostStore):
         f"agents/{self.opts.job_name}", json.dumps(mine), timeout_secs=timeout_secs,
         what="their snapshot agents' addresses")]
     self.directory = [a for e in everyone for a in e["local"]]
-    self.call("peers", peers={str(e["own"]["host"]): e["own"] for e in everyone})
+    self._peers = {str(e["own"]["host"]): e["own"] for e in everyone}
+    self.call("peers", peers=self._peers)
 
   def _map(self, index: int, path: str, size: int) -> np.ndarray:
     if size == 0:                      # a state with no array bytes (only scalars)

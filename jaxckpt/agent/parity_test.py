@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
-from jaxckpt import errors
+from jaxckpt import _wait, errors
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.parity.placement import StripeLayout
@@ -179,6 +179,44 @@ def _lose_restore_and_protect(c: Cluster, lost: tuple[int, ...], step: int) -> i
     mgr.wait_until_protected(step + 1, timeout_secs=60)
     assert mgr.is_protected(step + 1)
   return step + 1
+
+
+def test_the_newest_protected_step_is_kept_while_newer_ones_wait_for_their_parity(sandbox):
+  # Host 3 falls behind: steps 2-4 commit on hosts 0-2 only, so their parity never
+  # completes. The keep rule (2 snapshots) must not drop step 1, the newest step whose
+  # parity every host holds: when host 3 is then lost, step 1 is rebuilt from parity.
+  with Cluster(*sandbox, 1) as c:
+    c.protect(1)
+    for step in (2, 3, 4):
+      c.save(step, hosts=[0, 1, 2])
+    for h in (0, 1, 2):
+      assert c.stores[h].steps() == [1, 4], f"host {h} holds {c.stores[h].steps()}"
+    c.lose([3])
+    with c.manager() as mgr:
+      assert mgr.latest_step() == 1
+      assert_restores(mgr, 1, "parity")
+      c.save(5)                                   # host 3's replacement takes part again
+      mgr.wait_until_protected(5, timeout_secs=60)
+    for h in range(HOSTS):                        # each agent hears its group is done
+      _wait.until(lambda h=h: c.stores[h].call("steps")["protected"] == 5, timeout_secs=30,
+                  late=lambda h=h: f"host {h} did not learn that step 5 is protected")
+    c.save(6, hosts=[0, 1, 2])                    # 5 is now the step kept: 1 is let go
+    for h in (0, 1, 2):
+      assert c.stores[h].steps() == [5, 6], f"host {h} holds {c.stores[h].steps()}"
+
+
+def test_a_rolled_back_step_does_not_hold_up_the_parity_of_the_new_timeline(sandbox):
+  # Step 3 commits on hosts 0-2 only (host 3's trainer died before its commit); the
+  # relaunched job restores step 1 and saves step 2 on every host, which drops step 3.
+  # The parity thread, waiting for host 3's step 3, must move on to step 2 at once,
+  # not after its 120 s timeout.
+  with Cluster(*sandbox, 1, timeout_secs=120.0) as c:
+    c.protect(1)
+    c.save(3, hosts=[0, 1, 2])
+    c.save(2)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(2, timeout_secs=20)
+      assert 3 not in mgr.all_steps()
 
 
 def test_one_more_lost_host_than_parity_names_the_group_and_hosts(sandbox):

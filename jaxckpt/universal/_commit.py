@@ -74,12 +74,14 @@ def _exists(directory: str, step: int, marker: dict[str, Any], attempt: str) -> 
       "persist into another directory")
 
 
-def missing_parts(directory: str, step: int, attempt: str, process_count: int) -> list[int]:
-  """The processes of ``attempt`` whose part records of ``step`` are not on storage."""
+def missing_parts(directory: str, step: int, attempt: str, process_count: int | None = None,
+                  *, of: Iterable[int] = ()) -> list[int]:
+  """The processes of ``attempt`` (``range(process_count)``, or those ``of``) whose
+  part records of ``step`` are not on storage."""
   kv = lay.open_kvstore(directory)
-  return [i for i in range(process_count)
-          if kv.read(lay.part_key(step, i, attempt)).result(
-              timeout=lay.REQUEST_TIMEOUT_SECS).state != "value"]
+  wanted = list(of) if process_count is None else range(process_count)
+  reads = [(i, kv.read(lay.part_key(step, i, attempt))) for i in wanted]
+  return [i for i, r in reads if r.result(timeout=lay.REQUEST_TIMEOUT_SECS).state != "value"]
 
 
 def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
