@@ -344,8 +344,13 @@ class ParityWorker:
 
   def _superseded(self, rec: Record) -> bool:
     """A later commit came (a newer step, or an older or the same one after a
-    rollback), or the step was dropped: protect the current timeline instead."""
-    return self._seq > rec.seq or self.records.get(rec.step) is not rec
+    rollback), or the step was dropped: protect the current timeline instead.
+    A step held for its persist is never superseded by a newer one: its parity
+    is what lets a host lost while it is written to storage be rebuilt, and
+    its persist finished (``AgentStore.recover_persists``)."""
+    if self.records.get(rec.step) is not rec:
+      return True
+    return self._seq > rec.seq and not self.agent.held_for_persist(rec.step)
 
   def _gather(self, rec: Record, group: tuple[int, ...], me: int,
               manifest_json: str) -> dict[int, str]:

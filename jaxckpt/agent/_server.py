@@ -344,6 +344,12 @@ class Agent:
     return {"persist": p.status().to_obj(),
             "persist_errors": [e.to_obj() for e in p.take_errors()] if errors else []}
 
+  def held_for_persist(self, step: int) -> bool:
+    """Whether committed ``step`` is held until its persist ends."""
+    with self.lock:
+      s = self.table.committed(step)
+      return s is not None and s.held
+
   def protected(self, step: int) -> None:
     """This host's parity of ``step`` is done (parity thread, lock held): the keep
     rule keeps it while it is the newest such step."""

@@ -22,12 +22,16 @@ def plan_leaf(path: str, kind: str, shape: tuple[int, ...], dtype: str,
               boxes: list[Box], chunk_shape: tuple[int, ...] | None = None, *,
               attempt: str | None = None,
               inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES,
+              merged_chunk_bytes: int = lay.MERGED_CHUNK_MAX_BYTES,
               **extra: Any) -> man.LeafInfo:
-  """Chooses storage dtype and chunk layout of one leaf (its array under ``attempt``)."""
+  """Chooses storage dtype and chunk layout of one leaf (its array under ``attempt``):
+  ``boxes`` (this process's shards) as one chunk up to ``merged_chunk_bytes``, else
+  one chunk per shard on a regular grid, else a grid from the shape alone."""
   if kind == "scalar":
     return man.LeafInfo(path=path, kind=kind, shape=shape, dtype=dtype, **extra)
   np_dtype = snap.dtype_from_name(dtype)
-  chunk = chunk_shape or lay.uniform_chunk(shape, boxes) or lay.fallback_chunk(shape, np_dtype.itemsize)
+  chunk = (chunk_shape or lay.merged_chunk(shape, boxes, np_dtype.itemsize, merged_chunk_bytes)
+           or lay.uniform_chunk(shape, boxes) or lay.fallback_chunk(shape, np_dtype.itemsize))
   stored = lay.storage_dtype(dtype)
   name = lay.array_name(path)
   return man.LeafInfo(path=path, kind=kind, shape=shape, dtype=dtype,

@@ -34,6 +34,9 @@ from jaxckpt.snapshot import Box, box_shape
 COMMITS_PREFIX = "commits/"
 INNER_CHUNK_TARGET_BYTES = 4 << 20
 FALLBACK_CHUNK_TARGET_BYTES = 64 << 20
+# A process's shards of a leaf are one chunk (one object) up to one read unit: a
+# restore that needs part of it reads no more than an inner chunk would have cost.
+MERGED_CHUNK_MAX_BYTES = INNER_CHUNK_TARGET_BYTES
 
 
 def kvstore_url(directory: str) -> str:
@@ -228,6 +231,30 @@ def uniform_chunk(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...]
   if any(lo % c for b in boxes for (lo, _), c in zip(b, s)):
     return None
   return s
+
+
+def merged_chunk(shape: Sequence[int], boxes: Sequence[Box], itemsize: int,
+                 max_bytes: int = MERGED_CHUNK_MAX_BYTES) -> tuple[int, ...] | None:
+  """One chunk for all of a process's shards of a leaf, if they form one box of at
+  most ``max_bytes`` that tiles ``shape`` on a regular grid; else None.
+
+  A process of a regular jax sharding owns boxes of the same shape as every
+  other process (a one-process job owns the whole array), so processes agree on
+  this layout without talking; a leaf of many small shards is then one object
+  on storage, not one per device.
+  """
+  if len(boxes) < 2:
+    return None
+  lo = [min(b[d][0] for b in boxes) for d in range(len(shape))]
+  hi = [max(b[d][1] for b in boxes) for d in range(len(shape))]
+  union = tuple(h - l for l, h in zip(lo, hi))
+  if int(np.prod(union)) * itemsize > max_bytes:
+    return None
+  if sum(int(np.prod(box_shape(b))) for b in boxes) != int(np.prod(union)):
+    return None                          # not one box (boxes given here never overlap)
+  if any(c == 0 or d % c or l % c for c, d, l in zip(union, shape, lo)):
+    return None
+  return union
 
 
 def _split(shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:

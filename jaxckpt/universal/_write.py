@@ -43,24 +43,39 @@ def _stored(arr: np.ndarray, info: man.LeafInfo) -> np.ndarray:
   return arr if info.storage_dtype is None else arr.view(snap.dtype_from_name(info.storage_dtype))
 
 
-def _local_chunk_checksums(info: man.LeafInfo, pieces: dict[Box, np.ndarray],
-                           shard_sums: dict[Box, str]) -> dict[str, str]:
-  """Checksums of the chunks this process holds completely.
+def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, np.ndarray],
+                  shard_sums: dict[Box, str], budget: _budget.ByteBudget) -> dict[str, str]:
+  """Writes this process's ``pieces`` of a leaf; returns the checksums of the
+  chunks it holds completely.
 
-  When chunks are the shards, the shard checksums already are the chunk
-  checksums (no re-hash); otherwise chunks fully covered here are assembled
-  and hashed, and the rest are hashed by commit_step from storage.
+  A chunk that is one shard is written from it, its checksum the shard's (no
+  re-hash). A chunk made of several shards held here (``merged_chunk``) is
+  assembled, hashed and written once: one write, not one per shard. Shards of
+  chunks other processes share are written as they are; commit_step hashes
+  those chunks from storage.
   """
-  out: dict[str, str] = {}
-  for box, arr in pieces.items():
+  sums: dict[str, str] = {}
+  whole: set[str] = set()                 # chunks written assembled
+  for box in pieces:
     for idx in lay.chunks_in(box, info.chunk_shape):
+      key = lay.chunk_key(idx)
+      if key in sums:
+        continue
       cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
       if cbox == box:
-        out[lay.chunk_key(idx)] = shard_sums[box]
-      elif lay.chunk_key(idx) not in out and _covered(cbox, pieces):
-        region = snap.assemble_region(cbox, arr.dtype, pieces.items(), path=info.path)
-        out[lay.chunk_key(idx)] = snap.checksum(region)
-  return out
+        sums[key] = shard_sums[box]
+      elif _covered(cbox, pieces):
+        region = snap.assemble_region(cbox, info.numpy_dtype, pieces.items(), path=info.path)
+        sums[key] = snap.checksum(region)
+        whole.add(key)
+        budget.track(store[tuple(slice(a, b) for a, b in cbox)].write(_stored(region, info)),
+                     region.nbytes, f"leaf {info.path!r} chunk {key}")
+  for box, arr in pieces.items():
+    if whole and all(lay.chunk_key(i) in whole for i in lay.chunks_in(box, info.chunk_shape)):
+      continue                            # written as part of its chunk
+    budget.track(store[tuple(slice(a, b) for a, b in box)].write(_stored(arr, info)),
+                 arr.nbytes, f"leaf {info.path!r} {[list(p) for p in box]}")
+  return sums
 
 
 def _covered(cbox: Box, pieces: Mapping[Box, np.ndarray]) -> bool:
@@ -74,7 +89,8 @@ def _covered(cbox: Box, pieces: Mapping[Box, np.ndarray]) -> bool:
 def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any, *,
                          attempt: str,
                          max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                         inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES) -> None:
+                         inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES,
+                         merged_chunk_bytes: int = lay.MERGED_CHUNK_MAX_BYTES) -> None:
   """Writes this process's shards of ``manifest.step`` for persist ``attempt``.
 
   Every key it writes belongs to ``attempt`` (its arrays and its part record),
@@ -90,6 +106,8 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
     attempt: the persist attempt's id, the same on every process of it.
     max_inflight_bytes: bytes handed to tensorstore and not yet on storage.
     inner_chunk_bytes: target size of the inner chunks inside each stored shard.
+    merged_chunk_bytes: a leaf whose shards here form one box of at most this
+      many bytes is stored as one chunk (one object); 0 keeps a chunk per shard.
 
   Raises:
     StepExistsError: the step is already committed by another attempt.
@@ -97,13 +115,15 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
   """
   leaves = write_shard_data(directory, manifest, buffer, attempt=attempt,
                             max_inflight_bytes=max_inflight_bytes,
-                            inner_chunk_bytes=inner_chunk_bytes)
+                            inner_chunk_bytes=inner_chunk_bytes,
+                            merged_chunk_bytes=merged_chunk_bytes)
   write_part_record(directory, manifest, leaves, attempt=attempt)
 
 
 def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *, attempt: str,
                      max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                     inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES) -> list[dict[str, Any]]:
+                     inner_chunk_bytes: int = lay.INNER_CHUNK_TARGET_BYTES,
+                     merged_chunk_bytes: int = lay.MERGED_CHUNK_MAX_BYTES) -> list[dict[str, Any]]:
   """The array bytes of :func:`write_process_shards` (every write done when it
   returns, so ``buffer`` may be reused), and the leaves' records for
   :func:`write_part_record`. A process may write its leaves in several calls
@@ -118,6 +138,7 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
     unique = {s.index: s for s in rec.shards}  # replicated boxes are stored once
     info = plan_leaf(rec.path, rec.kind, tuple(rec.shape), rec.dtype, list(unique),
                      attempt=attempt, inner_chunk_bytes=inner_chunk_bytes,
+                     merged_chunk_bytes=merged_chunk_bytes,
                      sharding=rec.sharding, value=rec.value, key_impl=rec.key_impl)
     plans.append((info, unique))
   with concurrent.futures.ThreadPoolExecutor(8) as pool:  # creating arrays is latency-bound
@@ -131,11 +152,8 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
       elif info.is_array:
         store, info = store_info
         pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
-        for box, arr in pieces.items():
-          target = store[tuple(slice(a, b) for a, b in box)]
-          budget.track(target.write(_stored(arr, info)), arr.nbytes,
-                       f"leaf {info.path!r} {[list(p) for p in box]}")
-        sums = _local_chunk_checksums(info, pieces, {b: s.checksum for b, s in unique.items()})
+        sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
+                             budget)
         info = _arrays.replace(info, chunks=sums)
       obj = info.to_obj()
       obj["boxes"] = [[list(p) for p in b] for b in unique]

@@ -27,7 +27,8 @@ def ckpt(tmp_path):
   leaves = {"['params']['w']": jax.device_put(W, NamedSharding(mesh, P("a", "b"))),
             "['params']['b']": np.ones(5, np.int32), "['lr']": 0.1}
   for manifest, buf in _fixtures.host_snapshots(3, leaves, metadata={"run": "x"}):
-    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=256, attempt="t")
+    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=256, attempt="t",
+                           merged_chunk_bytes=0)   # a chunk per shard: damage one of them
   u.commit_step(d, 3, process_count=1, timeout_secs=5, attempt="t")
   return d
 

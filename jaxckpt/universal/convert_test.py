@@ -28,7 +28,8 @@ MU = [RNG.standard_normal((D, H)).astype(np.float32) for _ in range(3)]
 
 def save(d, step, leaves, inner=64):
   for manifest, buf in _fixtures.host_snapshots(step, leaves, metadata={"run": "t"}):
-    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=inner, attempt="t")
+    u.write_process_shards(d, manifest, buf, inner_chunk_bytes=inner, attempt="t",
+                           merged_chunk_bytes=0)   # a chunk per shard: reads of parts
   u.commit_step(d, step, process_count=1, timeout_secs=10, attempt="t")
 
 

@@ -192,3 +192,41 @@ def test_kvstore_urls_work_beyond_local_paths():
     spec = _layout.zarr_spec(url, 3, "w-1", shape=(4,), dtype="int32", chunk=(2,), inner=(1,))
     kv = ts.KvStore.Spec(spec["kvstore"]).to_json()
     assert (kv["driver"], kv["bucket"], kv["path"]) == (driver, "my-bucket", "ckpt/step_0000000003/arrays/w-1/")
+
+
+def _objects_per_leaf(d, step):
+  kv = _layout.open_kvstore(d)
+  keys = [k.decode() for k in kv.list(_layout.prefix_range(_layout.step_dir(step) + "arrays/"))
+          .result()]
+  per: dict[str, int] = {}
+  for k in keys:
+    leaf = k.split("/arrays/", 1)[1].split("/zarr.json")[0].split("/c/")[0]
+    per[leaf] = per.get(leaf, 0) + 1
+  return per
+
+
+@pytest.mark.parametrize("processes,objects", [(1, 2), (2, 9)])
+def test_a_processs_small_shards_of_a_leaf_are_one_object_and_restore_on_any_mesh(
+    tmp_path, processes, objects):
+  # One process owns all 8 row shards of each leaf: they form one box, stored as one
+  # chunk (zarr.json + 1 object per leaf, not 1 per device). Two simulated processes
+  # taking every other shard own no box: a chunk per shard, as before. Both restore
+  # bit-exact onto another mesh and another partitioning.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  d = str(tmp_path)
+  rng = np.random.default_rng(3)
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  values = {f"['l{i}']": rng.standard_normal((64, 32)).astype(np.float32) for i in range(20)}
+  persist(d, 1, {p: jax.device_put(v, NamedSharding(mesh, P("x"))) for p, v in values.items()},
+          processes=processes)
+  assert set(_objects_per_leaf(d, 1).values()) == {objects}
+  other = NamedSharding(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b")),
+                        P("b", "a"))
+  reader = u.open_step(d, 1)
+  out = u.restore_arrays(reader, {p: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=other)
+                                  for p, v in values.items()})
+  for p, v in values.items():
+    assert np.asarray(out[p]).tobytes() == v.tobytes(), p
+    assert out[p].sharding == other
+  np.testing.assert_array_equal(reader.read("['l0']", ((5, 6), (7, 9))), values["['l0']"][5:6, 7:9])
+  assert u.verify_step(reader) == []
