@@ -18,3 +18,29 @@ def test_commit_cost_per_process_stays_flat_from_32_to_256_processes():
   large = min(_cpu(256) for _ in range(3)) / 256
   # linear is 1x; the quadratic merge this guards against was 4x here and 50x at 1,024
   assert large / small < 2.5, (small, large)
+
+
+def _persist_cpu_secs(directory: str, leaves: int) -> float:
+  """CPU seconds of one process's persist (write + commit) of ``leaves`` small leaves."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import jaxckpt.universal as u  # pylint: disable=import-outside-toplevel
+  from jaxckpt.universal import _fixtures  # pylint: disable=import-outside-toplevel
+  sh = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  rng = np.random.default_rng(leaves)
+  state = {f"['l{i}']": jax.device_put(rng.standard_normal((64, 16)).astype(np.float32), sh)
+           for i in range(leaves)}
+  (manifest, buf), = _fixtures.host_snapshots(1, state)
+  t0 = time.process_time()
+  u.write_process_shards(directory, manifest, buf, attempt="t")
+  u.commit_step(directory, 1, process_count=1, timeout_secs=60, attempt="t")
+  return time.process_time() - t0
+
+
+def test_persist_cost_per_leaf_stays_flat_from_100_to_800_leaves(tmp_path):
+  _persist_cpu_secs(str(tmp_path / "warm"), 20)               # imports, caches
+  small = min(_persist_cpu_secs(str(tmp_path / f"s{i}"), 100) for i in range(3)) / 100
+  large = min(_persist_cpu_secs(str(tmp_path / f"l{i}"), 800) for i in range(3)) / 800
+  # linear is 1x (below it while fixed costs weigh at 100 leaves)
+  assert large / small < 2.0, (small, large)
