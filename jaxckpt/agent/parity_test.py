@@ -13,6 +13,7 @@ import itertools
 import os
 import shutil
 import signal
+import threading
 import time
 
 import jax
@@ -21,6 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
+import jaxckpt.universal as u
 from jaxckpt import _wait, errors
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent.client import AgentStore
@@ -59,8 +61,8 @@ class Cluster:
   """Four hosts' stores (one agent each) saving hand-made per-process snapshots."""
 
   def __init__(self, root: str, job: str, parity: int, *, timeout_secs: float = 60.0,
-               empty: tuple[int, ...] = ()):
-    self.root, self.job, self.empty = root, job, empty
+               empty: tuple[int, ...] = (), persist: dict | None = None):
+    self.root, self.job, self.empty, self.persist = root, job, empty, persist
     self.options = jc.ParityOptions(group_size=4, parity=parity)
     # Small sub-blocks: each stripe is pulled and encoded in several ranges, the last padded.
     self.config = _parity.ParityConfig(4, parity, timeout_secs, sub_block_bytes=320).to_obj()
@@ -68,9 +70,10 @@ class Cluster:
 
   def _store(self, h: int) -> AgentStore:
     return AgentStore(jc.AgentOptions(job_name=self.job, run_root=self.root), host=h,
-                      max_snapshots=2, limit_bytes=1 << 30, parity=self.config)
+                      max_snapshots=2, limit_bytes=1 << 30, parity=self.config,
+                      persist=self.persist)
 
-  def save(self, step: int, hosts=range(HOSTS)) -> None:
+  def save(self, step: int, hosts=range(HOSTS), attempt: str | None = None) -> None:
     values = state(step)
     for h in hosts:
       leaves, offset, records = [], 0, {}
@@ -89,7 +92,8 @@ class Cluster:
                                  dtype="float32", shards=shards))
       self.stores[h].commit(slot, SnapshotManifest(step=step, leaves=tuple(leaves),
                                                    nbytes=offset, process_index=h,
-                                                   process_count=HOSTS))
+                                                   process_count=HOSTS),
+                            persist_attempt=attempt)
 
   def lose(self, hosts) -> None:
     """SIGKILLs the hosts' agents, wipes their shared memory, starts empty replacements."""
@@ -217,6 +221,75 @@ def test_a_rolled_back_step_does_not_hold_up_the_parity_of_the_new_timeline(sand
     with c.manager() as mgr:
       mgr.wait_until_protected(2, timeout_secs=20)
       assert 3 not in mgr.all_steps()
+
+
+def test_a_host_lost_while_a_due_step_is_persisted_is_rebuilt_and_its_part_written(
+    sandbox, s3_server):
+  # Step 5 is due for storage: every host's agent holds it for its persist, and its
+  # parity is done. S3 stops answering, host 3 is lost before its part is written, and
+  # S3 comes back: hosts 0-2 write theirs and process 0's commit waits for host 3's.
+  # Host 3's relaunched trainer (a new, empty agent) finds that the job waits on its
+  # part, rebuilds its piece from parity and writes it: the step commits, bit-exact.
+  d = s3_server.url()
+  persist = {"directory": d, "interval_steps": 5, "max_to_keep": None, "timeout_secs": 120.0}
+  with Cluster(*sandbox, 1, persist=persist) as c:
+    with s3_server.paused():
+      c.save(5, attempt="run1-s5-0")
+      with c.manager() as mgr:
+        mgr.wait_until_protected(5, timeout_secs=60)
+      c.lose([3])
+    assert 5 not in u.all_steps(d)
+    c.stores[3].recover_persists(3)               # what a relaunched manager does
+    _wait.until(lambda: 5 in u.all_steps(d), timeout_secs=120,
+                late=lambda: f"step 5 was not committed: parts missing "
+                f"{u.missing_parts(d, 5, 'run1-s5-0', HOSTS)}")
+    want = state(5)
+    reader = u.open_step(d, 5)
+    for k in want:
+      np.testing.assert_array_equal(reader.read(f"['{k}']"), want[k], err_msg=k)
+    assert [e for s in c.stores for e in s.persist_errors()] == []
+
+
+def test_a_replaced_agent_is_announced_to_its_peers_and_parity_goes_on(sandbox):
+  # As after a multi-host discover: every agent knows its peers by the addresses the job
+  # published. Host 0's agent dies and its trainer starts a new one (ensure_alive): the
+  # new one must be announced, or the peers keep pulling from the dead address and no
+  # later step is ever protected.
+  with Cluster(*sandbox, 1, timeout_secs=60.0) as c:
+    infos = {str(h): c.stores[h].info for h in range(HOSTS)}
+    for st in c.stores:                           # what AgentStore.discover sets up
+      st.directory, st._peers = list(infos.values()), dict(infos)   # pylint: disable=protected-access
+      st.call("peers", peers=infos)
+    c.protect(1)
+    dead = c.stores[0].pid
+    os.kill(dead, signal.SIGKILL)
+    processes.wait_gone(dead, 10, "host 0's killed agent")
+    c.stores[0].ensure_alive()
+    assert c.stores[0].pid != dead
+    assert all(a["pid"] != dead for a in c.stores[0].agents())
+    c.save(2)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(2, timeout_secs=30)
+
+
+def test_an_agent_that_died_after_its_persist_ended_is_not_reported_as_losing_it(
+    sandbox, tmp_path):
+  # The trainer last heard "step 5 pending" (its commit's reply); the persist then ended
+  # on storage and the agent died. Its replacement must not report step 5 as lost.
+  d = str(tmp_path / "ckpt")
+  persist = {"directory": d, "interval_steps": 5, "max_to_keep": None, "timeout_secs": 60.0}
+  with Cluster(*sandbox, 1, persist=persist) as c:
+    c.save(5, attempt="run1-s5-0")
+    assert c.stores[1].persist_status(ask=False).pending == (5,)
+    _wait.until(lambda: 5 in u.all_steps(d), timeout_secs=60, late=lambda: "step 5 not committed")
+    dead = c.stores[1].pid
+    os.kill(dead, signal.SIGKILL)
+    processes.wait_gone(dead, 10, "host 1's killed agent")
+    c.stores[1].ensure_alive()
+    _wait.until(lambda: not any(t.name == "jaxckpt-repersist" for t in threading.enumerate()),
+                timeout_secs=60, late=lambda: "the repersist thread did not end")
+    assert c.stores[1].persist_errors(ask=False) == []
+    assert u.all_steps(d) == [5]
 
 
 def test_one_more_lost_host_than_parity_names_the_group_and_hosts(sandbox):
