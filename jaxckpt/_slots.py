@@ -204,8 +204,10 @@ class SlotTable:
     return self._trim()
 
   def _trim(self) -> list[Dropped]:
-    """Drops the oldest committed steps beyond ``keep``: never the newest, a held
-    one, or the newest protected one."""
+    """Drops the oldest committed steps beyond ``keep``: never the newest or a held
+    one, and not the newest protected one while a slot stays free for the next
+    save without it (it must not stall saves until a newer step is protected,
+    which may never happen: a peer skipped it, or its parity failed)."""
     committed = sorted((o for o in self.slots if o.state == COMMITTED), key=lambda o: o.step)
     extra = len(committed) - self.keep
     guard = self.protected_step()
@@ -216,7 +218,14 @@ class SlotTable:
       if not o.held and o.step != guard:
         out.append(self._drop(o))
         extra -= 1
+    if guard is not None and not self._free():
+      g = self.committed(guard)
+      if g is not committed[-1] and not g.held and len(committed) - len(out) > self.keep:
+        out.append(self._drop(g))
     return out
+
+  def _free(self) -> bool:
+    return any(s.state == FREE and not s.pinned for s in self.slots)
 
   def abort(self, index: int) -> Dropped | None:
     """Frees slot ``index`` if it is being written (a no-op otherwise)."""

@@ -207,6 +207,16 @@ def test_the_newest_protected_step_outlives_the_keep_rule_until_a_newer_one_is_p
   assert t.protect(99) == []                                   # not held here: a no-op
 
 
+def test_the_protected_step_never_takes_the_last_free_slot():
+  # keep=1, two slots: keeping protected step 10 beside the newest, 20, would leave no
+  # slot for the next save until 20 is protected, which may never happen.
+  t = _slots.SlotTable(1)
+  t.commit(t.reserve(10, 8, owner=1).index, 10)
+  t.protect(10)
+  assert [d.step for d in t.commit(t.reserve(20, 8, owner=1).index, 20)] == [10]
+  assert t.reserve(30, 8, owner=1) is not None
+
+
 def test_a_protected_step_rolled_back_is_dropped_and_forgotten():
   t = _slots.SlotTable(2)
   t.commit(t.reserve(5, 8, owner=1).index, 5)

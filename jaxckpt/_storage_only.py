@@ -64,7 +64,10 @@ def save(directory: str, step: int, leaves: Sequence[Leaf], planner: capture.Pla
     manifest = capture.complete(plan, sources, buffer, step=step, process_index=process[0],
                                 process_count=process[1], metadata=metadata)
     del sources
-    records += _write.write_shard_data(directory, manifest, buffer, attempt=attempt)
+    # a chunk per shard: assembling a process's shards into one chunk would take memory
+    # beyond the staging budget this path promises
+    records += _write.write_shard_data(directory, manifest, buffer, attempt=attempt,
+                                       merged_chunk_bytes=0)
   _write.write_part_record(directory, manifest, records, attempt=attempt)
   if process[0] == 0:
     commit_step(directory, step, process_count=process[1], timeout_secs=timeout_secs,

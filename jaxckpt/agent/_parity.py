@@ -103,9 +103,17 @@ def _warm_up(config: ParityConfig) -> None:
   _lib().codec.codec(k, config.parity).encode([np.zeros(64, np.uint8)] * k)
 
 
-# How long a group peer may hold a newer step but not this one before this one's parity
-# is given up (it skipped it, or has yet to roll back to it after a relaunch).
+# How long a group peer may hold a newer step (or none) but not this one before this
+# one's parity is given up (it skipped it, has yet to roll back to it after a relaunch,
+# or is a new agent that will never hold it).
 AHEAD_GRACE_SECS = 30.0
+# Steps whose peers' parity_done are kept (the newest): enough for any steps in flight.
+PEERS_DONE_KEPT = 64
+
+
+def _digest(manifest_json: str) -> str:
+  """What identifies one host's snapshot of a step in ``parity_done``."""
+  return xxhash.xxh3_64_hexdigest(manifest_json.encode())
 
 
 class _Superseded(Exception):
@@ -128,7 +136,8 @@ class ParityWorker:
     self.process_count: int | None = None
     self._newest = -1          # the step committed last (lower after a rollback)
     self._seq = 0              # commits so far: a record with a lower seq is superseded
-    self._peers_done: dict[int, set[int]] = {}   # step -> group peers whose parity is done
+    # step -> {group peer: digest of the manifest its parity covered}: peers whose parity is done
+    self._peers_done: dict[int, dict[int, str]] = {}
     self._peers: dict[int, tuple[int, Client]] = {}
     self._scratch_bufs: list[np.ndarray] = []
     self._stop = threading.Event()
@@ -144,22 +153,25 @@ class ParityWorker:
     self._newest = step
     self._pool.submit(self._run, rec, SnapshotManifest.from_json(manifest), manifest)
 
-  def peer_done(self, step: int, host: int) -> None:
-    """Group peer ``host`` finished its parity of ``step``: protected once every
-    member of the group has (this host included)."""
-    self._peers_done.setdefault(step, set()).add(host)
-    if len(self._peers_done) > 64:        # steps never committed here do not pile up
-      oldest = min(self.records, default=step)
-      for s in [s for s in self._peers_done if s < oldest]:
-        del self._peers_done[s]
+  def peer_done(self, step: int, host: int, digest: str) -> None:
+    """Group peer ``host`` finished its parity of ``step`` over its snapshot whose
+    manifest has ``digest``: the step is protected once every member of the group
+    has, each over the snapshot this host's parity covered (not one of a timeline
+    the job rolled back from)."""
+    self._peers_done.setdefault(step, {})[host] = digest
+    while len(self._peers_done) > PEERS_DONE_KEPT:   # a peer's word on steps never seen here
+      del self._peers_done[min(self._peers_done)]
     rec = self.records.get(step)
     if rec is not None:
       self._maybe_protected(rec)
 
   def _maybe_protected(self, rec: Record) -> None:
     """Under the agent's lock: tells the agent once all of ``rec``'s group is done."""
-    if (rec.state == "done" and rec.group and self.records.get(rec.step) is rec
-        and set(rec.group) - {self.agent.host} <= self._peers_done.get(rec.step, set())):
+    if not (rec.state == "done" and rec.group and self.records.get(rec.step) is rec):
+      return
+    done = self._peers_done.get(rec.step, {})
+    if all(h in done and h in rec.manifests and done[h] == _digest(rec.manifests[h])
+           for h in rec.group if h != self.agent.host):
       self.agent.protected(rec.step)
 
   def drop(self, step: int) -> None:
@@ -240,7 +252,8 @@ class ParityWorker:
     for h in rec.group:
       if h != self.agent.host:
         try:
-          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=self.agent.host)
+          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=self.agent.host,
+                    digest=_digest(rec.manifests[self.agent.host]))
         except Exception as e:  # pylint: disable=broad-except  (never ends the parity thread)
           logger.warning("step %d: telling host %d its parity is done failed: %s", rec.step, h, e)
 
@@ -362,7 +375,7 @@ class ParityWorker:
     # A peer whose newest step is newer skipped or dropped this one, or still holds a
     # step of a timeline the job rolled back from (it commits this one soon): it is
     # given up on only once it has stayed ahead for a while.
-    ahead_for = min(self.config.timeout_secs, AHEAD_GRACE_SECS)
+    ahead_for = AHEAD_GRACE_SECS      # past timeout_secs: the timeout names the late hosts
     while True:
       for h in [h for h in group if h not in out]:
         r = self._ask(h, "peer_manifest", step=step)
@@ -370,11 +383,13 @@ class ParityWorker:
           continue
         if r["manifest"] is not None:
           out[h] = r["manifest"]
-        elif (r["newest"] is not None and r["newest"] > step
+        elif ((r["newest"] is None or r["newest"] > step)
               and time.monotonic() - start > ahead_for):
+          held = ("holds no step" if r["newest"] is None
+                  else f"committed step {r['newest']} but not step {step}")
           raise errors.StepNotFoundError(
-              f"host {h} committed step {r['newest']} but not step {step} within "
-              f"{ahead_for} s (it skipped or dropped it), so step {step} cannot be protected")
+              f"host {h} {held} within {ahead_for} s (it skipped or dropped it, or its agent "
+              f"is new), so step {step} cannot be protected")
       late = [h for h in group if h not in out]
       if not late:
         return out

@@ -149,9 +149,11 @@ class PeerManifest(Request):
 
 @_request("parity_done")
 class ParityDone(Request):
-  """A group peer's parity thread says: my parity of ``step`` is done (host ``peer``)."""
+  """A group peer's parity thread says: my parity of ``step`` is done (host ``peer``,
+  over its snapshot whose manifest has ``digest``)."""
   step: int
   peer: int
+  digest: str
 
 
 @_request("parity_status")

@@ -513,10 +513,10 @@ class Agent:
     steps = self.steps()
     return {"manifest": self.manifests.get(step), "newest": steps[-1] if steps else None}
 
-  def op_parity_done(self, step: int, peer: int) -> dict[str, Any]:
+  def op_parity_done(self, step: int, peer: int, digest: str) -> dict[str, Any]:
     """Group peer ``peer`` finished its parity of ``step`` (``ParityWorker.peer_done``)."""
     if self.parity is not None:
-      self.parity.peer_done(int(step), int(peer))
+      self.parity.peer_done(int(step), int(peer), str(digest))
     return {}
 
   def op_parity_status(self) -> dict[str, Any]:

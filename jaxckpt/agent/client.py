@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -112,6 +113,10 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
         f"up within {start_timeout_secs} s; see {log}")
 
 
+class _Fenced(Exception):
+  """A rebuilt persist of a step deleted meanwhile: it must not commit."""
+
+
 class AgentStore(HostStore):
   """A HostStore whose slots are the shared memory of this host's agent.
 
@@ -138,6 +143,10 @@ class AgentStore(HostStore):
     self.restarts = 0
     self.directory: list[dict[str, Any]] = []     # the job's agents on other machines
     self._peers: dict[str, dict[str, Any]] = {}   # host id -> its current agent (discover)
+    self._fence_lock = threading.Lock()
+    self._fence_changed = threading.Condition(self._fence_lock)
+    self._fenced: set[int] = set()                # deleted: a rebuilt persist must not commit
+    self._repersisting: dict[int, int] = {}       # steps a rebuilt persist is writing
     self._connect()
 
   @property
@@ -178,50 +187,76 @@ class AgentStore(HostStore):
     self._status = PersistStatus(persisted=self._status.persisted)
     dead = self.info
     self._connect()
-    self._announce(dead)
     if lost:
       # The steps the dead agent held for storage: this host's piece of each is rebuilt
       # from the other hosts' parity (when parity is on) and written as the same attempt,
       # on a thread of its own (process 0's commit waits for it); else it is reported.
-      threading.Thread(target=self._persist_lost, args=(lost,), daemon=True,
-                       name="jaxckpt-repersist").start()
+      self._repersist(lost)
+    self._announce(dead)
 
   def recover_persists(self, process_index: int) -> None:
-    """Writes this process's part of the persists the job's other agents still wait
-    on that this host's agent can no longer write: it is a new agent (the machine
-    was lost, or the agent died while no trainer ran), so each such step's piece
-    is rebuilt from parity and written as the same attempt, on a thread of its own
-    (process 0's commit waits for it). Runs once the job's agents are known
-    (``discover``); a no-op without parity or a persist directory."""
-    if not (self._parity and self._persist):
+    """Finishes the persists the job started that this host's agent can no longer
+    take part in: it is a new agent holding nothing (the machine was lost, or the
+    agent died while no trainer ran). For each step due for storage that the job's
+    other agents still hold or persist and that is not committed, this process's
+    piece is rebuilt from parity and written as the same attempt (the one the
+    other agents persist, else the one uncommitted attempt of the step on
+    storage), and process 0 commits it: on a thread of its own, fenced by a
+    delete. An agent that holds steps outlived the last run: a step it lacks it
+    dropped on purpose (a rollback, a delete), and nothing is recovered. Runs once
+    the job's agents are known (``discover``); a no-op without parity or a
+    persist directory."""
+    if not (self._parity and self._persist) or self.steps():
       return
     from jaxckpt import _persist  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
     universal = _persist._universal()   # pylint: disable=protected-access
-    directory = self._persist["directory"]
-    mine = set(self.steps())
-    waiting: dict[int, str] = {}
+    directory, interval = self._persist["directory"], int(self._persist["interval_steps"])
+    pending: dict[int, set[str]] = {}
+    held: set[int] = set()
     with self.job_clients() as clients:
       for c in clients.values():
         if c.pid == self.pid:
           continue
         try:
           status = PersistStatus.from_obj(c.call("persisted", errors=False)[0]["persist"] or {})
+          held.update(int(s) for s, _, _ in c.call("held")[0]["held"])
         except errors.AgentUnavailableError as e:
           logger.warning("recovering persists: %s", e)
           continue
-        waiting.update((s, a) for s, a in status.attempts if s not in mine)
+        for s, a in status.attempts:
+          pending.setdefault(s, set()).add(a)
     lost = []
-    for step, attempt in sorted(waiting.items()):
-      if universal.committed_by(directory, step) is not None:
+    for step in sorted(held | set(pending)):
+      if step % interval or universal.committed_by(directory, step) is not None:
         continue
-      if universal.missing_parts(directory, step, attempt, of=[process_index]):
+      attempts = pending.get(step) or set(universal.uncommitted_attempts(directory, step))
+      if len(attempts) != 1:
+        if attempts:
+          logger.warning("step %d: not recovering its persist: attempts %s disagree", step,
+                         sorted(attempts))
+        continue
+      attempt, = attempts
+      if process_index == 0 or universal.missing_parts(directory, step, attempt,
+                                                       of=[process_index]):
         lost.append((step, attempt))
     if lost:
-      logger.warning("steps %s: the job's other agents wait on this host's part, which "
-                     "its new agent does not hold; rebuilding it from parity",
+      logger.warning("steps %s: the job persists them and this host's new agent does not "
+                     "hold them; rebuilding this host's piece from parity",
                      [s for s, _ in lost])
-      threading.Thread(target=self._persist_lost, args=(lost,), daemon=True,
-                       name="jaxckpt-repersist").start()
+      self._repersist(lost)
+
+  def _repersist(self, lost: list[tuple[int, str]]) -> None:
+    with self._fence_lock:
+      for step, _ in lost:
+        self._fenced.discard(step)
+        self._repersisting[step] = self._repersisting.get(step, 0) + 1
+    threading.Thread(target=self._persist_lost, args=(lost,), daemon=True,
+                     name="jaxckpt-repersist").start()
+
+  def _check_fence(self, step: int) -> None:
+    with self._fence_lock:
+      if step in self._fenced:
+        raise _Fenced(step)
 
   def _announce(self, dead: dict[str, Any]) -> None:
     """Tells the job's agents (this host's new one too) where this host's agent is
@@ -241,7 +276,7 @@ class AgentStore(HostStore):
             c.call("peers", peers=self._peers)
           else:
             c.call("peers", peers=mine, merge=True)
-        except errors.AgentUnavailableError as e:
+        except Exception as e:  # pylint: disable=broad-except  (it hears at the next discover)
           logger.warning("telling %s of host %d's new agent (the old was pid %s): %s",
                          c.who, self.host, old_pid, e)
 
@@ -250,6 +285,8 @@ class AgentStore(HostStore):
       try:
         self._persist_rebuilt(step, attempt)
         logger.warning("step %d: rebuilt from parity and persisted after %s died", step, self.who)
+      except _Fenced:
+        logger.info("step %d: its rebuilt persist was fenced (deleted)", step)
       except Exception as e:  # pylint: disable=broad-except  (handed to the trainer, typed)
         with self._errors_lock:
           self._failed.append(PersistError(
@@ -257,6 +294,12 @@ class AgentStore(HostStore):
               f"{self.who} died before step {step} was on storage, and its piece could not be "
               f"rebuilt from parity ({type(e).__name__}: {e}); restore an earlier step, or "
               "save it again"))
+      finally:
+        with self._fence_lock:
+          self._repersisting[step] -= 1
+          if not self._repersisting[step]:
+            del self._repersisting[step]
+          self._fence_changed.notify_all()
 
   def _persist_rebuilt(self, step: int, attempt: str) -> None:
     if not (self._parity and self._persist):
@@ -269,18 +312,23 @@ class AgentStore(HostStore):
     if self.host != 0 and not universal.missing_parts(config.directory, step, attempt,
                                                       of=[self.host]):
       return        # the dead agent wrote this host's part; process 0 commits it
+    check = functools.partial(self._check_fence, step)
     with contextlib.ExitStack() as stack:
       pieces = self.other_pieces(step, None, rebuild=True, have=[], stack=stack)
-      rebuilt = [p for p in pieces if not p.remote]     # the dead agent's: rebuilt here
-      if not rebuilt:
-        raise errors.UnrecoverableLossError(f"no piece of step {step} was rebuilt")
-      for piece in rebuilt:
-        universal.write_process_shards(config.directory, piece.manifest, piece.buffer,
-                                       attempt=attempt)
-        if piece.manifest.process_index == 0:
-          universal.commit_step(config.directory, step,
-                                process_count=piece.manifest.process_count,
-                                timeout_secs=config.timeout_secs, attempt=attempt)
+      # this host's piece, rebuilt here (another lost host's is its own process's to write)
+      piece = next((p for p in pieces if not p.remote
+                    and p.manifest.process_index == self.host), None)
+      if piece is None:
+        raise errors.UnrecoverableLossError(f"host {self.host}'s piece of step {step} was not "
+                                            "rebuilt")
+      check()
+      universal.write_process_shards(config.directory, piece.manifest, piece.buffer,
+                                     attempt=attempt)
+      if piece.manifest.process_index == 0:
+        universal.commit_step(config.directory, step, process_count=piece.manifest.process_count,
+                              timeout_secs=config.timeout_secs, attempt=attempt, check=check)
+        if config.max_to_keep:
+          universal.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(step,))
 
   # Requests that mean the same to a new agent: one the dead agent never
   # answered is sent again to its replacement.
@@ -389,6 +437,8 @@ class AgentStore(HostStore):
              persist_attempt: str | None = None) -> None:
     if persist_attempt is not None:
       self._attempts[manifest.step] = persist_attempt
+    with self._fence_lock:
+      self._fenced.discard(manifest.step)     # a new save of a deleted step
     offsets, sizes, sums = [], [], []
     for leaf in manifest.leaves:          # what the agent verifies, as a compact table
       for s in leaf.shards:
@@ -442,11 +492,15 @@ class AgentStore(HostStore):
 
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     discarded = []
+    with self._fence_lock:        # a persist of it rebuilt here (after a lost agent) too
+      self._fenced.add(step)
 
     def fenced() -> bool:       # fenced at once; asked again until its persist has ended
       r = self.call("discard", step=step)
       discarded.append(bool(r["discarded"]))
-      return not r["persisting"]
+      with self._fence_lock:
+        rebuilding = step in self._repersisting
+      return not r["persisting"] and not rebuilding
     _wait.until(fenced, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda: (
         f"discard of step {step}: the persist that {self.who} runs of it did not stop within "
         f"{timeout_secs} s (it will not commit)"))
