@@ -345,14 +345,21 @@ def _delete(kv: ts.KvStore, key: str) -> None:
 
 
 def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any]) -> None:
-  """Writes the marker if none exists, then reads it back: the attempt it names won."""
-  body = json.dumps(mine).encode()
-  try:   # exclusive where the store honours it (never relied on: read back below)
-    kv.write(lay.commit_key(step), body, if_equal=b"").result(timeout=lay.REQUEST_TIMEOUT_SECS)
-  except ValueError as e:
-    if "FAILED_PRECONDITION" not in str(e) and "precondition" not in str(e).lower():
-      raise errors.StorageError(
-          f"writing the commit marker of step {step} to {directory!r} failed: {e}") from None
+  """Writes the marker if none exists, then reads it back: the attempt it names won.
+
+  The write is conditional on the key's generation while it was absent (the store
+  refuses it, answering an empty generation, once another attempt's marker is
+  there; file and S3 honour it); the read back decides in any case.
+  """
+  key = lay.commit_key(step)
+  try:
+    absent = kv.read(key).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    if absent.state != "value":
+      kv.write(key, json.dumps(mine).encode(), if_equal=absent.stamp.generation).result(
+          timeout=lay.REQUEST_TIMEOUT_SECS)
+  except (ValueError, TimeoutError) as e:
+    raise errors.StorageError(
+        f"writing the commit marker of step {step} to {directory!r} failed: {e}") from None
   won = read_marker(kv, directory, step)
   if won is None or won.get("attempt") != mine["attempt"]:
     raise _exists(directory, step, won or {}, mine["attempt"])

@@ -230,3 +230,22 @@ def test_a_processs_small_shards_of_a_leaf_are_one_object_and_restore_on_any_mes
     assert out[p].sharding == other
   np.testing.assert_array_equal(reader.read("['l0']", ((5, 6), (7, 9))), values["['l0']"][5:6, 7:9])
   assert u.verify_step(reader) == []
+
+
+@pytest.mark.parametrize("storage", ["file", "s3"])
+def test_of_writers_racing_for_a_commit_marker_exactly_one_wins(tmp_path, storage, request):
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  from jaxckpt.universal import _commit  # pylint: disable=import-outside-toplevel
+  d = str(tmp_path) if storage == "file" else request.getfixturevalue("s3_server").url()
+  kv = _layout.open_kvstore(d)
+  for step in range(5):
+    def claim(i, step=step):
+      try:
+        _commit._write_marker(kv, d, step, {"step": step, "attempt": f"a{i}"})   # pylint: disable=protected-access
+        return f"a{i}"
+      except errors.StepExistsError:
+        return None
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      won = [a for a in pool.map(claim, range(8)) if a]
+    assert len(won) == 1, (step, won)
+    assert _commit.read_marker(kv, d, step)["attempt"] == won[0]
