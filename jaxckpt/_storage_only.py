@@ -64,8 +64,9 @@ def save(directory: str, step: int, leaves: Sequence[Leaf], planner: capture.Pla
     manifest = capture.complete(plan, sources, buffer, step=step, process_index=process[0],
                                 process_count=process[1], metadata=metadata)
     del sources
-    # a chunk per shard: assembling a process's shards into one chunk would take memory
-    # beyond the staging budget this path promises
+    # no merged chunks: assembling a process's shards into one chunk would take memory
+    # beyond the staging budget this path promises (a grid from the shape alone, for
+    # uneven shards, may still assemble chunks, as it always did)
     records += _write.write_shard_data(directory, manifest, buffer, attempt=attempt,
                                        merged_chunk_bytes=0)
   _write.write_part_record(directory, manifest, records, attempt=attempt)

@@ -111,9 +111,14 @@ AHEAD_GRACE_SECS = 30.0
 PEERS_DONE_KEPT = 64
 
 
-def _digest(manifest_json: str) -> str:
-  """What identifies one host's snapshot of a step in ``parity_done``."""
-  return xxhash.xxh3_64_hexdigest(manifest_json.encode())
+def _digest(rec: "Record") -> str:
+  """What identifies the group's snapshots of a step that a parity covered: every
+  member's manifest, in group order (``parity_done``)."""
+  h = xxhash.xxh3_64()
+  for host in rec.group:
+    h.update(rec.manifests.get(host, "").encode())
+    h.update(b"\0")
+  return h.hexdigest()
 
 
 class _Superseded(Exception):
@@ -136,8 +141,8 @@ class ParityWorker:
     self.process_count: int | None = None
     self._newest = -1          # the step committed last (lower after a rollback)
     self._seq = 0              # commits so far: a record with a lower seq is superseded
-    # step -> {group peer: digest of the manifest its parity covered}: peers whose parity is done
-    self._peers_done: dict[int, dict[int, str]] = {}
+    # step -> {group peer: digests of the group's manifests its parity covered}
+    self._peers_done: dict[int, dict[int, set[str]]] = {}
     self._peers: dict[int, tuple[int, Client]] = {}
     self._scratch_bufs: list[np.ndarray] = []
     self._stop = threading.Event()
@@ -154,11 +159,11 @@ class ParityWorker:
     self._pool.submit(self._run, rec, SnapshotManifest.from_json(manifest), manifest)
 
   def peer_done(self, step: int, host: int, digest: str) -> None:
-    """Group peer ``host`` finished its parity of ``step`` over its snapshot whose
-    manifest has ``digest``: the step is protected once every member of the group
-    has, each over the snapshot this host's parity covered (not one of a timeline
-    the job rolled back from)."""
-    self._peers_done.setdefault(step, {})[host] = digest
+    """Group peer ``host`` finished its parity of ``step`` over the group's
+    snapshots whose manifests have ``digest``: the step is protected once every
+    member of the group has, each over the very snapshots this host's parity
+    covered (not one of a timeline the job rolled back from)."""
+    self._peers_done.setdefault(step, {}).setdefault(host, set()).add(digest)
     while len(self._peers_done) > PEERS_DONE_KEPT:   # a peer's word on steps never seen here
       del self._peers_done[min(self._peers_done)]
     rec = self.records.get(step)
@@ -169,9 +174,8 @@ class ParityWorker:
     """Under the agent's lock: tells the agent once all of ``rec``'s group is done."""
     if not (rec.state == "done" and rec.group and self.records.get(rec.step) is rec):
       return
-    done = self._peers_done.get(rec.step, {})
-    if all(h in done and h in rec.manifests and done[h] == _digest(rec.manifests[h])
-           for h in rec.group if h != self.agent.host):
+    done, mine = self._peers_done.get(rec.step, {}), _digest(rec)
+    if all(mine in done.get(h, ()) for h in rec.group if h != self.agent.host):
       self.agent.protected(rec.step)
 
   def drop(self, step: int) -> None:
@@ -253,7 +257,7 @@ class ParityWorker:
       if h != self.agent.host:
         try:
           self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=self.agent.host,
-                    digest=_digest(rec.manifests[self.agent.host]))
+                    digest=_digest(rec))
         except Exception as e:  # pylint: disable=broad-except  (never ends the parity thread)
           logger.warning("step %d: telling host %d its parity is done failed: %s", rec.step, h, e)
 

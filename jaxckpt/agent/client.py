@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import psutil
@@ -144,9 +144,10 @@ class AgentStore(HostStore):
     self.directory: list[dict[str, Any]] = []     # the job's agents on other machines
     self._peers: dict[str, dict[str, Any]] = {}   # host id -> its current agent (discover)
     self._fence_lock = threading.Lock()
-    self._fence_changed = threading.Condition(self._fence_lock)
-    self._fenced: set[int] = set()                # deleted: a rebuilt persist must not commit
-    self._repersisting: dict[int, int] = {}       # steps a rebuilt persist is writing
+    # (step, attempt) of the persists rebuilt here that run, and of those fenced (deleted
+    # or rolled back: they must not commit)
+    self._repersisting: set[tuple[int, str]] = set()
+    self._fenced: set[tuple[int, str]] = set()
     self._connect()
 
   @property
@@ -197,15 +198,18 @@ class AgentStore(HostStore):
   def recover_persists(self, process_index: int) -> None:
     """Finishes the persists the job started that this host's agent can no longer
     take part in: it is a new agent holding nothing (the machine was lost, or the
-    agent died while no trainer ran). For each step due for storage that the job's
-    other agents still hold or persist and that is not committed, this process's
-    piece is rebuilt from parity and written as the same attempt (the one the
-    other agents persist, else the one uncommitted attempt of the step on
-    storage), and process 0 commits it: on a thread of its own, fenced by a
-    delete. An agent that holds steps outlived the last run: a step it lacks it
-    dropped on purpose (a rollback, a delete), and nothing is recovered. Runs once
-    the job's agents are known (``discover``); a no-op without parity or a
-    persist directory."""
+    agent died while no trainer ran). For each step due for storage whose persist
+    the job's other agents still run (one attempt: theirs, which a rollback or a
+    delete would have fenced) and that is not committed, this process's piece is
+    rebuilt from parity and written as the same attempt, and process 0 commits
+    it: on a thread of its own, fenced by a delete or a rollback of this run. An
+    agent that holds steps outlived the last run: a step it lacks it dropped on
+    purpose, and nothing is recovered. Runs once the job's agents are known
+    (``discover``); a no-op without parity or a persist directory.
+
+    Not recovered: a lost process 0 whose peers' persists had all ended (each
+    ends once its own part is written), since only storage then knows the
+    attempt, and an attempt found there cannot be told from an abandoned one."""
     if not (self._parity and self._persist) or self.steps():
       return
     from jaxckpt import _persist  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
@@ -229,7 +233,7 @@ class AgentStore(HostStore):
     for step in sorted(held | set(pending)):
       if step % interval or universal.committed_by(directory, step) is not None:
         continue
-      attempts = pending.get(step) or set(universal.uncommitted_attempts(directory, step))
+      attempts = pending.get(step, set())
       if len(attempts) != 1:
         if attempts:
           logger.warning("step %d: not recovering its persist: attempts %s disagree", step,
@@ -247,16 +251,19 @@ class AgentStore(HostStore):
 
   def _repersist(self, lost: list[tuple[int, str]]) -> None:
     with self._fence_lock:
-      for step, _ in lost:
-        self._fenced.discard(step)
-        self._repersisting[step] = self._repersisting.get(step, 0) + 1
+      self._repersisting.update(lost)
     threading.Thread(target=self._persist_lost, args=(lost,), daemon=True,
                      name="jaxckpt-repersist").start()
 
-  def _check_fence(self, step: int) -> None:
+  def _check_fence(self, step: int, attempt: str) -> None:
     with self._fence_lock:
-      if step in self._fenced:
+      if (step, attempt) in self._fenced:
         raise _Fenced(step)
+
+  def _fence_rebuilds(self, fenced: Callable[[int], bool]) -> None:
+    """Fences the rebuilt persists of the steps ``fenced`` says (a delete, a rollback)."""
+    with self._fence_lock:
+      self._fenced.update(j for j in self._repersisting if fenced(j[0]))
 
   def _announce(self, dead: dict[str, Any]) -> None:
     """Tells the job's agents (this host's new one too) where this host's agent is
@@ -296,10 +303,8 @@ class AgentStore(HostStore):
               "save it again"))
       finally:
         with self._fence_lock:
-          self._repersisting[step] -= 1
-          if not self._repersisting[step]:
-            del self._repersisting[step]
-          self._fence_changed.notify_all()
+          self._repersisting.discard((step, attempt))
+          self._fenced.discard((step, attempt))
 
   def _persist_rebuilt(self, step: int, attempt: str) -> None:
     if not (self._parity and self._persist):
@@ -312,7 +317,7 @@ class AgentStore(HostStore):
     if self.host != 0 and not universal.missing_parts(config.directory, step, attempt,
                                                       of=[self.host]):
       return        # the dead agent wrote this host's part; process 0 commits it
-    check = functools.partial(self._check_fence, step)
+    check = functools.partial(self._check_fence, step, attempt)
     with contextlib.ExitStack() as stack:
       pieces = self.other_pieces(step, None, rebuild=True, have=[], stack=stack)
       # this host's piece, rebuilt here (another lost host's is its own process's to write)
@@ -437,8 +442,9 @@ class AgentStore(HostStore):
              persist_attempt: str | None = None) -> None:
     if persist_attempt is not None:
       self._attempts[manifest.step] = persist_attempt
-    with self._fence_lock:
-      self._fenced.discard(manifest.step)     # a new save of a deleted step
+    # a new timeline from this step on (a rollback, or the step saved again): a rebuilt
+    # persist of the old one must not commit
+    self._fence_rebuilds(lambda s: s >= manifest.step)
     offsets, sizes, sums = [], [], []
     for leaf in manifest.leaves:          # what the agent verifies, as a compact table
       for s in leaf.shards:
@@ -492,18 +498,18 @@ class AgentStore(HostStore):
 
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     discarded = []
-    with self._fence_lock:        # a persist of it rebuilt here (after a lost agent) too
-      self._fenced.add(step)
+    self._fence_rebuilds(lambda s: s == step)   # a persist of it rebuilt here, too
 
     def fenced() -> bool:       # fenced at once; asked again until its persist has ended
       r = self.call("discard", step=step)
       discarded.append(bool(r["discarded"]))
       with self._fence_lock:
-        rebuilding = step in self._repersisting
+        rebuilding = any(s == step for s, _ in self._repersisting)
       return not r["persisting"] and not rebuilding
     _wait.until(fenced, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda: (
-        f"discard of step {step}: the persist that {self.who} runs of it did not stop within "
-        f"{timeout_secs} s (it will not commit)"))
+        f"discard of step {step}: the persist that {self.who} runs of it (or this trainer's "
+        f"rebuild of it after a lost agent) did not stop within {timeout_secs} s (it will not "
+        "commit)"))
     self._attempts.pop(step, None)
     return any(discarded)
 

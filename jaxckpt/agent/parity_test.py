@@ -250,31 +250,6 @@ def test_a_host_lost_while_a_due_step_is_persisted_is_rebuilt_and_its_part_writt
     assert [e for s in c.stores for e in s.persist_errors()] == []
 
 
-def test_a_lost_host_0_finds_the_uncommitted_attempt_on_storage_and_commits_it(
-    sandbox, s3_server):
-  # Host 0 (the committer) is lost while step 5 is persisted; hosts 1-3 write their parts
-  # and their persists end (only process 0 waits for the rest). The relaunched process 0
-  # learns the attempt from storage, rebuilds its piece from parity, writes and commits.
-  d = s3_server.url()
-  persist = {"directory": d, "interval_steps": 5, "max_to_keep": None, "timeout_secs": 120.0}
-  with Cluster(*sandbox, 1, persist=persist) as c:
-    with s3_server.paused():
-      c.save(5, attempt="run1-s5-0")
-      with c.manager() as mgr:
-        mgr.wait_until_protected(5, timeout_secs=60)
-      c.lose([0])
-    _wait.until(lambda: not u.missing_parts(d, 5, "run1-s5-0", of=[1, 2, 3]), timeout_secs=120,
-                late=lambda: "hosts 1-3 did not write their parts of step 5")
-    assert u.uncommitted_attempts(d, 5) == ["run1-s5-0"] and 5 not in u.all_steps(d)
-    c.stores[0].recover_persists(0)
-    _wait.until(lambda: 5 in u.all_steps(d), timeout_secs=120,
-                late=lambda: f"step 5 was not committed: parts missing "
-                f"{u.missing_parts(d, 5, 'run1-s5-0', HOSTS)}")
-    reader = u.open_step(d, 5)
-    for k, v in state(5).items():
-      np.testing.assert_array_equal(reader.read(f"['{k}']"), v, err_msg=k)
-
-
 def test_an_agent_that_outlived_its_run_recovers_nothing_it_dropped(sandbox, tmp_path):
   # Host 3's agent dropped step 5 on purpose (the job rolled back to step 4 there) while
   # the others still persist it: a relaunch must not bring the abandoned step back.
@@ -287,6 +262,22 @@ def test_an_agent_that_outlived_its_run_recovers_nothing_it_dropped(sandbox, tmp
     c.stores[3].recover_persists(3)
     assert not any(t.name == "jaxckpt-repersist" for t in threading.enumerate())
     assert u.missing_parts(d, 5, "run1-s5-0", of=[3]) == [3]
+
+
+def test_a_rollback_or_a_delete_fences_a_persist_rebuilt_after_a_lost_agent(sandbox):
+  # A persist of step 5 rebuilt by this trainer (after its agent was lost) must not
+  # commit once the job rolls back below it (a save of step 4) or deletes it.
+  from jaxckpt.agent.client import _Fenced  # pylint: disable=import-outside-toplevel
+  with Cluster(*sandbox, 1) as c:
+    st = c.stores[0]
+    st._repersisting.update({(5, "r-s5-0"), (3, "r-s3-0")})   # pylint: disable=protected-access
+    c.save(4, hosts=[0])                          # a new timeline from step 4 on
+    with pytest.raises(_Fenced):
+      st._check_fence(5, "r-s5-0")                # pylint: disable=protected-access
+    st._check_fence(3, "r-s3-0")                  # pylint: disable=protected-access  (older: goes on)
+    st._fence_rebuilds(lambda s: s == 3)          # pylint: disable=protected-access  (what discard does)
+    with pytest.raises(_Fenced):
+      st._check_fence(3, "r-s3-0")                # pylint: disable=protected-access
 
 
 def test_a_replaced_agent_is_announced_to_its_peers_and_parity_goes_on(sandbox):

@@ -14,7 +14,6 @@ from jaxckpt.universal._commit import discard_step
 from jaxckpt.universal._commit import gc_steps
 from jaxckpt.universal._commit import latest_step
 from jaxckpt.universal._commit import missing_parts
-from jaxckpt.universal._commit import uncommitted_attempts
 from jaxckpt.universal._manifest import LeafInfo
 from jaxckpt.universal._read import RegionReader
 from jaxckpt.universal._read import StepReader
@@ -42,7 +41,6 @@ __all__ = [
     "gc_steps",
     "latest_step",
     "missing_parts",
-    "uncommitted_attempts",
     "new_attempt",
     "open_step",
     "restore_arrays",

@@ -84,21 +84,6 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int | 
   return [i for i, r in reads if r.result(timeout=lay.REQUEST_TIMEOUT_SECS).state != "value"]
 
 
-def uncommitted_attempts(directory: str, step: int) -> list[str]:
-  """The persist attempts of ``step`` that wrote a part record and did not commit it."""
-  kv = lay.open_kvstore(directory)
-  prefix = lay.step_dir(step) + "attempts/"
-  keys = lay.storage_result(kv.list(lay.prefix_range(prefix)), f"listing the attempts of step {step}",
-                            directory, lay.REQUEST_TIMEOUT_SECS)
-  won = committed_by(directory, step)
-  out = set()
-  for k in keys:
-    attempt, _, rest = k.decode()[len(prefix):].partition("/")
-    if rest.startswith("parts/") and attempt != won:
-      out.add(attempt)
-  return sorted(out)
-
-
 def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
                     process_count: int, timeout_secs: float,
                     check: Callable[[], None]) -> list[dict[str, Any]]:
