@@ -93,6 +93,11 @@ def attempt_id(run_id: str, step: int, nth: int) -> str:
   return f"{run_id}-s{step}-{nth}"
 
 
+def of_run(attempt: str, run_id: str | None) -> bool:
+  """Whether ``attempt`` (an :func:`attempt_id`) is one of run ``run_id``'s."""
+  return run_id is not None and attempt.startswith(f"{run_id}-s")
+
+
 def new_run_id() -> str:
   return "r" + uuid.uuid4().hex[:16]
 
@@ -123,6 +128,21 @@ class PersistStatus:
 # of these is worth trying again; a full disk or a refused permission is not.
 _TRANSIENT = frozenset({None, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET,
                         errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: Any, attempt: str,
+                 check: Callable[[], None]) -> None:
+  """Writes this process's part of ``attempt`` and, as process 0, commits the step
+  and runs gc: what every persist does (a Persister's, and one rebuilt from parity
+  after a lost agent). ``check`` raises to stop it before the commit marker."""
+  universal = _universal()
+  universal.write_process_shards(config.directory, manifest, buffer, attempt=attempt)
+  check()
+  if manifest.process_index == 0:
+    universal.commit_step(config.directory, manifest.step, process_count=manifest.process_count,
+                          timeout_secs=config.timeout_secs, attempt=attempt, check=check)
+    if config.max_to_keep:
+      universal.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(manifest.step,))
 
 
 class Cancelled(Exception):
@@ -249,14 +269,7 @@ class Persister:
       self._check(job)
       try:
         with self._open_step(step) as (manifest, buffer):
-          _universal().write_process_shards(directory, manifest, buffer, attempt=attempt)
-        self._check(job)
-        if manifest.process_index == 0:
-          _universal().commit_step(directory, step, process_count=manifest.process_count,
-                                timeout_secs=self.config.timeout_secs, attempt=attempt,
-                                check=lambda: self._check(job))
-          if self.config.max_to_keep:
-            _universal().gc_steps(directory, max_to_keep=self.config.max_to_keep, keep=(step,))
+          persist_part(self.config, manifest, buffer, attempt, lambda: self._check(job))
         return
       except errors.StorageError as e:
         if e.errno not in _TRANSIENT or time.monotonic() + pause > deadline or job.cancelled:

@@ -218,14 +218,15 @@ class SlotTable:
       if not o.held and o.step != guard:
         out.append(self._drop(o))
         extra -= 1
-    if guard is not None and not self._free():
+    if guard is not None and not self.free_slots():
       g = self.committed(guard)
       if g is not committed[-1] and not g.held and len(committed) - len(out) > self.keep:
         out.append(self._drop(g))
     return out
 
-  def _free(self) -> bool:
-    return any(s.state == FREE and not s.pinned for s in self.slots)
+  def free_slots(self) -> int:
+    """Slots a ``reserve`` could hand out now (free and not pinned)."""
+    return sum(s.state == FREE and not s.pinned for s in self.slots)
 
   def abort(self, index: int) -> Dropped | None:
     """Frees slot ``index`` if it is being written (a no-op otherwise)."""

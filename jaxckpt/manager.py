@@ -439,7 +439,7 @@ class CheckpointManager:
   def _raise_failed(self, failed: list[Any]) -> None:
     failed = [e for e in failed if e.attempt not in self._told]   # raised once only
     self._told.update(e.attempt for e in failed)
-    earlier = [e for e in failed if not e.attempt.startswith(f"{self._run_id}-")]
+    earlier = [e for e in failed if not _persist.of_run(e.attempt, self._run_id)]
     for e in earlier:         # an earlier run's (its agent outlived it): not this run's save
       logger.error("a persist of step %d by an earlier run (attempt %s) failed: %s; that "
                    "step is not on storage", e.step, e.attempt, e.message)

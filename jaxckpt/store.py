@@ -236,7 +236,7 @@ class InProcessStore(HostStore):
 
   def has_free_slot(self) -> bool:
     with self._cv:
-      return any(s.state == _slots.FREE and not s.pinned for s in self._table.slots)
+      return bool(self._table.free_slots())
 
   def persist_status(self, *, ask: bool = True) -> PersistStatus:
     del ask

@@ -253,11 +253,12 @@ class ParityWorker:
     """Tells the group's peers this host's parity of ``rec.step`` is done (network
     I/O: outside the agent's lock; a peer that does not hear it keeps the step
     unprotected, which only keeps an older step longer)."""
+    digest = _digest(rec)
     for h in rec.group:
       if h != self.agent.host:
         try:
           self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=self.agent.host,
-                    digest=_digest(rec))
+                    digest=digest)
         except Exception as e:  # pylint: disable=broad-except  (never ends the parity thread)
           logger.warning("step %d: telling host %d its parity is done failed: %s", rec.step, h, e)
 

@@ -351,8 +351,8 @@ class Agent:
       return s is not None and s.held
 
   def protected(self, step: int) -> None:
-    """This host's parity of ``step`` is done (parity thread, lock held): the keep
-    rule keeps it while it is the newest such step."""
+    """Every host of ``step``'s parity group holds its parity (parity thread): the
+    keep rule keeps it while it is the newest such step."""
     with self.lock:
       self._dropped(self.table.protect(step))
 
@@ -449,8 +449,7 @@ class Agent:
     return {"discarded": d is not None, "persisting": busy}
 
   def op_steps(self) -> dict[str, Any]:
-    free = sum(s.state == _slots.FREE and not s.pinned for s in self.table.slots)
-    return {"steps": self.steps(), "free_slots": free,
+    return {"steps": self.steps(), "free_slots": self.table.free_slots(),
             "protected": self.table.protected_step()}
 
   def op_bye(self, pid: int) -> dict[str, Any]:

@@ -283,7 +283,8 @@ class AgentStore(HostStore):
             c.call("peers", peers=self._peers)
           else:
             c.call("peers", peers=mine, merge=True)
-        except Exception as e:  # pylint: disable=broad-except  (it hears at the next discover)
+        except errors.JaxckptError as e:    # it hears at the next discover; parity to
+          # this host fails until then, which wait_until_protected reports
           logger.warning("telling %s of host %d's new agent (the old was pid %s): %s",
                          c.who, self.host, old_pid, e)
 
@@ -327,13 +328,7 @@ class AgentStore(HostStore):
         raise errors.UnrecoverableLossError(f"host {self.host}'s piece of step {step} was not "
                                             "rebuilt")
       check()
-      universal.write_process_shards(config.directory, piece.manifest, piece.buffer,
-                                     attempt=attempt)
-      if piece.manifest.process_index == 0:
-        universal.commit_step(config.directory, step, process_count=piece.manifest.process_count,
-                              timeout_secs=config.timeout_secs, attempt=attempt, check=check)
-        if config.max_to_keep:
-          universal.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(step,))
+      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check)
 
   # Requests that mean the same to a new agent: one the dead agent never
   # answered is sent again to its replacement.

@@ -213,14 +213,7 @@ def _run(a: argparse.Namespace) -> int:
   else:
     t0 = time.perf_counter()
     target = put(ref.arrays(0), ref.key_data(0), 0)
-    for tries_left in (1, 0):
-      try:
-        state = mgr.restore(target=target)
-        break
-      except Exception as e:  # pylint: disable=broad-except
-        if not tries_left or not _reported(e, errors):   # (raised before the restore began)
-          raise
-        say(f"SAVE_ERROR restore {type(e).__name__}: {e}".replace("\n", " | "))
+    state = mgr.restore(target=target)
     start = mgr.last_restore.step
     why = _compare(state, ref, start, shard)
     say("RESTORED", start, mgr.last_restore.tier, "ok" if why is None else f"BAD:{why}",

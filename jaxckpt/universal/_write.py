@@ -30,8 +30,6 @@ from jaxckpt.universal import _manifest as man
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_INFLIGHT_BYTES = _budget.DEFAULT_MAX_INFLIGHT_BYTES
-# Memory of assembled chunks (one per process's small leaf) alive at once, until written.
-MERGED_COPIES_MAX_BYTES = 64 << 20
 plan_leaf = _arrays.plan_leaf
 
 
@@ -46,8 +44,7 @@ def _stored(arr: np.ndarray, info: man.LeafInfo) -> np.ndarray:
 
 
 def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, np.ndarray],
-                  shard_sums: dict[Box, str], budget: _budget.ByteBudget,
-                  copies: _budget.ByteBudget) -> dict[str, str]:
+                  shard_sums: dict[Box, str], budget: _budget.ByteBudget) -> dict[str, str]:
   """Writes this process's ``pieces`` of a leaf; returns the checksums of the
   chunks it holds completely.
 
@@ -55,8 +52,9 @@ def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, n
   re-hash). A chunk made of several shards held here (``merged_chunk``) is
   assembled, hashed and written once: one write, not one per shard. Shards of
   chunks other processes share are written as they are; commit_step hashes
-  those chunks from storage. Assembled chunks are new memory: ``copies`` bounds
-  how much of it is alive (until each is written).
+  those chunks from storage. An assembled chunk is new memory until it is
+  written: the in-flight budget counts it like any write (tensorstore holds a
+  copy of every write in flight anyway).
   """
   sums: dict[str, str] = {}
   whole: set[str] = set()                 # chunks written assembled
@@ -69,15 +67,11 @@ def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, n
       if cbox == box:
         sums[key] = shard_sums[box]
       elif _covered(cbox, pieces):
-        what = f"leaf {info.path!r} chunk {key}"
-        n = int(np.prod(snap.box_shape(cbox))) * info.numpy_dtype.itemsize
-        copies.acquire(n, what)
         region = snap.assemble_region(cbox, info.numpy_dtype, pieces.items(), path=info.path)
         sums[key] = snap.checksum(region)
         whole.add(key)
-        future = store[tuple(slice(a, b) for a, b in cbox)].write(_stored(region, info))
-        future.add_done_callback(lambda _, n=n: copies.release(n))
-        budget.track(future, n, what)
+        budget.track(store[tuple(slice(a, b) for a, b in cbox)].write(_stored(region, info)),
+                     region.nbytes, f"leaf {info.path!r} chunk {key}")
   for box, arr in pieces.items():
     if whole and all(lay.chunk_key(i) in whole for i in lay.chunks_in(box, info.chunk_shape)):
       continue                            # written as part of its chunk
@@ -141,8 +135,6 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
   kv = lay.open_kvstore(directory)
   _commit.check_not_committed(kv, directory, step, attempt)
   budget = _budget.ByteBudget(max_inflight_bytes, what=f"persist of step {step} to {directory!r}")
-  copies = _budget.ByteBudget(MERGED_COPIES_MAX_BYTES,
-                              what=f"assembled chunks of step {step} for {directory!r}")
   plans = []
   for rec in manifest.leaves:
     unique = {s.index: s for s in rec.shards}  # replicated boxes are stored once
@@ -163,7 +155,7 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
         store, info = store_info
         pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
         sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
-                             budget, copies)
+                             budget)
         info = _arrays.replace(info, chunks=sums)
       obj = info.to_obj()
       obj["boxes"] = [[list(p) for p in b] for b in unique]
