@@ -63,10 +63,15 @@ def test_real_processes_curve_saves_and_restores_with_every_process():
 
 def test_jaxckpt_persist_cost_per_gib_stays_flat_from_32_to_128_mib():
   # Onto tmpfs: jaxckpt's own cost, not the disk's (on the VM's disk, the writeback of
-  # the tests before this one made the ratio 1.7x now and then). The fastest of 3
-  # persists at each size: a busy machine stretches some, rarely all.
+  # the tests before this one made the ratio 1.7x now and then). The two sizes take
+  # turns, three rounds of two persists each, and each keeps its fastest: a burst of load
+  # from elsewhere (CI once stretched all three 128 MiB persists of a single batch to
+  # 3.5x) stretches both sizes alike or misses one round of each.
   shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-  small = min(persist_secs("jaxckpt", 32, 3, under=shm)) / (32 / 1024)
-  large = min(persist_secs("jaxckpt", 128, 3, under=shm)) / (128 / 1024)
+  small, large = float("inf"), float("inf")
+  for _ in range(3):
+    small = min(small, *persist_secs("jaxckpt", 32, 2, under=shm))
+    large = min(large, *persist_secs("jaxckpt", 128, 2, under=shm))
+  small, large = small / (32 / 1024), large / (128 / 1024)
   # linear is 1x (below 1 while fixed costs weigh at 32 MiB)
   assert large / small <= 1.5, (small, large)
