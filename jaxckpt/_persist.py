@@ -133,16 +133,22 @@ _TRANSIENT = frozenset({None, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRE
 def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: Any, attempt: str,
                  check: Callable[[], None]) -> None:
   """Writes this process's part of ``attempt`` and, as process 0, commits the step
-  and runs gc: what every persist does (a Persister's, and one rebuilt from parity
-  after a lost agent). ``check`` raises to stop it before the commit marker."""
+  and runs gc; any other process waits for that commit: what every persist does
+  (a Persister's, and one rebuilt from parity after a lost agent). A persist
+  ends once the step is on storage whole, so each process holds its snapshot
+  (and the parity that rebuilds a lost peer's) until then. ``check`` raises to
+  stop it before the commit marker."""
   universal = _universal()
   universal.write_process_shards(config.directory, manifest, buffer, attempt=attempt)
   check()
-  if manifest.process_index == 0:
-    universal.commit_step(config.directory, manifest.step, process_count=manifest.process_count,
-                          timeout_secs=config.timeout_secs, attempt=attempt, check=check)
-    if config.max_to_keep:
-      universal.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(manifest.step,))
+  if manifest.process_index != 0:
+    universal.wait_committed(config.directory, manifest.step, attempt,
+                             timeout_secs=config.timeout_secs, check=check)
+    return
+  universal.commit_step(config.directory, manifest.step, process_count=manifest.process_count,
+                        timeout_secs=config.timeout_secs, attempt=attempt, check=check)
+  if config.max_to_keep:
+    universal.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(manifest.step,))
 
 
 class Cancelled(Exception):
@@ -156,6 +162,7 @@ class _Job:
   since: float
   running: bool = False
   cancelled: bool = False
+  process_index: int | None = None     # the manifest's, once the step was opened
 
 
 class Persister:
@@ -250,7 +257,8 @@ class Persister:
       logger.info("step %d: persist attempt %s cancelled (the step was deleted or rolled "
                   "back)", step, attempt)
     except Exception as e:  # pylint: disable=broad-except  (handed to the trainer)
-      discard_quietly(directory, step, attempt)   # never the committed data (it refuses)
+      if not job.process_index:   # process 0 owns the attempt: its commit could come later
+        discard_quietly(directory, step, attempt)   # never the committed data (it refuses)
       if job.cancelled:
         logger.info("step %d: fenced persist attempt %s ended: %s", step, attempt, e)
         return
@@ -269,6 +277,7 @@ class Persister:
       self._check(job)
       try:
         with self._open_step(step) as (manifest, buffer):
+          job.process_index = manifest.process_index
           persist_part(self.config, manifest, buffer, attempt, lambda: self._check(job))
         return
       except errors.StorageError as e:

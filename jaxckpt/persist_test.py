@@ -101,6 +101,25 @@ def test_a_stale_part_of_an_abandoned_attempt_is_never_merged(storage_dir):
     u.write_process_shards(storage_dir, *old[0], attempt="retry")
 
 
+def test_a_process_other_than_0_waits_for_the_commit_and_names_process_0_when_late(
+    storage_dir):
+  # Process 1's persist ends only once process 0 commits the step (until then it holds
+  # its snapshot and parity); a commit that never comes is named, and one by another
+  # attempt is refused as StepExistsError.
+  parts = _fixtures.host_snapshots(3, {"w": np.arange(8.0)}, process_count=2)
+  u.write_process_shards(storage_dir, *parts[1], attempt="a")
+  with pytest.raises(errors.SnapshotTimeoutError,
+                     match=r"step 3 \(attempt 'a'\): process 0 did not commit it .* within 0.2 s"):
+    u.wait_committed(storage_dir, 3, "a", timeout_secs=0.2)
+  with pytest.raises(KeyError):               # a fence ends the wait at once
+    u.wait_committed(storage_dir, 3, "a", timeout_secs=30, check=lambda: {}["fenced"])
+  u.write_process_shards(storage_dir, *parts[0], attempt="a")
+  u.commit_step(storage_dir, 3, process_count=2, timeout_secs=10, attempt="a")
+  u.wait_committed(storage_dir, 3, "a", timeout_secs=0.2)
+  with pytest.raises(errors.StepExistsError, match="attempt 'a'"):
+    u.wait_committed(storage_dir, 3, "b", timeout_secs=5)
+
+
 WRITER = textwrap.dedent("""
     import sys
     import jax

@@ -207,8 +207,10 @@ class AgentStore(HostStore):
     purpose, and nothing is recovered. Runs once the job's agents are known
     (``discover``); a no-op without parity or a persist directory.
 
-    Not recovered: a lost process 0 whose peers' persists had all ended (each
-    ends once its own part is written), since only storage then knows the
+    Each peer's persist runs until process 0 has committed the step
+    (``_persist.persist_part``), so a lost process 0 is found too. Not
+    recovered: a step whose peers' persists all ended without a commit (they
+    waited ``PersistConfig.timeout_secs``), since only storage then knows the
     attempt, and an attempt found there cannot be told from an abandoned one."""
     if not (self._parity and self._persist) or self.steps():
       return

@@ -250,6 +250,38 @@ def test_a_host_lost_while_a_due_step_is_persisted_is_rebuilt_and_its_part_writt
     assert [e for s in c.stores for e in s.persist_errors()] == []
 
 
+def test_a_lost_process_0_is_rebuilt_and_commits_while_its_peers_hold_the_step(
+    sandbox, s3_server):
+  # Step 5 is due and protected; host 0 (the committer) is lost before anything is on
+  # storage. S3 comes back and hosts 1-3 write their parts: each keeps holding step 5
+  # (its persist runs until process 0 commits), so host 0's relaunched trainer finds
+  # the attempt pending on its peers, rebuilds its piece from their parity, writes it
+  # and commits the step, bit-exact.
+  d = s3_server.url()
+  attempt = "run1-s5-0"
+  persist = {"directory": d, "interval_steps": 5, "max_to_keep": None, "timeout_secs": 120.0}
+  with Cluster(*sandbox, 1, persist=persist) as c:
+    with s3_server.paused():
+      c.save(5, attempt=attempt)
+      with c.manager() as mgr:
+        mgr.wait_until_protected(5, timeout_secs=60)
+      c.lose([0])
+    _wait.until(lambda: u.missing_parts(d, 5, attempt, of=[1, 2, 3]) == [], timeout_secs=60,
+                late=lambda: f"parts {u.missing_parts(d, 5, attempt, of=[1, 2, 3])} not written")
+    for h in (1, 2, 3):             # written, and still held: nothing committed it yet
+      assert c.stores[h].persist_status().attempts == ((5, attempt),), h
+    c.stores[0].recover_persists(0)
+    _wait.until(lambda: 5 in u.all_steps(d), timeout_secs=60,
+                late=lambda: f"step 5 was not committed: parts missing "
+                f"{u.missing_parts(d, 5, attempt, HOSTS)}")
+    reader = u.open_step(d, 5)
+    for k, want in state(5).items():
+      np.testing.assert_array_equal(reader.read(f"['{k}']"), want, err_msg=k)
+    _wait.until(lambda: all(s.persist_status().pending == () for s in c.stores[1:]),
+                timeout_secs=30, late=lambda: "hosts 1-3 still persist step 5 after its commit")
+    assert [e for s in c.stores for e in s.persist_errors()] == []
+
+
 def test_an_agent_that_outlived_its_run_recovers_nothing_it_dropped(sandbox, tmp_path):
   # Host 3's agent dropped step 5 on purpose (the job rolled back to step 4 there) while
   # the others still persist it: a relaunch must not bring the abandoned step back.

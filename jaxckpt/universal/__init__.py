@@ -14,6 +14,7 @@ from jaxckpt.universal._commit import discard_step
 from jaxckpt.universal._commit import gc_steps
 from jaxckpt.universal._commit import latest_step
 from jaxckpt.universal._commit import missing_parts
+from jaxckpt.universal._commit import wait_committed
 from jaxckpt.universal._manifest import LeafInfo
 from jaxckpt.universal._read import RegionReader
 from jaxckpt.universal._read import StepReader
@@ -41,6 +42,7 @@ __all__ = [
     "gc_steps",
     "latest_step",
     "missing_parts",
+    "wait_committed",
     "new_attempt",
     "open_step",
     "restore_arrays",

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import errors
+from jaxckpt import _wait, errors
 from jaxckpt import snapshot as snap
 from jaxckpt.universal import _arrays
 from jaxckpt.universal import _layout as lay
@@ -53,6 +53,32 @@ def committed_by(directory: str, step: int) -> str | None:
   """The attempt whose data step ``step`` is (None: not committed, or format 1)."""
   marker = read_marker(lay.open_kvstore(directory), directory, step)
   return None if marker is None else marker.get("attempt")
+
+
+def wait_committed(directory: str, step: int, attempt: str, *, timeout_secs: float,
+                   check: Callable[[], None] = lambda: None) -> None:
+  """Waits until process 0 has committed ``step`` as ``attempt``: what a process
+  other than 0 does once its part is written, so that it keeps the step (and its
+  parity) until storage holds it whole. ``check`` raises to stop waiting.
+
+  Raises:
+    StepExistsError: another attempt committed ``step``; this one never will.
+    SnapshotTimeoutError: no commit within ``timeout_secs`` (process 0 is late,
+      failed, or died; the step stays uncommitted).
+  """
+  kv = lay.open_kvstore(directory)
+
+  def committed() -> bool:
+    check()
+    marker = read_marker(kv, directory, step)
+    if marker is not None and marker.get("attempt") != attempt:
+      raise _exists(directory, step, marker, attempt)
+    return marker is not None
+
+  _wait.until(committed, timeout_secs=timeout_secs, poll_secs=0.05, late=lambda: (
+      f"step {step} (attempt {attempt!r}): process 0 did not commit it in {directory!r} "
+      f"within {timeout_secs} s of this process's part; it is late, failed or died (the "
+      "step stays uncommitted)"))
 
 
 def check_not_committed(kv: ts.KvStore, directory: str, step: int, attempt: str) -> None:
