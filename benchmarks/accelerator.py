@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
 from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxckpt as jc  # pylint: disable=wrong-import-position
-from jaxckpt.snapshot import copy_and_hash  # pylint: disable=wrong-import-position
+from jaxckpt.host.snapshot import copy_and_hash  # pylint: disable=wrong-import-position
 
 STORES = ("inproc", "agent")
 TARGETS = {"save_blocking_max_s": 0.020, "inproc_snapshot_min_GBps": 20.0,

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wr
 import jaxckpt as jc  # pylint: disable=wrong-import-position
 from jaxckpt.agent import _parity, _paths  # pylint: disable=wrong-import-position
 from jaxckpt.agent.client import AgentStore  # pylint: disable=wrong-import-position
-from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest,  # pylint: disable=wrong-import-position
+from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest,  # pylint: disable=wrong-import-position
                               checksum)
 from jaxckpt.testing import processes  # pylint: disable=wrong-import-position
 

@@ -36,9 +36,9 @@ import time
 import numpy as np
 
 import jaxckpt as jc
-from jaxckpt.agent.client import AgentStore, open_remote_piece
 from jaxckpt.agent._protocol import Client
-from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
+from jaxckpt.agent.client import AgentStore, open_remote_piece
+from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes
 
 SHARD = 64 << 20

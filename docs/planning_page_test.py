@@ -1,4 +1,4 @@
-"""docs/planning.md: every table and command output on the page is what jaxckpt.goodput_plan computes."""
+"""docs/planning.md: every table and command output on the page is what jaxckpt.goodput.plan computes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shlex
 import pytest
 
 from jaxckpt import cli
-from jaxckpt import goodput_plan as gp
-from jaxckpt.goodput_closed_form import daly_optimal_interval
+from jaxckpt.goodput import plan as gp
+from jaxckpt.goodput.closed_form import daly_optimal_interval
 
 _PAGE = pathlib.Path(__file__).resolve().parent / "planning.md"
 

@@ -14,11 +14,11 @@ _EXPORTS = {
     "AgentOptions": "jaxckpt.options",
     "CheckpointManager": "jaxckpt.manager",
     "CheckpointOptions": "jaxckpt.options",
-    "LeafMetadata": "jaxckpt._restore",
+    "LeafMetadata": "jaxckpt.restore._read",
     "ParityOptions": "jaxckpt.parity.placement",
-    "RestoreInfo": "jaxckpt._restore",
+    "RestoreInfo": "jaxckpt.restore._read",
     "SaveStats": "jaxckpt.manager",
-    "StepMetadata": "jaxckpt._restore",
+    "StepMetadata": "jaxckpt.restore._read",
 }
 _SUBPACKAGES = ("ft", "parity", "universal")
 
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
   from jaxckpt import ft, parity, universal  # noqa: F401
-  from jaxckpt._restore import LeafMetadata, RestoreInfo, StepMetadata  # noqa: F401
+  from jaxckpt.restore._read import LeafMetadata, RestoreInfo, StepMetadata  # noqa: F401
   from jaxckpt.manager import CheckpointManager, SaveStats  # noqa: F401
   from jaxckpt.options import AgentOptions, CheckpointOptions  # noqa: F401
   from jaxckpt.parity.placement import ParityOptions  # noqa: F401

@@ -29,6 +29,7 @@ import weakref
 from typing import Any, Callable
 
 import jax
+from jax.experimental import multihost_utils
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,6 @@ class Notice:
       return True
     if jax.process_count() > 1:
       try:
-        from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
         return bool(multihost_utils.reached_preemption_sync_point(step))
       except (RuntimeError, AttributeError):
         return False   # no preemption service in this job

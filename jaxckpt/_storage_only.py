@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxckpt import capture
-from jaxckpt.snapshot import SnapshotManifest, aligned_empty
+from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
 from jaxckpt.tree import Leaf
 from jaxckpt.universal import _write, commit_step, gc_steps
 

@@ -6,10 +6,10 @@ import argparse
 import re
 import sys
 
+from jaxckpt import goodput
 from jaxckpt.agent import cli as agent_cli
 from jaxckpt.ft import cli as ft_cli
-from jaxckpt import goodput
-from jaxckpt import goodput_plan
+from jaxckpt.goodput import plan as goodput_plan
 from jaxckpt.universal import cli as universal_cli
 from jaxckpt.universal import convert_cli
 

@@ -1,6 +1,7 @@
 """Dependencies: flax and optax are core (the examples need them) but the library never imports them;
 test-only packages live in extras."""
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -48,3 +49,39 @@ def test_library_does_not_import_extras_at_run_time():
                        cwd=_ROOT)
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  """Every module ``path`` imports, at any depth (function-level imports included)."""
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      out.add(node.module)
+      out.update(f"{node.module}.{a.name}" for a in node.names)
+  return out
+
+
+def test_the_layers_import_only_downwards():
+  """docs/architecture.md's directions: the tiers below the manager never import the
+  agent, the manager or the replica groups, and host/net/parity never import JAX
+  (the agent process runs them), but for net._kv, the trainer's side only."""
+  above = ("jaxckpt.agent", "jaxckpt.manager", "jaxckpt.ft")
+  for pkg in ("host", "net", "parity", "universal", "capture", "restore"):
+    for f in sorted((_ROOT / "jaxckpt" / pkg).glob("*.py")):
+      if f.name.endswith("_test.py"):
+        continue
+      bad = sorted(m for m in _imports(f) if m.startswith(above))
+      assert not bad, f"{f.relative_to(_ROOT)} imports {bad}"
+      if pkg in ("host", "net", "parity") and f.name != "_kv.py":
+        jax = sorted(m for m in _imports(f) if m == "jax" or m.startswith("jax."))
+        assert not jax, f"{f.relative_to(_ROOT)} imports {jax}"
+  assert not [m for m in _imports(_ROOT / "jaxckpt" / "options.py")
+              if m.startswith(above + ("jaxckpt.host", "jaxckpt.net", "jaxckpt.restore"))]
+
+
+def test_the_root_holds_the_public_surface_and_the_managers_helpers():
+  names = sorted(f.stem for f in (_ROOT / "jaxckpt").glob("*.py") if not f.stem.endswith("_test"))
+  assert names == ["__init__", "__main__", "_items", "_preemption", "_storage_only", "_wait", "cli",
+                   "errors", "manager", "options", "snapshot", "store", "tree"], names

@@ -14,12 +14,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import (_items, _persist, _preemption, _restore, _storage_only, _tiers, _wait,
-                     capture, errors, tree, universal)
-from jaxckpt.agent import _paths
+from jaxckpt import _items, _preemption, _storage_only, _wait, capture, errors, tree, universal
+from jaxckpt.agent import AgentStore, _parity, _paths
+from jaxckpt.host import _persist
+from jaxckpt.host.store import HostStore, InProcessStore
+from jaxckpt.net import _kv
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
-from jaxckpt.store import HostStore, InProcessStore
+from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +122,7 @@ class CheckpointManager:
     self.stats = SaveStats()
     self._lag_warn_at = 2               # persists pending that get a warning (doubles each time)
     self._last_save_at = time.perf_counter()
-    self.last_restore: _restore.RestoreInfo | None = None
+    self.last_restore: _read.RestoreInfo | None = None
     self._process = (jax.process_index(), jax.process_count())
     self._preemption = _preemption.Notice(install=self.options.handle_sigterm,
                                           grace_secs=self.options.sigterm_grace_secs,
@@ -132,10 +134,9 @@ class CheckpointManager:
     if a is None:
       return InProcessStore(max_snapshots=self.options.max_snapshots,
                             host_memory_limit_bytes=limit, persist=self._persist_config)
-    from jaxckpt.agent import AgentStore  # pylint: disable=import-outside-toplevel
     p = self.options.parity
     if p is not None:
-      from jaxckpt.parity import codec, placement  # pylint: disable=import-outside-toplevel
+      from jaxckpt.parity import codec, placement  # pylint: disable=import-outside-toplevel  (numba, ~0.5 s: only with parity)
       if a.host_id is None:                                     # hosts = this job's processes
         placement.check_hosts(jax.process_count(), p)
       codec.warm_up(p.group_size - p.parity, p.parity)  # a rebuild after a restart must not load it
@@ -144,7 +145,7 @@ class CheckpointManager:
     if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
       # One secret for the whole job, each host's run root being private: process 0's.
       root = a.run_root or _paths.default_run_root()
-      secret = _tiers.broadcast_from_0(
+      secret = _kv.broadcast_from_0(
           "agent_secret", lambda: _paths.job_secret(root, a.job_name).decode(),
           timeout_secs=self.options.timeout_secs)
     return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
@@ -157,7 +158,6 @@ class CheckpointManager:
     p = self.options.parity
     if p is None:
       return None
-    from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
     return _parity.ParityConfig(p.group_size, p.parity, self.options.timeout_secs).to_obj()
 
   # -- saving ---------------------------------------------------------------
@@ -580,7 +580,7 @@ class CheckpointManager:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def metadata(self, step: int | None = None) -> _restore.StepMetadata:
+  def metadata(self, step: int | None = None) -> _read.StepMetadata:
     """The structure of ``step`` (default: the newest): every leaf's kind, shape,
     dtype and saving sharding, and the user metadata saved with it, from the
     host tier when it holds the step, else from storage. Reads no array bytes.
@@ -605,7 +605,7 @@ class CheckpointManager:
       raise errors.StepNotFoundError(
           f"metadata(): step {step} is held neither in host memory ({self._store.steps()}) nor "
           f"in storage ({_tiers.storage_steps(self.directory)})")
-    return _restore.StepMetadata(step, tier, tree.nest(leaves), meta)
+    return _read.StepMetadata(step, tier, tree.nest(leaves), meta)
 
   def delete(self, step: int) -> None:
     """Deletes ``step`` from every tier, for good: this host's snapshot (a
@@ -742,9 +742,9 @@ def check_step(step: Any, where: str) -> int:
   return value
 
 
-def _leaf_metadata(rec: Any) -> _restore.LeafMetadata:
+def _leaf_metadata(rec: Any) -> _read.LeafMetadata:
   """What ``metadata()`` says of a saved leaf (a host LeafRecord or a stored LeafInfo)."""
-  return _restore.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
+  return _read.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
                                tree.scalar_from_json(rec.value), rec.key_impl)
 
 
@@ -773,4 +773,4 @@ def _agree_run_id(timeout_secs: float) -> str:
   """A run id that every process of the job gets alike (process 0 picks it)."""
   if jax.process_count() == 1:
     return _persist.new_run_id()
-  return _tiers.broadcast_from_0("run_id", _persist.new_run_id, timeout_secs=timeout_secs)
+  return _kv.broadcast_from_0("run_id", _persist.new_run_id, timeout_secs=timeout_secs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 
 import psutil
@@ -11,6 +12,15 @@ import psutil
 from jaxckpt import errors
 
 _ON_BUSY = ("skip", "wait")
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_job_name(job: str) -> str:
+  """``job`` if it names a job (its agents' directory), else InvalidArgumentError."""
+  if not isinstance(job, str) or not _JOB_RE.match(job):
+    raise errors.InvalidArgumentError(f"job_name={job!r} must be 1-64 characters of letters, digits, "
+                     "'.', '_' or '-', starting with a letter or digit")
+  return job
 
 
 def default_copy_threads() -> int:
@@ -120,7 +130,7 @@ class CheckpointOptions:
           "CheckpointOptions(host_snapshots=False) keeps no host snapshots, so it takes no "
           f"agent (got agent={self.agent!r}); set agent=None, or host_snapshots=True")
     if self.parity is not None:
-      from jaxckpt.parity.placement import ParityOptions  # pylint: disable=import-outside-toplevel
+      from jaxckpt.parity.placement import ParityOptions  # pylint: disable=import-outside-toplevel  (it loads numba, ~0.5 s: only with parity)
       if not isinstance(self.parity, ParityOptions):
         raise errors.InvalidArgumentError(f"CheckpointOptions.parity must be a jaxckpt.ParityOptions or None, "
                          f"got parity={self.parity!r}")
@@ -184,7 +194,6 @@ class AgentOptions:
   secret: str | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self) -> None:
-    from jaxckpt.agent._paths import check_job_name  # pylint: disable=import-outside-toplevel
     check_job_name(self.job_name)
     if self.host_id is not None:
       _at_least(self, "host_id", 0)

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.store import InProcessStore
+import jaxckpt as jc
+from jaxckpt.host.store import InProcessStore
 
 
 class GatedStore(InProcessStore):

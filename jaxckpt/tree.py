@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.snapshot import LeafRecord, dtype_from_name
+from jaxckpt.host.snapshot import LeafRecord, dtype_from_name
 
 PyTree = Any
 _SCALAR_TYPES = (bool, int, float, complex, str, bytes)

@@ -36,7 +36,7 @@ import xxhash
 from jaxckpt import errors
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
-from jaxckpt.snapshot import SnapshotManifest, checksum
+from jaxckpt.host.snapshot import SnapshotManifest, checksum
 
 if TYPE_CHECKING:
   from jaxckpt.parity.placement import ParityOptions, Piece, StripeLayout
@@ -420,10 +420,9 @@ class ParityWorker:
     """A client of ``host``'s live agent over TCP: at the address the job published
     (``Agent.peers``, multi-host jobs), else the one under this run root; a new
     client when the host's agent was replaced."""
-    from jaxckpt.agent.client import read_address  # pylint: disable=import-outside-toplevel
     d = os.path.join(os.path.dirname(self.agent.dir), f"host{host}")
     known = self.agent.peers.get(host)
-    info = known if known is not None else read_address(d)
+    info = known if known is not None else _paths.read_address(d)
     cached = self._peers.pop(host, None)
     if info is None:
       if cached is not None:

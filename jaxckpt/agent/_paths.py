@@ -7,28 +7,24 @@ so ``jaxckpt agent stop`` frees all of it by removing one directory.
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import secrets
 import shutil
 import stat
 import tempfile
+from typing import Any
 
-from jaxckpt import _wire, errors
+import psutil
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+from jaxckpt import errors
+from jaxckpt.net import _wire
+from jaxckpt.options import check_job_name  # noqa: F401  (also this module's name)
 
 
 def default_run_root() -> str:
   base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
   return os.path.join(base, f"jaxckpt-{os.getuid()}")
-
-
-def check_job_name(job: str) -> str:
-  if not isinstance(job, str) or not _JOB_RE.match(job):
-    raise errors.InvalidArgumentError(f"job_name={job!r} must be 1-64 characters of letters, digits, "
-                     "'.', '_' or '-', starting with a letter or digit")
-  return job
 
 
 def agent_dir(run_root: str, job: str, host: int) -> str:
@@ -37,6 +33,24 @@ def agent_dir(run_root: str, job: str, host: int) -> str:
 
 def address_file(d: str) -> str:
   return os.path.join(d, "agent.json")
+
+
+def read_address(d: str) -> dict[str, Any] | None:
+  """The address record of the live agent whose directory is ``d`` (None: none runs)."""
+  try:
+    with open(address_file(d)) as f:
+      info = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return info if pid_alive(info.get("pid", -1)) else None
+
+
+def pid_alive(pid: int) -> bool:
+  """True if ``pid`` runs (a zombie, killed but not yet reaped, is dead)."""
+  try:
+    return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+  except (psutil.NoSuchProcess, ValueError):
+    return False
 
 
 def ipc_endpoint(d: str) -> str:

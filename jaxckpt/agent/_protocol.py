@@ -1,6 +1,6 @@
 """Request/reply with the agent over ZeroMQ; every wait has a timeout.
 
-A request is a message of :mod:`jaxckpt._wire` (sealed with the job's secret,
+A request is a message of :mod:`jaxckpt.net._wire` (sealed with the job's secret,
 see ``_paths.job_secret``, and carrying its deadline); the agent refuses one
 whose mac does not verify and does not apply one whose caller gave up. Raw
 frames are snapshot bytes whose checksums are in an authenticated header (a
@@ -18,10 +18,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
-from jaxckpt import _bulk, _wire, errors
+from jaxckpt import errors
 from jaxckpt.agent import _requests
-from jaxckpt.snapshot import aligned_empty
-from jaxckpt._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
+from jaxckpt.host.snapshot import aligned_empty
+from jaxckpt.net import _bulk, _wire
+from jaxckpt.net._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
 
 
 def request(secret: bytes, op: str, args: dict[str, Any],
@@ -47,7 +48,7 @@ class Client:
   def __init__(self, endpoint: str, *, who: str, timeout_secs: float, secret: bytes,
                host: int | None = None, pid: int | None = None, bulk: str | None = None) -> None:
     self.endpoint = endpoint
-    self.bulk = bulk                      # the agent's bulk-transfer address (jaxckpt._bulk)
+    self.bulk = bulk                      # the agent's bulk-transfer address (jaxckpt.net._bulk)
     self.host, self.pid = host, pid       # the agent's host id and pid, where known
     self._secret = secret
     self.who = who
@@ -98,7 +99,7 @@ class Client:
     """Byte ``ranges`` of the agent's ``what`` (``"snapshot"`` of ``step``, or
     ``"parity"`` of ``step`` and ``stripe=``) over the bulk path, each into a
     fresh aligned array; ``on_done(i, array)`` runs once range ``i`` has
-    arrived, while later ones still arrive (see :func:`jaxckpt._bulk.fetch`)."""
+    arrived, while later ones still arrive (see :func:`jaxckpt.net._bulk.fetch`)."""
     if self.bulk is None:
       raise errors.AgentUnavailableError(
           f"{self.who} published no bulk-transfer address; is it an agent of this jaxckpt version?")

@@ -3,7 +3,7 @@ that the trainer's client (``agent/client.py``, ``agent/_parity.py``, ``jaxckpt
 agent ...``) and the agent's server (``agent/_server.py``) share.
 
 A request travels as its fields and its ``op`` in a sealed message
-(:mod:`jaxckpt._wire`); :func:`decode` turns a header back into its request,
+(:mod:`jaxckpt.net._wire`); :func:`decode` turns a header back into its request,
 refusing an unknown op, a missing or unknown field, or a field of the wrong
 kind, and the server finds its handler by the request's type
 (``_server.HANDLERS``): ``Reserve`` is handled by ``Agent.op_reserve``, and so

@@ -25,10 +25,12 @@ from typing import Any, Iterator
 import psutil
 import zmq
 
-from jaxckpt import _bulk, _slots, _wire, errors
-from jaxckpt._spans import Spans, span_checksums
-from jaxckpt.agent import _paths, _protocol, _requests
-from jaxckpt.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
+from jaxckpt import errors
+from jaxckpt.agent import _parity, _paths, _protocol, _requests
+from jaxckpt.host import _persist, _slots
+from jaxckpt.host._spans import Spans, span_checksums
+from jaxckpt.host.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
+from jaxckpt.net import _bulk, _wire
 
 logger = logging.getLogger("jaxckpt.agent")
 
@@ -219,7 +221,6 @@ class Agent:
     self.reap()
     self._take_lease(int(pid))
     if persist and (self.persister is None or self.persister.config.to_obj() != persist):
-      from jaxckpt import _persist  # pylint: disable=import-outside-toplevel
       if self.persister is not None:      # its queue runs out on its own thread
         self.retired.append(self.persister)
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned,
@@ -254,7 +255,6 @@ class Agent:
 
   def _configure_parity(self, parity: dict[str, Any]) -> None:
     """Starts the parity thread, or updates its timeouts (parity already held stays)."""
-    from jaxckpt.agent import _parity  # pylint: disable=import-outside-toplevel
     config = _parity.ParityConfig(**parity)
     if self.parity is not None and self.parity.config.options == config.options:
       self.parity.config = config
@@ -483,7 +483,7 @@ class Agent:
 
   @contextlib.contextmanager
   def bulk(self, header: dict[str, Any]) -> Iterator[list[Any]]:
-    """What a bulk request (:mod:`jaxckpt._bulk`) reads: byte ``ranges`` of
+    """What a bulk request (:mod:`jaxckpt.net._bulk`) reads: byte ``ranges`` of
     ``step``'s snapshot (``what="snapshot"``), as views of the slot's memory
     sent without a copy, the step pinned until they are sent; or of the parity
     block of ``stripe`` (``what="parity"``)."""

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
+from jaxckpt.agent._server import Agent, serve
+from jaxckpt.agent.client import read_address, start_agent, wait_exited
+from jaxckpt.options import default_host_memory_limit_bytes
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -68,12 +70,10 @@ def _root(args) -> str:
 def _limit(args) -> int:
   if args.limit_bytes:
     return args.limit_bytes
-  from jaxckpt.options import default_host_memory_limit_bytes  # pylint: disable=import-outside-toplevel
   return default_host_memory_limit_bytes()
 
 
 def _start(args) -> int:
-  from jaxckpt.agent.client import start_agent  # pylint: disable=import-outside-toplevel
   info = start_agent(job=args.job_name, host=args.host_id, run_root=_root(args),
                      max_snapshots=args.max_snapshots, limit_bytes=_limit(args),
                      idle_timeout_secs=args.idle_timeout_secs, start_timeout_secs=60,
@@ -83,7 +83,6 @@ def _start(args) -> int:
 
 
 def _client(args) -> Client | None:
-  from jaxckpt.agent.client import read_address  # pylint: disable=import-outside-toplevel
   info = read_address(_paths.agent_dir(_root(args), args.job_name, args.host_id))
   if info is None:
     return None
@@ -107,7 +106,6 @@ def _stop(args) -> int:
     return 0
   pid = c.call("status")[0]["pid"]
   c.call("stop")
-  from jaxckpt.agent.client import wait_exited  # pylint: disable=import-outside-toplevel
   if not wait_exited(pid, args.timeout_secs):
     raise errors.SnapshotTimeoutError(
         f"agent pid {pid} of job {args.job_name!r} did not exit within {args.timeout_secs} s")
@@ -116,7 +114,6 @@ def _stop(args) -> int:
 
 
 def _serve(args) -> int:
-  from jaxckpt.agent._server import Agent, serve  # pylint: disable=import-outside-toplevel
   logging.basicConfig(level=logging.INFO,
                       format="%(asctime)s agent[%(process)d] %(levelname)s %(message)s")
   d = _paths.agent_dir(_root(args), args.job_name, args.host_id)

@@ -19,51 +19,34 @@ import functools
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import psutil
 
 from jaxckpt import _wait, errors
 from jaxckpt.agent import _parity, _paths
+from jaxckpt.agent._paths import pid_alive, read_address  # noqa: F401  (also this module's names)
 from jaxckpt.agent._protocol import Client
-from jaxckpt.options import AgentOptions
-from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
+from jaxckpt.host import _persist
+from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
                               verify_shard)
-from jaxckpt.store import HostStore, PersistError, PersistStatus, Slot
+from jaxckpt.host.store import HostStore, PersistError, PersistStatus, Slot
+from jaxckpt.options import AgentOptions
 
 logger = logging.getLogger(__name__)
 
 
-def read_address(d: str) -> dict[str, Any] | None:
-  try:
-    with open(_paths.address_file(d)) as f:
-      info = json.load(f)
-  except (OSError, ValueError):
-    return None
-  return info if pid_alive(info.get("pid", -1)) else None
-
-
-def pid_alive(pid: int) -> bool:
-  """True if ``pid`` runs (a zombie, killed but not yet reaped, is dead)."""
-  try:
-    return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-  except (psutil.NoSuchProcess, ValueError):
-    return False
-
-
 def wait_exited(pid: int, timeout_secs: float) -> bool:
   """Waits up to ``timeout_secs`` for ``pid`` to exit; True if it did."""
-  deadline = time.monotonic() + timeout_secs
-  while pid_alive(pid):
-    if time.monotonic() >= deadline:
-      return False
-    time.sleep(0.02)
-  return True
+  try:
+    return _wait.until(lambda: not pid_alive(pid), timeout_secs=timeout_secs,
+                       late=lambda: f"pid {pid} still runs")
+  except errors.SnapshotTimeoutError:
+    return False
 
 
 def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
@@ -84,7 +67,6 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
       return info
     if os.path.isdir(d):
       logger.warning("removing the files of a dead agent of job %s host %d", job, host)
-      import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     log = _paths.log_file(d)     # in the job's private directory, removed with the agent
@@ -97,20 +79,22 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
                               start_new_session=True, close_fds=True)
     # Reap it whenever it exits, so a dead agent never lingers as our zombie.
     threading.Thread(target=proc.wait, daemon=True, name="jaxckpt-agent-reaper").start()
-    deadline = time.monotonic() + start_timeout_secs
-    while time.monotonic() < deadline:
+
+    def up() -> dict[str, Any] | None:
       info = read_address(d)
-      if info is not None:
-        return info
-      if proc.poll() is not None:
+      if info is None and proc.poll() is not None:
         raise errors.AgentUnavailableError(
             f"the snapshot agent of job {job!r} host {host} exited with code "
             f"{proc.returncode} at start; see {log}")
-      time.sleep(0.02)
-    proc.kill()
-    raise errors.AgentUnavailableError(
-        f"the snapshot agent of job {job!r} host {host} (pid {proc.pid}) did not come "
-        f"up within {start_timeout_secs} s; see {log}")
+      return info
+
+    try:
+      return _wait.until(up, timeout_secs=start_timeout_secs, late=lambda: (
+          f"the snapshot agent of job {job!r} host {host} (pid {proc.pid}) did not come "
+          f"up within {start_timeout_secs} s; see {log}"))
+    except errors.SnapshotTimeoutError as e:
+      proc.kill()
+      raise errors.AgentUnavailableError(str(e)) from None
 
 
 class _Fenced(Exception):
@@ -214,7 +198,6 @@ class AgentStore(HostStore):
     attempt, and an attempt found there cannot be told from an abandoned one."""
     if not (self._parity and self._persist) or self.steps():
       return
-    from jaxckpt import _persist  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
     universal = _persist._universal()   # pylint: disable=protected-access
     directory, interval = self._persist["directory"], int(self._persist["interval_steps"])
     pending: dict[int, set[str]] = {}
@@ -312,7 +295,6 @@ class AgentStore(HostStore):
   def _persist_rebuilt(self, step: int, attempt: str) -> None:
     if not (self._parity and self._persist):
       raise errors.UnrecoverableLossError("parity is off: nothing else holds the piece")
-    from jaxckpt import _persist  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
     config = _persist.PersistConfig(**self._persist)
     universal = _persist._universal()   # pylint: disable=protected-access
     if universal.committed_by(config.directory, step) is not None:
@@ -351,7 +333,7 @@ class AgentStore(HostStore):
 
   def agents(self) -> list[dict[str, Any]]:
     """Every agent of the job this store knows of: this machine's, and those the
-    other processes published (``_tiers.discover_agents``), each once."""
+    other processes published (``discover``), each once."""
     out = {a["tcp"]: a for a in self.directory}
     out.update((a["tcp"], a) for a in self.local_agents())
     return list(out.values())
@@ -398,9 +380,9 @@ class AgentStore(HostStore):
     read other hosts' pieces from that list, and this host's agent gets the
     job's current agents by host id (for parity exchange). No directory is
     shared between hosts."""
-    from jaxckpt import _tiers  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
+    from jaxckpt.net import _kv  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
     mine = {"own": self.info, "local": self.local_agents()}
-    everyone = [json.loads(v) for v in _tiers.allgather(
+    everyone = [json.loads(v) for v in _kv.allgather(
         f"agents/{self.opts.job_name}", json.dumps(mine), timeout_secs=timeout_secs,
         what="their snapshot agents' addresses")]
     self.directory = [a for e in everyone for a in e["local"]]
@@ -418,14 +400,17 @@ class AgentStore(HostStore):
 
   def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
     self.ensure_alive()
-    deadline = time.monotonic() + (timeout_secs or 0.0)
-    while True:
+
+    def reserved() -> dict[str, Any] | None:
       r = self.call("reserve", pid=os.getpid(), step=step, nbytes=nbytes)
-      if r["index"] is not None:
-        return Slot(r["index"], step, self._map(r["index"], r["path"], r["size"]), nbytes)
-      if time.monotonic() >= deadline:
-        return None
-      time.sleep(0.005)
+      return r if r["index"] is not None else None
+
+    try:
+      r = _wait.until(reserved, timeout_secs=timeout_secs or 0.0, poll_secs=0.005,
+                      late=lambda: f"no slot of {self.who} freed up for step {step}")
+    except errors.SnapshotTimeoutError:
+      return None                           # HostStore.reserve's contract: None, not an error
+    return Slot(r["index"], step, self._map(r["index"], r["path"], r["size"]), nbytes)
 
   # The agent hashes what is written while the rest is copied: commit then
   # waits only for the last chunk's verification.
@@ -700,7 +685,7 @@ def _rebuilt_pieces(clients: dict[int, Client], step: int, pieces: list[Any]) ->
   lost = sorted(set(range(count)) - {p.manifest.process_index for p in pieces})
   if not lost:
     return []
-  from jaxckpt._restore import BufferPiece  # pylint: disable=import-outside-toplevel  (JAX: trainer side only; the agent process imports this module)
+  from jaxckpt.restore._read import BufferPiece  # pylint: disable=import-outside-toplevel  (JAX: trainer side only; the agent process imports this module)
   have = {p.manifest.process_index: p for p in pieces}   # their bytes are not read twice
   rebuilt = _parity.recover(clients, step, lost, have=have)
   logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jaxckpt as jc
-import jaxckpt.universal as u
 from jaxckpt import _wait, errors
+import jaxckpt as jc
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent.client import AgentStore
+from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
 from jaxckpt.parity.placement import StripeLayout
-from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
 from jaxckpt.testing import processes
+import jaxckpt.universal as u
 
 HOSTS = 4
 # Global arrays; host i holds rows ROWS[i] of "w", and CUTS[i] of "u" (uneven sizes).
@@ -223,6 +223,11 @@ def test_a_rolled_back_step_does_not_hold_up_the_parity_of_the_new_timeline(sand
       assert 3 not in mgr.all_steps()
 
 
+def _no_repersist_thread() -> None:
+  _wait.until(lambda: not any(t.name == "jaxckpt-repersist" for t in threading.enumerate()),
+              timeout_secs=60, late=lambda: "the repersist thread did not end")
+
+
 def test_a_host_lost_while_a_due_step_is_persisted_is_rebuilt_and_its_part_written(
     sandbox, s3_server):
   # Step 5 is due for storage: every host's agent holds it for its persist, and its
@@ -247,6 +252,7 @@ def test_a_host_lost_while_a_due_step_is_persisted_is_rebuilt_and_its_part_writt
     reader = u.open_step(d, 5)
     for k in want:
       np.testing.assert_array_equal(reader.read(f"['{k}']"), want[k], err_msg=k)
+    _no_repersist_thread()          # it unpins its peers' pieces: before they stop
     assert [e for s in c.stores for e in s.persist_errors()] == []
 
 
@@ -279,6 +285,7 @@ def test_a_lost_process_0_is_rebuilt_and_commits_while_its_peers_hold_the_step(
       np.testing.assert_array_equal(reader.read(f"['{k}']"), want, err_msg=k)
     _wait.until(lambda: all(s.persist_status().pending == () for s in c.stores[1:]),
                 timeout_secs=30, late=lambda: "hosts 1-3 still persist step 5 after its commit")
+    _no_repersist_thread()          # it unpins its peers' pieces: before they stop
     assert [e for s in c.stores for e in s.persist_errors()] == []
 
 
@@ -348,8 +355,7 @@ def test_an_agent_that_died_after_its_persist_ended_is_not_reported_as_losing_it
     os.kill(dead, signal.SIGKILL)
     processes.wait_gone(dead, 10, "host 1's killed agent")
     c.stores[1].ensure_alive()
-    _wait.until(lambda: not any(t.name == "jaxckpt-repersist" for t in threading.enumerate()),
-                timeout_secs=60, late=lambda: "the repersist thread did not end")
+    _no_repersist_thread()
     assert c.stores[1].persist_errors(ask=False) == []
     assert u.all_steps(d) == [5]
 

@@ -37,10 +37,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jaxckpt._spans import span_checksums
 from jaxckpt.capture import _pack
 from jaxckpt.capture._plan import CapturePlan
-from jaxckpt.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, checksum,
+from jaxckpt.host._spans import span_checksums
+from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, checksum,
                               copy_and_hash)
 from jaxckpt.tree import Leaf, scalar_to_json
 

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt._spans import Spans
-from jaxckpt.snapshot import Box, align, box_from_index
+from jaxckpt.host._spans import Spans
+from jaxckpt.host.snapshot import Box, align, box_from_index
 
 MAX_SHARD_BYTES = 256 << 10       # bigger shards are copied from zero-copy views instead
 _LITTLE_ENDIAN = sys.byteorder == "little"   # the word gather keeps bytes in order only there

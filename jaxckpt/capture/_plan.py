@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxckpt.capture._pack import PackPlan, make_pack_plan, packable
-from jaxckpt.snapshot import Box, LeafRecord, align, box_from_index, full_box
+from jaxckpt.host.snapshot import Box, LeafRecord, align, box_from_index, full_box
 from jaxckpt.tree import Leaf
 
 logger = logging.getLogger(__name__)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import _spans, capture, tree
+from jaxckpt import capture, tree
 from jaxckpt.capture import _pack
-from jaxckpt.snapshot import SnapshotManifest, align
+from jaxckpt.host import _spans
+from jaxckpt.host.snapshot import SnapshotManifest, align
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -136,7 +137,7 @@ def _stored(manifest, buf, path):
 
 
 def capture_checksum(b):
-  from jaxckpt.snapshot import checksum  # pylint: disable=import-outside-toplevel
+  from jaxckpt.host.snapshot import checksum  # pylint: disable=import-outside-toplevel
   return checksum(b)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-MAC_BYTES = 32               # HMAC-SHA256 (jaxckpt._wire)
+MAC_BYTES = 32               # HMAC-SHA256 (jaxckpt.net._wire)
 
 
 def drain(sock: zmq.Socket, timeout_secs: float, limit: int) -> list[list[bytes]]:

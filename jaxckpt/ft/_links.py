@@ -7,7 +7,7 @@ while that neighbour does:
 
 1. the listener sends a fresh random challenge;
 2. the group answers with a hello sealed with the job's secret
-   (:mod:`jaxckpt._wire`) that names itself and repeats the challenge, so a
+   (:mod:`jaxckpt.net._wire`) that names itself and repeats the challenge, so a
    recorded hello cannot be replayed;
 3. the listener keeps the stream as the one from that group (replacing an
    older one) and acknowledges, or refuses with the reason and closes it.
@@ -17,7 +17,7 @@ step, digest, the gradient's layout (:mod:`jaxckpt.ft._layout`), tag, byte
 count) and the bytes, written straight from the
 sender's arrays by a sending thread (the training thread never blocks on a
 send: every member sends before it receives) and read straight into the
-receiver's buffers (:mod:`jaxckpt._bulk`'s framing). A piece of an abandoned
+receiver's buffers (:mod:`jaxckpt.net._bulk`'s framing). A piece of an abandoned
 attempt (another quorum or step) is skipped, and so is the rest of a piece
 the receiver stopped waiting for, so a timeout leaves the stream in step with
 its sender. A piece whose digest or layout is not the receiver's is refused
@@ -48,8 +48,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxckpt import _bulk, _wire, errors
+from jaxckpt import errors
 from jaxckpt.ft import _layout
+from jaxckpt.net import _bulk, _wire
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxckpt import _bulk, _wire
 from jaxckpt.ft import _links
+from jaxckpt.net import _bulk, _wire
 
 SECRET = b"the-job-secret-for-ring-links"
 LONG = 60.0      # a wait that succeeds (generous: a loaded machine is slow, never this slow)

@@ -5,7 +5,7 @@ Every group binds one ROUTER socket, served by a background thread: requests
 a handler, so a healthy trainer never pauses to serve a recovering peer. (The
 all-reduce's bytes travel on their own streams: :mod:`jaxckpt.ft._links`.)
 
-Every message is sealed with the job's secret (:mod:`jaxckpt._wire`); one that
+Every message is sealed with the job's secret (:mod:`jaxckpt.net._wire`); one that
 is not is refused, logged, and never reaches the handler.
 """
 
@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
+from jaxckpt.net import _wire
 
 logger = logging.getLogger(__name__)
 

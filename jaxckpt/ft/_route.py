@@ -6,7 +6,7 @@ lighthouse also listens on a *private* port secured with ZeroMQ's CURVE
 handshake, whose server key is derived from the job's secret (HMAC-SHA256 of a
 fixed label): a process without the secret cannot complete the handshake, and
 what it sends there never reaches Python. Messages on both ports are sealed and
-checked the same way (:mod:`jaxckpt._wire`); the private port only keeps the
+checked the same way (:mod:`jaxckpt.net._wire`); the private port only keeps the
 job's own traffic apart from a flood, which the lighthouse reads on the public
 port at a bounded rate.
 
@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from jaxckpt import _wire
+from jaxckpt.net import _wire
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from typing import Any
 
 import zmq
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
 from jaxckpt.ft._quorum import Member, View
+from jaxckpt.net import _wire
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

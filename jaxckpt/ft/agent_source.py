@@ -21,11 +21,11 @@ import logging
 import time
 from typing import Any, Iterator
 
-from jaxckpt import _restore
+from jaxckpt import errors
 from jaxckpt.agent import _paths
 from jaxckpt.agent.client import complete_steps_of, job_clients, open_remote_piece
 from jaxckpt.ft.catch_up import HostLeaves
-from jaxckpt import errors
+from jaxckpt.restore import _read
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ class AgentSnapshotSource:
       if missing:
         raise KeyError(f"step {step} of job {self.job_name!r}: no live agent under {self.run_root} "
                        f"holds the snapshots of saving processes {missing}")
-      source = _restore.HostSource([pieces[i] for i in sorted(pieces)])
-      leaves = _restore.restore_tree(source, None)
+      source = _read.HostSource([pieces[i] for i in sorted(pieces)])
+      leaves = _read.restore_tree(source, None)
       nbytes = source.bytes_read
     logger.info("fetched the snapshot of step %d from the snapshot agent(s) of job %r "
                 "(%d bytes over tcp in %.3fs)", step, self.job_name, nbytes, time.monotonic() - t0,

@@ -8,8 +8,9 @@ import signal
 import threading
 from datetime import timedelta
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
 from jaxckpt.ft.lighthouse import Lighthouse, LighthouseOptions
+from jaxckpt.net import _wire
 
 
 def _read_secret(path: str) -> str:

@@ -17,7 +17,7 @@ lighthouse waits ``join_timeout`` for heartbeats to rebuild membership and
 carries on, so a lighthouse restart does not lose the job (groups resend their
 requests until a lighthouse answers).
 
-Every message is sealed with the job's secret (:mod:`jaxckpt._wire`). One that
+Every message is sealed with the job's secret (:mod:`jaxckpt.net._wire`). One that
 cannot be (no mac of the right size) is dropped unread; one whose mac does not
 verify is refused; both are counted (``refused``, also in :meth:`Lighthouse.status`),
 logged one line per 10 s with the count, and answered at most once a second per
@@ -52,9 +52,10 @@ from typing import Any, Callable
 
 import zmq
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
 from jaxckpt.ft import _intake, _quorum, _requests, _route
 from jaxckpt.ft._quorum import Member, Quorum, View
+from jaxckpt.net import _wire
 
 logger = logging.getLogger(__name__)
 

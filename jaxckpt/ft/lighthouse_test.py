@@ -11,10 +11,11 @@ import hypothesis.strategies as st
 import pytest
 import zmq
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
 from jaxckpt.ft import _requests
 from jaxckpt.ft._simulate import SimulatedGroups
 from jaxckpt.ft.lighthouse import Heartbeat, Lighthouse, LighthouseClient, LighthouseOptions, Member
+from jaxckpt.net import _wire
 
 FAST = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5),
                          join_timeout=timedelta(seconds=0.2), straggler_timeout=timedelta(seconds=2))

@@ -51,13 +51,15 @@ import jax.numpy as jnp
 import numpy as np
 import zmq
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
 from jaxckpt.ft import _allreduce, _group_comm, _layout, _links, _peer
+from jaxckpt.ft.agent_source import AgentSnapshotSource
 from jaxckpt.ft.catch_up import (CatchUpServer, RemoteSnapshotSource, SnapshotSource, fetch_ring,
                                  rebuild_leaf, rebuild_state)
 from jaxckpt.ft.lighthouse import Heartbeat, LighthouseClient, Member, Quorum, View
 from jaxckpt.ft.metrics import FtCounters, StepMetrics
 from jaxckpt.ft.ring import INITIAL_DIGEST, DigestLog, GradientRing, RingEntry, chain_digest
+from jaxckpt.net import _wire
 
 logger = logging.getLogger(__name__)
 
@@ -560,7 +562,6 @@ class ReplicaGroup:
     secs = self.timeout.total_seconds()
     reply = self._sender.request(peer.address, {"op": "snap_where"}, secs)
     if reply is not None and reply[0].get("agent"):
-      from jaxckpt.ft.agent_source import AgentSnapshotSource  # pylint: disable=import-outside-toplevel
       source = AgentSnapshotSource(**reply[0]["agent"], timeout_secs=secs)
       try:
         source.latest_step()

@@ -15,9 +15,10 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
 from jaxckpt.ft import Lighthouse, LighthouseOptions, ReplicaGroup, ReplicaGroupOptions
 from jaxckpt.ft import _peer, _route
+from jaxckpt.net import _wire
 
 OPTS = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=50))
 LH = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5),

@@ -110,12 +110,12 @@ def test_parity_modules_import_nothing_heavy():
         names = [node.module or ""]
         if node.module == "jaxckpt":
           names = [f"jaxckpt.{a.name}" for a in node.names]
-        if node.module == "jaxckpt.snapshot":
+        if node.module == "jaxckpt.host.snapshot":
           assert [a.name for a in node.names] == ["checksum"], path.name
       else:
         continue
       for name in names:
         assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
         if name.startswith("jaxckpt"):
-          assert name.startswith(("jaxckpt.errors", "jaxckpt.snapshot", "jaxckpt.parity")), (
+          assert name.startswith(("jaxckpt.errors", "jaxckpt.host.snapshot", "jaxckpt.parity")), (
               f"{path.name} imports {name}")

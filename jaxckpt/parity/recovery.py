@@ -1,7 +1,7 @@
 """Rebuilding lost hosts' snapshots from the survivors' pieces, checksum-verified.
 
 Every piece has a saved checksum (:func:`piece_checksums`, xxh3-64 from
-``jaxckpt.snapshot.checksum``): data pieces over their own bytes, parity
+``jaxckpt.host.snapshot.checksum``): data pieces over their own bytes, parity
 pieces over the whole block. Recovery verifies every piece it fetches and
 every piece it rebuilds, so a corrupted piece is never decoded into garbage:
 a piece that fails its checksum is left out and the next survivor is fetched
@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from jaxckpt import errors
+from jaxckpt.host.snapshot import checksum
 from jaxckpt.parity import codec as codec_lib
 from jaxckpt.parity.placement import Piece, Stripe, StripeLayout, padded
-from jaxckpt.snapshot import checksum
 
 logger = logging.getLogger(__name__)
 

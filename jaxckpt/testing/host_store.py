@@ -1,4 +1,4 @@
-"""The contract every :class:`jaxckpt.store.HostStore` keeps, as shipped tests.
+"""The contract every :class:`jaxckpt.host.store.HostStore` keeps, as shipped tests.
 
 A store implementation (jaxckpt's in-process store, the snapshot agent, or
 yours) subclasses :class:`HostStoreContract` in a ``*_test.py`` and provides
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jaxckpt import errors
-from jaxckpt.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
+from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 
 MiB = 2**20
 

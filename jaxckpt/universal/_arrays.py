@@ -12,8 +12,8 @@ from typing import Any
 import tensorstore as ts
 
 from jaxckpt import errors
-from jaxckpt import snapshot as snap
-from jaxckpt.snapshot import Box
+from jaxckpt.host import snapshot as snap
+from jaxckpt.host.snapshot import Box
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 

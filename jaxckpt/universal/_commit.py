@@ -28,7 +28,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import _wait, errors
-from jaxckpt import snapshot as snap
+from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jaxckpt import snapshot as snap
+from jaxckpt.host import snapshot as snap
 
 
 def _pieces(value: Any) -> tuple[str, list[tuple[snap.Box, np.ndarray]], Any]:

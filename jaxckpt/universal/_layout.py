@@ -29,7 +29,7 @@ import tensorstore as ts
 import xxhash
 
 from jaxckpt import errors
-from jaxckpt.snapshot import Box, box_shape
+from jaxckpt.host.snapshot import Box, box_shape, dtype_from_name
 
 COMMITS_PREFIX = "commits/"
 INNER_CHUNK_TARGET_BYTES = 4 << 20
@@ -305,7 +305,6 @@ def storage_dtype(dtype_name: str) -> str:
             create=True).result()
     return dtype_name
   except ValueError:
-    from jaxckpt.snapshot import dtype_from_name  # pylint: disable=import-outside-toplevel
     return f"uint{dtype_from_name(dtype_name).itemsize * 8}"
 
 

@@ -20,8 +20,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import snapshot as snap
-from jaxckpt.snapshot import Box
+from jaxckpt.host import snapshot as snap
+from jaxckpt.host.snapshot import Box
 from jaxckpt.universal import _layout as lay
 
 READ_CHUNK_TARGET_BYTES = 4 << 20

@@ -17,7 +17,7 @@ import jsonschema
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.snapshot import Box, dtype_from_name
+from jaxckpt.host.snapshot import Box, dtype_from_name
 from jaxckpt.tree import scalar_from_json, scalar_to_json
 
 FORMAT = "jaxckpt.universal"

@@ -22,13 +22,11 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _assemble
 from jaxckpt import errors
-from jaxckpt import snapshot as snap
-from jaxckpt.snapshot import Box
-from jaxckpt.universal import _arrays
-from jaxckpt.universal import _budget
-from jaxckpt.universal import _commit
+from jaxckpt.host import snapshot as snap
+from jaxckpt.host.snapshot import Box
+from jaxckpt.restore import _assemble
+from jaxckpt.universal import _arrays, _budget, _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _lazy
 from jaxckpt.universal import _manifest as man

@@ -17,7 +17,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import errors
-from jaxckpt import snapshot as snap
+from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _lazy
 from jaxckpt.universal import _manifest as man

@@ -19,11 +19,9 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import errors
-from jaxckpt import snapshot as snap
-from jaxckpt.snapshot import Box, SnapshotManifest
-from jaxckpt.universal import _arrays
-from jaxckpt.universal import _budget
-from jaxckpt.universal import _commit
+from jaxckpt.host import snapshot as snap
+from jaxckpt.host.snapshot import Box, SnapshotManifest
+from jaxckpt.universal import _arrays, _budget, _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 

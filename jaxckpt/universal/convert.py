@@ -57,12 +57,11 @@ import tensorstore as ts
 import yaml
 
 from jaxckpt import errors
-from jaxckpt import snapshot as snap
-from jaxckpt.snapshot import Box
+from jaxckpt.host import snapshot as snap
+from jaxckpt.host.snapshot import Box
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
-from jaxckpt.universal import _read
-from jaxckpt.universal import _write
+from jaxckpt.universal import _read, _write
 from jaxckpt.universal._rules import (RULES, Average, Cast, Concat, Drop, Pad, Rename, Reshape,
                                       Rule, Split, Stack, Transpose, Unpad, Unstack,
                                       compile_pattern, match)

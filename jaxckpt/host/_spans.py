@@ -8,7 +8,7 @@ with one call). :func:`span_checksums` hashes every span in one compiled
 loop that runs without the GIL: it calls ``XXH3_64bits`` from the xxhash
 package's own extension module (the C code that ``xxhash.xxh3_64_hexdigest``
 runs) through its address, so the digests are those of
-:func:`jaxckpt.snapshot.checksum`, bit for bit.
+:func:`jaxckpt.host.snapshot.checksum`, bit for bit.
 
 The compiled loop is used once it has loaded in the background (the first
 call starts that) and only when the extension exports the symbol and a
@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxckpt.snapshot import checksum
+from jaxckpt.host.snapshot import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _try_load() -> Callable[..., None] | None:
     return None
   try:
     from xxhash import _xxhash  # pylint: disable=import-outside-toplevel
-    from jaxckpt._spans_kernel import hash_spans_hex  # pylint: disable=import-outside-toplevel
+    from jaxckpt.host._spans_kernel import hash_spans_hex  # pylint: disable=import-outside-toplevel
     fn = ctypes.cast(ctypes.CDLL(_xxhash.__file__).XXH3_64bits, ctypes.c_void_p).value
     probe = np.frombuffer(bytes(range(256)) * 40, np.uint8)
     offsets = np.array([0, 1, 64, 3000, 10240], np.uint64)

@@ -11,10 +11,10 @@ import jax
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt._assemble import device_boxes, make_array
-from jaxckpt.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
+from jaxckpt.host.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
                               copy_and_hash, full_box, shard_view, verify_shard)
+from jaxckpt.restore._assemble import device_boxes, make_array
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
 
 

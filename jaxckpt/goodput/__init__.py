@@ -86,11 +86,11 @@ logger = logging.getLogger(__name__)
 
 # The closed-form check (Young / Daly) and the inputs' evidence live in modules of their own;
 # their names are part of this module's API.
-from jaxckpt.goodput_closed_form import (ClosedFormResult, SimulationInputError,  # noqa: E402,F401
+from jaxckpt.goodput.closed_form import (ClosedFormResult, SimulationInputError,  # noqa: E402,F401
                                          daly_efficiency, daly_optimal_interval,
                                          first_order_efficiency, simulate_synchronous,
                                          young_optimal_interval)
-from jaxckpt.goodput_inputs import (BENCHMARK_FILES, MEASURED_DIR, SOURCES,  # noqa: E402,F401
+from jaxckpt.goodput.inputs import (BENCHMARK_FILES, MEASURED_DIR, SOURCES,  # noqa: E402,F401
                                     from_benchmarks)
 
 _HOUR = 3600.0

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxckpt import _spans
-from jaxckpt.snapshot import checksum
+from jaxckpt.host import _spans
+from jaxckpt.host.snapshot import checksum
 
 
 def _random_spans(rng, nbytes, n):
@@ -69,7 +69,7 @@ def test_a_span_past_the_end_is_an_error_not_a_read():
 
 
 def test_the_python_fallback_gives_the_same_digests():
-  code = ("import numpy as np; from jaxckpt import _spans; "
+  code = ("import numpy as np; from jaxckpt.host import _spans; "
           "b = np.arange(100000, dtype=np.uint8); s = _spans.Spans([0, 5, 999], [5, 994, 99001]); "
           "print(_spans.compiled(), *_spans.span_checksums(b, s))")
   env = dict(os.environ, JAXCKPT_SPAN_HASH="python")

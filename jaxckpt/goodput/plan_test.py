@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-import jaxckpt as jc
 from jaxckpt import cli, errors
-from jaxckpt import goodput_plan as gp
-from jaxckpt.goodput_closed_form import first_order_efficiency, simulate_synchronous
+import jaxckpt as jc
+from jaxckpt.goodput import plan as gp
+from jaxckpt.goodput.closed_form import first_order_efficiency, simulate_synchronous
 
 GIB = 2**30
 CASE = dict(state_gib_per_host=8, host_ram_gib=512, hosts=64, step_secs=1, storage_gbps=1)

@@ -28,7 +28,7 @@ import uuid
 from typing import Any, Callable, ContextManager
 
 from jaxckpt import errors
-from jaxckpt.snapshot import SnapshotManifest
+from jaxckpt.host.snapshot import SnapshotManifest
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant,
                                  precondition, rule)
 
-from jaxckpt import _slots, errors
+from jaxckpt import errors
+from jaxckpt.host import _slots
 
 OWNERS = st.integers(1, 3)
 STEPS = st.integers(0, 12)

@@ -1,11 +1,11 @@
 """Bulk bytes between jaxckpt processes: plain TCP streams, several at once.
 
-Requests and replies travel as ZeroMQ messages (:mod:`jaxckpt._wire`); the
+Requests and replies travel as ZeroMQ messages (:mod:`jaxckpt.net._wire`); the
 bytes of snapshots move here, because one ZeroMQ connection carries about a
 third of what one TCP stream does (1.2 against 3.7 GB/s on loopback, measured).
 
 A bulk request is one connection: the client sends the two frames of a sealed
-:mod:`jaxckpt._wire` message (its header names what to send and the byte
+:mod:`jaxckpt.net._wire` message (its header names what to send and the byte
 ranges), each as a 4-byte length and its bytes; the server verifies the mac,
 asks its ``provide`` callback for the buffers, and answers with one
 length-prefixed msgpack frame (``{"ok": True}`` or the error, typed) followed by
@@ -34,7 +34,8 @@ import struct
 import threading
 from typing import Any, Callable, ContextManager, Sequence
 
-from jaxckpt import _wire, errors
+from jaxckpt import errors
+from jaxckpt.net import _wire
 
 logger = logging.getLogger("jaxckpt.bulk")
 

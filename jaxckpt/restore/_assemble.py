@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxckpt.snapshot import Box, box_from_index
+from jaxckpt.host.snapshot import Box, box_from_index
 
 
 def device_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict:

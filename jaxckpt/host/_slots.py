@@ -1,7 +1,7 @@
 """The snapshot slot table: which slot holds which step, in which state.
 
 One small pure class (no locks, no memory, no I/O) used by both host stores,
-the in-process :class:`jaxckpt.store.InProcessStore` and the snapshot agent
+the in-process :class:`jaxckpt.host.store.InProcessStore` and the snapshot agent
 (``jaxckpt.agent._server``). Each store wraps it in its own lock and owns the
 bytes; the table decides:
 

@@ -10,7 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from jaxckpt import _bulk, errors
+from jaxckpt import errors
+from jaxckpt.net import _bulk
 
 SECRET = b"s" * 32
 

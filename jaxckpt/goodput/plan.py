@@ -7,7 +7,7 @@ and recommends the one that fits the memory budget with the highest expected goo
 number comes from a function of this module (the page quotes each), from jaxckpt's measured
 figures (``jaxckpt/measured/h100_host``, read as ``jaxckpt simulate --from-benchmarks
 measured`` reads them) and from the first-order checkpoint model of Young and Daly
-(:func:`jaxckpt.goodput_closed_form.first_order_efficiency`), extended to two kinds of failure:
+(:func:`jaxckpt.goodput.closed_form.first_order_efficiency`), extended to two kinds of failure:
 
 * failures arrive as a Poisson process at the job's MTBF (an accelerator's MTBF over the job's
   accelerators);
@@ -37,8 +37,8 @@ import sys
 from typing import Any
 
 from jaxckpt import errors
-from jaxckpt.goodput_closed_form import daly_optimal_interval
-from jaxckpt.goodput_inputs import MEASURED_DIR, from_benchmarks
+from jaxckpt.goodput.closed_form import daly_optimal_interval
+from jaxckpt.goodput.inputs import MEASURED_DIR, from_benchmarks
 
 GIB = 2**30
 GB = 1e9
@@ -191,7 +191,7 @@ def goodput(i: PlanInputs, blocking: tuple[float, float],
 
   ``1 - delta / tau - sum over kinds of (share / M) ((tau_k + delta) / 2 + R + load_k)``
 
-  With one kind this is :func:`~jaxckpt.goodput_closed_form.first_order_efficiency`.
+  With one kind this is :func:`~jaxckpt.goodput.closed_form.first_order_efficiency`.
 
   Args:
     blocking: ``(delta, tau)``: save() blocks ``delta`` seconds every ``tau``.

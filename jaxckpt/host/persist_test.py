@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jaxckpt as jc
-import jaxckpt.universal as u
 from jaxckpt import _wait, errors
+import jaxckpt as jc
 from jaxckpt.testing import processes
 from jaxckpt.universal import _fixtures
+import jaxckpt.universal as u
 
 
 def _state(value: float) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt.agent.client import AgentStore
-from jaxckpt.store import InProcessStore
+from jaxckpt.host.store import InProcessStore
 from jaxckpt.testing import processes
 from jaxckpt.testing.host_store import HostStoreContract
 

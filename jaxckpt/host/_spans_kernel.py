@@ -1,4 +1,4 @@
-"""The compiled loop of :mod:`jaxckpt._spans`, imported on first use (numba loads in ~0.5 s)."""
+"""The compiled loop of :mod:`jaxckpt.host._spans`, imported on first use (numba loads in ~0.5 s)."""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ import numpy as np
 import zmq
 
 from jaxckpt import errors
+from jaxckpt.host.snapshot import dtype_from_name
 
 Header = dict[str, Any]
 MAX_SKEW_SECS = 300.0
@@ -217,7 +218,6 @@ def expired(header: Header) -> bool:
 
 def arrays_of(header: Header, raw: Sequence[Any]) -> list[np.ndarray]:
   """The read-only arrays a sealed message carries (zero-copy views of its frames)."""
-  from jaxckpt.snapshot import dtype_from_name  # pylint: disable=import-outside-toplevel
   meta = header.pop("arrays", [])
   if len(meta) != len(raw):
     raise errors.CorruptSnapshotError(

@@ -19,11 +19,13 @@ from typing import Any, Iterator
 
 import jax
 
-from jaxckpt import _restore, _wait, errors
-from jaxckpt.store import HostStore
+from jaxckpt import _wait, errors, universal
+from jaxckpt.host.snapshot import LeafRecord
+from jaxckpt.host.store import HostStore
+from jaxckpt.net import _kv
+from jaxckpt.restore import _read
 
 logger = logging.getLogger(__name__)
-_agreements = [0]
 
 
 def complete_steps(store: HostStore) -> list[int]:
@@ -34,7 +36,6 @@ def complete_steps(store: HostStore) -> list[int]:
 def storage_steps(directory: str | None) -> list[int]:
   if directory is None:
     return []
-  from jaxckpt import universal  # pylint: disable=import-outside-toplevel
   return universal.all_steps(directory)
 
 
@@ -87,34 +88,34 @@ def _rebuildable(held: list[int], store: HostStore) -> tuple[list[int], dict[int
 
 
 def restore(store: HostStore, directory: str | None, step: int | None, target: Any, *,
-            partial: bool, timeout_secs: float) -> tuple[Any, _restore.RestoreInfo]:
+            partial: bool, timeout_secs: float) -> tuple[Any, _read.RestoreInfo]:
   """Chooses the step and its fastest tier, reads it onto ``target``, and says
   what it did: the one place a restore's tiers are chosen and read, top to
   bottom. A host or parity read that finds a damaged or lost snapshot falls
   back to storage when storage holds the step."""
   t0 = time.perf_counter()
   step, tier = choose_step(store, directory, step, timeout_secs=timeout_secs)
-  if tier is not _restore.Tier.STORAGE:
+  if tier is not _read.Tier.STORAGE:
     try:
-      with host_pieces(store, step, rebuild=tier is _restore.Tier.PARITY) as pieces:
-        source: _restore.Source = _restore.HostSource(pieces)
-        out = jax.block_until_ready(_restore.restore_tree(source, target, partial=partial))
+      with host_pieces(store, step, rebuild=tier is _read.Tier.PARITY) as pieces:
+        source: _read.Source = _read.HostSource(pieces)
+        out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
     except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
       if step not in storage_steps(directory):
         raise
       logger.warning("step %d: %s tier failed (%s); reading storage instead", step, tier.value, e)
-      tier = _restore.Tier.STORAGE
-  if tier is _restore.Tier.STORAGE:
+      tier = _read.Tier.STORAGE
+  if tier is _read.Tier.STORAGE:
     source = StorageSource(directory, step)
-    out = jax.block_until_ready(_restore.restore_tree(source, target, partial=partial))
-  info = _restore.RestoreInfo(step, tier, time.perf_counter() - t0, source.bytes_read)
+    out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
+  info = _read.RestoreInfo(step, tier, time.perf_counter() - t0, source.bytes_read)
   logger.info("restored step %d from %s (%d bytes, %.3f s)", step, tier.value, info.nbytes,
               info.seconds)
   return out, info
 
 
 def choose_step(store: HostStore, directory: str | None, step: int | None, *,
-                timeout_secs: float) -> tuple[int, _restore.Tier]:
+                timeout_secs: float) -> tuple[int, _read.Tier]:
   """The step to restore and the fastest tier that holds it: "host" (every
   saving process's snapshot is held), "parity" (some are lost but the
   survivors' parity rebuilds them) or "storage".
@@ -147,8 +148,8 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
         + (f"; on storage: {stored}" if directory else ""))
   if jax.process_count() > 1:
     step = agree(step, timeout_secs=timeout_secs)
-  tier = (_restore.Tier.HOST if step in held else _restore.Tier.PARITY if step in rebuilt
-          else _restore.Tier.STORAGE)
+  tier = (_read.Tier.HOST if step in held else _read.Tier.PARITY if step in rebuilt
+          else _read.Tier.STORAGE)
   return step, tier
 
 
@@ -156,8 +157,6 @@ class StorageSource:
   """A step read from the universal format: each region read on demand, verified."""
 
   def __init__(self, directory: str, step: int) -> None:
-    from jaxckpt import universal  # pylint: disable=import-outside-toplevel
-    from jaxckpt.snapshot import LeafRecord  # pylint: disable=import-outside-toplevel
     self.reader_ = universal.open_step(directory, step)
     self.step = step
     self.leaves = tuple(LeafRecord(path=i.path, kind=i.kind, shape=tuple(i.shape),
@@ -179,53 +178,12 @@ class StorageSource:
     return self.reader_.region_reader(self.leaves[i].path, boxes=boxes)
 
 
-def broadcast_from_0(name: str, make: Any, *, timeout_secs: float) -> str:
-  """``make()`` on process 0, handed to every process through jax.distributed's
-  key-value store; a process that does not hear in time names process 0."""
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
-  client = distributed.global_state.client
-  _agreements[0] += 1
-  key = f"jaxckpt/{name}/{_agreements[0]}"
-  if jax.process_index() == 0:
-    value = make()
-    client.key_value_set(key, value)
-    return value
-  try:
-    return client.blocking_key_value_get(key, int(timeout_secs * 1000))
-  except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
-    raise errors.SnapshotTimeoutError(
-        f"process {jax.process_index()}: process 0 did not publish the job's {name} within "
-        f"{timeout_secs} s (is it running, with the same jaxckpt version?)") from None
-
-
-def allgather(name: str, value: str, *, timeout_secs: float, what: str) -> list[str]:
-  """Every process's ``value``, in process order, through jax.distributed's key-value
-  store; SnapshotTimeoutError naming the processes that did not publish ``what`` in time."""
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
-  client = distributed.global_state.client
-  n, me = jax.process_count(), jax.process_index()
-  _agreements[0] += 1
-  key = f"jaxckpt/{name}/{_agreements[0]}"
-  client.key_value_set(f"{key}/{me}", value)
-  got, late = {}, []
-  for p in range(n):
-    try:
-      got[p] = client.blocking_key_value_get(f"{key}/{p}", int(timeout_secs * 1000))
-    except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
-      late.append(p)
-  if late:
-    raise errors.SnapshotTimeoutError(
-        f"processes {late} did not publish {what} within {timeout_secs} s (process {me} "
-        f"heard from {sorted(got)})")
-  return [got[p] for p in range(n)]
-
-
 def agree(step: int, *, timeout_secs: float) -> int:
   """The smallest of every process's choice, agreed through jax.distributed's key-value store.
 
   Raises SnapshotTimeoutError naming the processes that did not answer.
   """
-  return min(int(v) for v in allgather("restore", str(step), timeout_secs=timeout_secs,
+  return min(int(v) for v in _kv.allgather("restore", str(step), timeout_secs=timeout_secs,
                                        what="the step they hold"))
 
 
@@ -239,7 +197,7 @@ def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterat
     local_index = None
     if step in store.steps():
       manifest, buffer = stack.enter_context(store.read(step))
-      pieces.append(_restore.BufferPiece(manifest, buffer,
+      pieces.append(_read.BufferPiece(manifest, buffer,
                                          lend=functools.partial(store.lend, step, buffer)))
       local_index = manifest.process_index
       if manifest.process_count == 1:

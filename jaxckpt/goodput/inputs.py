@@ -54,7 +54,8 @@ BENCHMARK_FILES = {
 
 #: jaxckpt's own figures, shipped: the three files measured on the 16-core host of one H100
 #: (JAX on its CPU; 1 GiB snapshot, 256 MiB catch-up, three processes for the stall), 2026-11-22.
-MEASURED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured", "h100_host")
+MEASURED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "measured",
+                            "h100_host")
 
 
 def from_benchmarks(directory: str | os.PathLike[str], *, state_gib_per_host: float

@@ -1,0 +1,306 @@
+"""Host-snapshot stores: where captured bytes live between steps.
+
+The manager talks to a store only through :class:`HostStore`, so the
+in-process store here and the snapshot agent (``jaxckpt.agent``) are
+interchangeable. A store hands out preallocated *slots* (reused across steps:
+no allocation per save), makes a step visible only on ``commit``, keeps at most
+``max_snapshots`` committed steps (never dropping the newest), and lets readers
+pin a step while they read it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import threading
+import time
+from typing import Any, Iterator
+
+import numpy as np
+
+from jaxckpt import errors
+from jaxckpt.host import _persist, _slots
+from jaxckpt.host._persist import PersistConfig, PersistError, PersistStatus  # noqa: F401  (the store's names)
+from jaxckpt.host.snapshot import ShardRecord, SnapshotManifest, aligned_empty
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+  """A writable buffer reserved for one step's snapshot."""
+
+  index: int
+  step: int
+  buffer: Any          # writable, at least ``nbytes`` long (np.uint8 array or mmap)
+  nbytes: int
+
+
+class HostStore(abc.ABC):
+  """What the manager needs from a host-memory snapshot store."""
+
+  @abc.abstractmethod
+  def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
+    """A free slot of at least ``nbytes``; None if none frees up in time (0 = don't wait)."""
+
+  @abc.abstractmethod
+  def commit(self, slot: Slot, manifest: SnapshotManifest, *,
+             persist_attempt: str | None = None) -> None:
+    """Makes ``slot`` the committed snapshot of ``manifest.step``. With a
+    ``persist_attempt`` (the step is due for storage) the store holds the slot
+    from this commit until the step's persist, which it runs as that attempt,
+    has ended: no later save can recycle it meanwhile."""
+
+  @abc.abstractmethod
+  def abort(self, slot: Slot) -> None:
+    """Returns an uncommitted slot to the free pool."""
+
+  @abc.abstractmethod
+  def steps(self) -> list[int]:
+    """Committed steps, oldest first."""
+
+  @abc.abstractmethod
+  def read(self, step: int) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, Any]]:
+    """Pins ``step`` and yields its manifest and buffer until the context exits."""
+
+  #: ``written`` is worth calling after about this many bytes (None: never call it).
+  progress_bytes: int | None = None
+
+  def written(self, slot: Slot, shards: list[ShardRecord]) -> None:
+    """``shards`` of ``slot`` are fully written (the store may verify them early)."""
+    del slot, shards
+
+  def lend(self, step: int, buffer: Any) -> bool:
+    """Promises that ``buffer`` (``step``'s, as pinned by ``read``) is never
+    written again, so restored arrays may keep views of it (XLA:CPU adopts host
+    buffers); False if this store cannot (its slots are reused in place) or
+    the buffer is no longer pinned.
+    """
+    del step, buffer
+    return False
+
+  def persist_errors(self, *, ask: bool = True) -> list[PersistError]:
+    """Errors of persists this store ran since the last call, each reported once
+    (``ask=False``: only those already known here, at no cost)."""
+    del ask
+    return []
+
+  def persist_status(self, *, ask: bool = True) -> PersistStatus:
+    """Which persists are queued or running, and which ended on storage
+    (``ask=False``: as last heard, at no cost)."""
+    del ask
+    return PersistStatus()
+
+  def persisted_steps(self) -> list[int]:
+    """Steps this store persisted (its part written, and committed by process 0)."""
+    return list(self.persist_status().persisted)
+
+  def has_free_slot(self) -> bool:
+    """Whether a ``reserve`` now would find a slot without waiting."""
+    return True
+
+  def persist_to(self, config: PersistConfig) -> None:
+    """From now on, persists the steps committed with a ``persist_attempt`` as
+    ``config`` says (the manager calls it when it has a directory)."""
+    raise errors.InvalidArgumentError(
+        f"{type(self).__name__} does not persist snapshots, so a CheckpointManager with a "
+        "directory cannot use it; implement HostStore.persist_to, or pass directory=None")
+
+  #: How often this store replaced a dead backing process (the agent).
+  restarts: int = 0
+
+  # -- the job: what a store shared by several hosts (the agents) adds ---------
+
+  def complete_steps(self) -> list[int]:
+    """Steps for which every saving process's snapshot is held somewhere in the job."""
+    return self.steps()
+
+  def parity_steps(self) -> dict[int, Any]:
+    """``{step: _parity.StepParity}`` of the steps the job's agents protect (none here)."""
+    return {}
+
+  def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
+                   have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
+    """The pieces of ``step`` held elsewhere in the job (each pinned until ``stack``
+    closes) and, with ``rebuild``, those of lost hosts rebuilt from parity;
+    ``have`` are the pieces found so far. This process's store is the whole story
+    here: StepNotFoundError."""
+    del local_index, rebuild, have, stack
+    raise errors.StepNotFoundError(f"step {step} is not held in this process")
+
+  def discover(self, *, timeout_secs: float) -> None:
+    """Learns where the job's other hosts keep their snapshots (a no-op here)."""
+    del timeout_secs
+
+  def recover_persists(self, process_index: int) -> None:
+    """Writes this process's part of persists the job still waits on that this
+    store lost (a new agent after a lost machine); a no-op here."""
+    del process_index
+
+  @abc.abstractmethod
+  def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
+    """Forgets committed ``step`` (a reader holding it keeps its slot until done)
+    and fences its persists: a queued one never runs, a running one never
+    commits; returns once none of them runs (SnapshotTimeoutError after
+    ``timeout_secs``). False if the step was not held."""
+
+  def preallocate(self, nbytes: int) -> None:
+    """Allocates and touches every free slot for snapshots of ``nbytes`` now, so
+    that no save pays for it (a no-op where slots are sized on reserve)."""
+    del nbytes
+
+  def close(self, timeout_secs: float = 300.0) -> None:
+    """Waits up to ``timeout_secs`` for the persists this store runs, then
+    releases its resources."""
+
+
+class InProcessStore(HostStore):
+  """Snapshots held in this process's memory (lost if the process dies).
+
+  Holds ``max_snapshots + 1`` slots: the committed snapshots plus one being
+  written. Slots are allocated on first use at the snapshot's size and reused.
+  A slot lent to a restore (:meth:`lend`) keeps its step readable but is never
+  written again: when it frees up, its buffer is released (the restored arrays
+  hold it while they live) and the next save allocates a new one. While a
+  restored array lives, its whole old slot does too: up to one snapshot of
+  memory beyond ``host_memory_limit_bytes`` per lent slot. Which slot holds
+  what is decided by the shared :class:`jaxckpt.host._slots.SlotTable`.
+  """
+
+  _OWNER = 0          # the one writer (this process)
+
+  def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int,
+               persist: PersistConfig | None = None) -> None:
+    self._limit = host_memory_limit_bytes
+    self._table = _slots.SlotTable(max_snapshots)
+    self._buffers: list[np.ndarray | None] = [None] * len(self._table)
+    self._manifests: dict[int, SnapshotManifest] = {}
+    self._cv = threading.Condition()
+    self._persister = None
+    if persist is not None:
+      self.persist_to(persist)
+
+  def persist_to(self, config: PersistConfig) -> None:
+    if self._persister is not None and self._persister.config == config:
+      return
+    if self._persister is not None:
+      raise errors.InvalidArgumentError(
+          f"this in-process store persists to {self._persister.config.directory!r} already; "
+          "one store per manager")
+    self._persister = _persist.Persister(config, self.read, self._release)
+
+  def _check_budget(self, nbytes: int) -> None:
+    _slots.check_budget(slots=len(self._table), nbytes=nbytes, limit_bytes=self._limit,
+                        where="in-process snapshot store")
+
+  def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
+    self._check_budget(nbytes)
+    deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+    with self._cv:
+      while (r := self._table.reserve(step, nbytes, self._OWNER)) is None:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          return None
+        self._cv.wait(left)
+    buf = self._buffers[r.index]
+    if r.grow or buf is None:
+      buf = self._buffers[r.index] = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
+    return Slot(r.index, step, buf, nbytes)
+
+  def preallocate(self, nbytes: int) -> None:
+    self._check_budget(nbytes)
+    with self._cv:
+      for i in self._table.grow_free(nbytes):
+        buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)
+        buf.fill(0)                # first touch here, not in a save (~4 s/GiB on some VMs)
+
+  def commit(self, slot: Slot, manifest: SnapshotManifest, *,
+             persist_attempt: str | None = None) -> None:
+    persist = persist_attempt is not None and self._persister is not None
+    with self._cv:
+      self._dropped(self._table.commit(slot.index, manifest.step, hold=persist))
+      self._manifests[manifest.step] = manifest
+      self._cv.notify_all()
+    if persist:
+      self._persister.submit(manifest.step, persist_attempt)
+
+  def _dropped(self, dropped: list[_slots.Dropped]) -> None:
+    for d in dropped:
+      if d.state == _slots.COMMITTED:
+        self._manifests.pop(d.step, None)
+        if d.held:                          # rolled back before it was persisted
+          self._persister.fence(d.step)
+
+  def _release(self, step: int) -> None:
+    with self._cv:
+      self._dropped(self._table.release(step))
+      self._cv.notify_all()
+
+  def has_free_slot(self) -> bool:
+    with self._cv:
+      return bool(self._table.free_slots())
+
+  def persist_status(self, *, ask: bool = True) -> PersistStatus:
+    del ask
+    return PersistStatus() if self._persister is None else self._persister.status()
+
+  def persist_errors(self, *, ask: bool = True) -> list[PersistError]:
+    del ask
+    return [] if self._persister is None else self._persister.take_errors()
+
+  def abort(self, slot: Slot) -> None:
+    with self._cv:
+      self._table.abort(slot.index)
+      self._cv.notify_all()
+
+  def steps(self) -> list[int]:
+    with self._cv:
+      return self._table.steps()
+
+  def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
+    with self._cv:
+      d = self._table.discard(step)
+      self._manifests.pop(step, None)
+      self._cv.notify_all()
+    if self._persister is not None:
+      self._persister.fence(step)
+      if not self._persister.wait_idle(timeout_secs, step=step):
+        raise errors.SnapshotTimeoutError(
+            f"discard of step {step}: its running persist to "
+            f"{self._persister.config.directory!r} did not stop within {timeout_secs} s "
+            "(it will not commit)")
+    return d is not None
+
+  def lend(self, step: int, buffer: Any) -> bool:
+    with self._cv:
+      i = next((i for i, b in enumerate(self._buffers) if b is buffer), None)
+      return i is not None and self._table.lend(i)     # False: the caller copies instead
+
+  @contextlib.contextmanager
+  def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
+    with self._cv:
+      s = self._table.pin(step, self._OWNER)
+      if s is None:
+        raise errors.StepNotFoundError(
+            f"step {step} is not held in host memory (held: {self._table.steps()})")
+      manifest, buf = self._manifests[step], self._buffers[s.index]
+    try:
+      yield manifest, buf
+    finally:
+      with self._cv:
+        self._table.unpin(s.index, self._OWNER)
+        self._cv.notify_all()
+
+  def close(self, timeout_secs: float | None = None) -> None:
+    """Waits for the queued persists (at most ``timeout_secs``, by default the
+    persist's own timeout), then frees the slots."""
+    try:
+      if self._persister is not None:
+        self._persister.close(timeout_secs or self._persister.config.timeout_secs)
+    finally:
+      self._free()
+
+  def _free(self) -> None:
+    with self._cv:
+      self._buffers = [None] * len(self._buffers)
+      self._table = _slots.SlotTable(self._table.keep, len(self._table))
+      self._manifests.clear()

@@ -1,0 +1,73 @@
+"""What the processes of a job agree on, through jax.distributed's key-value store.
+
+JAX offers no public API for its key-value store (``jax.distributed`` has
+``initialize``, ``is_initialized`` and ``shutdown``), so this module is the one
+place that reaches it, as ``jax._src.distributed.global_state.client`` (orbax
+does the same). The trainer's side only: it imports JAX.
+
+Each agreement takes a key no earlier one used. A process numbers its
+agreements in the order it makes them, with a counter it keeps in the store
+itself (``key_value_increment`` on a key of its own): the processes of a job
+agree in the same order, so they meet on the same keys, and no module holds
+state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax._src import distributed as _distributed
+
+from jaxckpt import errors
+
+
+def _client():
+  client = _distributed.global_state.client
+  if client is None:
+    raise errors.InvalidArgumentError(
+        f"a job of {jax.process_count()} processes has no jax.distributed client; call "
+        "jax.distributed.initialize() before creating the CheckpointManager")
+  return client
+
+
+def _key(client, name: str) -> str:
+  n = client.key_value_increment(f"jaxckpt/agreements/{jax.process_index()}", 1)
+  return f"jaxckpt/{name}/{n}"
+
+
+def broadcast_from_0(name: str, make: Callable[[], str], *, timeout_secs: float) -> str:
+  """``make()`` on process 0, handed to every process; a process that does not
+  hear in time names process 0."""
+  client = _client()
+  key = _key(client, name)
+  if jax.process_index() == 0:
+    value = make()
+    client.key_value_set(key, value)
+    return value
+  try:
+    return client.blocking_key_value_get(key, int(timeout_secs * 1000))
+  except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
+    raise errors.SnapshotTimeoutError(
+        f"process {jax.process_index()}: process 0 did not publish the job's {name} within "
+        f"{timeout_secs} s (is it running, with the same jaxckpt version?)") from None
+
+
+def allgather(name: str, value: str, *, timeout_secs: float, what: str) -> list[str]:
+  """Every process's ``value``, in process order; SnapshotTimeoutError naming the
+  processes that did not publish ``what`` in time."""
+  client = _client()
+  n, me = jax.process_count(), jax.process_index()
+  key = _key(client, name)
+  client.key_value_set(f"{key}/{me}", value)
+  got, late = {}, []
+  for p in range(n):
+    try:
+      got[p] = client.blocking_key_value_get(f"{key}/{p}", int(timeout_secs * 1000))
+    except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
+      late.append(p)
+  if late:
+    raise errors.SnapshotTimeoutError(
+        f"processes {late} did not publish {what} within {timeout_secs} s (process {me} "
+        f"heard from {sorted(got)})")
+  return [got[p] for p in range(n)]
