@@ -121,7 +121,8 @@ class Links:
       old = self._incoming.pop(group, None)
       self._incoming[group] = _In(conn)
       self._cond.notify_all()
-    if old is not None:
+    if old is not None:            # (a recv blocked on it wakes to its end: _Ended)
+      _bulk.shutdown(old.conn)
       old.conn.close()
 
   def recv(self, group: str, expect: dict[str, Any], tag: int, into: np.ndarray,
@@ -164,14 +165,18 @@ class Links:
       except _Ended:                             # (a restarted neighbour's old stream)
         self._drop(group, inc)
       except (OSError, KeyError, ValueError, TypeError, errors.JaxckptError) as e:
-        self._drop(group, inc)
+        if self._drop(group, inc):               # a restarted neighbour's new stream took
+          continue                               # its place (and closed it under us)
         return f"the stream from group {group} broke: {type(e).__name__}: {e}"
 
-  def _drop(self, group: str, inc: _In) -> None:
+  def _drop(self, group: str, inc: _In) -> bool:
+    """Forgets ``inc``; True if a newer stream from ``group`` has replaced it already."""
     with self._cond:
-      if self._incoming.get(group) is inc:
+      current = self._incoming.get(group)
+      if current is inc:
         del self._incoming[group]
     inc.conn.close()
+    return current is not None and current is not inc
 
   # ---- the sending side -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxckpt import _wait
 from jaxckpt.ft import _links
 from jaxckpt.net import _bulk, _wire
 
@@ -167,6 +168,28 @@ def test_a_restarted_neighbour_takes_over_from_its_old_stream():
       new.send("b", b.address, _head(0, q="q2"), [np.full(8, 2, np.uint8)], _soon())
       assert b.recv("a", _expect(q="q2"), 0, into, _soon()) is None
       assert (into == 2).all()
+
+
+def test_a_new_stream_that_replaces_one_being_read_is_read_instead():
+  # A restarted neighbour's new stream arrives while this group waits on its old one (still
+  # open: the old process hangs). The wait moves to the new stream; it does not fail the
+  # attempt on the old one being closed under it ("Bad file descriptor", seen in the suite).
+  with _links_of("b") as (b,):
+    old = _raw_stream(b.address, "a")
+    into = np.zeros(8, np.uint8)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(b.recv("a", _expect(), 0, into,
+                                                                  _soon(10.0))))
+    reader.start()
+    _wait.until(lambda: b._incoming.get("a") is not None, timeout_secs=LONG,  # pylint: disable=protected-access
+                late=lambda: "the old stream was not taken")
+    time.sleep(0.2)     # (likely blocked on the old stream by now; the test holds either way)
+    new = _raw_stream(b.address, "a")
+    _raw_piece(new, _head(0), bytes(range(8)))
+    reader.join(LONG)
+    assert got == [None] and into.tolist() == list(range(8))
+    old.close()
+    new.close()
 
 
 def test_close_sends_what_is_queued_before_it_returns():
