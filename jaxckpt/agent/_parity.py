@@ -34,7 +34,7 @@ import numpy as np
 import xxhash
 
 from jaxckpt import errors
-from jaxckpt.agent import _paths
+from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent._protocol import Client
 from jaxckpt.host.snapshot import SnapshotManifest, checksum
 
@@ -386,12 +386,12 @@ class ParityWorker:
         r = self._ask(h, "peer_manifest", step=step)
         if r is None:
           continue
-        if r["manifest"] is not None:
-          out[h] = r["manifest"]
-        elif ((r["newest"] is None or r["newest"] > step)
+        if r.manifest is not None:
+          out[h] = r.manifest
+        elif ((r.newest is None or r.newest > step)
               and time.monotonic() - start > ahead_for):
-          held = ("holds no step" if r["newest"] is None
-                  else f"committed step {r['newest']} but not step {step}")
+          held = ("holds no step" if r.newest is None
+                  else f"committed step {r.newest} but not step {step}")
           raise errors.StepNotFoundError(
               f"host {h} {held} within {ahead_for} s (it skipped or dropped it, or its agent "
               f"is new), so step {step} cannot be protected")
@@ -407,7 +407,7 @@ class ParityWorker:
       time.sleep(self.config.poll_secs)
 
   def _ask(self, host: int, op: str, timeout_secs: float = 5.0,
-           **kw: Any) -> dict[str, Any] | None:
+           **kw: Any) -> _requests.Reply | None:
     try:
       return self._peer(host).call(op, timeout_secs=min(timeout_secs, self.config.timeout_secs),
                                    **kw)[0]
@@ -503,15 +503,15 @@ def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
     host = c.host
     try:
       status = c.call("parity_status")[0]
-      for step, index, _ in c.call("held")[0]["held"]:
+      for step, index, _ in c.call("held")[0].held:
         held.setdefault(step, set()).add(index)
     except errors.AgentUnavailableError as e:
       logger.warning("skipping %s: %s", c.who, e)
       continue
-    if status.get("config") is None:
+    if status.config is None:
       continue
-    cfg = ParityConfig(**status["config"])
-    for step, state, _, error, count in status["steps"]:
+    cfg = ParityConfig(**status.config)
+    for step, state, _, error, count in status.steps:
       if count:
         sp = out.setdefault(step, StepParity(step, count, cfg.options))
         if state == "done":
@@ -551,12 +551,12 @@ def recover(clients: dict[int, Client], step: int, lost: list[int],
     raise errors.UnrecoverableLossError(
         f"step {step}: no live agent holds parity of it; cannot rebuild hosts {lost}")
   first = next(iter(infos.values()))
-  cfg = ParityConfig(**first["config"])
+  cfg = ParityConfig(**first.config)
   manifests: dict[int, str] = {}
   checksums: dict[Piece, str] = {}
   for info in infos.values():
-    manifests.update({int(h): js for h, js in info["manifests"].items()})
-    for stripe, slot, host, start, stop, value in info["checksums"]:
+    manifests.update({int(h): js for h, js in info.manifests.items()})
+    for stripe, slot, host, start, stop, value in info.checksums:
       checksums[_lib().Piece(host, stripe, slot, start, stop)] = value
   sizes = [0] * first["process_count"]
   for h, js in manifests.items():

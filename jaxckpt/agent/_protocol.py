@@ -2,7 +2,8 @@
 
 A request is a message of :mod:`jaxckpt.net._wire` (sealed with the job's secret,
 see ``_paths.job_secret``, and carrying its deadline); the agent refuses one
-whose mac does not verify and does not apply one whose caller gave up. Raw
+whose mac does not verify and does not apply one whose caller gave up; the
+caller gets the request's typed reply (``_requests.X.Reply``) or an error. Raw
 frames are snapshot bytes whose checksums are in an authenticated header (a
 commit's manifest), so forged bytes are refused when verified. A reply is
 ``[msgpack({"ok": True, ...} | {"ok": False, "error": str, "type": str}), *raw]``
@@ -74,12 +75,15 @@ class Client:
     return self._sock
 
   def call(self, op: str, *frames: Any, timeout_secs: float | None = None,
-           **args: Any) -> tuple[dict[str, Any], list[zmq.Frame]]:
+           **args: Any) -> tuple[_requests.Reply, list[zmq.Frame]]:
+    """Request ``op`` with ``args`` (its fields, checked here) and its typed reply
+    (``_requests.X.Reply``), with any raw frames that followed it."""
     timeout = self.timeout_secs if timeout_secs is None else timeout_secs
+    sealed = request(self._secret, op, args, timeout)
     with self._lock:
       sock = self._socket()
       try:
-        sock.send_multipart([*request(self._secret, op, args, timeout), *frames], copy=False)
+        sock.send_multipart([*sealed, *frames], copy=False)
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
           raise errors.AgentUnavailableError(
               f"{self.who} did not answer {op!r} within {timeout} s at {self.endpoint}; "
@@ -91,7 +95,7 @@ class Client:
     reply = _wire.reply_of(parts[0].bytes, self.who, self.endpoint)
     if not reply["ok"]:
       raise _wire.remote_error(reply, self.who, op)
-    return reply, parts[1:]
+    return _requests.decode_reply(_requests.REQUESTS[op], reply, self.who, self.endpoint), parts[1:]
 
   def read(self, what: str, step: int, ranges: Sequence[tuple[int, int]], *,
            on_done: Callable[[int, np.ndarray], None] | None = None,

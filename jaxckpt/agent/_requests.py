@@ -9,8 +9,15 @@ kind, and the server finds its handler by the request's type
 (``_server.HANDLERS``): ``Reserve`` is handled by ``Agent.op_reserve``, and so
 on for each (the handler of ``X`` is ``Agent.op_`` + ``X.op``).
 
+Each request declares its reply (``Reserve.Reply``; ``Done`` where the reply
+only says it was applied): the handler returns one, it travels as its fields,
+and the client gets it back through :func:`decode_reply`, which refuses a
+missing, unknown or mistyped field as an error naming the agent.
+
 >>> decode(encode(Reserve(pid=7, step=3, nbytes=64)))
 Reserve(pid=7, step=3, nbytes=64)
+>>> decode_reply(Reserve, {"ok": True, "index": 2, "path": "/dev/shm/s2", "size": 64}, "agent", "ipc://a")
+Reserve.Reply(index=2, path='/dev/shm/s2', size=64)
 """
 
 from __future__ import annotations
@@ -25,15 +32,37 @@ from jaxckpt import errors
 
 
 @dataclasses.dataclass(frozen=True)
+class Reply:
+  """An agent's reply: its fields, read as attributes (``reply.index``), or as a
+  mapping (``reply["index"]``, ``{**reply}``) by tools that print or merge one."""
+
+  def __getitem__(self, name: str) -> Any:
+    if name not in self.keys():
+      raise KeyError(name)
+    return getattr(self, name)
+
+  def keys(self) -> list[str]:
+    return [f.name for f in dataclasses.fields(self)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Done(Reply):
+  """The reply of a request that only says it was applied."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
-  """A request to an agent; subclasses name their ``op``."""
+  """A request to an agent; subclasses name their ``op`` and their ``Reply``."""
 
   op: ClassVar[str] = ""
+  Reply: ClassVar[type[Reply]] = Done
 
 
 def _request(op: str):
   def wrap(cls):
     cls.op = op
+    if "Reply" in cls.__dict__:
+      cls.Reply = dataclasses.dataclass(frozen=True)(cls.Reply)
     return dataclasses.dataclass(frozen=True)(cls)
   return wrap
 
@@ -49,6 +78,12 @@ class Hello(Request):
   persist: dict | None = None
   parity: dict | None = None
 
+  class Reply(Reply):
+    pid: int
+    steps: list
+    slots: int
+    generation: int
+
 
 @_request("reserve")
 class Reserve(Request):
@@ -56,6 +91,11 @@ class Reserve(Request):
   pid: int
   step: int
   nbytes: int
+
+  class Reply(Reply):
+    index: int | None
+    path: str | None = None
+    size: int | None = None
 
 
 @_request("written")
@@ -77,6 +117,11 @@ class Commit(Request):
   process: list
   persist_attempt: str | None = None
 
+  class Reply(Reply):
+    steps: list
+    persist: dict
+    persist_errors: list
+
 
 @_request("abort")
 class Abort(Request):
@@ -88,11 +133,19 @@ class Discard(Request):
   """Forget ``step`` and fence its persists (``persisting`` in the reply while one runs)."""
   step: int
 
+  class Reply(Reply):
+    discarded: bool
+    persisting: bool
+
 
 @_request("persisted")
 class Persisted(Request):
   """The persist status (and, with ``errors``, the persist errors since the last ask)."""
   errors: bool = True
+
+  class Reply(Reply):
+    persist: dict
+    persist_errors: list
 
 
 @_request("bye")
@@ -107,10 +160,18 @@ class Bye(Request):
 class Steps(Request):
   pass
 
+  class Reply(Reply):
+    steps: list
+    free_slots: int
+    protected: int | None
+
 
 @_request("held")
 class Held(Request):
   pass
+
+  class Reply(Reply):
+    held: list          # [step, saving process index, process count] each
 
 
 @_request("open")
@@ -118,6 +179,11 @@ class Open(Request):
   """Pin ``step`` for reader ``pid`` (its slot file and manifest in the reply)."""
   pid: int
   step: int
+
+  class Reply(Reply):
+    path: str
+    manifest: str
+    index: int
 
 
 @_request("close")
@@ -130,6 +196,9 @@ class Close(Request):
 @_request("manifest")
 class Manifest(Request):
   step: int
+
+  class Reply(Reply):
+    manifest: str
 
 
 # -- the job's agents, parity ------------------------------------------------------
@@ -146,6 +215,10 @@ class Peers(Request):
 class PeerManifest(Request):
   step: int
 
+  class Reply(Reply):
+    manifest: str | None
+    newest: int | None
+
 
 @_request("parity_done")
 class ParityDone(Request):
@@ -160,10 +233,22 @@ class ParityDone(Request):
 class ParityStatus(Request):
   pass
 
+  class Reply(Reply):
+    steps: list         # [step, state, secs, error, process count] each
+    bytes: int
+    config: dict | None
+
 
 @_request("parity_info")
 class ParityInfo(Request):
   step: int
+
+  class Reply(Reply):
+    process_count: int
+    config: dict
+    manifests: dict     # group host -> its manifest (JSON)
+    checksums: list
+    stripes: list
 
 
 # -- the agent itself --------------------------------------------------------------
@@ -171,6 +256,20 @@ class ParityInfo(Request):
 @_request("status")
 class Status(Request):
   pass
+
+  class Reply(Reply):
+    pid: int
+    job: str
+    host: int
+    steps: list
+    slots: list
+    bytes: int
+    parity_bytes: int
+    trainers: list
+    max_snapshots: int
+    limit_bytes: int
+    lease: dict | None
+    early_verified_shards: int
 
 
 @_request("stop")
@@ -199,19 +298,39 @@ def decode(header: dict[str, Any]) -> Request:
   cls = REQUESTS.get(op) if isinstance(op, str) else None
   if cls is None:
     raise errors.InvalidArgumentError(f"unknown request op={op!r}")
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  unknown = sorted(set(header) - set(fields))
-  if unknown:
-    raise errors.InvalidArgumentError(f"request {op!r} has no fields {unknown}")
-  hints = _hints(cls)
-  for name, value in header.items():
-    if not _fits(value, hints[name]):
-      raise errors.InvalidArgumentError(
-          f"request {op!r}: field {name}={value!r} is not a {hints[name]}")
+  return _build(cls, header, f"request {op!r}")
+
+
+def encode_reply(reply: Reply) -> dict[str, Any]:
+  """What a reply's frame carries (beside ``ok``)."""
+  return {f.name: getattr(reply, f.name) for f in dataclasses.fields(reply)}
+
+
+def decode_reply(request: type[Request], header: dict[str, Any], who: str, where: str) -> Reply:
+  """``request``'s reply from the fields of an ``ok`` reply frame; one with a
+  missing, unknown or mistyped field is an AgentUnavailableError naming the agent."""
+  fields = {k: v for k, v in header.items() if k != "ok"}
   try:
-    return cls(**header)
+    return _build(request.Reply, fields, f"the reply to {request.op!r}")
+  except errors.InvalidArgumentError as e:
+    raise errors.AgentUnavailableError(
+        f"{who} at {where} answered {request.op!r} with a malformed reply ({e}); is it an "
+        "agent of this jaxckpt version?") from None
+
+
+def _build(cls: type, given: dict[str, Any], what: str) -> Any:
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(given) - set(fields))
+  if unknown:
+    raise errors.InvalidArgumentError(f"{what} has no fields {unknown}")
+  hints = _hints(cls)
+  for name, value in given.items():
+    if not _fits(value, hints[name]):
+      raise errors.InvalidArgumentError(f"{what}: field {name}={value!r} is not a {hints[name]}")
+  try:
+    return cls(**given)
   except TypeError as e:            # a required field missing
-    raise errors.InvalidArgumentError(f"request {op!r}: {e}") from None
+    raise errors.InvalidArgumentError(f"{what}: {e}") from None
 
 
 @functools.lru_cache(maxsize=None)

@@ -217,7 +217,7 @@ class Agent:
   def op_hello(self, pid: int, max_snapshots: int | None = None,
                limit_bytes: int | None = None,
                persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None) -> dict[str, Any]:
+               parity: dict[str, Any] | None = None) -> _requests.Hello.Reply:
     self.reap()
     self._take_lease(int(pid))
     if persist and (self.persister is None or self.persister.config.to_obj() != persist):
@@ -233,8 +233,8 @@ class Agent:
     if limit_bytes:
       self.limit_bytes = int(limit_bytes)
     self._ensure_slots()
-    return {"pid": os.getpid(), "steps": self.steps(), "slots": len(self.slots),
-            "generation": self.generation}
+    return _requests.Hello.Reply(pid=os.getpid(), steps=self.steps(), slots=len(self.slots),
+                                 generation=self.generation)
 
   def _take_lease(self, pid: int) -> None:
     """One trainer per job and host: a live holder other than ``pid`` keeps the lease;
@@ -265,7 +265,7 @@ class Agent:
       self.parity.close()
     self.parity = _parity.ParityWorker(self, config)
 
-  def op_reserve(self, pid: int, step: int, nbytes: int) -> dict[str, Any]:
+  def op_reserve(self, pid: int, step: int, nbytes: int) -> _requests.Reserve.Reply:
     self._ensure_slots()
     need = len(self.slots) * nbytes
     what = f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB"
@@ -288,7 +288,7 @@ class Agent:
       self.reap()
       r = self.table.reserve(step, nbytes, pid)
       if r is None:
-        return {"index": None}
+        return _requests.Reserve.Reply(index=None)
     slot = self.slots[r.index]
     if r.grow:
       try:
@@ -297,9 +297,10 @@ class Agent:
         self.table.abort(r.index)
         self.table.slots[r.index].size = _paths.file_size(slot.path)
         raise
-    return {"index": r.index, "path": slot.path, "size": self.table.slots[r.index].size}
+    return _requests.Reserve.Reply(index=r.index, path=slot.path,
+                                   size=self.table.slots[r.index].size)
 
-  def op_written(self, index: int, step: int, shards: list[list[Any]]) -> dict[str, Any]:
+  def op_written(self, index: int, step: int, shards: list[list[Any]]) -> _requests.Done:
     """The trainer has finished writing ``shards`` ([offset, nbytes, checksum] each)
     of ``step`` into slot ``index``: start verifying them now, so that commit
     only waits for the rest (hashing overlaps the trainer's copy)."""
@@ -313,11 +314,11 @@ class Agent:
       f = self._hash_pool.submit(_verify_all, mm, batch, step)
       for r in batch:
         s.early[r] = f
-    return {}
+    return _requests.Done()
 
   def op_commit(self, index: int, manifest: str, step: int, nbytes: int,
                 spans: list[list[Any]], process: list[int],
-                persist_attempt: str | None = None) -> dict[str, Any]:
+                persist_attempt: str | None = None) -> _requests.Commit.Reply:
     m = _CommitView.of(manifest, step, nbytes, spans)
     size = self.table.writing(index, m.step).size
     try:
@@ -334,7 +335,7 @@ class Agent:
       self.persister.submit(m.step, str(persist_attempt))
     if self.parity is not None and m.step in self.manifests:
       self.parity.on_commit(m.step, manifest)
-    return {"steps": self.steps(), **self._persist_reply()}
+    return _requests.Commit.Reply(steps=self.steps(), **self._persist_reply())
 
   def _persist_reply(self, errors: bool = True) -> dict[str, Any]:
     """The persist status (and, with ``errors``, the errors since the last ask)."""
@@ -383,10 +384,10 @@ class Agent:
       with self.lock:
         self.table.unpin(s.index, me)
 
-  def op_persisted(self, errors: bool = True) -> dict[str, Any]:
+  def op_persisted(self, errors: bool = True) -> _requests.Persisted.Reply:
     """The persist status, and (``errors``) the persist errors since the last
     ask, each reported once."""
-    return self._persist_reply(errors)
+    return _requests.Persisted.Reply(**self._persist_reply(errors))
 
   def _verify(self, s: _Slot, size: int, m: "_CommitView") -> None:
     if m.nbytes > size:
@@ -423,21 +424,21 @@ class Agent:
     finally:
       self._end_early(s)
 
-  def op_abort(self, index: int) -> dict[str, Any]:
+  def op_abort(self, index: int) -> _requests.Done:
     d = self.table.abort(index)
     self._dropped([d] if d else [])
-    return {}
+    return _requests.Done()
 
-  def op_peers(self, peers: dict[str, dict[str, Any]], merge: bool = False) -> dict[str, Any]:
+  def op_peers(self, peers: dict[str, dict[str, Any]], merge: bool = False) -> _requests.Done:
     """The job's current agents by host id (their address records), published
     through the job's coordination service: parity reaches its peers there.
     ``merge``: only the hosts named change (a trainer announces its host's new
     agent after the old one died)."""
     new = {int(h): dict(info) for h, info in peers.items()}
     self.peers = {**self.peers, **new} if merge else new
-    return {}
+    return _requests.Done()
 
-  def op_discard(self, step: int) -> dict[str, Any]:
+  def op_discard(self, step: int) -> _requests.Discard.Reply:
     """Forgets ``step`` and fences its persists; ``persisting`` while one still
     runs (it will not commit: the caller asks again until it has ended)."""
     d = self.table.discard(step)
@@ -446,40 +447,40 @@ class Agent:
     if self.persister is not None:
       self.persister.fence(step)
       busy = self.persister.busy(step)
-    return {"discarded": d is not None, "persisting": busy}
+    return _requests.Discard.Reply(discarded=d is not None, persisting=busy)
 
-  def op_steps(self) -> dict[str, Any]:
-    return {"steps": self.steps(), "free_slots": self.table.free_slots(),
-            "protected": self.table.protected_step()}
+  def op_steps(self) -> _requests.Steps.Reply:
+    return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.free_slots(),
+                                 protected=self.table.protected_step())
 
-  def op_bye(self, pid: int) -> dict[str, Any]:
+  def op_bye(self, pid: int) -> _requests.Done:
     """Trainer ``pid`` closed its manager: it gives up the lease and its pins."""
     self._dropped(self.table.forget([pid]))
     self.trainers.discard(pid)
     if self.lease is not None and self.lease[0] == pid:
       self.lease = None
-    return {}
+    return _requests.Done()
 
-  def op_open(self, pid: int, step: int) -> dict[str, Any]:
+  def op_open(self, pid: int, step: int) -> _requests.Open.Reply:
     s = self.table.pin(step, pid) or self._slot_of(step)
-    return {"path": self.slots[s.index].path, "manifest": self.manifests[step],
-            "index": s.index}
+    return _requests.Open.Reply(path=self.slots[s.index].path, manifest=self.manifests[step],
+                                index=s.index)
 
-  def op_close(self, pid: int, step: int, index: int | None = None) -> dict[str, Any]:
+  def op_close(self, pid: int, step: int, index: int | None = None) -> _requests.Done:
     """Unpins what ``op_open`` pinned: slot ``index`` (the step may have been
     dropped meanwhile), or the slot still holding ``step``."""
     s = self.table.committed(step) if index is None else self.table.slots[index]
     if s is not None:
       self.table.unpin(s.index, pid)
-    return {}
+    return _requests.Done()
 
-  def op_manifest(self, step: int) -> dict[str, Any]:
+  def op_manifest(self, step: int) -> _requests.Manifest.Reply:
     self._slot_of(step)
-    return {"manifest": self.manifests[step]}
+    return _requests.Manifest.Reply(manifest=self.manifests[step])
 
-  def op_held(self) -> dict[str, Any]:
+  def op_held(self) -> _requests.Held.Reply:
     """Every committed step with the saving process index and count."""
-    return {"held": [[step, *self.processes[step]] for step in self.steps()]}
+    return _requests.Held.Reply(held=[[step, *self.processes[step]] for step in self.steps()])
 
   @contextlib.contextmanager
   def bulk(self, header: dict[str, Any]) -> Iterator[list[Any]]:
@@ -507,24 +508,25 @@ class Agent:
       with self.lock:
         self.table.unpin(s.index, reader)
 
-  def op_peer_manifest(self, step: int) -> dict[str, Any]:
+  def op_peer_manifest(self, step: int) -> _requests.PeerManifest.Reply:
     """A peer's parity thread asks: have you committed ``step``? (its manifest if so)."""
     steps = self.steps()
-    return {"manifest": self.manifests.get(step), "newest": steps[-1] if steps else None}
+    return _requests.PeerManifest.Reply(manifest=self.manifests.get(step),
+                                        newest=steps[-1] if steps else None)
 
-  def op_parity_done(self, step: int, peer: int, digest: str) -> dict[str, Any]:
+  def op_parity_done(self, step: int, peer: int, digest: str) -> _requests.Done:
     """Group peer ``peer`` finished its parity of ``step`` (``ParityWorker.peer_done``)."""
     if self.parity is not None:
       self.parity.peer_done(int(step), int(peer), str(digest))
-    return {}
+    return _requests.Done()
 
-  def op_parity_status(self) -> dict[str, Any]:
+  def op_parity_status(self) -> _requests.ParityStatus.Reply:
     if self.parity is None:
-      return {"steps": [], "bytes": 0, "config": None}
-    return self.parity.status()
+      return _requests.ParityStatus.Reply(steps=[], bytes=0, config=None)
+    return _requests.ParityStatus.Reply(**self.parity.status())
 
-  def op_parity_info(self, step: int) -> dict[str, Any]:
-    return self._parity_worker().info(step)
+  def op_parity_info(self, step: int) -> _requests.ParityInfo.Reply:
+    return _requests.ParityInfo.Reply(**self._parity_worker().info(step))
 
   def _parity_worker(self) -> Any:
     if self.parity is None:
@@ -533,21 +535,21 @@ class Agent:
           "asked for it: CheckpointOptions(parity=ParityOptions(...)))")
     return self.parity
 
-  def op_status(self) -> dict[str, Any]:
+  def op_status(self) -> _requests.Status.Reply:
     parity_bytes = 0 if self.parity is None else self.parity.bytes_held()
-    return {"pid": os.getpid(), "job": self.job, "host": self.host, "steps": self.steps(),
-            "slots": [{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size}
-                      for s in self.table.slots],
-            "bytes": sum(s.size for s in self.table.slots) + parity_bytes,
-            "parity_bytes": parity_bytes, "trainers": sorted(self.trainers),
-            "max_snapshots": self.max_snapshots, "limit_bytes": self.limit_bytes,
-            "lease": None if self.lease is None else {"pid": self.lease[0],
-                                                      "generation": self.lease[1]},
-            "early_verified_shards": self.early_verified}
+    return _requests.Status.Reply(
+        pid=os.getpid(), job=self.job, host=self.host, steps=self.steps(),
+        slots=[{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size}
+               for s in self.table.slots],
+        bytes=sum(s.size for s in self.table.slots) + parity_bytes,
+        parity_bytes=parity_bytes, trainers=sorted(self.trainers),
+        max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
+        lease=None if self.lease is None else {"pid": self.lease[0], "generation": self.lease[1]},
+        early_verified_shards=self.early_verified)
 
-  def op_stop(self) -> dict[str, Any]:
+  def op_stop(self) -> _requests.Done:
     self.stopping = True
-    return {}
+    return _requests.Done()
 
   def idle(self) -> bool:
     self.reap()
@@ -591,11 +593,13 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
     with agent.lock:
       out = handler(agent, **{f.name: getattr(request, f.name)
                               for f in dataclasses.fields(request)})
+    if type(out) is not type(request).Reply:        # (a handler's bug, named to the caller)
+      raise TypeError(f"Agent.op_{op} returned a {type(out).__name__}, not "
+                      f"{type(request).Reply.__qualname__}")
   except Exception as e:  # the error travels back to the caller, typed
     logger.warning("request %s failed: %s", op, e)
     return [_protocol.pack({"ok": False, "error": str(e), "type": type(e).__name__})]
-  reply, raw = out if isinstance(out, tuple) else (out, [])
-  return [_protocol.pack({"ok": True, **reply}), *raw]
+  return [_protocol.pack({"ok": True, **_requests.encode_reply(out)})]
 
 
 # The handler of each request, by its type (agent/_requests.py is the table of

@@ -104,7 +104,7 @@ def _stop(args) -> int:
   if c is None:
     print(f"no agent of job {args.job_name!r} host {args.host_id} is running")
     return 0
-  pid = c.call("status")[0]["pid"]
+  pid = c.call("status")[0].pid
   c.call("stop")
   if not wait_exited(pid, args.timeout_secs):
     raise errors.SnapshotTimeoutError(

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from jaxckpt import _wait, errors
-from jaxckpt.agent import _parity, _paths
+from jaxckpt.agent import _parity, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address  # noqa: F401  (also this module's names)
 from jaxckpt.agent._protocol import Client
 from jaxckpt.host import _persist
@@ -207,8 +207,8 @@ class AgentStore(HostStore):
         if c.pid == self.pid:
           continue
         try:
-          status = PersistStatus.from_obj(c.call("persisted", errors=False)[0]["persist"] or {})
-          held.update(int(s) for s, _, _ in c.call("held")[0]["held"])
+          status = PersistStatus.from_obj(c.call("persisted", errors=False)[0].persist)
+          held.update(int(s) for s, _, _ in c.call("held")[0].held)
         except errors.AgentUnavailableError as e:
           logger.warning("recovering persists: %s", e)
           continue
@@ -318,7 +318,7 @@ class AgentStore(HostStore):
   # answered is sent again to its replacement.
   _RESENDABLE = frozenset({"reserve", "steps", "persisted", "discard"})
 
-  def call(self, op: str, **kw: Any) -> dict[str, Any]:
+  def call(self, op: str, **kw: Any) -> _requests.Reply:
     try:
       return self._client.call(op, **kw)[0]
     except errors.AgentUnavailableError:
@@ -403,14 +403,14 @@ class AgentStore(HostStore):
 
     def reserved() -> dict[str, Any] | None:
       r = self.call("reserve", pid=os.getpid(), step=step, nbytes=nbytes)
-      return r if r["index"] is not None else None
+      return r if r.index is not None else None
 
     try:
       r = _wait.until(reserved, timeout_secs=timeout_secs or 0.0, poll_secs=0.005,
                       late=lambda: f"no slot of {self.who} freed up for step {step}")
     except errors.SnapshotTimeoutError:
       return None                           # HostStore.reserve's contract: None, not an error
-    return Slot(r["index"], step, self._map(r["index"], r["path"], r["size"]), nbytes)
+    return Slot(r.index, step, self._map(r.index, r.path, r.size), nbytes)
 
   # The agent hashes what is written while the rest is copied: commit then
   # waits only for the last chunk's verification.
@@ -446,12 +446,12 @@ class AgentStore(HostStore):
       self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
                         limit_bytes=self._limit, persist=self._persist, parity=self._parity)
 
-  def _take_persist(self, reply: dict[str, Any]) -> None:
+  def _take_persist(self, reply: _requests.Persisted.Reply | _requests.Commit.Reply) -> None:
     """Keeps the persist status and errors an agent's reply brings."""
     with self._errors_lock:
-      self._failed += [PersistError(**e) for e in reply.get("persist_errors", [])]
-      if reply.get("persist"):
-        self._status = PersistStatus.from_obj(reply["persist"])
+      self._failed += [PersistError(**e) for e in reply.persist_errors]
+      if reply.persist:
+        self._status = PersistStatus.from_obj(reply.persist)
 
   def persist_status(self, *, ask: bool = True) -> PersistStatus:
     if ask:
@@ -469,14 +469,14 @@ class AgentStore(HostStore):
 
   def has_free_slot(self) -> bool:
     self.ensure_alive()
-    return bool(self.call("steps")["free_slots"])
+    return bool(self.call("steps").free_slots)
 
   def abort(self, slot: Slot) -> None:
     with contextlib.suppress(errors.AgentUnavailableError):
       self.call("abort", index=slot.index)
 
   def steps(self) -> list[int]:
-    return list(self.call("steps")["steps"])
+    return list(self.call("steps").steps)
 
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     discarded = []
@@ -484,10 +484,10 @@ class AgentStore(HostStore):
 
     def fenced() -> bool:       # fenced at once; asked again until its persist has ended
       r = self.call("discard", step=step)
-      discarded.append(bool(r["discarded"]))
+      discarded.append(r.discarded)
       with self._fence_lock:
         rebuilding = any(s == step for s, _ in self._repersisting)
-      return not r["persisting"] and not rebuilding
+      return not r.persisting and not rebuilding
     _wait.until(fenced, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda: (
         f"discard of step {step}: the persist that {self.who} runs of it (or this trainer's "
         f"rebuild of it after a lost agent) did not stop within {timeout_secs} s (it will not "
@@ -499,11 +499,11 @@ class AgentStore(HostStore):
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
     r = self.call("open", pid=os.getpid(), step=step)
     try:
-      manifest = SnapshotManifest.from_json(r["manifest"])
-      yield manifest, _map_slot(r["path"], manifest)
+      manifest = SnapshotManifest.from_json(r.manifest)
+      yield manifest, _map_slot(r.path, manifest)
     finally:
       with contextlib.suppress(errors.AgentUnavailableError):
-        self.call("close", pid=os.getpid(), step=step, index=r["index"])
+        self.call("close", pid=os.getpid(), step=step, index=r.index)
 
   def close(self, timeout_secs: float = 300.0) -> None:
     """Gives up this trainer's lease (the agent goes on persisting what is queued)."""
@@ -657,7 +657,7 @@ def complete_steps_of(clients: dict[int, Client]) -> list[int]:
   seen: dict[int, tuple[int, set[int]]] = {}
   for c in clients.values():
     try:
-      held = c.call("held")[0]["held"]
+      held = c.call("held")[0].held
     except errors.AgentUnavailableError as e:
       logger.warning("skipping %s: %s", c.who, e)
       continue
@@ -669,11 +669,11 @@ def complete_steps_of(clients: dict[int, Client]) -> list[int]:
 def open_remote_piece(client: Client, step: int,
                       stack: contextlib.ExitStack) -> RemotePiece | None:
   """The agent's snapshot of ``step``, pinned until ``stack`` closes; None if it holds none."""
-  if step not in {s for s, _, _ in client.call("held")[0]["held"]}:
+  if step not in {s for s, _, _ in client.call("held")[0].held}:
     return None
   r = client.call("open", pid=os.getpid(), step=step)[0]
-  stack.callback(_unpin, client, step, r["index"])
-  manifest = SnapshotManifest.from_json(r["manifest"])
+  stack.callback(_unpin, client, step, r.index)
+  manifest = SnapshotManifest.from_json(r.manifest)
   return RemotePiece(client, manifest)
 
 
