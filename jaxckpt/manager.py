@@ -101,7 +101,8 @@ class CheckpointManager:
       _persist.check_directory(self.directory, timeout_secs=self.options.timeout_secs)
       self._persist_config = _persist.PersistConfig(
           self.directory, self.options.persist_interval_steps or self.options.save_interval_steps,
-          self.options.max_to_keep, self.options.timeout_secs)
+          self.options.max_to_keep, self.options.timeout_secs,
+          hold_until_committed=self.options.parity is not None)
       self._run_id = _agree_run_id(self.options.timeout_secs)
       self._on_storage = set(_tiers.storage_steps(self.directory))
     self._store = store or self._make_store()

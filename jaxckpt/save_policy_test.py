@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from jaxckpt import errors
 import jaxckpt as jc
+from jaxckpt import errors
 from jaxckpt.host.store import InProcessStore
 
 

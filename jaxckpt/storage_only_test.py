@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import errors
 import jaxckpt as jc
+from jaxckpt import errors
 from jaxckpt.host import _spans
 
 MiB = 1 << 20

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import _wait, errors
 import jaxckpt as jc
+import jaxckpt.universal as u
+from jaxckpt import _wait, errors
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
 from jaxckpt.parity.placement import StripeLayout
 from jaxckpt.testing import processes
-import jaxckpt.universal as u
 
 HOSTS = 4
 # Global arrays; host i holds rows ROWS[i] of "w", and CUTS[i] of "u" (uneven sizes).
@@ -265,7 +265,8 @@ def test_a_lost_process_0_is_rebuilt_and_commits_while_its_peers_hold_the_step(
   # and commits the step, bit-exact.
   d = s3_server.url()
   attempt = "run1-s5-0"
-  persist = {"directory": d, "interval_steps": 5, "max_to_keep": None, "timeout_secs": 120.0}
+  persist = {"directory": d, "interval_steps": 5, "max_to_keep": None, "timeout_secs": 120.0,
+             "hold_until_committed": True}         # what a manager with parity asks for
   with Cluster(*sandbox, 1, persist=persist) as c:
     with s3_server.paused():
       c.save(5, attempt=attempt)

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from jaxckpt import cli, errors
 import jaxckpt as jc
+from jaxckpt import cli, errors
 from jaxckpt.goodput import plan as gp
 from jaxckpt.goodput.closed_form import first_order_efficiency, simulate_synchronous
 

@@ -49,6 +49,9 @@ class PersistConfig:
   interval_steps: int
   max_to_keep: int | None = None
   timeout_secs: float = 300.0
+  # A process other than 0 holds the step until process 0 has committed it (with
+  # parity: its snapshot and parity then rebuild a peer lost before the commit).
+  hold_until_committed: bool = False
 
   def to_obj(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -133,17 +136,19 @@ _TRANSIENT = frozenset({None, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRE
 def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: Any, attempt: str,
                  check: Callable[[], None]) -> None:
   """Writes this process's part of ``attempt`` and, as process 0, commits the step
-  and runs gc; any other process waits for that commit: what every persist does
-  (a Persister's, and one rebuilt from parity after a lost agent). A persist
-  ends once the step is on storage whole, so each process holds its snapshot
-  (and the parity that rebuilds a lost peer's) until then. ``check`` raises to
-  stop it before the commit marker."""
+  and runs gc: what every persist does (a Persister's, and one rebuilt from
+  parity after a lost agent). With ``hold_until_committed`` (parity on) any
+  other process then waits for that commit, so that it holds its snapshot (and
+  the parity that rebuilds a lost peer's) until the step is on storage whole.
+  ``check`` raises to stop it before the commit marker."""
   universal = _universal()
   universal.write_process_shards(config.directory, manifest, buffer, attempt=attempt)
   check()
   if manifest.process_index != 0:
-    universal.wait_committed(config.directory, manifest.step, attempt,
-                             timeout_secs=config.timeout_secs, check=check)
+    if config.hold_until_committed:
+      universal.wait_committed(config.directory, manifest.step, attempt, manifest.process_index,
+                               manifest.process_count, timeout_secs=config.timeout_secs,
+                               check=check)
     return
   universal.commit_step(config.directory, manifest.step, process_count=manifest.process_count,
                         timeout_secs=config.timeout_secs, attempt=attempt, check=check)
@@ -251,14 +256,15 @@ class Persister:
         self.persisted.append(step)
       logger.info("step %d persisted to %s (attempt %s)", step, directory, attempt)
     except Cancelled:
-      discard_quietly(directory, step, attempt)
+      if job.process_index == 0:  # process 0 owns the attempt's data: only it removes it
+        discard_quietly(directory, step, attempt)
       with self._lock:
         self.cancelled += 1
       logger.info("step %d: persist attempt %s cancelled (the step was deleted or rolled "
                   "back)", step, attempt)
     except Exception as e:  # pylint: disable=broad-except  (handed to the trainer)
-      if not job.process_index:   # process 0 owns the attempt: its commit could come later
-        discard_quietly(directory, step, attempt)   # never the committed data (it refuses)
+      if job.process_index == 0:  # (another's failure is process 0's to clean up: it may
+        discard_quietly(directory, step, attempt)   # still commit) never the committed data
       if job.cancelled:
         logger.info("step %d: fenced persist attempt %s ended: %s", step, attempt, e)
         return

@@ -8,6 +8,7 @@ local directory and on a real S3 server.
 """
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -19,11 +20,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxckpt import _wait, errors
 import jaxckpt as jc
+import jaxckpt.universal as u
+from jaxckpt import _wait, errors
+from jaxckpt.host import _persist
 from jaxckpt.testing import processes
 from jaxckpt.universal import _fixtures
-import jaxckpt.universal as u
 
 
 def _state(value: float) -> dict:
@@ -101,23 +103,54 @@ def test_a_stale_part_of_an_abandoned_attempt_is_never_merged(storage_dir):
     u.write_process_shards(storage_dir, *old[0], attempt="retry")
 
 
-def test_a_process_other_than_0_waits_for_the_commit_and_names_process_0_when_late(
-    storage_dir):
-  # Process 1's persist ends only once process 0 commits the step (until then it holds
-  # its snapshot and parity); a commit that never comes is named, and one by another
-  # attempt is refused as StepExistsError.
+def test_a_process_other_than_0_waits_for_the_commit_and_names_what_is_missing(storage_dir):
+  # With parity, process 1's persist ends only once process 0 commits the step (until then
+  # it holds its snapshot and parity); a commit that never comes is named with the parts
+  # still missing, one by another attempt is refused as StepExistsError, and an attempt
+  # process 0 gave up on (it removed the attempt's data) ends the wait at once.
   parts = _fixtures.host_snapshots(3, {"w": np.arange(8.0)}, process_count=2)
   u.write_process_shards(storage_dir, *parts[1], attempt="a")
   with pytest.raises(errors.SnapshotTimeoutError,
-                     match=r"step 3 \(attempt 'a'\): process 0 did not commit it .* within 0.2 s"):
-    u.wait_committed(storage_dir, 3, "a", timeout_secs=0.2)
+                     match=r"step 3 \(attempt 'a'\): it was not committed .* within 0.2 s of "
+                           r"process 1's part; the parts of processes \[0\] are missing"):
+    u.wait_committed(storage_dir, 3, "a", 1, 2, timeout_secs=0.2)
   with pytest.raises(KeyError):               # a fence ends the wait at once
-    u.wait_committed(storage_dir, 3, "a", timeout_secs=30, check=lambda: {}["fenced"])
+    u.wait_committed(storage_dir, 3, "a", 1, 2, timeout_secs=30, check=lambda: {}["fenced"])
   u.write_process_shards(storage_dir, *parts[0], attempt="a")
   u.commit_step(storage_dir, 3, process_count=2, timeout_secs=10, attempt="a")
-  u.wait_committed(storage_dir, 3, "a", timeout_secs=0.2)
+  u.wait_committed(storage_dir, 3, "a", 1, 2, timeout_secs=0.2)
   with pytest.raises(errors.StepExistsError, match="attempt 'a'"):
-    u.wait_committed(storage_dir, 3, "b", timeout_secs=5)
+    u.wait_committed(storage_dir, 3, "b", 1, 2, timeout_secs=5)
+  parts4 = _fixtures.host_snapshots(4, {"w": np.arange(8.0)}, process_count=2)
+  u.write_process_shards(storage_dir, *parts4[1], attempt="c")
+  u.discard_attempt(storage_dir, 4, "c")      # process 0 gave up on step 4's attempt "c"
+  with pytest.raises(errors.StorageError, match="process 0 gave up on persist attempt 'c'") as e:
+    u.wait_committed(storage_dir, 4, "c", 1, 2, timeout_secs=30)
+  assert e.value.errno == errno.ECANCELED     # not worth writing again
+
+
+def test_a_peer_fenced_while_it_waits_for_the_commit_removes_nothing(storage_dir):
+  # Process 1 wrote its part and waits for process 0's commit; a delete fences it there.
+  # The attempt's data is process 0's to remove (it may be committing right now): the
+  # fenced peer leaves it, and process 0's commit makes the step whole and exact.
+  parts = _fixtures.host_snapshots(3, {"w": np.arange(16.0)}, process_count=2)
+  config = _persist.PersistConfig(storage_dir, 3, timeout_secs=60.0, hold_until_committed=True)
+  released = []
+  peer = _persist.Persister(config, lambda step: contextlib.nullcontext(parts[1]),
+                            released.append)
+  try:
+    peer.submit(3, "a")
+    _wait.until(lambda: u.missing_parts(storage_dir, 3, "a", of=[1]) == [], timeout_secs=60,
+                late=lambda: "process 1 did not write its part")
+    assert peer.busy(3)                       # written, and waiting for the commit
+    u.write_process_shards(storage_dir, *parts[0], attempt="a")
+    peer.fence(3)
+    assert peer.wait_idle(60, step=3) and peer.take_errors() == [] and peer.cancelled == 1
+    assert u.missing_parts(storage_dir, 3, "a", 2) == []        # nothing removed
+    u.commit_step(storage_dir, 3, process_count=2, timeout_secs=10, attempt="a")
+    np.testing.assert_array_equal(u.open_step(storage_dir, 3).read("w"), np.arange(16.0))
+  finally:
+    peer.close(10)
 
 
 WRITER = textwrap.dedent("""

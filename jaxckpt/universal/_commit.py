@@ -15,6 +15,7 @@ so a crash at any point before the marker leaves nothing that
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import logging
@@ -55,30 +56,55 @@ def committed_by(directory: str, step: int) -> str | None:
   return None if marker is None else marker.get("attempt")
 
 
-def wait_committed(directory: str, step: int, attempt: str, *, timeout_secs: float,
+def wait_committed(directory: str, step: int, attempt: str, process_index: int,
+                   process_count: int, *, timeout_secs: float,
                    check: Callable[[], None] = lambda: None) -> None:
   """Waits until process 0 has committed ``step`` as ``attempt``: what a process
-  other than 0 does once its part is written, so that it keeps the step (and its
-  parity) until storage holds it whole. ``check`` raises to stop waiting.
+  other than 0 does once its part is written (with parity on), so that it keeps
+  the step and its parity until storage holds it whole. ``check`` raises to stop
+  waiting. It asks storage with backoff (50 ms up to 1 s), and a storage that
+  does not answer for a while is asked again until the deadline.
 
   Raises:
     StepExistsError: another attempt committed ``step``; this one never will.
-    SnapshotTimeoutError: no commit within ``timeout_secs`` (process 0 is late,
-      failed, or died; the step stays uncommitted).
+    StorageError (errno ECANCELED): process 0 gave up on the attempt: it removed
+      the attempt's data, this process's part with it.
+    SnapshotTimeoutError: no commit within ``timeout_secs``, naming the parts
+      still missing (process 0 is late, failed or died, or a peer is late).
   """
   kv = lay.open_kvstore(directory)
+  last: list[Exception | None] = [None]
 
   def committed() -> bool:
     check()
-    marker = read_marker(kv, directory, step)
-    if marker is not None and marker.get("attempt") != attempt:
-      raise _exists(directory, step, marker, attempt)
+    try:
+      marker = read_marker(kv, directory, step)
+      if marker is not None and marker.get("attempt") != attempt:
+        raise _exists(directory, step, marker, attempt)
+      if marker is None and lay.read_json(kv, lay.part_key(step, process_index, attempt)) is None:
+        raise errors.StorageError(
+            errno.ECANCELED, f"step {step}: process 0 gave up on persist attempt {attempt!r} "
+            f"(it removed the attempt's data from {directory!r}); the step is not on storage")
+    except errors.JaxckptError:
+      raise
+    except (OSError, ValueError) as e:        # a storage that does not answer now: ask again
+      last[0] = e
+      return False
     return marker is not None
 
-  _wait.until(committed, timeout_secs=timeout_secs, poll_secs=0.05, late=lambda: (
-      f"step {step} (attempt {attempt!r}): process 0 did not commit it in {directory!r} "
-      f"within {timeout_secs} s of this process's part; it is late, failed or died (the "
-      "step stays uncommitted)"))
+  def late() -> str:
+    try:
+      missing = missing_parts(directory, step, attempt, process_count)
+      parts = f"; the parts of processes {missing} are missing" if missing else ""
+    except Exception as e:  # pylint: disable=broad-except  (the message is what matters now)
+      parts = f"; which parts are missing is unknown ({type(e).__name__})"
+    return (f"step {step} (attempt {attempt!r}): it was not committed in {directory!r} within "
+            f"{timeout_secs} s of process {process_index}'s part{parts}; process 0 is late, "
+            "failed or died, or a part is late (the step stays uncommitted)"
+            + (f"; storage last failed with {type(last[0]).__name__}: {last[0]}" if last[0] else ""))
+
+  _wait.until(committed, timeout_secs=timeout_secs, poll_secs=0.05, max_poll_secs=1.0,
+              late=late)
 
 
 def check_not_committed(kv: ts.KvStore, directory: str, step: int, attempt: str) -> None:

@@ -10,10 +10,10 @@ import pytest
 import tensorstore as ts
 import zarr
 
+import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _fixtures, _layout
-import jaxckpt.universal as u
 
 
 def persist(d, step, leaves, *, processes=1, metadata=None, commit=True):
