@@ -62,16 +62,17 @@ def test_real_processes_curve_saves_and_restores_with_every_process():
 
 
 def test_jaxckpt_persist_cost_per_gib_stays_flat_from_32_to_128_mib():
-  # Onto tmpfs: jaxckpt's own cost, not the disk's (on the VM's disk, the writeback of
-  # the tests before this one made the ratio 1.7x now and then). The two sizes take
-  # turns, three rounds of two persists each, and each keeps its fastest: a burst of load
-  # from elsewhere (CI once stretched all three 128 MiB persists of a single batch to
-  # 3.5x) stretches both sizes alike or misses one round of each.
+  # Onto tmpfs: jaxckpt's own cost, not the disk's. Each size keeps its fastest of 5 saves
+  # to storage, in two rounds taken in turns. The first saves of a process touch its fresh
+  # snapshot slots (3 with max_snapshots=2), and on this VM, after the suite's earlier
+  # tests, touching fresh memory was 3x slower for a while (CI and the full suite both
+  # measured 128 MiB at 2.9-3.2 s/GiB, then 0.9 s/GiB minutes later): the 4th and 5th
+  # saves reuse touched slots, which is what a training loop's persists do.
   shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
   small, large = float("inf"), float("inf")
-  for _ in range(3):
-    small = min(small, *persist_secs("jaxckpt", 32, 2, under=shm))
-    large = min(large, *persist_secs("jaxckpt", 128, 2, under=shm))
+  for _ in range(2):
+    small = min(small, *persist_secs("jaxckpt", 32, 5, under=shm))
+    large = min(large, *persist_secs("jaxckpt", 128, 5, under=shm))
   small, large = small / (32 / 1024), large / (128 / 1024)
   # linear is 1x (below 1 while fixed costs weigh at 32 MiB)
   assert large / small <= 1.5, (small, large)
