@@ -12,7 +12,8 @@ on for each (the handler of ``X`` is ``Agent.op_`` + ``X.op``).
 Each request declares its reply (``Reserve.Reply``; ``Done`` where the reply
 only says it was applied): the handler returns one, it travels as its fields,
 and the client gets it back through :func:`decode_reply`, which refuses a
-missing, unknown or mistyped field as an error naming the agent.
+missing or mistyped field as an error naming the agent (and leaves out a field
+it does not know: a newer agent's).
 
 >>> decode(encode(Reserve(pid=7, step=3, nbytes=64)))
 Reserve(pid=7, step=3, nbytes=64)
@@ -308,8 +309,11 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
 
 def decode_reply(request: type[Request], header: dict[str, Any], who: str, where: str) -> Reply:
   """``request``'s reply from the fields of an ``ok`` reply frame; one with a
-  missing, unknown or mistyped field is an AgentUnavailableError naming the agent."""
-  fields = {k: v for k, v in header.items() if k != "ok"}
+  missing or mistyped field is an AgentUnavailableError naming the agent. A field
+  this version does not know is left out (a newer agent may add one: a sidecar
+  agent outlives its trainer's upgrade)."""
+  known = {f.name for f in dataclasses.fields(request.Reply)}
+  fields = {k: v for k, v in header.items() if k in known}
   try:
     return _build(request.Reply, fields, f"the reply to {request.op!r}")
   except errors.InvalidArgumentError as e:

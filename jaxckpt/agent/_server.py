@@ -594,12 +594,12 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
       out = handler(agent, **{f.name: getattr(request, f.name)
                               for f in dataclasses.fields(request)})
     if type(out) is not type(request).Reply:        # (a handler's bug, named to the caller)
-      raise TypeError(f"Agent.op_{op} returned a {type(out).__name__}, not "
+      raise TypeError(f"Agent.op_{op} returned a {type(out).__qualname__}, not "
                       f"{type(request).Reply.__qualname__}")
-  except Exception as e:  # the error travels back to the caller, typed
+    return [_protocol.pack({"ok": True, **_requests.encode_reply(out)})]
+  except Exception as e:  # the error travels back to the caller, typed (never ends the loop)
     logger.warning("request %s failed: %s", op, e)
     return [_protocol.pack({"ok": False, "error": str(e), "type": type(e).__name__})]
-  return [_protocol.pack({"ok": True, **_requests.encode_reply(out)})]
 
 
 # The handler of each request, by its type (agent/_requests.py is the table of

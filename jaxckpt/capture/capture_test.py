@@ -22,7 +22,7 @@ from jaxckpt.host.snapshot import SnapshotManifest, align
 @pytest.fixture(autouse=True, scope="module")
 def _compiled_hashing():
   """Packed shards are hashed by the compiled loop here (not its per-call stand-in
-  while it loads); _spans_test.py checks both against checksum()."""
+  while it loads); host/spans_test.py checks both against checksum()."""
   assert _spans.compiled()
 
 X = np.arange(64, dtype=np.float32)
