@@ -312,8 +312,7 @@ def decode_reply(request: type[Request], header: dict[str, Any], who: str, where
   missing or mistyped field is an AgentUnavailableError naming the agent. A field
   this version does not know is left out (a newer agent may add one: a sidecar
   agent outlives its trainer's upgrade)."""
-  known = {f.name for f in dataclasses.fields(request.Reply)}
-  fields = {k: v for k, v in header.items() if k in known}
+  fields = {k: v for k, v in header.items() if k in _hints(request.Reply)}
   try:
     return _build(request.Reply, fields, f"the reply to {request.op!r}")
   except errors.InvalidArgumentError as e:

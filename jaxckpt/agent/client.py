@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxckpt import _wait, errors
 from jaxckpt.agent import _parity, _paths, _requests
-from jaxckpt.agent._paths import pid_alive, read_address  # noqa: F401  (also this module's names)
+from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
@@ -247,6 +247,8 @@ class AgentStore(HostStore):
 
   def _fence_rebuilds(self, fenced: Callable[[int], bool]) -> None:
     """Fences the rebuilt persists of the steps ``fenced`` says (a delete, a rollback)."""
+    if not self._repersisting:          # (every commit asks: almost always nothing runs)
+      return
     with self._fence_lock:
       self._fenced.update(j for j in self._repersisting if fenced(j[0]))
 

@@ -36,6 +36,14 @@ def _key(client, name: str) -> str:
   return f"jaxckpt/{name}/{n}"
 
 
+def _get(client, key: str, timeout_secs: float) -> str | None:
+  """The value under ``key`` once it is set; None if it was not within ``timeout_secs``."""
+  try:
+    return client.blocking_key_value_get(key, int(timeout_secs * 1000))
+  except jax.errors.JaxRuntimeError:    # (how the client says it ran past its deadline)
+    return None
+
+
 def broadcast_from_0(name: str, make: Callable[[], str], *, timeout_secs: float) -> str:
   """``make()`` on process 0, handed to every process; a process that does not
   hear in time names process 0."""
@@ -45,12 +53,12 @@ def broadcast_from_0(name: str, make: Callable[[], str], *, timeout_secs: float)
     value = make()
     client.key_value_set(key, value)
     return value
-  try:
-    return client.blocking_key_value_get(key, int(timeout_secs * 1000))
-  except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
+  value = _get(client, key, timeout_secs)
+  if value is None:
     raise errors.SnapshotTimeoutError(
         f"process {jax.process_index()}: process 0 did not publish the job's {name} within "
-        f"{timeout_secs} s (is it running, with the same jaxckpt version?)") from None
+        f"{timeout_secs} s (is it running, with the same jaxckpt version?)")
+  return value
 
 
 def allgather(name: str, value: str, *, timeout_secs: float, what: str) -> list[str]:
@@ -60,14 +68,10 @@ def allgather(name: str, value: str, *, timeout_secs: float, what: str) -> list[
   n, me = jax.process_count(), jax.process_index()
   key = _key(client, name)
   client.key_value_set(f"{key}/{me}", value)
-  got, late = {}, []
-  for p in range(n):
-    try:
-      got[p] = client.blocking_key_value_get(f"{key}/{p}", int(timeout_secs * 1000))
-    except Exception:  # pylint: disable=broad-except  (the client raises XlaRuntimeError)
-      late.append(p)
+  got = {p: _get(client, f"{key}/{p}", timeout_secs) for p in range(n)}
+  late = [p for p, v in got.items() if v is None]
   if late:
     raise errors.SnapshotTimeoutError(
         f"processes {late} did not publish {what} within {timeout_secs} s (process {me} "
-        f"heard from {sorted(got)})")
+        f"heard from {sorted(p for p, v in got.items() if v is not None)})")
   return [got[p] for p in range(n)]

@@ -19,7 +19,8 @@ import uuid
 from typing import Iterator
 
 
-from jaxckpt.agent.client import pid_alive, wait_exited
+from jaxckpt.agent._paths import pid_alive
+from jaxckpt.agent.client import wait_exited
 
 
 def free_port() -> int:

@@ -100,7 +100,7 @@ def wait_committed(directory: str, step: int, attempt: str, process_index: int,
     try:
       missing = missing_parts(directory, step, attempt, process_count)
       parts = f"; the parts of processes {missing} are missing" if missing else ""
-    except Exception as e:  # pylint: disable=broad-except  (the message is what matters now)
+    except (OSError, ValueError) as e:        # (a storage that does not answer now)
       parts = f"; which parts are missing is unknown ({type(e).__name__})"
     return (f"step {step} (attempt {attempt!r}): it was not committed in {directory!r} within "
             f"{timeout_secs} s of process {process_index}'s part{parts}; process 0 is late, "
@@ -143,11 +143,13 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int | 
 def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
                     process_count: int, timeout_secs: float,
                     check: Callable[[], None]) -> list[dict[str, Any]]:
-  deadline = time.monotonic() + timeout_secs
   parts: dict[int, dict[str, Any]] = {}
-  delay = 0.02
-  while True:
-    waiting = [i for i in range(process_count) if i not in parts]
+
+  def missing() -> list[int]:
+    return [i for i in range(process_count) if i not in parts]
+
+  def all_written() -> list[dict[str, Any]] | None:
+    waiting = missing()
     reads = [kv.read(lay.part_key(step, i, attempt)) for i in waiting]   # all at once
     for i, read in zip(waiting, reads):
       obj = lay.json_of(read, lay.part_key(step, i, attempt), kv)
@@ -159,18 +161,17 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
               f"{attempt!r} says attempt {obj.get('attempt')!r}, process "
               f"{obj.get('process_index')!r}; it is damaged")
         parts[i] = obj
-    missing = [i for i in range(process_count) if i not in parts]
-    if not missing:
+    if not missing():
       return [parts[i] for i in range(process_count)]
     check()
     check_not_committed(kv, directory, step, attempt)
-    if time.monotonic() > deadline:
-      raise errors.SnapshotTimeoutError(
-          f"commit of step {step} (attempt {attempt!r}): processes {missing} of "
-          f"{process_count} did not write their part records within {timeout_secs} s; "
-          "they are late or died while persisting (the step stays uncommitted)")
-    time.sleep(delay)
-    delay = min(delay * 2, 0.5)
+    return None
+
+  return _wait.until(all_written, timeout_secs=timeout_secs, poll_secs=0.02, max_poll_secs=0.5,
+                     late=lambda: (
+      f"commit of step {step} (attempt {attempt!r}): processes {missing()} of "
+      f"{process_count} did not write their part records within {timeout_secs} s; "
+      "they are late or died while persisting (the step stays uncommitted)"))
 
 
 def _check_part(obj: Any, step: int, proc: int) -> None:
