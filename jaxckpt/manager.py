@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -371,12 +370,9 @@ class CheckpointManager:
 
   def _complete(self, step, plan, sources, slot, metadata, t0, attempt) -> None:
     try:
-      every = self._store.progress_bytes
       manifest = capture.complete(
-          plan, sources, slot.buffer, step=step, process_index=self._process[0],
-          process_count=self._process[1], metadata=metadata,
-          on_progress=None if every is None else functools.partial(self._store.written, slot),
-          progress_bytes=every or 0, pool=self._copy_pool)
+          plan, sources, self._store.buffer(slot), step=step, process_index=self._process[0],
+          process_count=self._process[1], metadata=metadata, pool=self._copy_pool)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest, persist_attempt=attempt)
     except BaseException as e:  # surfaced by the next save / wait

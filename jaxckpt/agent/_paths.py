@@ -63,8 +63,9 @@ def log_file(d: str) -> str:
   return d + ".log"
 
 
-def slot_file(d: str, index: int) -> str:
-  return os.path.join(d, f"slot{index}.bin")
+def slot_file(d: str, index: int, gen: int) -> str:
+  """Slot ``index``'s file of generation ``gen`` (each reallocation is a new file)."""
+  return os.path.join(d, f"slot{index}.{gen}.bin")
 
 
 SECRET_ENV = _wire.SECRET_ENV

@@ -18,7 +18,7 @@ it does not know: a newer agent's).
 >>> decode(encode(Reserve(pid=7, step=3, nbytes=64)))
 Reserve(pid=7, step=3, nbytes=64)
 >>> decode_reply(Reserve, {"ok": True, "index": 2, "path": "/dev/shm/s2", "size": 64}, "agent", "ipc://a")
-Reserve.Reply(index=2, path='/dev/shm/s2', size=64)
+Reserve.Reply(index=2, path='/dev/shm/s2', size=64, fresh=False)
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class Hello(Request):
 
 @_request("reserve")
 class Reserve(Request):
-  """A free slot of ``nbytes`` for ``step`` (``index`` None in the reply: none free)."""
+  """A free slot of ``nbytes`` for ``step`` (``index`` None in the reply: none free;
+  ``fresh``: its file is new and sparse, the trainer allocates its memory)."""
   pid: int
   step: int
   nbytes: int
@@ -97,24 +98,25 @@ class Reserve(Request):
     index: int | None
     path: str | None = None
     size: int | None = None
+    fresh: bool = False
 
 
-@_request("written")
-class Written(Request):
-  """Shards ``[offset, nbytes, checksum]`` of slot ``index`` are written: verify them early."""
-  index: int
-  step: int
-  shards: list
+@_request("preallocate")
+class Preallocate(Request):
+  """Size every free slot for snapshots of ``nbytes`` now (``prepare()``)."""
+  nbytes: int
+
+  class Reply(Reply):
+    slots: list         # [index, path, size, fresh] of each free slot
 
 
 @_request("commit")
 class Commit(Request):
-  """Slot ``index`` holds ``step``: verify its span table and make it visible."""
+  """Slot ``index`` holds ``step`` (``nbytes`` of it): make it visible."""
   index: int
   manifest: str
   step: int
   nbytes: int
-  spans: list
   process: list
   persist_attempt: str | None = None
 
@@ -185,13 +187,17 @@ class Open(Request):
     path: str
     manifest: str
     index: int
+    size: int
 
 
 @_request("close")
 class Close(Request):
+  """Unpin what ``open`` pinned; ``lend``: the reader keeps views of the slot's
+  memory (restored arrays), so it is never written again."""
   pid: int
   step: int
   index: int | None = None
+  lend: bool = False
 
 
 @_request("manifest")
@@ -270,7 +276,6 @@ class Status(Request):
     max_snapshots: int
     limit_bytes: int
     lease: dict | None
-    early_verified_shards: int
 
 
 @_request("stop")

@@ -2,13 +2,13 @@
 
 Run by ``python -m jaxckpt.agent serve ...`` (spawned by the manager, or as a
 sidecar by ``jaxckpt agent start``). It imports no JAX. One thread serves
-requests in order; a step becomes visible only after every shard of it has
-been checked against its checksum, in the agent, after the trainer's commit.
+requests in order; a step becomes visible when its trainer commits it, and
+every read of it (a restore, a persist, a peer's parity rebuild) checks each
+shard against the checksum the trainer took of the bytes it wrote.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -28,8 +28,7 @@ import zmq
 from jaxckpt import errors
 from jaxckpt.agent import _parity, _paths, _protocol, _requests
 from jaxckpt.host import _persist, _slots
-from jaxckpt.host._spans import Spans, span_checksums
-from jaxckpt.host.snapshot import ShardRecord, SnapshotManifest, manifest_obj, verify_shard
+from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.net import _bulk, _wire
 
 logger = logging.getLogger("jaxckpt.agent")
@@ -37,100 +36,48 @@ logger = logging.getLogger("jaxckpt.agent")
 
 @dataclasses.dataclass
 class _Slot:
-  """What the agent keeps beside a slot's table entry: its file and hashing."""
+  """What the agent keeps beside a slot's table entry: its file.
+
+  Each (re)allocation is a new file (``gen``): a trainer's restored arrays may keep
+  views of a lent slot's old file (``op_lend``), which nothing writes again. The
+  agent creates a file sparse and the trainer allocates its memory off the save
+  path (``fresh`` in the reserve reply); once a step committed into it, it is
+  ``allocated``."""
 
   index: int
-  path: str
-  # Shards hashed while the trainer was still writing (``op_written``):
-  # (offset, nbytes, checksum) -> the verification's future.
-  early: dict[tuple[int, int, str], concurrent.futures.Future] = dataclasses.field(
-      default_factory=dict)
-  # A read-only map of the slot kept across steps: mapping 1 GiB afresh costs
-  # ~0.1 s of page faults per commit.
+  dir: str
+  gen: int = 0
+  allocated: bool = False
+  # A read-only map of the slot kept across steps (remote readers): mapping 1 GiB
+  # afresh costs ~0.1 s of page faults.
   map: Any = None
+  map_path: str | None = None
+
+  @property
+  def path(self) -> str:
+    return _paths.slot_file(self.dir, self.index, self.gen)
 
   def read_map(self, size: int) -> Any:
-    if self.map is None or len(self.map) != size:
+    if self.map is None or self.map_path != self.path or len(self.map) != size:
       with open(self.path, "rb") as f:     # a replaced map lives on while readers use it
         self.map = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+      self.map_path = self.path
     return self.map
 
-
-_BATCH_BYTES = 16 << 20     # one hashing task: per-shard tasks cost more than hashing small ones
-
-
-Span = tuple[int, int, str]      # a shard's (offset, nbytes, checksum) in a slot
-
-
-def _batches(items: list[Span]) -> list[list[Span]]:
-  """Spans grouped into hashing tasks of about ``_BATCH_BYTES`` each."""
-  out, cur, size = [], [], 0
-  for item in items:
-    cur.append(item)
-    size += item[1]
-    if size >= _BATCH_BYTES:
-      out.append(cur)
-      cur, size = [], 0
-  if cur:
-    out.append(cur)
-  return out
-
-
-def _verify_all(buf: Any, items: list[Span], step: int) -> None:
-  """Hashes every span in one GIL-free call; a mismatch (or a span past the end
-  of ``buf``) raises CorruptSnapshotError naming its offset (the commit then
-  names the leaf from the manifest)."""
-  try:
-    digests = span_checksums(buf, Spans([o for o, _, _ in items], [n for _, n, _ in items]))
-  except ValueError:                       # truncated or nonsense: verify_shard says which
-    digests = [None] * len(items)
-  for (o, n, c), digest in zip(items, digests):
-    if digest != c:
-      verify_shard(buf, ShardRecord(((0, n),), o, n, c), path=f"<bytes at offset {o}>",
-                   step=step)
-
-
-def verify_ok(buf: Any, offset: int, nbytes: int, checksum_: str) -> bool:
-  """Whether the span's bytes match ``checksum_`` (False past the end of ``buf``)."""
-  try:
-    verify_shard(buf, ShardRecord(((0, nbytes),), offset, nbytes, checksum_), path="", step=0)
-    return True
-  except errors.CorruptSnapshotError:
-    return False
-
-
-@dataclasses.dataclass
-class _CommitView:
-  """What commit needs: the step, its size and every shard's span, sent by the
-  trainer beside the manifest (parsing the manifest's JSON into records cost
-  ~10 ms a commit for ~900 shards); the manifest is kept as the text it is,
-  parsed only to name a corrupt shard's leaf."""
-
-  step: int
-  nbytes: int
-  spans: list[Span]
-  manifest: str
-
-  @classmethod
-  def of(cls, manifest: str, step: int, nbytes: int, spans: list[list[Any]]) -> "_CommitView":
-    offsets, sizes, sums = spans
-    if not len(offsets) == len(sizes) == len(sums):
-      raise errors.CorruptSnapshotError(f"step {step}: a commit's span table is ragged")
-    return cls(int(step), int(nbytes),
-               [(int(o), int(n), str(c)) for o, n, c in zip(offsets, sizes, sums)], manifest)
-
-  def leaf_error(self, buf: Any, offset: int) -> errors.CorruptSnapshotError:
-    """The error of the corrupt shard at ``offset``, naming its leaf."""
-    for leaf in manifest_obj(self.manifest)["leaves"]:
-      for sh in leaf["shards"]:
-        rec = ShardRecord.from_obj(sh)
-        if rec.offset == offset:
-          try:
-            verify_shard(buf, rec, path=leaf["path"], step=self.step)
-          except errors.CorruptSnapshotError as e:
-            return e
-    return errors.CorruptSnapshotError(
-        f"step {self.step}: the shard at offset {offset} is corrupted")
+  def renew(self, nbytes: int) -> None:
+    """A new, sparse file of ``nbytes`` for this slot; the old one is unlinked (a
+    trainer that maps it keeps its memory until it unmaps)."""
+    old = self.path
+    self.gen += 1
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+      os.ftruncate(fd, nbytes)
+    finally:
+      os.close(fd)
+    self.allocated = False
+    self.map, self.map_path = None, None      # (a reader holding the old map keeps it)
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(old)
 
 
 class Agent:
@@ -148,15 +95,13 @@ class Agent:
     self.limit_bytes = limit_bytes
     self.idle_timeout_secs = idle_timeout_secs
     self.table = _slots.SlotTable(max_snapshots)   # which slot holds what (shared rules)
-    self.slots: list[_Slot] = []                    # each slot's file and hashing
+    self.slots: list[_Slot] = []                    # each slot's file
     self.manifests: dict[int, str] = {}        # step -> manifest JSON
     self.processes: dict[int, tuple[int, int]] = {}   # step -> (saving process, of how many)
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
     self.stopping = False
     self.lock = threading.RLock()      # the persist and parity threads use it too
-    self._hash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="verify")
-    self.early_verified = 0            # shards whose hashing overlapped the trainer's copy
     self.persister = None
     self.retired: list[Any] = []       # persisters replaced by a new configuration
     self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
@@ -182,7 +127,7 @@ class Agent:
     self.table.grow_to(self.max_snapshots + 1)
     while len(self.slots) < len(self.table):
       i = len(self.slots)
-      self.slots.append(_Slot(i, _paths.slot_file(self.dir, i)))
+      self.slots.append(_Slot(i, self.dir))
 
   def _dropped(self, dropped: list[_slots.Dropped]) -> None:
     """Releases what the agent keeps beside slots the table freed."""
@@ -194,14 +139,6 @@ class Agent:
         self.processes.pop(d.step, None)
       if d.held and self.persister is not None:   # rolled back before it was persisted
         self.persister.fence(d.step)
-      self._end_early(self.slots[d.index])
-
-  def _end_early(self, s: _Slot) -> None:
-    """Forgets a slot's early verifications (waiting for those still hashing)."""
-    for f in s.early.values():
-      f.cancel()
-    concurrent.futures.wait(list(s.early.values()))
-    s.early.clear()
 
   def reap(self) -> None:
     """Forgets dead trainers: their half-written slots and their read pins."""
@@ -266,18 +203,7 @@ class Agent:
     self.parity = _parity.ParityWorker(self, config)
 
   def op_reserve(self, pid: int, step: int, nbytes: int) -> _requests.Reserve.Reply:
-    self._ensure_slots()
-    need = len(self.slots) * nbytes
-    what = f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB"
-    if self.parity is not None:
-      pbytes = self.parity.estimate_bytes(nbytes)
-      need += len(self.slots) * pbytes
-      what += f" + {len(self.slots)} parity slots x {pbytes / 2**20:.1f} MiB"
-    if need > self.limit_bytes:
-      raise errors.HostMemoryBudgetError(
-          f"{what} = {need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
-          f"({self.limit_bytes / 2**20:.1f} MiB) on host {self.host}; lower "
-          "max_snapshots, shard the state over more hosts, or raise the limit")
+    self._check_room(nbytes)
     stale = self.table.abandon(pid)
     for d in stale:
       logger.warning("slot %d: trainer pid %d moved on from step %s; freeing it",
@@ -290,51 +216,69 @@ class Agent:
       if r is None:
         return _requests.Reserve.Reply(index=None)
     slot = self.slots[r.index]
-    if r.grow:
-      try:
-        _paths.allocate(slot.path, nbytes, host=self.host)
-      except errors.HostMemoryBudgetError:
-        self.table.abort(r.index)
-        self.table.slots[r.index].size = _paths.file_size(slot.path)
-        raise
+    if r.grow:                     # too small, or lent to a restore: a new file
+      slot.renew(nbytes)
     return _requests.Reserve.Reply(index=r.index, path=slot.path,
-                                   size=self.table.slots[r.index].size)
+                                   size=self.table.slots[r.index].size,
+                                   fresh=not slot.allocated)
 
-  def op_written(self, index: int, step: int, shards: list[list[Any]]) -> _requests.Done:
-    """The trainer has finished writing ``shards`` ([offset, nbytes, checksum] each)
-    of ``step`` into slot ``index``: start verifying them now, so that commit
-    only waits for the rest (hashing overlaps the trainer's copy)."""
-    size = self.table.writing(index, step).size
-    s = self.slots[index]
-    mm = s.read_map(size)
-    recs = [(int(o), int(n), str(c)) for o, n, c in shards]
-    recs = [r for r in recs if r[0] + r[1] <= size and r not in s.early]
-    self.early_verified += len(recs)
-    for batch in _batches(recs):
-      f = self._hash_pool.submit(_verify_all, mm, batch, step)
-      for r in batch:
-        s.early[r] = f
-    return _requests.Done()
+  def op_preallocate(self, nbytes: int) -> _requests.Preallocate.Reply:
+    """Sizes every free slot for snapshots of ``nbytes`` now (``prepare()``): the
+    trainer allocates and maps their memory before its first save."""
+    self._check_room(nbytes)
+    for i in self.table.grow_free(nbytes):
+      self.slots[i].renew(nbytes)
+    free = [s.index for s in self.table.slots
+            if s.state == _slots.FREE and not s.pinned and s.size >= nbytes]
+    return _requests.Preallocate.Reply(slots=[
+        [i, self.slots[i].path, self.table.slots[i].size, not self.slots[i].allocated]
+        for i in free])
+
+  def _check_room(self, nbytes: int) -> None:
+    """Raises HostMemoryBudgetError, at the first save of a state (not a later one),
+    if ``nbytes`` snapshots do not fit the budget or the run root's free memory."""
+    self._ensure_slots()
+    need = len(self.slots) * nbytes
+    what = f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB"
+    if self.parity is not None:
+      pbytes = self.parity.estimate_bytes(nbytes)
+      need += len(self.slots) * pbytes
+      what += f" + {len(self.slots)} parity slots x {pbytes / 2**20:.1f} MiB"
+    if need > self.limit_bytes:
+      raise errors.HostMemoryBudgetError(
+          f"{what} = {need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
+          f"({self.limit_bytes / 2**20:.1f} MiB) on host {self.host}; lower "
+          "max_snapshots, shard the state over more hosts, or raise the limit")
+    held = sum(s.size for s in self.table.slots)
+    held += 0 if self.parity is None else self.parity.bytes_held()
+    free = shutil.disk_usage(self.dir).free
+    if need > free + held:
+      raise errors.HostMemoryBudgetError(
+          f"{what} = {need / 2**20:.1f} MiB do not fit in {self.dir} on host {self.host}: "
+          f"{free / 2**20:.1f} MiB free there (+ {held / 2**20:.1f} MiB this agent holds); "
+          "free shared memory, lower max_snapshots, or point AgentOptions.run_root at a "
+          "larger filesystem")
 
   def op_commit(self, index: int, manifest: str, step: int, nbytes: int,
-                spans: list[list[Any]], process: list[int],
-                persist_attempt: str | None = None) -> _requests.Commit.Reply:
-    m = _CommitView.of(manifest, step, nbytes, spans)
-    size = self.table.writing(index, m.step).size
-    try:
-      self._verify(self.slots[index], size, m)
-    except errors.CorruptSnapshotError:
+                process: list[int], persist_attempt: str | None = None) -> _requests.Commit.Reply:
+    """Slot ``index`` holds ``step``: it becomes visible. The trainer hashed every
+    shard as it wrote it (the checksums are those of the slot's bytes); every
+    read (a restore, a persist, a peer's parity rebuild) verifies them again."""
+    size = self.table.writing(index, step).size
+    if not 0 <= nbytes <= size:
       self._dropped([self.table.abort(index)])
-      raise
+      raise errors.CorruptSnapshotError(
+          f"step {step}: a commit of {nbytes} bytes into slot {index} of {size} bytes")
     persist = persist_attempt is not None and self.persister is not None
     # a rollback, then the oldest; a step due for storage is held until persisted
-    self._dropped(self.table.commit(index, m.step, hold=persist))
-    self.manifests[m.step] = manifest
-    self.processes[m.step] = (int(process[0]), int(process[1]))
+    self._dropped(self.table.commit(index, step, hold=persist))
+    self.slots[index].allocated = True
+    self.manifests[step] = manifest
+    self.processes[step] = (int(process[0]), int(process[1]))
     if persist:
-      self.persister.submit(m.step, str(persist_attempt))
-    if self.parity is not None and m.step in self.manifests:
-      self.parity.on_commit(m.step, manifest)
+      self.persister.submit(step, str(persist_attempt))
+    if self.parity is not None and step in self.manifests:
+      self.parity.on_commit(step, manifest)
     return _requests.Commit.Reply(steps=self.steps(), **self._persist_reply())
 
   def _persist_reply(self, errors: bool = True) -> dict[str, Any]:
@@ -389,41 +333,6 @@ class Agent:
     ask, each reported once."""
     return _requests.Persisted.Reply(**self._persist_reply(errors))
 
-  def _verify(self, s: _Slot, size: int, m: "_CommitView") -> None:
-    if m.nbytes > size:
-      raise errors.CorruptSnapshotError(f"step {m.step}: {m.nbytes} bytes > slot {size}")
-    if m.nbytes == 0:
-      return
-    early: dict[concurrent.futures.Future, list[Span]] = {}
-    late = []
-    for span in m.spans:
-      f = s.early.get(span)
-      if f is None:
-        late.append(span)
-      else:
-        early.setdefault(f, []).append(span)
-    try:
-      mm = s.read_map(size)
-      # xxhash releases the GIL: hash on two threads (the trainer's copy is done by now);
-      # one batch is hashed here (a thread handoff costs more than hashing a small step).
-      batches = _batches(late)
-      if len(batches) == 1:
-        try:
-          _verify_all(mm, batches[0], m.step)
-        except errors.CorruptSnapshotError:
-          bad = next(o for o, n, c in late if verify_ok(mm, o, n, c) is False)
-          raise m.leaf_error(mm, bad) from None
-        batches = []
-      tasks = [self._hash_pool.submit(_verify_all, mm, b, m.step) for b in batches]
-      for f, spans in [*early.items(), *((t, None) for t in tasks)]:
-        try:
-          f.result()
-        except errors.CorruptSnapshotError:
-          bad = next(o for o, n, c in (spans or late) if verify_ok(mm, o, n, c) is False)
-          raise m.leaf_error(mm, bad) from None
-    finally:
-      self._end_early(s)
-
   def op_abort(self, index: int) -> _requests.Done:
     d = self.table.abort(index)
     self._dropped([d] if d else [])
@@ -464,13 +373,18 @@ class Agent:
   def op_open(self, pid: int, step: int) -> _requests.Open.Reply:
     s = self.table.pin(step, pid) or self._slot_of(step)
     return _requests.Open.Reply(path=self.slots[s.index].path, manifest=self.manifests[step],
-                                index=s.index)
+                                index=s.index, size=s.size)
 
-  def op_close(self, pid: int, step: int, index: int | None = None) -> _requests.Done:
+  def op_close(self, pid: int, step: int, index: int | None = None,
+               lend: bool = False) -> _requests.Done:
     """Unpins what ``op_open`` pinned: slot ``index`` (the step may have been
-    dropped meanwhile), or the slot still holding ``step``."""
+    dropped meanwhile), or the slot still holding ``step``. With ``lend`` the
+    reader keeps views of the slot's memory (restored arrays): it is never
+    written again, and its next reservation gets a new file."""
     s = self.table.committed(step) if index is None else self.table.slots[index]
     if s is not None:
+      if lend and pid in s.pins:
+        self.table.lend(s.index)
       self.table.unpin(s.index, pid)
     return _requests.Done()
 
@@ -544,8 +458,7 @@ class Agent:
         bytes=sum(s.size for s in self.table.slots) + parity_bytes,
         parity_bytes=parity_bytes, trainers=sorted(self.trainers),
         max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
-        lease=None if self.lease is None else {"pid": self.lease[0], "generation": self.lease[1]},
-        early_verified_shards=self.early_verified)
+        lease=None if self.lease is None else {"pid": self.lease[0], "generation": self.lease[1]})
 
   def op_stop(self) -> _requests.Done:
     self.stopping = True
@@ -557,7 +470,6 @@ class Agent:
             time.monotonic() - self.last_active > self.idle_timeout_secs)
 
   def cleanup(self) -> None:
-    self._hash_pool.shutdown(wait=True)
     for s in self.slots:
       if s.map is not None:
         with contextlib.suppress(BufferError):   # a reader still holds it: freed with it

@@ -59,32 +59,21 @@ def test_snapshots_outlive_the_manager_and_rollback_works(sandbox):
     assert out["pos"] == 2
 
 
-def test_agent_hashes_while_the_trainer_writes_and_still_refuses_corrupt_shards(sandbox):
+def test_a_shard_changed_after_the_trainer_hashed_it_is_never_restored(sandbox):
   root, job = sandbox
   x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
   with mgr_for(root, job, max_snapshots=2) as m:
-    store = m._store
-    store.progress_bytes = 1                 # report every shard as soon as it is written
     assert m.save(1, {"w": sharded(x)})
     m.wait_until_finished()
-    assert store.call("status")["early_verified_shards"] == 8
-    np.testing.assert_array_equal(
-        np.asarray(m.restore(target={"w": sharded(np.zeros_like(x))})["w"]), x)
-
-    forward = store.written
-    def corrupt_then_report(slot, shards):   # a bit flip after the trainer hashed the bytes
-      slot.buffer[shards[0].offset] ^= 1
-      forward(slot, shards)
-    store.written = corrupt_then_report
-    assert m.save(2, {"w": sharded(x * 2)})
+    with m._store.read(1) as (manifest, buf):    # a bit flip in the agent's memory
+      buf[manifest.leaves[0].shards[0].offset] ^= 1
     with pytest.raises(errors.CorruptSnapshotError, match=r"of leaf \"\['w'\]\" is corrupted"):
-      m.wait_until_finished()
-    assert m.all_steps() == [1]              # the torn step never became visible
+      m.restore(step=1, target={"w": sharded(np.zeros_like(x))})
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_restored_arrays_never_alias_agent_memory(sandbox):
+def test_restored_arrays_keep_their_values_while_the_agent_reuses_its_slots(sandbox):
   root, job = sandbox
   with jc.CheckpointManager(options=jc.CheckpointOptions(
       max_snapshots=1, agent=agent_opts(root, job))) as m:

@@ -18,6 +18,7 @@ import fcntl
 import functools
 import json
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -119,7 +120,10 @@ class AgentStore(HostStore):
     self._limit = limit_bytes
     self._persist = persist
     self._parity = parity
-    self._maps: dict[int, tuple[str, int, np.memmap]] = {}
+    self._maps: dict[int, tuple[str, int, np.ndarray]] = {}   # slot -> (path, size, map)
+    self._maps_lock = threading.Lock()
+    self._lending: dict[int, tuple[int, list[bool]]] = {}   # step read -> (slot, lent?)
+    self._allocated: dict[int, str] = {}    # slot -> the file this trainer allocated
     self._failed: list[PersistError] = []
     self._errors_lock = threading.Lock()
     self._status = PersistStatus()          # as the agent's last reply said
@@ -160,6 +164,7 @@ class AgentStore(HostStore):
     self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
                       limit_bytes=self._limit, persist=self._persist, parity=self._parity)
     self._maps.clear()
+    self._allocated.clear()
 
   def ensure_alive(self) -> None:
     """Starts a new agent if ours died (its snapshots are lost with it)."""
@@ -354,6 +359,8 @@ class AgentStore(HostStore):
       return complete_steps_of(clients)
 
   def parity_steps(self) -> dict[int, Any]:
+    if not self._parity:                  # this trainer's job keeps no parity
+      return {}
     with self.job_clients() as clients:
       return _parity.survey(clients)
 
@@ -391,14 +398,24 @@ class AgentStore(HostStore):
     self._peers = {str(e["own"]["host"]): e["own"] for e in everyone}
     self.call("peers", peers=self._peers)
 
-  def _map(self, index: int, path: str, size: int) -> np.ndarray:
+  def _map(self, index: int, path: str, size: int, *, allocate: bool = False) -> np.ndarray:
+    """Slot ``index``'s file, mapped once and kept across saves and restores (a
+    fresh map of tmpfs pays a page fault per page; a kept one none); ``allocate``
+    gives a new, sparse file its memory first."""
     if size == 0:                      # a state with no array bytes (only scalars)
       return np.empty(0, np.uint8)
-    cached = self._maps.get(index)
-    if cached is None or cached[0] != path or cached[1] != size:
-      self._maps[index] = (path, size, np.memmap(path, dtype=np.uint8, mode="r+",
-                                                 shape=(size,)))
-    return self._maps[index][2]
+    with self._maps_lock:
+      cached = self._maps.get(index)
+    if cached is not None and cached[:2] == (path, size) and not allocate:
+      return cached[2]
+    if allocate:      # memory that exists now: a full /dev/shm must not SIGBUS our copy
+      _paths.allocate(path, size, host=self.host)
+    buf = _map_file(path, size)
+    with self._maps_lock:
+      self._maps[index] = (path, size, buf)
+      if allocate:
+        self._allocated[index] = path
+    return buf
 
   def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
     self.ensure_alive()
@@ -412,15 +429,27 @@ class AgentStore(HostStore):
                       late=lambda: f"no slot of {self.who} freed up for step {step}")
     except errors.SnapshotTimeoutError:
       return None                           # HostStore.reserve's contract: None, not an error
-    return Slot(r.index, step, self._map(r.index, r.path, r.size), nbytes)
+    with self._maps_lock:
+      cached = self._maps.get(r.index)
+    fresh = r.fresh and self._allocated.get(r.index) != r.path    # not allocated by us
+    warm = cached is not None and cached[:2] == (r.path, r.size) and not fresh
+    # A slot not mapped yet (or a new file) is allocated and mapped by ``buffer()``,
+    # in the background copy: never on the save path.
+    return Slot(r.index, step, cached[2] if warm else None, nbytes,
+                opening=None if warm else (r.path, r.size, fresh))
 
-  # The agent hashes what is written while the rest is copied: commit then
-  # waits only for the last chunk's verification.
-  progress_bytes = 64 << 20
+  def buffer(self, slot: Slot) -> Any:
+    if slot.buffer is None:
+      path, size, fresh = slot.opening
+      slot.buffer = self._map(slot.index, path, size, allocate=fresh)
+    return slot.buffer
 
-  def written(self, slot: Slot, shards: list[ShardRecord]) -> None:
-    self.call("written", index=slot.index, step=slot.step,
-              shards=[[r.offset, r.nbytes, r.checksum] for r in shards])
+  def preallocate(self, nbytes: int) -> None:
+    """Sizes the agent's free slots for ``nbytes`` and allocates, maps and touches
+    their memory here, so that no save pays for it."""
+    self.ensure_alive()
+    for index, path, size, fresh in self.call("preallocate", nbytes=nbytes).slots:
+      _populate(self._map(index, path, size, allocate=fresh))
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
@@ -429,16 +458,9 @@ class AgentStore(HostStore):
     # a new timeline from this step on (a rollback, or the step saved again): a rebuilt
     # persist of the old one must not commit
     self._fence_rebuilds(lambda s: s >= manifest.step)
-    offsets, sizes, sums = [], [], []
-    for leaf in manifest.leaves:          # what the agent verifies, as a compact table
-      for s in leaf.shards:
-        offsets.append(s.offset)
-        sizes.append(s.nbytes)
-        sums.append(s.checksum)
     self._take_persist(self.call(
         "commit", index=slot.index, manifest=manifest.to_json(), step=manifest.step,
-        nbytes=manifest.nbytes, spans=[offsets, sizes, sums],
-        process=[manifest.process_index, manifest.process_count],
+        nbytes=manifest.nbytes, process=[manifest.process_index, manifest.process_count],
         persist_attempt=persist_attempt))
 
   def persist_to(self, config: Any) -> None:
@@ -500,12 +522,43 @@ class AgentStore(HostStore):
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
     r = self.call("open", pid=os.getpid(), step=step)
+    lent: list[bool] = []
+    self._lending[step] = (r.index, lent)
     try:
       manifest = SnapshotManifest.from_json(r.manifest)
-      yield manifest, _map_slot(r.path, manifest)
+      yield manifest, self._read_map(r, manifest)
     finally:
+      self._lending.pop(step, None)
       with contextlib.suppress(errors.AgentUnavailableError):
-        self.call("close", pid=os.getpid(), step=step, index=r.index)
+        self.call("close", pid=os.getpid(), step=step, index=r.index, lend=bool(lent))
+
+  def _read_map(self, r: _requests.Open.Reply, manifest: SnapshotManifest) -> np.ndarray:
+    """The pinned slot's memory, through the map kept for it; a missing or short
+    file is corrupt."""
+    if not manifest.nbytes:
+      return np.empty(0, np.uint8)
+    where = f"step {manifest.step}: the snapshot file {r.path}"
+    if r.size < manifest.nbytes:
+      raise errors.CorruptSnapshotError(
+          f"{where} has {r.size} bytes, its manifest needs {manifest.nbytes}; it was "
+          "truncated (restore another tier)")
+    try:
+      return self._map(r.index, r.path, r.size)
+    except (OSError, ValueError) as e:
+      if isinstance(e, errors.JaxckptError):
+        raise
+      raise errors.CorruptSnapshotError(f"{where} cannot be mapped ({e})") from None
+
+  def lend(self, step: int, buffer: Any) -> bool:
+    """Restored arrays keep views of ``buffer`` (``step``'s slot, pinned by
+    ``read``): the agent never writes that slot's file again, as the unpin at
+    the end of ``read`` tells it (until then the pin keeps every writer out)."""
+    with self._maps_lock:
+      mapped = self._lending.get(step)
+      if mapped is None or self._maps.get(mapped[0], (None, None, None))[2] is not buffer:
+        return False                   # the caller copies instead
+    mapped[1].append(True)
+    return True
 
   def close(self, timeout_secs: float = 300.0) -> None:
     """Gives up this trainer's lease (the agent goes on persisting what is queued)."""
@@ -520,22 +573,28 @@ class AgentStore(HostStore):
       self._client.close()
 
 
-def _map_slot(path: str, manifest: SnapshotManifest) -> np.ndarray:
-  """A read-only map of a committed slot file; a missing or short one is corrupt."""
-  if not manifest.nbytes:
-    return np.empty(0, np.uint8)
+_MADV_POPULATE_WRITE = 23       # Linux 5.14+ (Python's mmap module names it from 3.13)
+
+
+def _map_file(path: str, size: int) -> np.ndarray:
+  """A shared, writable map of ``size`` bytes of ``path`` (huge pages where the run
+  root's tmpfs allows them)."""
+  with open(path, "r+b") as f:
+    mm = mmap.mmap(f.fileno(), size)
+  with contextlib.suppress(OSError, AttributeError, ValueError):
+    mm.madvise(mmap.MADV_HUGEPAGE)
+  return np.frombuffer(mm, np.uint8)
+
+
+def _populate(buf: np.ndarray) -> None:
+  """Faults in every page of a slot map for writing, now (``prepare()``)."""
+  if not buf.size:
+    return
   try:
-    size = os.path.getsize(path)
-    if size < manifest.nbytes:
-      raise errors.CorruptSnapshotError(
-          f"step {manifest.step}: the snapshot file {path} has {size} bytes, its manifest "
-          f"needs {manifest.nbytes}; it was truncated (restore another tier)")
-    return np.memmap(path, dtype=np.uint8, mode="r")
-  except (OSError, ValueError) as e:
-    if isinstance(e, errors.JaxckptError):
-      raise
-    raise errors.CorruptSnapshotError(
-        f"step {manifest.step}: the snapshot file {path} cannot be mapped ({e})") from None
+    buf.base.madvise(_MADV_POPULATE_WRITE)
+  except (OSError, AttributeError, ValueError):     # an older kernel: touch each page
+    page = mmap.PAGESIZE
+    buf[::page] = buf[::page]
 
 
 class RemotePiece:

@@ -28,7 +28,8 @@ def test_every_request_has_a_handler_that_returns_its_reply():
 def test_a_reply_reads_as_a_record_and_as_a_mapping():
   r = _requests.Reserve.Reply(index=3, path="/dev/shm/x", size=64)
   assert (r.index, r["path"], {**r}) == (3, "/dev/shm/x",
-                                         {"index": 3, "path": "/dev/shm/x", "size": 64})
+                                         {"index": 3, "path": "/dev/shm/x", "size": 64,
+                                          "fresh": False})
   with pytest.raises(KeyError):
     r["nope"]                                     # pylint: disable=pointless-statement
 

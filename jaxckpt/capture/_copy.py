@@ -32,7 +32,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -117,20 +117,16 @@ def warm_up(leaves: Sequence[Leaf], plan: CapturePlan) -> None:
 def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: int,
              process_index: int = 0, process_count: int = 1,
              metadata: dict[str, Any] | None = None,
-             on_progress: Callable[[list[ShardRecord]], None] | None = None,
-             progress_bytes: int = 64 << 20,
              pool: concurrent.futures.Executor | None = None) -> SnapshotManifest:
-  """Copies every source into ``buffer`` at its planned offset, hashing as it goes.
+  """Copies every source into ``buffer`` at its planned offset, hashing as it goes
+  (each checksum is of the bytes as they lie in ``buffer``).
 
-  ``on_progress`` gets the records of the shards written since its last call,
-  each time about ``progress_bytes`` more are written (not for the last ones).
   With a ``pool``, shards over 1 MiB are copied and hashed on its threads
   (numpy's copy and xxhash release the GIL), several shards at once; smaller
   ones stay on this thread, where per-shard Python is the cost.
   """
   dst = np.frombuffer(buffer, dtype=np.uint8, count=plan.nbytes)
   records: list[Any] = [[] for _ in plan.templates]
-  progress = _Progress(on_progress, progress_bytes)
   *sources, packed, scalars = sources
   if plan.pack is not None:
     pk = plan.pack
@@ -144,7 +140,6 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
                             span_checksums(dst, pk.spans))
     for leaf, gather in pk.of_leaf.items():
       records[leaf] = gather(recs)
-    progress.add_many(recs, pk.nbytes)
   pending: list[tuple[Any, int, concurrent.futures.Future]] = []
   try:
     for n, (shard, src) in enumerate(zip(plan.shards, sources)):
@@ -165,13 +160,9 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
           records[shard.leaf].append(None)          # filled in below, in plan order
           continue
         digest = copy_and_hash(flat, out)
-      rec = ShardRecord(shard.box, shard.offset, shard.nbytes, digest)
-      records[shard.leaf].append(rec)
-      progress.add(rec)
+      records[shard.leaf].append(ShardRecord(shard.box, shard.offset, shard.nbytes, digest))
     for shard, k, fut in pending:        # submission order: about the order they finish
-      rec = records[shard.leaf][k] = ShardRecord(shard.box, shard.offset, shard.nbytes,
-                                                 fut.result())
-      progress.add(rec)
+      records[shard.leaf][k] = ShardRecord(shard.box, shard.offset, shard.nbytes, fut.result())
   except BaseException:
     # No copy may still write into the slot once the caller aborts it.
     concurrent.futures.wait([f for _, _, f in pending])
@@ -183,28 +174,6 @@ def complete(plan: CapturePlan, sources: Sequence[Any], buffer: Any, *, step: in
                           process_index=process_index, process_count=process_count,
                           metadata=dict(metadata or {}),
                           json_renderer=functools.partial(_render_json, plan))
-
-
-class _Progress:
-  """Hands ``on_progress`` the records written since its last call, every ``every`` bytes."""
-
-  def __init__(self, on_progress: Callable[[list[ShardRecord]], None] | None,
-               every: int) -> None:
-    self._fn, self._every = on_progress, every
-    self._done: list[ShardRecord] = []
-    self._bytes = 0
-
-  def add(self, rec: ShardRecord) -> None:
-    self.add_many([rec], rec.nbytes)
-
-  def add_many(self, recs: list[ShardRecord], nbytes: int) -> None:
-    if self._fn is None:
-      return
-    self._done.extend(recs)
-    self._bytes += nbytes
-    if self._bytes >= self._every:
-      self._fn(self._done)
-      self._done, self._bytes = [], 0
 
 
 # -- the manifest's JSON from a per-layout template ---------------------------

@@ -22,7 +22,7 @@ import numpy as np
 from jaxckpt import errors
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host._persist import PersistConfig, PersistError, PersistStatus  # noqa: F401  (the store's names)
-from jaxckpt.host.snapshot import ShardRecord, SnapshotManifest, aligned_empty
+from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
 
 
 @dataclasses.dataclass(eq=False)
@@ -31,8 +31,9 @@ class Slot:
 
   index: int
   step: int
-  buffer: Any          # writable, at least ``nbytes`` long (np.uint8 array or mmap)
-  nbytes: int
+  buffer: Any          # writable, at least ``nbytes`` long (np.uint8 array or mmap);
+  nbytes: int          # None until ``HostStore.buffer`` opens it (off the save path)
+  opening: Any = None  # what the store needs to open ``buffer`` (its own business)
 
 
 class HostStore(abc.ABC):
@@ -62,12 +63,10 @@ class HostStore(abc.ABC):
   def read(self, step: int) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, Any]]:
     """Pins ``step`` and yields its manifest and buffer until the context exits."""
 
-  #: ``written`` is worth calling after about this many bytes (None: never call it).
-  progress_bytes: int | None = None
-
-  def written(self, slot: Slot, shards: list[ShardRecord]) -> None:
-    """``shards`` of ``slot`` are fully written (the store may verify them early)."""
-    del slot, shards
+  def buffer(self, slot: Slot) -> Any:
+    """``slot``'s writable memory. A store may hand out a slot before its memory is
+    ready (``reserve`` is on the save path); the background copy calls this first."""
+    return slot.buffer
 
   def lend(self, step: int, buffer: Any) -> bool:
     """Promises that ``buffer`` (``step``'s, as pinned by ``read``) is never

@@ -5,12 +5,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
+import functools
+import os
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from jaxckpt import errors
+from jaxckpt.host._spans import Spans, span_checksums
 from jaxckpt.host.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
                               copy_and_hash, full_box, shard_view, verify_shard)
@@ -118,8 +121,20 @@ class BufferPiece:
     self._lend = lend
 
   def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None:
-    """Nothing to read ahead: the bytes are here."""
-    del wanted
+    """Verifies ``wanted`` now, on every core (nothing to read: the bytes are here)."""
+    todo = list({s.offset: (leaf, s) for leaf, s in wanted
+                 if s.offset not in self._verified}.values())
+    if sum(s.nbytes for _, s in todo) < _PARALLEL_VERIFY_BYTES:
+      return                       # verified as each is read: a thread handoff costs more
+    batches = _balanced(todo, _verify_threads())
+    digests = list(_verify_pool().map(
+        lambda b: span_checksums(self.buffer, Spans([s.offset for _, s in b],
+                                                    [s.nbytes for _, s in b])), batches))
+    for batch, got in zip(batches, digests):
+      for (leaf, shard), digest in zip(batch, got):
+        if digest != shard.checksum:
+          verify_shard(self.buffer, shard, path=leaf.path, step=self.manifest.step)  # raises
+        self._mark_read(shard)
 
   def _mark_read(self, shard: ShardRecord) -> None:
     self._verified.add(shard.offset)
@@ -162,6 +177,34 @@ class BufferPiece:
     return out
 
 
+_PARALLEL_VERIFY_BYTES = 8 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _verify_threads() -> int:
+  return max(1, min(8, os.cpu_count() or 1))
+
+
+@functools.lru_cache(maxsize=1)
+def _verify_pool() -> concurrent.futures.ThreadPoolExecutor:
+  """Threads that verify a local snapshot's shards before a restore reads them
+  (xxhash releases the GIL): one per core, at most 8, for the process's life."""
+  return concurrent.futures.ThreadPoolExecutor(_verify_threads(),
+                                               thread_name_prefix="jaxckpt-verify")
+
+
+def _balanced(items: list[tuple[LeafRecord, ShardRecord]], n: int
+              ) -> list[list[tuple[LeafRecord, ShardRecord]]]:
+  """``items`` in at most ``n`` batches of about equal bytes (largest first)."""
+  batches: list[list[Any]] = [[] for _ in range(min(n, len(items)))]
+  load = [0] * len(batches)
+  for item in sorted(items, key=lambda x: -x[1].nbytes):
+    i = load.index(min(load))
+    batches[i].append(item)
+    load[i] += item[1].nbytes
+  return batches
+
+
 class HostSource:
   """A step held as host snapshots: one piece per saving process."""
 
@@ -176,8 +219,8 @@ class HostSource:
 
   def prefetch(self, needed: dict[int, set[Box]]) -> None:
     """Reads ahead, in one transfer per remote piece, every shard the regions
-    ``needed`` (leaf index -> boxes) will read (see ``reader``); local pieces
-    need nothing."""
+    ``needed`` (leaf index -> boxes) will read (see ``reader``), and verifies
+    local pieces' shards on every core."""
     wanted: dict[int, list[tuple[LeafRecord, ShardRecord]]] = {}
     for i, boxes in needed.items():
       shards = self._shards(i)
@@ -186,7 +229,11 @@ class HostSource:
           wanted.setdefault(id(p), []).append((leaf, s))
     remote = [p for p in self.pieces if id(p) in wanted and p.remote]
     with concurrent.futures.ThreadPoolExecutor(max(1, len(remote))) as pool:   # hosts at once
-      for f in [pool.submit(p.fetch, wanted[id(p)]) for p in remote]:
+      futures = [pool.submit(p.fetch, wanted[id(p)]) for p in remote]
+      for p in self.pieces:
+        if id(p) in wanted and not p.remote:
+          p.fetch(wanted[id(p)])
+      for f in futures:
         f.result()
 
   def reader(self, i: int, *, private: bool = True,

@@ -112,6 +112,8 @@ def write_process_shards(directory: str, manifest: SnapshotManifest, buffer: Any
   Raises:
     StepExistsError: the step is already committed by another attempt.
     StorageError: storage refused a write (the message names path and cause).
+    CorruptSnapshotError: a shard of ``buffer`` does not match its checksum
+      (nothing of it is recorded: the step is never committed with it).
   """
   leaves = write_shard_data(directory, manifest, buffer, attempt=attempt,
                             max_inflight_bytes=max_inflight_bytes,
@@ -151,6 +153,8 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
         info = _arrays.replace(info, chunk_shape=None, inner_chunk_shape=None)
       elif info.is_array:
         store, info = store_info
+        for s in unique.values():     # never store bytes that are not what was saved
+          snap.verify_shard(buffer, s, path=info.path, step=step)
         pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
         sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
                              budget)

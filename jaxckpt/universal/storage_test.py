@@ -37,6 +37,19 @@ def test_only_committed_steps_are_listed_and_opened(tmp_path):
   np.testing.assert_array_equal(u.open_step(d).read("w"), np.arange(6.0) + 1)
 
 
+def test_a_snapshot_whose_bytes_changed_after_hashing_is_never_stored(tmp_path):
+  d = str(tmp_path)
+  (manifest, buf), = _fixtures.host_snapshots(4, {"w": np.arange(64.0), "v": np.ones(8)})
+  shard = manifest.leaves[1].shards[0]
+  buf[shard.offset + 3] ^= 1                  # after its checksum was taken
+  with pytest.raises(errors.CorruptSnapshotError,
+                     match=f"of leaf '{manifest.leaves[1].path}' is corrupted"):
+    u.write_process_shards(d, manifest, buf, attempt="t")
+  with pytest.raises(errors.SnapshotTimeoutError):
+    u.commit_step(d, 4, process_count=1, timeout_secs=0.5, attempt="t")
+  assert u.all_steps(d) == []
+
+
 def test_commit_timeout_names_the_missing_processes(tmp_path):
   d = str(tmp_path)
   snaps = _fixtures.host_snapshots(3, {"w": np.arange(4.0)}, process_count=4)
