@@ -66,16 +66,16 @@ def abstract_tree(size_mib: float, mesh: Mesh, specs: tuple[P, ...]) -> dict[str
 
 
 def make_tree_fn(abstract: dict[str, Any]) -> Callable[[int], Any]:
-  """A jitted ``seed -> tree`` producing fresh arrays with the shardings of ``abstract``."""
+  """A jitted ``seed -> tree`` producing fresh arrays of random values with the
+  shardings of ``abstract``."""
   leaves, treedef = jax.tree.flatten(abstract)
   outs = jax.tree.unflatten(treedef, [x.sharding for x in leaves])
 
-  def build(seed):
-    vals = []
-    for i, x in enumerate(leaves):
-      n = int(np.prod(x.shape, dtype=np.int64))
-      v = (jax.lax.iota(np.int32, n) * 7 + seed * 131 + i).astype(x.dtype)
-      vals.append(v.reshape(x.shape))
+  def build(seed):        # random values: orbax's writer compresses regular ones
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    vals = [jax.random.bits(k, x.shape, np.uint32).astype(x.dtype) if
+            np.issubdtype(x.dtype, np.integer) else jax.random.normal(k, x.shape, x.dtype)
+            for k, x in zip(keys, leaves)]
     return jax.tree.unflatten(treedef, vals)
 
   fn = jax.jit(build, out_shardings=outs)

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
       step += 1
       state = dict(state, params=params, opt_state=opt_state, rng=rng, losses=losses,
                    data=dict(state["data"], next_step=step))
-      mgr.save(step, state)
+      mgr.save(step, state, force=step == args.steps)   # the last step, whatever the plan
       logger.info("step %d loss %.6f", step, losses[step - 1])
       if mgr.reached_preemption(step):
         mgr.wait_until_finished()

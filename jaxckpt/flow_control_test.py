@@ -97,8 +97,8 @@ def test_a_due_save_that_finds_every_slot_held_names_the_persists(s3_server, mak
       assert m.save(1, _state(1)) and m.save(2, _state(2))   # two slots, both held
       m.wait_until_snapshotted()
       with pytest.raises(errors.SnapshotTimeoutError,
-                         match=r"save\(step=3\): the step is due for storage but no slot of the "
-                               r"(in-process store|snapshot agent) freed up within 3 s: every "
+                         match=r"save\(step=3\) \(due for storage: never skipped\): no slot of "
+                               r"the (in-process store|snapshot agent) freed up within 3 s: every "
                                r"slot is held: persists of steps \[1, 2\]"):
         m.save(3, _state(3))
     m.wait_until_finished()

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxckpt import _items, _preemption, _storage_only, _wait, capture, errors, tree, universal
 from jaxckpt.agent import AgentStore, _parity, _paths
-from jaxckpt.host import _persist
+from jaxckpt.host import _persist, _schedule
 from jaxckpt.host.store import HostStore, InProcessStore
 from jaxckpt.net import _kv
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
@@ -38,6 +38,8 @@ class SaveStats:
   committed: int = 0
   skipped_busy: int = 0
   skipped_interval: int = 0
+  #: candidate saves the job's plan does not snapshot (``snapshot_every``)
+  skipped_plan: int = 0
   last_blocking_secs: float = 0.0
   last_snapshot_secs: float = 0.0      # save() call to committed snapshot
   last_nbytes: int = 0
@@ -49,6 +51,11 @@ class SaveStats:
   persist_lag_steps: int = 0           # newest committed step - oldest unpersisted one
   persist_lag_secs: float = 0.0        # how long the oldest unpersisted step has waited
   agent_restarts: int = 0              # dead snapshot agents replaced by a new one
+  #: a job of several processes: its plan takes a snapshot every this many save
+  #: calls on the save interval and, without ``persist_interval_steps``, persists
+  #: every this many snapshots (None: no more, until a persist has been measured)
+  snapshot_every: int = 1
+  persist_every: int | None = None
 
 
 class CheckpointManager:
@@ -111,6 +118,16 @@ class CheckpointManager:
       self._store.discover(timeout_secs=self.options.timeout_secs)
       self._store.recover_persists(jax.process_index())
     self._planner = capture.Planner()
+    persist_interval = (0 if self.directory is None else
+                        self.options.persist_interval_steps or (
+                            None if self.options.host_snapshots
+                            else self.options.save_interval_steps))
+    self._schedule = _schedule.Schedule(
+        process=(jax.process_index(), jax.process_count()), on_busy=self.options.on_busy,
+        persist_interval=persist_interval, timeout_secs=self.options.timeout_secs,
+        channel=None if jax.process_count() == 1 else _kv.Channel(
+            "schedule", timeout_secs=self.options.timeout_secs))
+    self._committed_at: dict[int, float] = {}   # due step -> when its snapshot committed
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
@@ -169,13 +186,22 @@ class CheckpointManager:
     ``args=ocp.args.StandardSave(state)`` (orbax's form) is taken too, so an
     orbax loop ports with only its manager's construction changed.
 
+    ``force=True`` snapshots ``step`` whatever the interval and the plan say
+    and, with a directory and no ``persist_interval_steps``, persists it.
+
     Returns False (and counts it in ``stats``) when ``step`` is off the save
-    interval or the previous snapshot is still being copied and
-    ``on_busy="skip"`` (logged at WARNING with the running count). A save due
-    for storage is never skipped: it waits for the previous snapshot (at most
-    ``timeout_secs``; SnapshotTimeoutError names the step and what was late).
-    A snapshot of ``step`` discards held snapshots of steps >= ``step`` (they
-    belong to a timeline that was rolled back).
+    interval, or is not snapshotted by the job's save plan. Every process of a
+    job snapshots the same steps and persists the same ones
+    (:mod:`jaxckpt.host._schedule`): in a job of several processes the plan
+    spaces snapshots so that the previous copy is done when the next starts;
+    in a one-process job a snapshot is skipped while the previous one is still
+    being copied and ``on_busy="skip"`` (logged at WARNING with the running
+    count). A save that is not skipped never is: a snapshot due for storage,
+    one the job's plan takes, and any with ``on_busy="wait"`` wait for the
+    previous copy and a free slot (at most ``timeout_secs``, or
+    ``busy_timeout_secs`` with ``on_busy="wait"``); SnapshotTimeoutError names
+    the step and what was late. A snapshot of ``step`` discards held snapshots
+    of steps >= ``step`` (they belong to a timeline that was rolled back).
     """
     t0 = time.perf_counter()
     self._check_open("save")
@@ -188,26 +214,43 @@ class CheckpointManager:
     if not force and step % self.options.save_interval_steps:
       self.stats.skipped_interval += 1
       return False
-    persist_due = self._persist_due(step)
-    if persist_due and step in self._on_storage:
+    try:
+      return self._snapshot(step, state, metadata, force, t0)
+    finally:
+      self._schedule.blocked(time.perf_counter() - t0)   # not the loop's own time
+
+  def _snapshot(self, step: int, state: Any, metadata: dict[str, Any] | None, force: bool,
+                t0: float) -> bool:
+    d = self._schedule.decide(step, force=force, persisting=self._persisting())
+    self._note_plan()
+    if not d.snapshot:
+      self.stats.skipped_plan += 1
+      return False
+    if d.due and step in self._on_storage:
       self._refuse_committed(step)
     if not self.options.host_snapshots:
-      return self._save_to_storage(step, state, metadata, t0) if persist_due else False
-    if not self._wait_for_previous(step):   # before any per-leaf work: skips stay cheap
+      if not d.due:
+        return False
+      self._schedule.took(d)
+      return self._save_to_storage(step, state, metadata, t0)
+    # May this save skip? Only in a one-process job, and not a due or a waiting one.
+    must = self._never_skipped(d)
+    if not self._wait_for_previous(step, must):   # before any per-leaf work: skips stay cheap
       return False
     leaves, _ = tree.flatten(state)
     plan = self._planner.plan(leaves)
-    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout(step))
+    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout(must))
     self.stats.agent_restarts = self._store.restarts
     if slot is None:
-      self._no_slot(step, persist_due)
+      self._no_slot(step, must)
       return False
     try:
       sources = capture.start(leaves, plan)
     except BaseException:
       self._store.abort(slot)
       raise
-    attempt = self._new_attempt(step) if persist_due else None
+    self._schedule.took(d)
+    attempt = self._new_attempt(step) if d.due else None
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
                                       metadata, t0, attempt)
     self._last_save_at = t0
@@ -215,8 +258,23 @@ class CheckpointManager:
     self.stats.last_blocking_secs = time.perf_counter() - t0
     return True
 
-  def _no_slot(self, step: int, due: bool) -> None:
-    """A save found no free slot: skipped if not due for storage, else raises."""
+  def _persisting(self) -> bool:
+    """Whether a persist this manager started has not ended, as last heard (no request)."""
+    if not self._attempts:
+      return False
+    return any(s in self._attempts and s not in self._on_storage    # (seen committed)
+               for s in self._store.persist_status(ask=False).pending)
+
+  def _never_skipped(self, d: _schedule.Decision) -> str | None:
+    """Why a save that was decided may not be skipped (None: it may)."""
+    if d.due:
+      return "due for storage"
+    if self._schedule.agreed:
+      return "in the job's save plan: every process snapshots it"
+    return "on_busy='wait'" if self.options.on_busy == "wait" else None
+
+  def _no_slot(self, step: int, must: str | None) -> None:
+    """A save found no free slot: skipped if it may be, else raises."""
     status = self._store.persist_status()
     if status.pending:
       age = time.time() - status.oldest_since if status.oldest_since else 0.0
@@ -225,10 +283,10 @@ class CheckpointManager:
     else:
       held = ("every slot is held by a committed step: one a restore still reads, or the "
               "newest step protected by parity, kept until a newer one is protected")
-    if due:
+    if must:
       raise errors.SnapshotTimeoutError(
-          f"save(step={step}): the step is due for storage but no slot of "
-          f"{self._store_name()} freed up within {self._reserve_timeout(step)} s: {held}; "
+          f"save(step={step}) ({must}: never skipped): no slot of "
+          f"{self._store_name()} freed up within {self._reserve_timeout(True)} s: {held}; "
           "storage is slower than the loop: persist less often (persist_interval_steps), keep "
           "more snapshots (max_snapshots) or wait longer (timeout_secs)")
     self._skip_busy(step, "no snapshot slot is free (persists in flight)" if status.pending
@@ -271,24 +329,24 @@ class CheckpointManager:
     capture.warm_up(leaves, plan)
     self._store.preallocate(plan.nbytes)
 
-  def _reserve_timeout(self, step: int) -> float:
-    if self.options.on_busy == "wait":
-      return self.options.busy_timeout_secs
-    return self.options.timeout_secs if self._persist_due(step) else 0.0
+  def _reserve_timeout(self, must: str | bool | None) -> float:
+    """How long a save waits for the previous copy and a slot: 0 if it may skip."""
+    if not must:
+      return 0.0
+    return self.options.busy_timeout_secs if self.options.on_busy == "wait" else \
+        self.options.timeout_secs
 
-  def _wait_for_previous(self, step: int) -> bool:
+  def _wait_for_previous(self, step: int, must: str | None) -> bool:
     pending = self._pending
     if pending is None or pending.done():
       return True
-    due = self._persist_due(step)
-    if self.options.on_busy == "skip" and not due:
+    if not must:
       if self._done_within_grace(pending):
         self._raise_background_error(ask_agent=False)
         return True
       self._skip_busy(step, "the previous snapshot is still being copied")
       return False
-    self._wait(pending, self._reserve_timeout(step),
-               f"save of step {step}" + (" (due for storage: never skipped)" if due else ""))
+    self._wait(pending, self._reserve_timeout(True), f"save of step {step} ({must}: never skipped)")
     self._raise_background_error(ask_agent=False)
     return True
 
@@ -300,10 +358,19 @@ class CheckpointManager:
     done, _ = concurrent.futures.wait([pending], timeout=max(grace, 0.0))
     return bool(done)
 
-  def _persist_due(self, step: int) -> bool:
-    """Whether a save of ``step`` is due for storage (such a save is never skipped)."""
-    c = self._persist_config
-    return c is not None and step % c.interval_steps == 0
+  def _note_plan(self) -> None:
+    """Keeps ``stats`` current with the job's plan (several processes); says when it
+    changes."""
+    if not self._schedule.agreed:
+      return
+    p, st = self._schedule.plan, self.stats
+    if (p.snapshot_every, p.persist_every) != (st.snapshot_every, st.persist_every):
+      logger.info("the job now snapshots every %d save calls%s", p.snapshot_every,
+                  "" if not self._schedule.auto_persist else
+                  " and persists no more snapshots until a persist is measured"
+                  if p.persist_every is None else
+                  f" and persists every {p.persist_every} snapshots")
+      st.snapshot_every, st.persist_every = p.snapshot_every, p.persist_every
 
   def _skip_busy(self, step: int, why: str, detail: str = "") -> None:
     self.stats.skipped_busy += 1
@@ -314,6 +381,11 @@ class CheckpointManager:
   def _note_persist_lag(self, step: int) -> None:
     """Updates ``stats``' persist lag after ``step`` committed; logs when it grows."""
     status = self._store.persist_status(ask=False)
+    now = time.monotonic()
+    for s, at in list(self._committed_at.items()):
+      if s not in status.pending:             # ended: persisted, failed or fenced
+        self._schedule.measure.persist.append(now - at)
+        del self._committed_at[s]
     st = self.stats
     st.persists_pending = len(status.pending)
     st.oldest_unpersisted_step = status.pending[0] if status.pending else None
@@ -329,25 +401,25 @@ class CheckpointManager:
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` now would save, exactly: the manager is open,
-    ``step`` is on the save interval and, storage-only, due for storage; with
-    host snapshots, a step not due for storage is also refused while
-    ``on_busy="skip"`` and the previous snapshot is still being copied, or when
-    no snapshot slot is free (persists hold them). A save due for storage is
-    never skipped (it waits), so it is always True for one.
+    ``step`` is on the save interval and the job's save plan snapshots it
+    (storage-only: it is due for storage); in a one-process job with
+    ``on_busy="skip"``, a step not due for storage is also refused while the
+    previous snapshot is still being copied, or when no snapshot slot is free
+    (persists hold them). A save that may not skip (due for storage, in a job
+    of several processes, or ``on_busy="wait"``) is True: it waits, bounded.
     """
     step = check_step(step, "should_save")
     if self._closed or step % self.options.save_interval_steps:
       return False
-    due = self._persist_due(step)
-    if due or not self.options.host_snapshots:
-      return due
+    d = self._schedule.peek(step, persisting=self._persisting())
+    if not d.snapshot or not self.options.host_snapshots:
+      return d.snapshot and d.due
+    if d.due or self._schedule.agreed or self.options.on_busy == "wait":
+      return True
     pending = self._pending
-    if pending is not None and not pending.done():
-      if self.options.on_busy == "wait":
-        return True                   # waits for it, then for a slot (bounded)
-      if not self._done_within_grace(pending):
-        return False
-    return self.options.on_busy == "wait" or self._store.has_free_slot()
+    if pending is not None and not pending.done() and not self._done_within_grace(pending):
+      return False
+    return self._store.has_free_slot()
 
   def _new_attempt(self, step: int) -> str:
     """This run's next persist attempt of ``step`` (the same on every process)."""
@@ -375,6 +447,8 @@ class CheckpointManager:
           process_count=self._process[1], metadata=metadata, pool=self._copy_pool)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest, persist_attempt=attempt)
+      if attempt is not None:
+        self._committed_at[step] = time.monotonic()
     except BaseException as e:  # surfaced by the next save / wait
       self._store.abort(slot)
       logger.exception("step %d: snapshot failed", step)
@@ -383,6 +457,7 @@ class CheckpointManager:
       return
     self.stats.committed += 1
     self.stats.last_snapshot_secs = time.perf_counter() - t0
+    self._schedule.measure.copy.append(self.stats.last_snapshot_secs)
     self.stats.last_nbytes = plan.nbytes
     if self._persist_config is not None:
       self._note_persist_lag(step)

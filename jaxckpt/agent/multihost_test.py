@@ -93,3 +93,36 @@ def test_a_lost_machine_is_rebuilt_from_parity_exchanged_between_private_run_roo
     with launch(4, root, job, "restore", "--parity", "1") as restorers:
       for p in restorers:
         assert "OK 3 parity" in p.finish(400)
+
+
+def _loop_then_lose_a_host(root, job, *extra):
+  """Four processes run the loop (default options, parity m=1, storage): each takes
+  the same steps; machine 2 is then lost, and the relaunched job restores the
+  newest step every host took, rebuilt from parity."""
+  with launch(4, root, job, "loop", "--parity", "1", *extra) as loopers:
+    taken = {p.wait_for("STEPS", 400).split("STEPS", 1)[1].strip() for p in loopers}
+    assert len(taken) == 1, f"the processes took different steps: {taken}"
+    steps = [int(s) for s in taken.pop().strip("[]").split(",")]
+    for p in loopers:
+      p.wait_for(f"PROTECTED {steps[-1]}", 400)
+  lost_root, _ = machine(root, 2)
+  for pid in processes.agent_pids(lost_root):
+    os.kill(pid, signal.SIGKILL)
+    processes.wait_gone(pid, 10, "the agent of machine 2")
+  shutil.rmtree(lost_root)
+  with launch(4, root, job, "restore", "--parity", "1", *extra) as restorers:
+    for p in restorers:
+      assert f"OK {steps[-1]} parity" in p.finish(400)
+  return steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_process_takes_the_same_steps_and_a_lost_host_restores_the_newest():
+  # The issue's job: storage every 5 steps; copies (a 24 MiB ballast per process) slower
+  # than the loop, which calls save() every step without waiting.
+  with processes.agent_sandbox() as (root, job):
+    steps = _loop_then_lose_a_host(root, job, "--steps", "20", "--ballast-mib", "48",
+                                   "--directory", os.path.join(root, "storage"),
+                                   "--persist-interval", "5")
+    assert {5, 10} <= set(steps)              # due for storage: never skipped

@@ -14,6 +14,8 @@ state.
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Callable
 
 import jax
@@ -59,6 +61,46 @@ def broadcast_from_0(name: str, make: Callable[[], str], *, timeout_secs: float)
         f"process {jax.process_index()}: process 0 did not publish the job's {name} within "
         f"{timeout_secs} s (is it running, with the same jaxckpt version?)")
   return value
+
+
+class Channel:
+  """Keys of one conversation the processes of a job hold over many steps (a
+  manager's save schedule): ``set`` publishes under ``name/...``, ``get`` waits
+  for a key, ``gather`` for one key from each process under a directory; old
+  keys are deleted by whoever knows every process has read them."""
+
+  def __init__(self, name: str, *, timeout_secs: float) -> None:
+    self._client = _client()
+    self.prefix = "jaxckpt/channel/" + broadcast_from_0(
+        name, lambda: f"{name}-{uuid.uuid4().hex}", timeout_secs=timeout_secs)
+
+  def set(self, key: str, value: str) -> None:
+    self._client.key_value_set(f"{self.prefix}/{key}", value, allow_overwrite=True)
+
+  def get(self, key: str, timeout_secs: float) -> str | None:
+    """The value once it is set; None if it was not within ``timeout_secs``."""
+    return _get(self._client, f"{self.prefix}/{key}", timeout_secs)
+
+  def gather(self, directory: str, count: int, *, timeout_secs: float, poll_secs: float = 0.002
+             ) -> dict[int, str] | list[int]:
+    """``{process: value}`` of keys ``directory/<process>`` once all ``count`` are
+    set (one request while they are); the processes still missing at the
+    timeout, as a list, if not."""
+    deadline = time.monotonic() + timeout_secs
+    base = f"{self.prefix}/{directory}/"
+    while True:
+      got = {int(k[len(base):]): v for k, v in self._client.key_value_dir_get(base)
+             if k[len(base):].isdigit()}
+      if len(got) >= count:
+        return got
+      if time.monotonic() > deadline:
+        return sorted(set(range(count)) - set(got))
+      time.sleep(poll_secs)
+      poll_secs = min(poll_secs * 2, 0.05)
+
+  def delete(self, key: str) -> None:
+    """Deletes ``key`` (a directory: every key under it)."""
+    self._client.key_value_delete(f"{self.prefix}/{key}")
 
 
 def allgather(name: str, value: str, *, timeout_secs: float, what: str) -> list[str]:
