@@ -165,7 +165,7 @@ def first_order_remainder(interval_secs: float, mtbf_secs: float, checkpoint_sec
   ``d^2 + d (a/2 + r) + a^2/12 + a r / 2 + r^2 / 2``.
 
   >>> round(first_order_remainder(90, 232031, 0.0046, 613) * 1e6, 2)
-  3.99
+  4.16
   """
   d = checkpoint_secs / interval_secs
   a = (interval_secs + checkpoint_secs) / mtbf_secs
