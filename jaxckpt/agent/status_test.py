@@ -133,7 +133,8 @@ def test_watch_refreshes_as_plain_tables_or_json_lines(job):
   run_root = machine(root, 0)[0]
   out = jaxckpt("status", "--run-root", run_root, "--watch", "0.1", "--count", "2")
   assert out.returncode == 0, out.stderr
-  assert out.stdout.count(f"job {name}: 3 agents") == 2 and "(every 0.1 s; Ctrl-C ends)" in out.stdout
+  assert out.stdout.count(f"job {name}: 3 agents") == 2
+  assert "(every 0.1 s; Ctrl-C ends)" in out.stdout
   out = jaxckpt("status", "--run-root", run_root, "--watch", "0.1", "--count", "3", "--json")
   docs = [json.loads(line) for line in out.stdout.splitlines()]
   assert len(docs) == 3 and all(len(d["jobs"][0]["agents"]) == 3 for d in docs)

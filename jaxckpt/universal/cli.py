@@ -1,8 +1,7 @@
-"""``jaxckpt inspect``, ``jaxckpt verify`` and ``jaxckpt delete`` for universal-format
-directories.
+"""``jaxckpt inspect`` and ``jaxckpt verify`` for universal-format directories.
 
 ``jaxckpt/cli.py`` calls :func:`register`; ``python -m jaxckpt.universal.cli``
-runs the three commands on their own.
+runs the two commands on their own.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import sys
 from typing import Any, Callable, Sequence
 
 from jaxckpt import errors
-from jaxckpt.agent import _paths as agent_paths
-from jaxckpt.agent import jobs
 from jaxckpt.universal import _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _read
@@ -38,51 +35,18 @@ Exits 0 if all is intact, 1 naming each damaged leaf and chunk, 2 if the
 step cannot be opened at all. Shows a progress bar on a terminal (plain lines
 otherwise) and the time and rate at the end."""
 
-_DELETE_HELP = """Delete a step from a checkpoint directory, for good, as
-CheckpointManager.delete() does: first every snapshot agent of this machine's
-jobs that persists to DIR (and the job's agents on other hosts, which they
-know) is told to discard the step, so that a persist of it that is queued never
-runs and one that runs never commits (the command waits for it to stop); the
-agents forget the step too. Then the step is deleted from storage: its commit
-marker first (it is never listed half-deleted), then its data. A trainer that
-persists without an agent (AgentOptions unset) is not reached: delete from it
-with mgr.delete(step), or stop it first. Exits 0 once deleted, 2 if the step
-is neither committed in DIR nor held or persisted by an agent found here, or an
-agent that persists to DIR did not answer."""
-
-
-def human_bytes(n: float) -> str:
-  """``1536`` -> ``'1.5 KiB'``."""
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if n < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  raise AssertionError("unreachable")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
-  """Adds ``inspect``, ``verify`` and ``delete`` to the ``jaxckpt`` command."""
+  """Adds ``inspect`` and ``verify`` to the ``jaxckpt`` command."""
   for name, helptext, handler in (("inspect", _INSPECT_HELP, inspect_command),
-                                  ("verify", _VERIFY_HELP, verify_command),
-                                  ("delete", _DELETE_HELP, delete_command)):
+                                  ("verify", _VERIFY_HELP, verify_command)):
     p = subparsers.add_parser(name, help=helptext.split(".")[0].replace("\n", " ") + ".",
                               description=helptext,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("directory", metavar="DIR",
                    help="the checkpoint's root directory or kvstore URL")
-    if name == "delete":
-      p.add_argument("--step", type=int, required=True, help="the step to delete")
-      p.add_argument("--run-root", default=None, help="this machine's agents' run root "
-                     f"(default {agent_paths.default_run_root()})")
-      p.add_argument("--job-name", default=None,
-                     help="only this job's agents (default: every job with an agent here)")
-      p.add_argument("--timeout-secs", type=float, default=60.0,
-                     help="how long a running persist of the step may take to stop (default 60)")
-      p.add_argument("--ignore-unreachable", action="store_true",
-                     help="delete even if an agent that persists to DIR does not answer")
-    else:
-      p.add_argument("--step", type=int, default=None,
-                     help="step to look at (default: the latest committed one)")
+    p.add_argument("--step", type=int, default=None,
+                   help="step to look at (default: the latest committed one)")
     if name == "inspect":
       p.add_argument("--json", action="store_true", help="print the manifest as JSON instead")
     elif name == "verify":
@@ -146,7 +110,7 @@ def _pass_root(directory: str, root: str, step: int | None, what: str, verb: str
           f"the root{how}")
 
 
-def _not_a_checkpoint_directory(directory: str, step: int | None = None,
+def not_a_checkpoint_root(directory: str, step: int | None = None,
                                 verb: str = "inspect") -> str | None:
   """Why ``directory`` is not a checkpoint's root (a file, a step directory inside one,
   nothing, an orbax checkpoint), or None (then opening it says what is wrong, if anything)."""
@@ -260,7 +224,7 @@ def _item_lines(saved: dict[str, Any]) -> list[str]:
 
 def inspect_command(args: argparse.Namespace) -> int:
   """Prints the tree of one step, and its items as saved; returns the exit code."""
-  if (why := _not_a_checkpoint_directory(args.directory, args.step)):
+  if (why := not_a_checkpoint_root(args.directory, args.step)):
     print(f"jaxckpt inspect: {why}", file=sys.stderr)
     return 2
   try:
@@ -293,7 +257,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 def verify_command(args: argparse.Namespace) -> int:
   """Checks every chunk of one step (or all); returns the exit code."""
-  if (why := _not_a_checkpoint_directory(args.directory, args.step, "verify")):
+  if (why := not_a_checkpoint_root(args.directory, args.step, "verify")):
     print(f"jaxckpt verify: {why}", file=sys.stderr)
     return 2
   try:
@@ -321,45 +285,6 @@ def progress(args: argparse.Namespace, total: int, desc: str) -> Progress:
   return Progress(total, desc, enabled=not getattr(args, "no_progress", False))
 
 
-def delete_command(args: argparse.Namespace) -> int:
-  """Deletes a step for good (see ``_DELETE_HELP``); returns the exit code."""
-  local = lay.local_path(args.directory)
-  missing = local is not None and not os.path.exists(local)     # no persist has written yet
-  why = None if missing else _not_a_checkpoint_directory(args.directory, args.step, "delete")
-  if why:
-    print(f"jaxckpt delete: {why}", file=sys.stderr)
-    return 2
-  if args.step < 0:
-    print(f"jaxckpt delete: --step must be >= 0, got {args.step}", file=sys.stderr)
-    return 2
-  run_root = args.run_root or agent_paths.default_run_root()
-  try:
-    fenced = jobs.fence_step(run_root, args.directory, args.step, job=args.job_name,
-                             timeout_secs=args.timeout_secs,
-                             ignore_unreachable=args.ignore_unreachable)
-    missing = local is not None and not os.path.exists(local)
-    stored = [] if missing else _commit.all_steps(args.directory)
-    touched = [f for f in fenced if f.dropped or f.persisting]
-    if args.step not in stored and not touched:
-      where = ("does not exist" if missing else
-               f"holds no committed step {args.step} (committed steps: {stored})")
-      print(f"jaxckpt delete: {args.directory!r} {where}, and no snapshot agent under "
-            f"{run_root} holds or persists step {args.step}", file=sys.stderr)
-      return 2
-    if not missing:
-      _commit.discard_step(args.directory, args.step)
-  except errors.JaxckptError as e:
-    print(f"jaxckpt delete: {e}", file=sys.stderr)
-    return 2
-  where = ("storage" if args.step in stored else "nothing of it was on storage yet" if missing
-           else "its uncommitted data on storage")
-  print(f"deleted step {args.step} of {args.directory} ({where})")
-  for f in fenced:
-    print(f"  job {f.job}: {len(f.agents)} agents told; hosts {sorted(f.dropped)} dropped it "
-          f"from host memory; the persist of hosts {sorted(f.persisting)} stopped uncommitted")
-  return 0
-
-
 def run(prog: str, description: str, register_fn: Callable[[Any], None],
         argv: Sequence[str] | None) -> int:
   """Runs the subcommands that ``register_fn`` adds, as a standalone ``python -m`` tool."""
@@ -371,7 +296,7 @@ def run(prog: str, description: str, register_fn: Callable[[Any], None],
 
 def main(argv: Sequence[str] | None = None) -> int:
   return run("python -m jaxckpt.universal.cli",
-             "Inspect, verify and delete universal-format checkpoints.", register, argv)
+             "Inspect and verify universal-format checkpoints.", register, argv)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ from typing import Sequence
 from jaxckpt import errors
 from jaxckpt.universal import _read
 from jaxckpt.universal import convert as cv
-from jaxckpt.universal.cli import (_not_a_checkpoint_directory, human_bytes, progress,
-                                   run)
+from jaxckpt.universal.cli import human_bytes, not_a_checkpoint_root, progress, run
 
 _CONVERT_HELP = """Write a converted copy of a committed step of a universal-format checkpoint.
 
@@ -107,7 +106,7 @@ def _fail(command: str, e: BaseException) -> int:
 
 def _src_problem(command: str, src: str, step: int | None) -> int | None:
   """Exit 2 with the reason if ``src`` is not a checkpoint's root (a step directory, a file)."""
-  if (why := _not_a_checkpoint_directory(src, step, command)):
+  if (why := not_a_checkpoint_root(src, step, command)):
     print(f"jaxckpt {command}: {why}", file=sys.stderr)
     return 2
   return None

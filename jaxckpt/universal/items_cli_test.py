@@ -137,8 +137,8 @@ def test_a_cast_that_matches_only_such_leaves_says_so(saved):
   d, _ = saved
   with pytest.raises(errors.ConversionError, match=r"matches only leaves a cast leaves alone "
                      r"unless named \(\[\"\['state'\]\['count'\]\", \"\['state'\]\['key'\]\"\]"):
-    cv.apply(cv.ConversionSpec(rules=(cv.Cast(src="re:\\['state'\\]\\['(count|key)'\\]", dtype="bfloat16"),)),
-             u.open_step(d, 1))
+    rule = cv.Cast(src="re:\\['state'\\]\\['(count|key)'\\]", dtype="bfloat16")
+    cv.apply(cv.ConversionSpec(rules=(rule,)), u.open_step(d, 1))
 
 
 def test_a_cast_with_dst_moves_the_leaves_it_leaves_uncast(saved):

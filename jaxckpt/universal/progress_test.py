@@ -90,8 +90,8 @@ def test_no_progress_prints_only_the_result(src, capsys):
 def test_on_a_terminal_it_is_a_bar(src):
   leader, follower = pty.openpty()
   fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))   # 120 x 24
-  proc = subprocess.Popen([sys.executable, "-m", "jaxckpt", "verify", src], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, stderr=follower,
+  proc = subprocess.Popen([sys.executable, "-m", "jaxckpt", "verify", src],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower,
                           env=dict(os.environ, PYTHONPATH=REPO, COLUMNS="120"))
   os.close(follower)
   err = b""
