@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxckpt as jc
-from jaxckpt.agent import jobs
+from jaxckpt.agent import jobs, status_cli
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
@@ -48,8 +49,9 @@ def write(store: AgentStore, host: int, step: int) -> None:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-  """Steps 1-3 on every host, step 4 on hosts 0 and 1 only: host 0's persist of step 4 (due
-  for storage every 2 steps) waits for host 2's part, a persist lag."""
+  """Steps 1-3 on every host (step 2 persisted before step 3), step 4 on hosts 0 and 1 only:
+  host 0's persist of step 4 (due for storage every 2 steps) waits for host 2's part, a
+  persist lag."""
   directory = str(tmp_path_factory.mktemp("status") / "ckpt")
   persist = PersistConfig(directory=directory, interval_steps=2, timeout_secs=300).to_obj()
   with processes.agent_sandbox() as (root, name), contextlib.ExitStack() as stack:
@@ -65,12 +67,14 @@ def job(tmp_path_factory):
     peers = {str(h): s.info for h, s in enumerate(stores)}     # what discover() tells them
     for s in stores:
       s.call("peers", peers=peers)
-    for step in (1, 2, 3):
+    for step in (1, 2):
       for h, s in enumerate(stores):
         write(s, h, step)
+    wait_for(lambda: all(2 in s.persist_status().persisted for s in stores), "step 2 persisted")
+    for h, s in enumerate(stores):
+      write(s, h, 3)
     for h in (0, 1):
       write(stores[h], h, 4)
-    wait_for(lambda: 2 in stores[0].persist_status().persisted, "step 2 persisted")
     wait_for(lambda: 4 in stores[1].persist_status().persisted, "host 1's part of step 4")
     yield root, name, directory, stores
 
@@ -101,8 +105,7 @@ def test_status_from_any_machine_shows_every_host(job, m):
                                                          "//127.0.1.3"]
   assert [a["local"] for a in agents] == [h == m for h in range(HOSTS)]
   assert all(a["alive"] and a["error"] is None for a in agents)
-  assert [a["held"] for a in agents] == [s.steps() for s in stores]
-  assert [max(a["held"]) for a in agents] == [4, 4, 3]
+  assert [a["held"] for a in agents] == [s.steps() for s in stores] == [[3, 4], [3, 4], [2, 3]]
   assert all(jobs.same_directory(a["directory"], directory) for a in agents)
   assert [2 in a["persisted"] for a in agents] == [True, True, True]
   host0, host1, host2 = agents
@@ -205,3 +208,22 @@ def test_no_agent_here_is_a_clear_error(tmp_path):
       f"jaxckpt status: no snapshot agent runs on this machine under {tmp_path}; a job's agents "
       "are found from the run root of a machine that runs one of them: run this there, or pass "
       "--run-root (AgentOptions.run_root)")
+
+
+def test_the_guide_shows_what_status_prints(job):
+  """docs/guide.md's `jaxckpt status` example has the command's title, header and rows (its
+  pids, ports and paths are an example's)."""
+  root, name, _, _ = job
+  guide = open(os.path.join(REPO, "docs", "guide.md"), encoding="utf-8").read()
+  shown = guide.split("```text\n$ jaxckpt status\n", 1)[1].split("```", 1)[0].splitlines()
+  real = jaxckpt("status", "--run-root", machine(root, 0)[0]).stdout.splitlines()
+  title = re.compile(r"job \S+: 3 agents \(1 on this machine, found from \S+\), persisting to \S+$")
+  assert title.match(shown[0]) and title.match(real[0])
+  cells = lambda line: re.split(r"\s{2,}", line.strip())  # pylint: disable=unnecessary-lambda-assignment
+  assert cells(shown[1]) == cells(real[1]) == list(status_cli.COLUMNS)
+  assert len(shown) == len(real) == 5
+  for s, r in zip(shown[2:], real[2:]):
+    s, r = cells(s), cells(r)
+    lag = lambda c: c[8].split(", ")[0]                    # pylint: disable=unnecessary-lambda-assignment
+    assert len(s) == len(r) == 10 and s[0] == r[0] and s[3:8] == r[3:8] and s[9] == r[9], (s, r)
+    assert lag(s) == lag(r), (s, r)
