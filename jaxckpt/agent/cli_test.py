@@ -16,7 +16,7 @@ def test_status_and_stop_find_every_agent_of_the_job_with_no_host_id():
   """Agents of hosts 3 and 5 (per-process run roots: no host 0 here) are found by job alone."""
   with processes.agent_sandbox() as (root, job):
     def agent(*argv):
-      return subprocess.run([sys.executable, "-m", "jaxckpt", "agent", *argv, "--job-name", job,
+      return subprocess.run([sys.executable, "-m", "jaxckpt.agent", *argv, "--job-name", job,
                              "--run-root", root], capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, PYTHONPATH=REPO))
     started = {h: json.loads(agent("start", "--host-id", str(h)).stdout) for h in (3, 5)}

@@ -6,26 +6,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 import time
+import types
 
 import numpy as np
 
 import jaxckpt as jc
 import jaxckpt.universal as u
+from jaxckpt import cli
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes
 from jaxckpt.universal import _fixtures
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def jaxckpt(*argv):
-  return subprocess.run([sys.executable, "-m", "jaxckpt", *argv], capture_output=True, text=True,
-                        timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+def jaxckpt(capsys, *argv):
+  """``jaxckpt ARGV`` in this process: its exit code, stdout and stderr."""
+  code = cli.main(list(argv))
+  out = capsys.readouterr()
+  return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def make(d: str, *steps: int) -> str:
@@ -36,22 +35,23 @@ def make(d: str, *steps: int) -> str:
   return d
 
 
-def test_delete_a_stored_step(tmp_path):
+def test_delete_a_stored_step(tmp_path, capsys):
   d = make(str(tmp_path / "run"), 1, 2, 3)
-  out = jaxckpt("delete", d, "--step", "2", "--run-root", str(tmp_path / "no-agents"))
+  out = jaxckpt(capsys, "delete", d, "--step", "2", "--run-root", str(tmp_path / "no-agents"))
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == f"deleted step 2 of {d} (storage)"
   assert u.all_steps(d) == [1, 3] and not os.path.exists(os.path.join(d, "step_0000000002"))
   np.testing.assert_array_equal(u.open_step(d, 3).read("['w']"), np.arange(8.0) * 3)
-  out = jaxckpt("delete", d, "--step", "2", "--run-root", str(tmp_path / "no-agents"))
+  out = jaxckpt(capsys, "delete", d, "--step", "2", "--run-root", str(tmp_path / "no-agents"))
   assert out.returncode == 2 and out.stderr.strip() == (
       f"jaxckpt delete: {d!r} holds no committed step 2 (committed steps: [1, 3]), and no "
       f"snapshot agent under {tmp_path / 'no-agents'} holds or persists step 2")
-  out = jaxckpt("delete", str(tmp_path / "nothing"), "--step", "2", "--run-root", str(tmp_path))
+  out = jaxckpt(capsys, "delete", str(tmp_path / "nothing"), "--step", "2",
+                "--run-root", str(tmp_path))
   assert out.returncode == 2 and out.stderr.strip() == (
       f"jaxckpt delete: {str(tmp_path / 'nothing')!r} does not exist, and no snapshot agent "
       f"under {tmp_path} holds or persists step 2")
-  out = jaxckpt("delete", os.path.join(d, "step_0000000003"), "--step", "3")
+  out = jaxckpt(capsys, "delete", os.path.join(d, "step_0000000003"), "--step", "3")
   assert out.returncode == 2 and f"pass the root: jaxckpt delete {d} --step 3" in out.stderr
 
 
@@ -74,7 +74,7 @@ def _wait(cond, what, secs=120):
     time.sleep(0.05)
 
 
-def test_delete_fences_a_persist_in_flight_on_every_host(tmp_path):
+def test_delete_fences_a_persist_in_flight_on_every_host(tmp_path, capsys):
   """Two hosts, each its own machine (run root, address). Host 0's persist of step 2 waits
   for host 1's part when `jaxckpt delete` runs; afterwards host 1's part arrives (its trainer
   was late), and step 4 is persisted whole: step 2 never commits, on any tier."""
@@ -96,7 +96,7 @@ def test_delete_fences_a_persist_in_flight_on_every_host(tmp_path):
     _write(stores[0], 0, 2)
     _wait(lambda: os.path.isdir(d) and not u.missing_parts(d, 2, "r-s2-1", of=[0]),
           "host 0's part of step 2 written: its persist waits for host 1's to commit")
-    out = jaxckpt("delete", d, "--step", "2", "--run-root", os.path.join(root, "machine1"))
+    out = jaxckpt(capsys, "delete", d, "--step", "2", "--run-root", os.path.join(root, "machine1"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         f"deleted step 2 of {d} (its uncommitted data on storage)",
@@ -111,7 +111,7 @@ def test_delete_fences_a_persist_in_flight_on_every_host(tmp_path):
     assert u.all_steps(d) == [4]
 
 
-def test_delete_refuses_when_an_agent_that_persists_there_does_not_answer(tmp_path):
+def test_delete_refuses_when_an_agent_that_persists_there_does_not_answer(tmp_path, capsys):
   d = str(tmp_path / "ckpt")
   persist = PersistConfig(directory=d, interval_steps=2).to_obj()
   with processes.agent_sandbox() as (root, job), contextlib.ExitStack() as stack:
@@ -132,11 +132,11 @@ def test_delete_refuses_when_an_agent_that_persists_there_does_not_answer(tmp_pa
     make(d, 6)
     argv = ["delete", d, "--step", "6", "--run-root", os.path.join(root, "machine0"),
             "--timeout-secs", "1"]
-    out = jaxckpt(*argv)
+    out = jaxckpt(capsys, *argv)
     assert out.returncode == 2 and u.all_steps(d) == [6]
     assert out.stderr.startswith(f"jaxckpt delete: agents of job {job!r} persist to {d!r}, and "
                                  f"these did not answer: host 1 pid {stores[1].pid} at ")
     assert out.stderr.strip().endswith("pass --ignore-unreachable if they are gone for good")
-    out = jaxckpt(*argv, "--ignore-unreachable")
+    out = jaxckpt(capsys, *argv, "--ignore-unreachable")
     assert out.returncode == 0, out.stderr
     assert u.all_steps(d) == []

@@ -255,15 +255,21 @@ def test_hours_between_persists_come_with_the_reason():
                                         ("hosts", "100000000"), ("storage-gbps", "1e-300"),
                                         ("accelerator-mtbf-hours", "1e300"),
                                         ("restart-secs", "1e300")])
-def test_finite_absurd_inputs_are_a_clear_error(flag, value):
+def test_finite_absurd_inputs_are_a_clear_error(flag, value, capsys):
   argv = {**{k.replace("_", "-"): str(v) for k, v in WIDE.items()}, flag: value}
-  out = subprocess.run([sys.executable, "-m", "jaxckpt", "plan",
-                        *[x for k, v in argv.items() for x in ("--" + k, v)]],
-                       capture_output=True, text=True, timeout=120)
-  assert out.returncode == 2 and not out.stdout
-  assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
-  assert out.stderr.startswith(f"jaxckpt plan: PlanInputs.{flag.replace('-', '_')} (--{flag}) "
-                               "must be between ")
+  code, out, err = _run_plan(capsys, *[x for k, v in argv.items() for x in ("--" + k, v)])
+  assert code == 2 and not out and len(err.splitlines()) == 1, err
+  assert err.startswith(f"jaxckpt plan: PlanInputs.{flag.replace('-', '_')} (--{flag}) "
+                        "must be between ")
+
+
+def test_an_absurd_input_at_the_console_is_one_line_and_exit_2():
+  out = subprocess.run([sys.executable, "-m", "jaxckpt", "plan", *_argv(**dict(
+      WIDE, state_gib_per_host="1e308"))], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2 and not out.stdout and "Traceback" not in out.stderr
+  assert out.stderr == ("jaxckpt plan: PlanInputs.state_gib_per_host (--state-gib-per-host) must "
+                        "be between 1e-06 and 1e+06 GiB for the model to hold, got "
+                        "state_gib_per_host=1e+308\n")
 
 
 @pytest.mark.parametrize("name", sorted(gp.RANGES))
