@@ -65,7 +65,60 @@ def save_table() -> str:
   return "\n".join(rows)
 
 
-@pytest.mark.parametrize("table", [memory_table, persist_table, parity_table, save_table])
+_WIDE = dict(state_gib_per_host=80, host_ram_gib=512, hosts=64, step_secs=10, storage_gbps=2)
+_7B = dict(state_gib_per_host=78, host_ram_gib=128, hosts=8, step_secs=2, storage_gbps=1)
+
+
+def _flags(kw) -> str:
+  return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
+
+
+def _says(kw) -> str:
+  r = gp.plan(gp.PlanInputs(**kw)).recommended
+  return f"{r.name}, {100 * r.goodput:.3f}% ±{100 * r.error:.3f}"
+
+
+def cases_table() -> str:
+  """The cases of issue 34, with what `jaxckpt plan` says of each."""
+  m = gp.measured()
+  wide = gp.plan(gp.PlanInputs(**_WIDE))
+  parity, agent, inproc, _ = wide.options
+  seven = gp.plan(gp.PlanInputs(**_7B)).recommended
+  rows = ["| case | inputs | `plan` recommends | and says |", "| --- | --- | --- | --- |",
+          f"| two options within the model's error | `{_flags(_WIDE)}` | {_says(_WIDE)} | "
+          f"in-process gets {100 * inproc.goodput:.3f}% ±{100 * inproc.error:.3f}, within the "
+          "error: the agent with parity survives more failures from host memory |",
+          f"| loading from host memory against storage | the same | | a crash loads from the "
+          f"agent's memory in {agent.crash_recovery[1]:.1f} s; storage reads in "
+          f"{gp.persist_secs(80, 2):.1f} s and loads in {agent.host_loss_recovery[1]:.1f} s "
+          "(a restore from storage also does what one from memory does) |",
+          f"| a replicated 7B state (78 GiB with Adam) on 128 GiB hosts | `{_flags(_7B)}` | "
+          f"{_says(_7B)} | persists every {seven.options['persist_interval_steps']:,} steps "
+          f"({seven.options['persist_interval_steps'] * 2 / 3600:.1f} h), because each persist "
+          f"blocks for its {gp.persist_secs(78, 1):.0f} s write and no host tier fits (2 x 78 GiB "
+          f"against {gp.budget_gib(gp.PlanInputs(**_7B)):.0f} GiB); sharded over the 8 hosts it is "
+          f"{78 / 8:.2f} GiB per host, and the agent fits |"]
+  for flag, value in (("state-gib-per-host", "1e308"), ("step-secs", "1e-320")):
+    kw = {**_WIDE, flag.replace("-", "_"): value}
+    code = cli.main(["plan", *_flags(kw).split()])
+    assert code == 2
+    rows.append(f"| finite absurd input | `--{flag} {value}` | exit 2 | "
+                f"`{_error_line(kw)}` |")
+  assert m.host_load_secs_per_gib * 80 == pytest.approx(agent.crash_recovery[1])
+  assert wide.recommended.name == parity.name
+  return "\n".join(rows)
+
+
+def _error_line(kw) -> str:
+  try:
+    gp.PlanInputs(**{k: (int(v) if k == "hosts" else float(v)) for k, v in kw.items()})
+  except Exception as e:  # pylint: disable=broad-except
+    return str(e)
+  raise AssertionError(f"{kw} was taken")
+
+
+@pytest.mark.parametrize("table", [memory_table, persist_table, parity_table, save_table,
+                                   cases_table])
 def test_each_table_is_what_the_formulas_give(table):
   assert table() in _page()
 
@@ -76,7 +129,7 @@ def _commands() -> list[tuple[str, str]]:
 
 def test_each_command_prints_what_the_page_shows(capsys):
   commands = _commands()
-  assert len(commands) == 3
+  assert len(commands) == 4
   for command, shown in commands:
     assert cli.main(shlex.split(command)[1:]) == 0
     assert capsys.readouterr().out.strip() == shown.strip(), command

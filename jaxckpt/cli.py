@@ -8,6 +8,7 @@ import sys
 
 from jaxckpt import goodput
 from jaxckpt.agent import cli as agent_cli
+from jaxckpt.agent import delete_cli, status_cli
 from jaxckpt.ft import cli as ft_cli
 from jaxckpt.goodput import plan as goodput_plan
 from jaxckpt.universal import cli as universal_cli
@@ -29,8 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
       description="Multi-level, fault-tolerant checkpoints for JAX: snapshot agents, "
                   "universal checkpoints on storage, replica-group tooling.")
   sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  status_cli.register(sub)
   agent_cli.register(sub)
   universal_cli.register(sub)
+  delete_cli.register(sub)
   convert_cli.register(sub)
   ft_cli.register(sub)
   goodput.register_cli(sub)

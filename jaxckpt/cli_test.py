@@ -8,7 +8,7 @@ import pytest
 from jaxckpt import cli
 
 
-@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate", "plan"])
+@pytest.mark.parametrize("command", ["status", "agent", "inspect", "verify", "delete", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate", "plan"])
 def test_each_subcommand_has_help(command, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main([command, "--help"])
@@ -33,7 +33,7 @@ def test_python_dash_m_jaxckpt_runs():
     assert command in out.stdout
 
 
-@pytest.mark.parametrize("command", ["agent", "inspect", "verify", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate", "plan"])
+@pytest.mark.parametrize("command", ["status", "agent", "inspect", "verify", "delete", "convert", "import-orbax", "export-orbax", "lighthouse", "simulate", "plan"])
 def test_help_is_plain_text(command, capsys):
   with pytest.raises(SystemExit):
     cli.main([command, "--help"])

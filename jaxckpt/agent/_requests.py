@@ -283,6 +283,19 @@ class Stop(Request):
   pass
 
 
+@_request("job_view")
+class JobView(Request):
+  """What ``jaxckpt status`` adds to ``status``: the job's agents as this one was told of
+  them (by host id, as the job published them), where it persists, and how long the oldest
+  step due for storage has waited (on the agent's clock: a caller's clock may differ)."""
+  pass
+
+  class Reply(Reply):
+    peers: dict                  # host id (str) -> address record
+    persist: dict | None         # the PersistConfig a trainer gave (directory, interval_steps)
+    lag_secs: float | None       # since the oldest pending persist's step was committed
+
+
 # Every request class above, by op: a new request is taken once it is declared.
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in Request.__subclasses__()}
 

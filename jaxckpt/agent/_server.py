@@ -485,6 +485,15 @@ class Agent:
         os.unlink(os.path.join(job, "secret"))
       os.rmdir(job)                             # the job's directory, once empty
 
+  def op_job_view(self) -> _requests.JobView.Reply:
+    """The job's agents as this one knows them, its persist configuration and lag."""
+    p = self.persister
+    since = None if p is None else p.status().oldest_since
+    return _requests.JobView.Reply(
+        peers={str(h): dict(info) for h, info in self.peers.items()},
+        persist=None if p is None else p.config.to_obj(),
+        lag_secs=None if since is None else max(0.0, time.time() - since))
+
 
 def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
   try:

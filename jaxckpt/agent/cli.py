@@ -12,14 +12,18 @@ from jaxckpt import errors
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent._server import Agent, serve
-from jaxckpt.agent._paths import read_address
-from jaxckpt.agent.client import start_agent, wait_exited
+from jaxckpt.agent.client import job_agents, start_agent, wait_exited
 from jaxckpt.options import default_host_memory_limit_bytes
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *, found: bool = False) -> None:
   p.add_argument("--job-name", required=True, help="the job the agent serves")
-  p.add_argument("--host-id", type=int, default=0, help="this host's index (default 0)")
+  if found:
+    p.add_argument("--host-id", type=int, default=None,
+                   help="only the agent of this host index (default: every agent of the job "
+                        "on this machine, found under the run root)")
+  else:
+    p.add_argument("--host-id", type=int, default=0, help="this host's index (default 0)")
   p.add_argument("--run-root", default=None,
                  help=f"directory of agents' files (default {_paths.default_run_root()})")
 
@@ -38,14 +42,17 @@ def add_agent_commands(sub: argparse._SubParsersAction) -> None:
                  help="address to serve other hosts on (this host's routable address "
                       "on a multi-host cluster)")
   p.set_defaults(func=_start)
-  p = sub.add_parser("status", help="print what the agent holds, as JSON",
-                     description="Ask the agent of JOB on this host what it holds.")
-  _common(p)
+  p = sub.add_parser("status", help="print what this machine's agents of a job hold, as JSON",
+                     description="Ask every agent of JOB on this machine (found under the run "
+                     "root) what it holds: one JSON object per agent, one per line. "
+                     "`jaxckpt status` shows the job's agents on every host.")
+  _common(p, found=True)
   p.set_defaults(func=_status)
-  p = sub.add_parser("stop", help="stop the agent and free all its shared memory",
-                     description="Stop the agent of JOB on this host; it deletes every "
-                     "shared-memory slot it owns before exiting.")
-  _common(p)
+  p = sub.add_parser("stop", help="stop this machine's agents of a job and free their shared memory",
+                     description="Stop every agent of JOB on this machine (found under the run "
+                     "root; --host-id for one); each deletes every shared-memory slot it owns "
+                     "before exiting.")
+  _common(p, found=True)
   p.add_argument("--timeout-secs", type=float, default=30.0)
   p.set_defaults(func=_stop)
   p = sub.add_parser("serve", help="run the agent in the foreground (what `start` spawns)")
@@ -83,34 +90,55 @@ def _start(args) -> int:
   return 0
 
 
-def _client(args) -> Client | None:
-  info = read_address(_paths.agent_dir(_root(args), args.job_name, args.host_id))
-  if info is None:
-    return None
+def _found(args) -> dict[int, dict]:
+  """This machine's live agents of the job (one host's with --host-id), by host id."""
+  agents = job_agents(_root(args), args.job_name)
+  if args.host_id is not None:
+    agents = {h: a for h, a in agents.items() if h == args.host_id}
+  return agents
+
+
+def _nobody(args) -> str:
+  host = "" if args.host_id is None else f" host {args.host_id}"
+  return f"no agent of job {args.job_name!r}{host} is running under {_root(args)}"
+
+
+def _client(args, info: dict) -> Client:
   return Client(info["ipc"], who=f"agent pid {info['pid']}", timeout_secs=10,
                 secret=_paths.job_secret(_root(args), args.job_name))
 
 
 def _status(args) -> int:
-  c = _client(args)
-  if c is None:
-    print(json.dumps({"running": False, "job": args.job_name, "host": args.host_id}))
+  agents = _found(args)
+  if not agents:
+    print(json.dumps({"running": False, "job": args.job_name, "host": args.host_id,
+                      "run_root": _root(args)}))
     return 1
-  print(json.dumps({"running": True, **c.call("status")[0]}, default=str))
+  for _, info in sorted(agents.items()):
+    c = _client(args, info)
+    try:
+      print(json.dumps({"running": True, **c.call("status")[0]}, default=str))
+    finally:
+      c.close()
   return 0
 
 
 def _stop(args) -> int:
-  c = _client(args)
-  if c is None:
-    print(f"no agent of job {args.job_name!r} host {args.host_id} is running")
+  agents = _found(args)
+  if not agents:
+    print(_nobody(args))
     return 0
-  pid = c.call("status")[0].pid
-  c.call("stop")
-  if not wait_exited(pid, args.timeout_secs):
-    raise errors.SnapshotTimeoutError(
-        f"agent pid {pid} of job {args.job_name!r} did not exit within {args.timeout_secs} s")
-  print(f"stopped agent pid {pid} of job {args.job_name!r} host {args.host_id}")
+  for host, info in sorted(agents.items()):
+    c = _client(args, info)
+    try:
+      pid = c.call("status")[0].pid
+      c.call("stop")
+    finally:
+      c.close()
+    if not wait_exited(pid, args.timeout_secs):
+      raise errors.SnapshotTimeoutError(
+          f"agent pid {pid} of job {args.job_name!r} did not exit within {args.timeout_secs} s")
+    print(f"stopped agent pid {pid} of job {args.job_name!r} host {host}")
   return 0
 
 

@@ -19,7 +19,10 @@ measured`` reads them) and from the first-order checkpoint model of Young and Da
 
 So the expected goodput is ``1 - blocking / save interval - sum over kinds of rate x (interval / 2
 + restart + load)`` (:func:`goodput`), each kind recovering from the fastest tier that survives
-it.
+it. Each figure carries the model's error (:func:`model_error`: the terms the first-order model
+drops, and the spread of the measured figures); options whose goodputs differ by less than their
+errors are taken as equal, and the one that survives more failures from host memory is
+recommended (:data:`PREFERENCE`).
 
 >>> p = plan(PlanInputs(state_gib_per_host=8, host_ram_gib=512, hosts=64, step_secs=1,
 ...                     storage_gbps=1))
@@ -58,8 +61,21 @@ STAGING_GIB = 1.0
 PERSIST_BUSY_SHARE = 0.5
 #: Parity groups tried, smallest first (more memory, fewer hosts exposed per group).
 GROUP_SIZES = (4, 8, 16, 32)
-#: Order among options of equal goodput.
+#: Order among options of equal goodput (within the model's error): the one that survives more
+#: failures from host memory first.
 PREFERENCE = ("agent + parity", "agent", "in-process", "storage-only")
+#: An interval between persists (or saves) this long gets a note saying why.
+LONG_INTERVAL_SECS = 3600.0
+
+#: The range of each input the model computes with (a value outside it is refused by name: a
+#: finite but absurd input, such as 1e308 GiB per host or 1e-320 s steps, overflows the model).
+RANGES: dict[str, tuple[float, float, str]] = {
+    "state_gib_per_host": (1e-6, 1e6, "GiB"), "host_ram_gib": (1e-3, 1e7, "GiB"),
+    "hosts": (1, 10**6, "hosts"), "step_secs": (1e-6, 1e6, "s"),
+    "storage_gbps": (1e-6, 1e5, "GB/s"), "memory_fraction": (1e-6, 1, ""),
+    "network_gbps": (1e-6, 1e5, "GB/s"), "accelerators_per_host": (1, 1024, "accelerators"),
+    "accelerator_mtbf_hours": (1e-3, 1e9, "h"), "host_loss_fraction": (0, 1, ""),
+    "restart_secs": (0, 1e7, "s")}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,18 +127,34 @@ class PlanInputs:
       if getattr(self, name) > 1:
         raise errors.InvalidArgumentError(
             f"PlanInputs.{name} must be <= 1, got {name}={getattr(self, name)!r}")
+    for name, (lo, hi, unit) in RANGES.items():
+      v = getattr(self, name)
+      if not lo <= v <= hi:
+        raise errors.InvalidArgumentError(
+            f"PlanInputs.{name} (--{name.replace('_', '-')}) must be between {lo:g} and {hi:g}"
+            f"{' ' + unit if unit else ''} for the model to hold, got {name}={v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-  """jaxckpt's measured figures the plan uses (``jaxckpt/measured/h100_host``)."""
+  """jaxckpt's measured figures the plan uses (``jaxckpt/measured/h100_host``): medians, and
+  their spread between runs ((max - min) / median), which :func:`model_error` counts."""
   save_blocking_secs: float      # save() blocks, per save
   host_load_secs_per_gib: float  # restore from the agent's host memory, per GiB
+  blocking_spread: float = 0.0
+  load_spread: float = 0.0
 
 
 def measured() -> Measured:
   values, _ = from_benchmarks(MEASURED_DIR, state_gib_per_host=1.0)
-  return Measured(values["checkpoint_save_stall_secs"], values["host_snapshot_load_secs"])
+  with open(f"{MEASURED_DIR}/snapshot.json", encoding="utf-8") as f:
+    runs = json.load(f)["seconds"]
+
+  def spread(name: str) -> float:
+    r = runs[name]
+    return (r["max"] - r["min"]) / r["median"]
+  return Measured(values["checkpoint_save_stall_secs"], values["host_snapshot_load_secs"],
+                  spread("agent_blocking_s"), spread("agent_restore_same_s"))
 
 
 # -- the formulas (docs/planning.md quotes each) ----------------------------------------------
@@ -166,6 +198,18 @@ def persist_secs(state_gib: float, storage_gbps: float) -> float:
   return state_gib * GIB / (storage_gbps * GB)
 
 
+def host_load_secs(state_gib: float, m: Measured) -> float:
+  """Restoring one host's state from host memory (the agent's), measured."""
+  return m.host_load_secs_per_gib * state_gib
+
+
+def storage_load_secs(state_gib: float, storage_gbps: float, m: Measured) -> float:
+  """Restoring one host's state from storage: the read, and everything a restore from host
+  memory does (checksums, copies to the devices), overlapped at best; so never faster than
+  loading from host memory."""
+  return max(persist_secs(state_gib, storage_gbps), host_load_secs(state_gib, m))
+
+
 def protect_secs(state_gib: float, parity: int, network_gbps: float) -> float:
   """From a save to its parity on the peers: the snapshot, then ``m x state`` sent each way and
   encoded (taken as not overlapped: an upper bound)."""
@@ -203,6 +247,29 @@ def goodput(i: PlanInputs, blocking: tuple[float, float],
                                for share, interval, load in recoveries)
 
 
+def model_error(i: PlanInputs, m: Measured, blocking: tuple[float, float, bool],
+                recoveries: list[tuple[float, float, float, float]]) -> float:
+  """How far :func:`goodput` may be off: the second-order terms the first-order model drops
+  (:func:`~jaxckpt.goodput.closed_form.first_order_remainder`, per kind of failure), plus the
+  spread of the measured figures it uses (blocking, and loads from host memory).
+
+  Args:
+    blocking: ``(delta, tau, measured)`` as for :func:`goodput`; ``measured``: ``delta`` is
+      save()'s measured blocking (else a storage write, from your inputs).
+    recoveries: ``(share, interval, load, measured load)``: the part of ``load`` that comes from
+      the measured host-memory figures (the rest, storage reads, follows your inputs).
+  """
+  delta, tau, measured_delta = blocking
+  mtbf = job_mtbf_secs(i)
+  d = delta / tau
+  out = d * d + (d * m.blocking_spread if measured_delta else 0.0)
+  for share, interval, load, measured_load in recoveries:
+    a, r = (interval + delta) / mtbf, (i.restart_secs + load) / mtbf
+    out += share * (d * (a / 2 + r) + a * a / 12 + a * r / 2 + r * r / 2)
+    out += share * measured_load * m.load_spread / mtbf
+  return out
+
+
 # -- the options ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -216,10 +283,15 @@ class Option:
   crash_recovery: tuple[float, float]   # a failure that leaves host memory: (interval, load)
   host_loss_recovery: tuple[float, float]  # a failure that takes it: (interval, load)
   goodput: float
+  error: float = 0.0             # how far goodput may be off (model_error)
   notes: tuple[str, ...] = ()
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+# A recovery: (interval it goes back, load seconds, the part of the load that is measured).
+Recovery = tuple[float, float, float]
 
 
 def _max_snapshots(i: PlanInputs, parity_share: float) -> int:
@@ -230,13 +302,14 @@ def _max_snapshots(i: PlanInputs, parity_share: float) -> int:
   return 0
 
 
-def _option(i: PlanInputs, name: str, options: dict[str, Any], memory: float,
-            blocking: tuple[float, float], crash: tuple[float, float],
-            loss: tuple[float, float], notes: list[str]) -> Option:
+def _option(i: PlanInputs, m: Measured, name: str, options: dict[str, Any], memory: float,
+            blocking: tuple[float, float], crash: Recovery, loss: Recovery,
+            notes: list[str]) -> Option:
   f = i.host_loss_fraction
-  g = goodput(i, blocking, [(1 - f, *crash), (f, *loss)])
+  g = goodput(i, blocking, [(1 - f, *crash[:2]), (f, *loss[:2])])
+  err = model_error(i, m, (*blocking, name != "storage-only"), [(1 - f, *crash), (f, *loss)])
   return Option(name, options, memory, memory <= budget_gib(i), blocking[0] / blocking[1],
-                crash, loss, g, tuple(notes))
+                crash[:2], loss[:2], g, err, tuple(notes))
 
 
 def storage_interval_secs(i: PlanInputs, m: Measured) -> float:
@@ -270,8 +343,10 @@ def _with_snapshots(i: PlanInputs, m: Measured, name: str, save: int, parity_gro
   persist = persist_interval_steps(i, save)
   share = parity_fraction(i.hosts, parity_group, 1) if parity_group else 0.0
   k = _max_snapshots(i, share) or 1
-  storage = (persist * t, persist_secs(s, i.storage_gbps))
-  host = (max(save * t, snapshot_secs(s)), m.host_load_secs_per_gib * s)
+  from_host = host_load_secs(s, m)
+  from_storage = storage_load_secs(s, i.storage_gbps, m)
+  storage = (persist * t, from_storage, from_host if from_host >= from_storage else 0.0)
+  host = (max(save * t, snapshot_secs(s)), from_host, from_host)
   options: dict[str, Any] = {"max_snapshots": k, "save_interval_steps": save,
                              "persist_interval_steps": persist,
                              "agent": None if name == "in-process" else {"job_name": "JOB"}}
@@ -279,21 +354,73 @@ def _with_snapshots(i: PlanInputs, m: Measured, name: str, save: int, parity_gro
   if parity_group:
     options["parity"] = {"group_size": parity_group, "parity": 1}
     crash = host
-    loss = (max(save * t, protect_secs(s, 1, i.network_gbps)), PARITY_REBUILD_FACTOR * host[1])
+    rebuild = PARITY_REBUILD_FACTOR * from_host
+    loss = (max(save * t, protect_secs(s, 1, i.network_gbps)), rebuild, rebuild)
     window = i.restart_secs + loss[1] + loss[0]
     host_mtbf = i.accelerator_mtbf_hours * 3600 / i.accelerators_per_host
     p = loss_beyond_parity(smallest_group(i.hosts, parity_group), 1, window, host_mtbf)
     notes = notes + [f"parity adds {share:.3f} x the state per snapshot; a host loss finds a "
                      f"second one in its group (the step then comes from storage) with "
                      f"probability {p:.1e}"]
-  return _option(i, name, options, host_memory_gib(s, k, share),
+  if persist * t >= LONG_INTERVAL_SECS:
+    write = persist_secs(s, i.storage_gbps)
+    who = {"agent + parity": "a loss of more than one host of a group",
+           "agent": "a host loss", "in-process": "any failure"}[name]
+    notes = notes + [f"persists every {_duration(persist * t)}: writing {s:g} GiB at "
+                     f"{i.storage_gbps:g} GB/s takes {_duration(write)}, and storage is kept "
+                     f"busy at most half the time; {who} goes back that far. Faster storage or "
+                     "less state per host (shard it over more hosts) shortens it"]
+  return _option(i, m, name, options, host_memory_gib(s, k, share),
                  (m.save_blocking_secs, save * t), crash, loss, notes)
+
+
+def _storage_only(i: PlanInputs, m: Measured, host_tiers_fit: bool) -> Option:
+  s, t = i.state_gib_per_host, i.step_secs
+  write = persist_secs(s, i.storage_gbps)
+  every = steps_at_least(max(daly_optimal_interval(job_mtbf_secs(i), write), write), t)
+  from_host = host_load_secs(s, m)
+  load = storage_load_secs(s, i.storage_gbps, m)
+  storage = (every * t, load, from_host if from_host >= load else 0.0)
+  notes = ["no host snapshots: each save due for storage blocks for its write"]
+  if every * t >= LONG_INTERVAL_SECS:
+    notes.append(
+        f"persists every {_duration(every * t)} ({every:,} steps): each one blocks the loop for "
+        f"its {_duration(write)} write, and Daly's optimum for that blocking against the job's "
+        f"{job_mtbf_secs(i) / 3600:.1f} h MTBF is that far apart; a failure loses "
+        f"{_duration(every * t / 2)} of work on average")
+    if not host_tiers_fit:
+      notes.append(_why_no_host_tier(i))
+  return _option(i, m, "storage-only", {"host_snapshots": False, "persist_interval_steps": every},
+                 staging_gib(i), (write, every * t), storage, storage, notes)
+
+
+def _why_no_host_tier(i: PlanInputs) -> str:
+  """Why no host tier fits, and what would make one fit."""
+  s, need = i.state_gib_per_host, host_memory_gib(i.state_gib_per_host, 1)
+  why = (f"host snapshots would make saves cheap, but even max_snapshots=1 needs 2 x {s:g} GiB "
+         f"= {need:.1f} GiB per host against a budget of {budget_gib(i):.1f} GiB")
+  fixes = []
+  if i.hosts > 1 and host_memory_gib(s / i.hosts, 1) <= budget_gib(i):
+    fixes.append(f"A state replicated on every host is snapshotted whole by one host: sharded "
+                 f"over the {i.hosts} hosts (FSDP) it is {s / i.hosts:.2f} GiB per host, and "
+                 "host snapshots fit")
+  fixes.append(f"{'h' if fixes else 'H'}osts with {need / i.memory_fraction:.0f} GiB of RAM "
+               f"(at --memory-fraction {i.memory_fraction:g}) fit max_snapshots=1")
+  return why + ". " + "; or ".join(fixes)
+
+
+def _duration(secs: float) -> str:
+  if secs >= 3600:
+    return f"{secs / 3600:.1f} h"
+  if secs >= 600:
+    return f"{secs / 60:.0f} min"
+  return f"{secs:.0f} s" if secs >= 10 else f"{secs:.1f} s"
 
 
 def options_for(i: PlanInputs, m: Measured | None = None) -> list[Option]:
   """Every option, sized, in :data:`PREFERENCE` order."""
   m = m or measured()
-  s, t, f, out = i.state_gib_per_host, i.step_secs, i.host_loss_fraction, []
+  f, out = i.host_loss_fraction, []
   if i.hosts >= 2:
     sizes = sorted({min(g, i.hosts) for g in GROUP_SIZES})
     fitting = [g for g in sizes if _max_snapshots(i, parity_fraction(i.hosts, g, 1))]
@@ -304,12 +431,7 @@ def options_for(i: PlanInputs, m: Measured | None = None) -> list[Option]:
   out.append(_with_snapshots(i, m, "in-process", save_interval_steps(i, m, 0.0), 0,
                              ["any failure takes the trainer's snapshots: recovery reads storage; "
                               "snapshots serve the persists and rollback"]))
-  write = persist_secs(s, i.storage_gbps)
-  every = steps_at_least(max(daly_optimal_interval(job_mtbf_secs(i), write), write), t)
-  storage = (every * t, write)
-  out.append(_option(i, "storage-only", {"host_snapshots": False, "persist_interval_steps": every},
-                     staging_gib(i), (write, every * t), storage, storage,
-                     ["no host snapshots: each save due for storage blocks for its write"]))
+  out.append(_storage_only(i, m, any(o.fits for o in out)))
   return out
 
 
@@ -330,13 +452,46 @@ class Plan:
             "recommended_code": options_code(self.recommended, i)}
 
 
+def recommend(options: list[Option]) -> Option:
+  """The fitting option with the highest goodput, or, among the fitting options within the
+  model's error of it (their goodputs differ by less than the sum of their errors), the one
+  that survives more failures from host memory (the first in :data:`PREFERENCE`)."""
+  fitting = [o for o in options if o.fits]
+  best = max(fitting, key=lambda o: (o.goodput, -PREFERENCE.index(o.name)))
+  close = [o for o in fitting if best.goodput - o.goodput <= best.error + o.error]
+  chosen = min(close, key=lambda o: PREFERENCE.index(o.name))
+  if chosen is best:
+    return best
+  why = (f"{best.name}'s goodput ({100 * best.goodput:.3f}%) is within the model's error "
+         f"(±{100 * (best.error + chosen.error):.3f} points) of this one's; {chosen.name} "
+         "survives more failures from host memory")
+  return dataclasses.replace(chosen, notes=(why, *chosen.notes))
+
+
 def plan(i: PlanInputs, m: Measured | None = None) -> Plan:
-  """Sizes every option; recommends the fitting one with the highest goodput (ties: the
-  earlier in :data:`PREFERENCE`). Storage-only always fits (its buffer shrinks to the budget)."""
-  opts = options_for(i, m)
-  best = max((o for o in opts if o.fits),
-             key=lambda o: (round(o.goodput, 6), -PREFERENCE.index(o.name)))
-  return Plan(i, tuple(opts), best)
+  """Sizes every option and recommends one (:func:`recommend`). Storage-only always fits (its
+  buffer shrinks to the budget).
+
+  Raises:
+    InvalidArgumentError: the inputs drive a figure of the model out of range (it names them).
+  """
+  try:
+    opts = options_for(i, m)
+  except (OverflowError, ZeroDivisionError) as e:
+    raise errors.InvalidArgumentError(
+        f"the model cannot compute with these inputs ({e}): {_inputs_text(i)}") from None
+  bad = [o.name for o in opts if not all(math.isfinite(x) for x in (
+      o.goodput, o.error, o.memory_gib, *o.crash_recovery, *o.host_loss_recovery))]
+  if bad:
+    raise errors.InvalidArgumentError(
+        f"the model gives non-finite figures for {bad} with these inputs: {_inputs_text(i)}")
+  best = recommend(opts)
+  return Plan(i, tuple(best if o.name == best.name else o for o in opts), best)
+
+
+def _inputs_text(i: PlanInputs) -> str:
+  return ", ".join(f"--{f.name.replace('_', '-')} {getattr(i, f.name):g}"
+                   for f in dataclasses.fields(i))
 
 
 # -- jaxckpt plan -----------------------------------------------------------------------------
@@ -369,15 +524,16 @@ def render(p: Plan) -> str:
       f"{budget_gib(i):.1f} GiB per host ({i.memory_fraction:g} x {i.host_ram_gib:g} GiB)",
       "",
       f"{'option':<15} {'memory/host':>11} {'fits':>4} {'blocked':>8} "
-      f"{'crash: back/load':>17} {'host loss: back/load':>21} {'goodput':>8}"]
+      f"{'crash: back/load':>17} {'host loss: back/load':>21} {'goodput':>15}"]
   for o in p.options:
     lines.append(
         f"{o.name:<15} {o.memory_gib:>7.1f} GiB {'yes' if o.fits else 'no':>4} "
         f"{100 * o.blocked:>7.3f}% {o.crash_recovery[0]:>8.0f} s/{o.crash_recovery[1]:>5.1f} s "
         f"{o.host_loss_recovery[0]:>12.0f} s/{o.host_loss_recovery[1]:>5.1f} s "
-        f"{100 * o.goodput:>7.3f}%")
+        f"{100 * o.goodput:>7.3f}% ±{100 * o.error:.3f}")
   r = p.recommended
-  lines += ["", f"recommended: {r.name} (expected goodput {100 * r.goodput:.3f}%)",
+  lines += ["", f"recommended: {r.name} (expected goodput {100 * r.goodput:.3f}% "
+                f"±{100 * r.error:.3f})",
             "  " + options_code(r, i)]
   lines += [f"  note: {n}" for n in r.notes]
   return "\n".join(lines)
@@ -390,7 +546,9 @@ the state each host snapshots, its RAM, the step time and the storage bandwidth,
 jaxckpt's measured figures and the Young/Daly checkpoint model. For each: host memory,
 whether it fits the budget, the share of time save() blocks, how far back a failure that
 leaves host memory (a crash) and one that takes it (a host loss) go and how long their
-state takes to load, and the expected goodput. docs/planning.md explains each formula."""
+state takes to load, and the expected goodput with the model's error. Of options within
+that error of each other, the one that survives more failures from host memory is
+recommended. docs/planning.md explains each formula."""
 
 _HELPS = {
     "state_gib_per_host": "GiB each host snapshots (its share of the state)",

@@ -278,9 +278,31 @@ class Reshape(_OneToOne):
                         shape=new)
 
 
+_INTEGER = re.compile(r"u?int\d+|bool")
+
+
+def _keeps_its_dtype(info: man.LeafInfo) -> bool:
+  """Leaves a cast leaves alone unless its pattern names them: integers and bools (step
+  counters, token ids, and the uint8 rows of JSON and data-iterator items), PRNG keys (their
+  key data) and scalars."""
+  return (not info.is_array or info.kind == "prng_key" or info.key_impl is not None
+          or _INTEGER.fullmatch(info.dtype) is not None)
+
+
+def names_one_path(pattern: str) -> bool:
+  """Whether ``pattern`` is one literal path (no ``*``, ``**``, ``{name}`` or ``re:``)."""
+  return not pattern.startswith("re:") and _HOLE.search(pattern) is None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Cast(_OneToOne):
-  """Converts the dtype as numpy's ``astype`` does (``dtype`` by name: ``"bfloat16"``)."""
+  """Converts the dtype as numpy's ``astype`` does (``dtype`` by name: ``"bfloat16"``).
+
+  A pattern with holes (``*``, ``**``, ``{name}``, ``re:``) casts only the floating-point
+  (and complex) arrays it matches: integer and bool arrays (step counters, the rows of JSON
+  and data-iterator items), PRNG keys and scalars are left as they are. To cast one of
+  those, name it by its full path (``Cast(src="['opt']['count']", dtype="int64")``).
+  """
 
   op: ClassVar[str] = "cast"
   dtype: str
@@ -290,6 +312,23 @@ class Cast(_OneToOne):
       snap.dtype_from_name(self.dtype)
     except (TypeError, ValueError, KeyError) as e:
       raise _fail(f"Cast.dtype={self.dtype!r} is not a dtype name ({e})") from None
+
+  def plan(self, tree: Tree) -> list[Group]:
+    groups, kept, cast = [], [], 0
+    for path, caps in match(self.src, tree):
+      new = path if self.dst is None else fill(self.dst, caps)
+      if not names_one_path(self.src) and _keeps_its_dtype(tree[path].info):
+        kept.append(path)                  # as it is (moved along to ``dst``, if given)
+        if self.dst is not None:
+          groups.append(([path], {new: tree[path].renamed(new)}))
+        continue
+      groups.append(([path], {new: self.transform(tree[path], new)}))
+      cast += 1
+    if kept and not cast:
+      raise _fail(f"{self} matches only leaves a cast leaves alone unless named ({kept[:20]}: "
+                  "integer, bool, PRNG-key and item leaves, and scalars); to cast one, name it "
+                  "by its full path")
+    return groups
 
   def transform(self, leaf: _Leaf, path: str) -> _Leaf:
     info = _array(leaf, self).info

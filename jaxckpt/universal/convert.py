@@ -61,7 +61,7 @@ from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
-from jaxckpt.universal import _read, _write
+from jaxckpt.universal import _read, _saved_items, _write
 from jaxckpt.universal._rules import (RULES, Average, Cast, Concat, Drop, Pad, Rename, Reshape,
                                       Rule, Split, Stack, Transpose, Unpad, Unstack,
                                       compile_pattern, match)
@@ -169,7 +169,7 @@ class ConvertedView:
 
   def __init__(self, source: _read.StepReader, spec: ConversionSpec, tree: dict[str, _Leaf]):
     self.source, self.spec, self._tree = source, spec, tree
-    self.step, self.metadata = source.step, source.metadata
+    self.step, self.metadata = source.step, _true_items(source.metadata, tree)
     self.process_count = 1
     self.leaves: dict[str, man.LeafInfo] = {p: leaf.info for p, leaf in tree.items()}
     self.bytes_needed = 0
@@ -220,6 +220,20 @@ class ConvertedView:
     with self._lock:
       self.bytes_needed += arr.nbytes
     return arr
+
+
+def _true_items(metadata: dict[str, Any], tree: Mapping[str, _Leaf]) -> dict[str, Any]:
+  """``metadata`` with its record of orbax items (``Composite``) kept true after a
+  conversion: an item whose leaves were dropped (or computed anew) is no longer listed, one
+  moved to another top-level name is listed under it."""
+  kept = _saved_items.surviving(metadata, {p: leaf.info for p, leaf in tree.items()},
+                                {p: leaf.origin for p, leaf in tree.items()})
+  if kept is None:
+    return metadata
+  out = {k: v for k, v in metadata.items() if k != _saved_items.ITEMS_KEY}
+  if kept:
+    out[_saved_items.ITEMS_KEY] = kept
+  return out
 
 
 class _ViewRegions:
@@ -341,7 +355,8 @@ def convert(src_dir: str, dst_dir: str, spec: ConversionSpec, *, step: int | Non
     max_inflight_bytes: bytes read and not yet written.
 
   Returns:
-    The step written. Its metadata is the source's plus ``converted_from``.
+    The step written. Its metadata is the source's plus ``converted_from``, with the record
+    of orbax items kept true (items the conversion dropped are no longer listed).
   """
   view = apply(spec, _read.open_step(src_dir, step))
   dst_step = view.step if dst_step is None else dst_step

@@ -13,7 +13,7 @@ from typing import Sequence
 from jaxckpt import errors
 from jaxckpt.universal import _read
 from jaxckpt.universal import convert as cv
-from jaxckpt.universal.cli import byte_bar, human_bytes, run
+from jaxckpt.universal.cli import human_bytes, not_a_checkpoint_root, progress, run
 
 _CONVERT_HELP = """Write a converted copy of a committed step of a universal-format checkpoint.
 
@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
   def parser(name: str, helptext: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=helptext.split("\n")[0], description=helptext,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress (a bar on a terminal, plain lines otherwise)")
     return p
 
   p = parser("convert", _CONVERT_HELP)
@@ -103,8 +104,18 @@ def _fail(command: str, e: BaseException) -> int:
   return 2
 
 
+def _src_problem(command: str, src: str, step: int | None) -> int | None:
+  """Exit 2 with the reason if ``src`` is not a checkpoint's root (a step directory, a file)."""
+  if (why := not_a_checkpoint_root(src, step, command)):
+    print(f"jaxckpt {command}: {why}", file=sys.stderr)
+    return 2
+  return None
+
+
 def convert_command(args: argparse.Namespace) -> int:
   """Runs ``jaxckpt convert``; returns the exit code."""
+  if (code := _src_problem("convert", args.src, args.step)) is not None:
+    return code
   try:
     spec = cv.ConversionSpec.load(args.spec)
     view = cv.apply(spec, _read.open_step(args.src, args.step))
@@ -114,13 +125,14 @@ def convert_command(args: argparse.Namespace) -> int:
         print(f"  {path}  {what}")
       print(f"{len(view.leaves)} leaves, {human_bytes(cv.total_nbytes(view))}")
       return 0
-    with byte_bar(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:
+    with progress(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:
       step = cv.convert(args.src, args.dst, spec, step=view.step, dst_step=args.dst_step,
                         progress=bar)
   except (*_EXPECTED, OSError) as e:
     return _fail("convert", e)
   print(f"wrote step {step} of {args.dst}: {len(view.leaves)} leaves "
-        f"({len(spec.rules)} rules applied to step {view.step} of {args.src})")
+        f"({len(spec.rules)} rules applied to step {view.step} of {args.src}); "
+        f"{bar.summary('written')}")
   return 0
 
 
@@ -129,31 +141,34 @@ def import_orbax_command(args: argparse.Namespace) -> int:
   from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
   try:
     total = ox.orbax_nbytes(args.orbax_dir, step=args.step, item=args.item)
-    with byte_bar(args, total, "import-orbax") as bar:
+    with progress(args, total, "import-orbax") as bar:
       step = ox.import_orbax(args.orbax_dir, args.dst, step=args.step, item=args.item,
                              dst_step=args.dst_step, progress=bar, layout=args.layout)
   except _EXPECTED as e:
     return _fail("import-orbax", e)
-  print(f"imported {args.orbax_dir} into step {step} of {args.dst} ({human_bytes(total)})")
+  print(f"imported {args.orbax_dir} into step {step} of {args.dst}: {bar.summary('copied')}")
   return 0
 
 
 def export_orbax_command(args: argparse.Namespace) -> int:
   """Runs ``jaxckpt export-orbax``; returns the exit code."""
   from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
+  if (code := _src_problem("export-orbax", args.src, args.step)) is not None:
+    return code
   try:
     spec = None if args.spec is None else cv.ConversionSpec.load(args.spec)
     reader = _read.open_step(args.src, args.step)
     total = sum(i.nbytes for i in (reader.leaves if spec is None
                                    else cv.apply(spec, reader).leaves).values())
-    with byte_bar(args, total, f"export-orbax step {reader.step}") as bar:
+    with progress(args, total, f"export-orbax step {reader.step}") as bar:
       out = ox.export_orbax(args.src, args.orbax_dir, step=reader.step, spec=spec,
                             force=args.force, progress=bar)
   except _EXPECTED as e:
     return _fail("export-orbax", e)
   except ValueError as e:  # orbax refuses an existing directory without --force, etc.
     return _fail("export-orbax", e)
-  print(f"wrote orbax checkpoint {out} from step {reader.step} of {args.src}")
+  print(f"wrote orbax checkpoint {out} from step {reader.step} of {args.src}: "
+        f"{bar.summary('read')}")
   return 0
 
 
