@@ -77,7 +77,7 @@ class Job:
     for h in range(HOSTS):
       data = self.block(step, h)
       slot = self.stores[h].reserve(step, data.nbytes, timeout_secs=60)
-      np.copyto(self.stores[h].buffer(slot)[:data.nbytes], data.view(np.uint8).reshape(-1))
+      np.copyto(slot.buffer[:data.nbytes], data.view(np.uint8).reshape(-1))
       box = ((h * self.per_host, (h + 1) * self.per_host), (0, COLS))
       leaf = LeafRecord(path="['w']", kind="jax", shape=(self.rows, COLS), dtype="float32",
                         shards=(ShardRecord(box, 0, data.nbytes, checksum(data)),))

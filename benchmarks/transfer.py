@@ -102,7 +102,7 @@ def agent_fetch(n: int, repeats: int) -> tuple[list[float], int]:
     try:
       data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
       slot = store.reserve(1, n, timeout_secs=10)
-      np.asarray(store.buffer(slot))[:n] = data
+      np.asarray(slot.buffer)[:n] = data
       shards = tuple(ShardRecord(((o, min(n, o + SHARD)),), o, min(SHARD, n - o),
                                  checksum(data[o:o + SHARD])) for o in range(0, n, SHARD))
       leaf = LeafRecord("['x']", "numpy", (n,), "uint8", shards)

@@ -443,7 +443,7 @@ class CheckpointManager:
   def _complete(self, step, plan, sources, slot, metadata, t0, attempt) -> None:
     try:
       manifest = capture.complete(
-          plan, sources, self._store.buffer(slot), step=step, process_index=self._process[0],
+          plan, sources, slot.buffer, step=step, process_index=self._process[0],
           process_count=self._process[1], metadata=metadata, pool=self._copy_pool)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest, persist_attempt=attempt)

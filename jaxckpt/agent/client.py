@@ -433,16 +433,11 @@ class AgentStore(HostStore):
       cached = self._maps.get(r.index)
     fresh = r.fresh and self._allocated.get(r.index) != r.path    # not allocated by us
     warm = cached is not None and cached[:2] == (r.path, r.size) and not fresh
-    # A slot not mapped yet (or a new file) is allocated and mapped by ``buffer()``,
-    # in the background copy: never on the save path.
+    # A slot not mapped yet (or a new file) is allocated and mapped when the background
+    # copy first reads ``slot.buffer``: never on the save path.
     return Slot(r.index, step, cached[2] if warm else None, nbytes,
-                opening=None if warm else (r.path, r.size, fresh))
-
-  def buffer(self, slot: Slot) -> Any:
-    if slot.buffer is None:
-      path, size, fresh = slot.opening
-      slot.buffer = self._map(slot.index, path, size, allocate=fresh)
-    return slot.buffer
+                opener=None if warm else functools.partial(self._map, r.index, r.path, r.size,
+                                                           allocate=fresh))
 
   def preallocate(self, nbytes: int) -> None:
     """Sizes the agent's free slots for ``nbytes`` and allocates, maps and touches

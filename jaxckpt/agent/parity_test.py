@@ -81,7 +81,7 @@ class Cluster:
         records[path] = (box, offset, arr)
         offset = align(offset + arr.nbytes)
       slot = self.stores[h].reserve(step, offset, timeout_secs=10)
-      store_buf = self.stores[h].buffer(slot)
+      store_buf = slot.buffer
       for path, (box, off, arr) in records.items():
         store_buf[off:off + arr.nbytes] = arr.view(np.uint8).reshape(-1)
       for path in ("['u']", "['w']"):
@@ -473,7 +473,7 @@ def test_a_group_too_small_for_its_parity_fails_fast_with_the_reason(sandbox):
     for h, store in enumerate(stores):
       data = np.full(64, h, np.uint8)
       slot = store.reserve(1, 64, timeout_secs=5)
-      store.buffer(slot)[:64] = data
+      slot.buffer[:64] = data
       leaf = LeafRecord("['x']", "numpy", (128,), "uint8",
                         (ShardRecord(((64 * h, 64 * h + 64),), 0, 64, checksum(data)),))
       store.commit(slot, SnapshotManifest(step=1, leaves=(leaf,), nbytes=64, process_index=h,

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -27,13 +27,23 @@ from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
 
 @dataclasses.dataclass(eq=False)
 class Slot:
-  """A writable buffer reserved for one step's snapshot."""
+  """A writable buffer reserved for one step's snapshot.
+
+  A store may hand out a slot before its memory is ready (``reserve`` is on the
+  save path): ``opener`` then maps it the first time ``buffer`` is read, which
+  the background copy does."""
 
   index: int
   step: int
-  buffer: Any          # writable, at least ``nbytes`` long (np.uint8 array or mmap);
-  nbytes: int          # None until ``HostStore.buffer`` opens it (off the save path)
-  opening: Any = None  # what the store needs to open ``buffer`` (its own business)
+  _buffer: Any         # writable, at least ``nbytes`` long (np.uint8 array or mmap)
+  nbytes: int
+  opener: Callable[[], Any] | None = None
+
+  @property
+  def buffer(self) -> Any:
+    if self._buffer is None and self.opener is not None:
+      self._buffer, self.opener = self.opener(), None
+    return self._buffer
 
 
 class HostStore(abc.ABC):
@@ -62,11 +72,6 @@ class HostStore(abc.ABC):
   @abc.abstractmethod
   def read(self, step: int) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, Any]]:
     """Pins ``step`` and yields its manifest and buffer until the context exits."""
-
-  def buffer(self, slot: Slot) -> Any:
-    """``slot``'s writable memory. A store may hand out a slot before its memory is
-    ready (``reserve`` is on the save path); the background copy calls this first."""
-    return slot.buffer
 
   def lend(self, step: int, buffer: Any) -> bool:
     """Promises that ``buffer`` (``step``'s, as pinned by ``read``) is never

@@ -38,7 +38,7 @@ def write_step(store, step: int, nbytes: int = 4096, *, seed: int | None = None,
       0, 256, nbytes, dtype=np.uint8)
   slot = store.reserve(step, nbytes, timeout_secs=timeout_secs)
   assert slot is not None, f"no free slot for step {step}"
-  np.asarray(store.buffer(slot))[:nbytes] = data
+  np.asarray(slot.buffer)[:nbytes] = data
   store.commit(slot, manifest_of(step, data))
   return data
 
