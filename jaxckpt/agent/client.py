@@ -358,6 +358,19 @@ class AgentStore(HostStore):
     with self.job_clients() as clients:
       return complete_steps_of(clients)
 
+  def holders(self, step: int) -> tuple[set[int], int | None]:
+    held, count = set(), None
+    with self.job_clients() as clients:
+      for c in clients.values():
+        try:
+          for s, index, n in c.call("held")[0].held:
+            if s == step:
+              held.add(index)
+              count = n
+        except errors.AgentUnavailableError as e:
+          logger.warning("skipping %s: %s", c.who, e)
+    return held, count
+
   def parity_steps(self) -> dict[int, Any]:
     if not self._parity:                  # this trainer's job keeps no parity
       return {}

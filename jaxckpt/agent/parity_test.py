@@ -443,6 +443,17 @@ def test_a_host_that_never_commits_is_named_by_the_timeout(sandbox):
             "[0, 1, 2, 3] did not commit step 1 within 1.0 s") in error
 
 
+def test_a_wait_for_protection_names_the_hosts_that_skipped_the_step(sandbox):
+  with Cluster(*sandbox, 1, timeout_secs=60.0) as c:
+    c.save(1, hosts=[0, 1, 2])                # host 3 skipped step 1
+    with c.manager() as mgr:
+      with pytest.raises(errors.SnapshotTimeoutError,
+                         match=r"step 1 was not protected within 1.0 s: hosts \[3\] do not hold "
+                               r"step 1 \(they skipped it, or lost it\); hosts \[0, 1, 2\] hold "
+                               r"no finished parity of it"):
+        mgr.wait_until_protected(1, timeout_secs=1.0)
+
+
 @pytest.mark.parametrize("empty,lost", [((3,), 2), ((3,), 3), ((1, 2, 3), 0), ((1, 2, 3), 2)])
 def test_hosts_that_hold_no_bytes_are_protected_and_rebuilt(sandbox, empty, lost):
   with Cluster(*sandbox, 1, empty=empty) as c:

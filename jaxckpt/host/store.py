@@ -118,6 +118,14 @@ class HostStore(abc.ABC):
     """Steps for which every saving process's snapshot is held somewhere in the job."""
     return self.steps()
 
+  def holders(self, step: int) -> tuple[set[int], int | None]:
+    """The saving processes whose snapshot of ``step`` is held in the job, and how
+    many processes saved it (None: no one holds it)."""
+    with contextlib.suppress(errors.StepNotFoundError):
+      with self.read(step) as (manifest, _):
+        return {manifest.process_index}, manifest.process_count
+    return set(), None
+
   def parity_steps(self) -> dict[int, Any]:
     """``{step: _parity.StepParity}`` of the steps the job's agents protect (none here)."""
     return {}

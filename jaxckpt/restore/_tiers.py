@@ -63,8 +63,18 @@ def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
 
   def late() -> str:
     sp = last[0]
-    hosts = "all hosts" if sp is None else f"hosts {sorted(set(range(sp.process_count)) - sp.done)}"
-    return f"step {step} was not protected within {timeout_secs} s: {hosts} hold no finished parity of it"
+    held, count = store.holders(step)
+    count = count or (sp.process_count if sp is not None else None)
+    done = set() if sp is None else sp.done
+    why = []
+    if count is not None and set(range(count)) - held:
+      why.append(f"hosts {sorted(set(range(count)) - held)} do not hold step {step} (they "
+                 "skipped it, or lost it)")
+    waiting = sorted(held - done)
+    if waiting or not why:
+      who = f"hosts {waiting}" if waiting else "all hosts"
+      why.append(f"{who} hold no finished parity of it")
+    return f"step {step} was not protected within {timeout_secs} s: " + "; ".join(why)
   _wait.until(protected, timeout_secs=timeout_secs, late=late, poll_secs=0.005)
 
 
