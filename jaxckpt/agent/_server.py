@@ -56,6 +56,9 @@ class _Slot:
     return self.map
 
 
+# The pin owner of a retired slot (beyond max_snapshots + 1): no reader is ever this.
+_RETIRED = -(2**62)
+
 _BATCH_BYTES = 16 << 20     # one hashing task: per-shard tasks cost more than hashing small ones
 
 
@@ -178,11 +181,36 @@ class Agent:
     return self.table.steps()
 
   def _ensure_slots(self) -> None:
+    """``max_snapshots + 1`` slots in use; those beyond (a trainer asked for fewer)
+    are retired: pinned by ``_RETIRED`` (never handed out again) and their memory
+    freed once they are free."""
+    usable = self.max_snapshots + 1
     self.table.keep = self.max_snapshots
-    self.table.grow_to(self.max_snapshots + 1)
+    self.table.grow_to(usable)
     while len(self.slots) < len(self.table):
       i = len(self.slots)
       self.slots.append(_Slot(i, _paths.slot_file(self.dir, i)))
+    for st in self.table.slots:
+      retired = _RETIRED in st.pins
+      if st.index >= usable and not retired:
+        st.pins[_RETIRED] = 1
+        self._free_retired(st)
+      elif st.index < usable and retired:
+        del st.pins[_RETIRED]
+
+  def _free_retired(self, st: _slots.SlotState) -> None:
+    """Gives back the memory of retired slot ``st`` once it is free (the file is
+    unlinked, so a reader's or a restored array's map of it stays valid)."""
+    if st.state != _slots.FREE or set(st.pins) != {_RETIRED} or not st.size:
+      return
+    s = self.slots[st.index]
+    if s.map is not None:
+      with contextlib.suppress(BufferError):
+        s.map.close()
+      s.map = None
+    with contextlib.suppress(OSError):
+      os.unlink(s.path)
+    st.size, st.lent = 0, False
 
   def _dropped(self, dropped: list[_slots.Dropped]) -> None:
     """Releases what the agent keeps beside slots the table freed."""
@@ -195,6 +223,7 @@ class Agent:
       if d.held and self.persister is not None:   # rolled back before it was persisted
         self.persister.fence(d.step)
       self._end_early(self.slots[d.index])
+      self._free_retired(self.table.slots[d.index])
 
   def _end_early(self, s: _Slot) -> None:
     """Forgets a slot's early verifications (waiting for those still hashing)."""
@@ -228,12 +257,12 @@ class Agent:
     if parity:
       self._configure_parity(parity)
     self.trainers.add(pid)
-    if max_snapshots:
-      self.max_snapshots = max(self.max_snapshots, int(max_snapshots))
-    if limit_bytes:
+    if max_snapshots is not None:     # (range-checked with the request, as every value is)
+      self.max_snapshots = int(max_snapshots)
+    if limit_bytes is not None:
       self.limit_bytes = int(limit_bytes)
     self._ensure_slots()
-    return _requests.Hello.Reply(pid=os.getpid(), steps=self.steps(), slots=len(self.slots),
+    return _requests.Hello.Reply(pid=os.getpid(), steps=self.steps(), slots=self.max_snapshots + 1,
                                  generation=self.generation)
 
   def _take_lease(self, pid: int) -> None:
@@ -267,12 +296,13 @@ class Agent:
 
   def op_reserve(self, pid: int, step: int, nbytes: int) -> _requests.Reserve.Reply:
     self._ensure_slots()
-    need = len(self.slots) * nbytes
-    what = f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB"
+    usable = self.max_snapshots + 1
+    need = usable * nbytes
+    what = f"{usable} snapshot slots x {nbytes / 2**20:.1f} MiB"
     if self.parity is not None:
       pbytes = self.parity.estimate_bytes(nbytes)
-      need += len(self.slots) * pbytes
-      what += f" + {len(self.slots)} parity slots x {pbytes / 2**20:.1f} MiB"
+      need += usable * pbytes
+      what += f" + {usable} parity slots x {pbytes / 2**20:.1f} MiB"
     if need > self.limit_bytes:
       raise errors.HostMemoryBudgetError(
           f"{what} = {need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
