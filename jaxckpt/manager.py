@@ -466,8 +466,10 @@ class CheckpointManager:
     def late() -> str:
       self._raise_failed(failed)          # a failure said first: it is why, not the wait
       left = sorted(want & set(self._store.persist_status(ask=False).pending))
-      return (f"{what}: {self._store_name()} of process {self._process[0]} did not persist "
-              f"steps {left} to {self.directory!r} within {timeout} s (it goes on trying)")
+      who = "; ".join(_persist.who_is_late(self.directory, s, self._attempts[s], self._process[1])
+                      for s in left if s in self._attempts)
+      return (f"{what}: steps {left} were not persisted to {self.directory!r} within {timeout} "
+              f"s: {who} ({self._store_name()} of process {self._process[0]} goes on trying)")
     if want:
       _wait.until(ended, timeout_secs=timeout, late=late)
     self._raise_failed(failed)
@@ -531,11 +533,7 @@ class CheckpointManager:
       return False
 
     def late() -> str:
-      count = self._process[1]
-      missing = universal.missing_parts(self.directory, step, attempt, count)
-      who = (f"processes {missing} of {count} (their agents or trainers) did not write their "
-             "part" if missing else "every process wrote its part but process 0 did not "
-             "commit it")
+      who = _persist.who_is_late(self.directory, step, attempt, self._process[1])
       return (f"step {step} was not persisted to {self.directory!r} within {timeout} s: {who} "
               f"(persist attempt {attempt!r})")
     _wait.until(stored, timeout_secs=timeout, late=late)
