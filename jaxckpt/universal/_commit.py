@@ -160,6 +160,11 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
               f"commit of step {step}: the part record of process {i} under attempt "
               f"{attempt!r} says attempt {obj.get('attempt')!r}, process "
               f"{obj.get('process_index')!r}; it is damaged")
+        for leaf in obj["leaves"]:
+          if leaf.get("kind") != "scalar":
+            lay.check_array_path(leaf.get("array"), attempt, where=(
+                f"commit of step {step}: the part record of process {i}, leaf "
+                f"{leaf.get('path')!r}"))
         parts[i] = obj
     if not missing():
       return [parts[i] for i in range(process_count)]

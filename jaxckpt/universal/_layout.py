@@ -152,12 +152,36 @@ def claims_prefix(step: int) -> str:
   return f"{step_dir(step)}claims/"
 
 
+ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def check_attempt(attempt: str) -> str:
   """An attempt id is a short key-safe name (it becomes part of storage keys)."""
-  if not isinstance(attempt, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", attempt):
+  if not isinstance(attempt, str) or not ATTEMPT.fullmatch(attempt):
     raise errors.InvalidArgumentError(
         f"persist attempt id {attempt!r} must be 1-128 letters, digits, '.', '_' or '-'")
   return attempt
+
+
+_KEY_PART = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+def check_array_path(array: Any, attempt: str | None, *, where: str) -> None:
+  """Raises CorruptSnapshotError unless ``array`` (a leaf's array directory, read
+  from a manifest or a part record) stays inside the step: relative, made of
+  key-safe names, none of them ``.`` or ``..``, and under ``attempt``'s own
+  arrays when the step has one (every array jaxckpt writes is). Checked before
+  anything is read through it."""
+  parts = array.split("/") if isinstance(array, str) else None
+  ok = bool(parts) and all(_KEY_PART.fullmatch(p) and p not in (".", "..") for p in parts)
+  if ok and attempt is not None:
+    ok = len(parts) >= 2 and parts[0] == attempt
+  if not ok:
+    raise errors.CorruptSnapshotError(
+        f"{where}: its array path {array!r} leads outside the step"
+        + ("" if attempt is None else f" (its data is attempt {attempt!r}'s arrays)")
+        + "; the manifest is damaged or forged, so nothing was read through it: restore "
+        "another step")
 
 
 def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:

@@ -309,6 +309,11 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
         f"step {step} is not committed in {directory!r}; committed steps: "
         f"{_commit.all_steps(directory)}")
   attempt = marker.get("attempt")
+  if attempt is not None and not (isinstance(attempt, str)
+                                  and lay.ATTEMPT.fullmatch(attempt)):
+    raise errors.CorruptSnapshotError(
+        f"step {step} in {directory!r}: its commit marker names attempt {attempt!r}, not a "
+        "key-safe name; the marker is damaged or forged: restore another step")
   body = kv.read(lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if body.state != "value" or snap.checksum(body.value) != marker.get("manifest_xxh3"):
     raise errors.CorruptSnapshotError(
@@ -320,6 +325,10 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: its manifest says step {doc['step']}; restore "
         "another step")
+  for leaf in doc["leaves"]:               # every path checked before anything is read
+    if leaf.get("kind") != "scalar":
+      lay.check_array_path(leaf.get("array"), attempt,
+                           where=f"step {step} in {directory!r}: leaf {leaf.get('path')!r}")
   return StepReader(directory, step, doc, attempt=attempt)
 
 
