@@ -177,16 +177,15 @@ def damaged_newest(job: Job) -> None:
   damaged. A new manager's restore(None) takes step 60 on every process and
   says it skipped 70; restore(step=70) still raises."""
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  from jaxckpt.testing import damage  # pylint: disable=import-outside-toplevel
   opts = job.options(agent=False, persist_interval_steps=10)
   with jc.CheckpointManager(job.a.directory, opts) as mgr:
     for s in (60, 70):
       assert mgr.save(s, job.state(s))
       mgr.wait_until_finished()
   job.barrier("stored")
-  if job.me == 0:
-    reader = jc.universal.open_step(job.a.directory, 70)
-    info = reader.leaves["['w']"]
-    flip_chunk_byte(job.a.directory, 70, info, rows_from=8)      # rows process 1 holds
+  if job.me == 0:                           # a row only process 1 reads
+    damage.flip_stored_byte(job.a.directory, 70, "['w']", (12, 0))
   job.barrier("damaged")
   with jc.CheckpointManager(job.a.directory, opts) as mgr:
     out = mgr.restore(target=job.state(0))
@@ -198,18 +197,6 @@ def damaged_newest(job: Job) -> None:
       say("EXPLICIT_OK")
     except jc.errors.CorruptSnapshotError as e:
       say("EXPLICIT_RAISED", type(e).__name__)
-
-
-def flip_chunk_byte(directory: str, step: int, info: Any, rows_from: int) -> None:
-  """Flips one byte of the stored chunk of leaf ``info`` that holds row ``rows_from``
-  (read back through tensorstore and written over, raw)."""
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-  from jaxckpt.universal import _arrays  # pylint: disable=import-outside-toplevel
-  store = _arrays.open_for_read(directory, step, info)
-  row = store[rows_from].read().result()
-  bad = row.copy()
-  bad.view(np.uint8)[0] ^= 0xFF
-  ts.open(store.spec(), open=True, write=True).result()[rows_from].write(bad).result()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ Layout under ``directory`` (a local path or any tensorstore kvstore URL):
   step_0000000012/attempts/<A>/manifest.json   the manifest (written by the commit)
   step_0000000012/arrays/<A>/<leaf>/...  one zarr v3 array per array leaf
   commits/0000000012.json                the commit marker, written last: names <A>
+  quarantine/0000000012.json             a marker set aside: the step was found damaged
 
 ``<A>`` is the persist *attempt* that wrote it (the writing job's run id and
 a counter): every attempt writes only keys of its own, so two writers of one
@@ -131,6 +132,11 @@ def step_dir(step: int) -> str:
 
 def commit_key(step: int) -> str:
   return f"{COMMITS_PREFIX}{step:010d}.json"
+
+
+def quarantine_key(step: int) -> str:
+  """Where a committed step found damaged is set aside (its marker, and why)."""
+  return f"quarantine/{step:010d}.json"
 
 
 def attempt_dir(step: int, attempt: str) -> str:
