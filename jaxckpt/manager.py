@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ from jaxckpt import _items, _preemption, _storage_only, _wait, capture, errors, 
 from jaxckpt.agent import AgentStore, _parity, _paths
 from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore, InProcessStore
-from jaxckpt.net import _kv
+from jaxckpt.net import _kv, _wire
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
 from jaxckpt.restore import _read, _tiers
@@ -110,7 +111,7 @@ class CheckpointManager:
       store.persist_to(self._persist_config)   # every store persists what it holds
     if store is None and self.options.agent is not None and jax.process_count() > 1:
       self._store.discover(timeout_secs=self.options.timeout_secs)
-      self._store.recover_persists(jax.process_index())
+      self._store.recover_persists(jax.process_index(), run_id=self._run_id)
     self._planner = capture.Planner()
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
@@ -144,16 +145,16 @@ class CheckpointManager:
     host = jax.process_index() if a.host_id is None else a.host_id
     secret = None
     if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
-      # One secret for the whole job, each host's run root being private: process 0's.
+      # One secret for the whole job, each host's run root being private: the one the
+      # hosts hold (it survives a lost host, process 0's too), else a new one of process 0.
       root = a.run_root or _paths.default_run_root()
-      secret = _kv.broadcast_from_0(
-          "agent_secret", lambda: _paths.job_secret(root, a.job_name).decode(),
-          timeout_secs=self.options.timeout_secs)
+      secret = _kv.agree_kept("agent_secret", _paths.held_secret(root, a.job_name),
+                              _wire.new_secret, timeout_secs=self.options.timeout_secs)
     return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
                       limit_bytes=limit,
                       persist=None if self._persist_config is None
                       else self._persist_config.to_obj(),
-                      parity=self._parity_config(), secret=secret)
+                      parity=self._parity_config(), secret=secret, owner=_owner_name())
 
   def _parity_config(self) -> dict[str, Any] | None:
     p = self.options.parity
@@ -582,29 +583,20 @@ class CheckpointManager:
   def metadata(self, step: int | None = None) -> _read.StepMetadata:
     """The structure of ``step`` (default: the newest): every leaf's kind, shape,
     dtype and saving sharding, and the user metadata saved with it, from the
-    host tier when it holds the step, else from storage. Reads no array bytes.
+    host tier when the job's agents hold the step (this host's or another's),
+    from the survivors' parity records when it can be rebuilt, else from
+    storage: every step ``all_steps()`` lists. Reads no array bytes.
 
     Raises:
-      StepNotFoundError: neither this host nor storage holds ``step``.
+      StepNotFoundError: no tier of the job holds ``step``.
     """
     self._check_open("metadata")
     step = self.latest_step() if step is None else check_step(step, "metadata")
     if step is None:
       raise errors.StepNotFoundError("metadata(): no step is held on any tier")
-    if step in self._store.steps():
-      with self._store.read(step) as (manifest, _):
-        leaves = {r.path: _leaf_metadata(r) for r in manifest.leaves}
-        meta = dict(manifest.metadata)
-      tier = "host"
-    elif self.directory is not None and step in _tiers.storage_steps(self.directory):
-      reader = universal.open_step(self.directory, step)
-      leaves = {p: _leaf_metadata(i) for p, i in reader.leaves.items()}
-      meta, tier = dict(reader.metadata), "storage"
-    else:
-      raise errors.StepNotFoundError(
-          f"metadata(): step {step} is held neither in host memory ({self._store.steps()}) nor "
-          f"in storage ({_tiers.storage_steps(self.directory)})")
-    return _read.StepMetadata(step, tier, tree.nest(leaves), meta)
+    tier, records, meta = _tiers.describe(self._store, self.directory, step)
+    leaves = {r.path: _leaf_metadata(r) for r in records}
+    return _read.StepMetadata(step, tier, tree.nest(leaves), dict(meta))
 
   def delete(self, step: int) -> None:
     """Deletes ``step`` from every tier, for good: this host's snapshot (a
@@ -766,6 +758,12 @@ def _orbax_item(given: Any, args: Any, verb: str, name: str, orbax_cls: str, *,
         f"{verb}(args={type(args).__name__}(...)): jaxckpt takes one tree per step, as "
         f"args=ocp.args.{orbax_cls}(tree), {name}=tree, or several items as "
         "args=ocp.args.Composite(name=ocp.args.StandardSave(...), ...)") from None
+
+
+def _owner_name() -> str:
+  """What names a manager to its agent (the lease holder a second manager is told of)."""
+  return (f"the CheckpointManager {uuid.uuid4().hex[:8]} of pid {os.getpid()} (thread "
+          f"{threading.current_thread().name!r}, made at {time.strftime('%H:%M:%S')})")
 
 
 def _agree_run_id(timeout_secs: float) -> str:

@@ -99,9 +99,11 @@ class Hello(Request):
   limit_bytes: int | None = None
   persist: dict | None = None
   parity: dict | None = None
+  owner: str | None = None      # the manager asking (None: a bare store, known by its pid)
   bounds = {"pid": PID, "max_snapshots": (1, MAX_SNAPSHOTS), "limit_bytes": (1, BYTES[1])}
 
   def check(self) -> None:
+    _check_owner("hello", self.owner)
     if self.persist is not None:
       _check_fields("hello", "persist", self.persist, _PERSIST)
     if self.parity is not None:
@@ -211,9 +213,13 @@ class Persisted(Request):
 
 @_request("bye")
 class Bye(Request):
-  """Trainer ``pid`` closed its manager: it gives up the lease and its pins."""
+  """Trainer ``pid`` closed its manager (``owner``): it gives up the lease and its pins."""
   pid: int
+  owner: str | None = None
   bounds = {"pid": PID}
+
+  def check(self) -> None:
+    _check_owner("bye", self.owner)
 
 
 # -- reading a step ----------------------------------------------------------------
@@ -415,6 +421,12 @@ def _check_fields(op: str, what: str, obj: dict, spec: dict[str, tuple[type, Any
       raise errors.InvalidArgumentError(
           f"request {op!r}: {what}.{name}={value!r} is not a {kind.__name__}"
           + (f" in [{bounds[0]}, {bounds[1]}]" if bounds else "") + "; nothing was applied")
+
+
+def _check_owner(op: str, owner: str | None) -> None:
+  if owner is not None and not 0 < len(owner) <= 200:
+    raise errors.InvalidArgumentError(f"request {op!r}: owner {owner[:40]!r}... is not 1-200 "
+                                      "characters")
 
 
 def _check_ints(op: str, what: str, values: list, bounds: tuple[int, int]) -> None:

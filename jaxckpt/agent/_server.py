@@ -144,7 +144,7 @@ class Agent:
                tcp_host: str = "127.0.0.1") -> None:
     self.job, self.host, self.dir = job, host, directory
     self.secret = secret
-    self.lease: tuple[int, int] | None = None   # (trainer pid, generation)
+    self.lease: tuple[int, str | None, int] | None = None   # (trainer pid, its manager, generation)
     self.generation = 0
     self.tcp_host = tcp_host
     self.max_snapshots = max_snapshots
@@ -246,9 +246,10 @@ class Agent:
   def op_hello(self, pid: int, max_snapshots: int | None = None,
                limit_bytes: int | None = None,
                persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None) -> _requests.Hello.Reply:
+               parity: dict[str, Any] | None = None,
+               owner: str | None = None) -> _requests.Hello.Reply:
     self.reap()
-    self._take_lease(int(pid))
+    self._take_lease(int(pid), owner)
     if persist and (self.persister is None or self.persister.config.to_obj() != persist):
       if self.persister is not None:      # its queue runs out on its own thread
         self.retired.append(self.persister)
@@ -265,22 +266,34 @@ class Agent:
     return _requests.Hello.Reply(pid=os.getpid(), steps=self.steps(), slots=self.max_snapshots + 1,
                                  generation=self.generation)
 
-  def _take_lease(self, pid: int) -> None:
-    """One trainer per job and host: a live holder other than ``pid`` keeps the lease;
-    a dead one's lease passes on (the generation counts the holders)."""
+  def _take_lease(self, pid: int, owner: str | None = None) -> None:
+    """One manager per job and host, in any process: a live holder keeps the lease
+    against another process, and against another manager of its own process
+    (``owner``); a dead one's lease passes on (the generation counts the holders),
+    and a closed one's was given up (``op_bye``)."""
     if self.lease is not None:
-      holder, gen = self.lease
-      if holder == pid:
+      holder, holding, gen = self.lease
+      if holder == pid and holding == owner:
         return
-      if psutil.pid_exists(holder):
+      if holder == pid and holding is not None and owner is not None:
         raise errors.PermissionDeniedError(
-            f"job {self.job!r} host {self.host} already has a live trainer, pid {holder} "
-            f"(lease generation {gen}); one trainer per job and host: stop it, or give "
-            "this one another AgentOptions(job_name=...)")
-      logger.warning("trainer pid %d (lease generation %d) is gone; pid %d takes over",
-                     holder, gen, pid)
+            f"job {self.job!r} host {self.host} is held by another live manager in this "
+            f"process: {holding} (lease generation {gen}); a step belongs to the manager "
+            "that saved it: close that manager first (mgr.close(), or a with block), or "
+            "give this one another AgentOptions(job_name=...)")
+      if holder != pid and psutil.pid_exists(holder):
+        raise errors.PermissionDeniedError(
+            f"job {self.job!r} host {self.host} already has a live trainer, pid {holder}"
+            + (f" ({holding})" if holding else "") + f" (lease generation {gen}); one "
+            "manager per job and host: stop it, or give this one another "
+            "AgentOptions(job_name=...)")
+      if holder != pid:
+        logger.warning("trainer pid %d (lease generation %d) is gone; pid %d takes over",
+                       holder, gen, pid)
+      elif holding is not None:         # a bare store beside a manager: it keeps the lease
+        return
     self.generation += 1
-    self.lease = (pid, self.generation)
+    self.lease = (pid, owner, self.generation)
 
   def _configure_parity(self, parity: dict[str, Any]) -> None:
     """Starts the parity thread, or updates its timeouts (parity already held stays)."""
@@ -483,11 +496,12 @@ class Agent:
     return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.free_slots(),
                                  protected=self.table.protected_step())
 
-  def op_bye(self, pid: int) -> _requests.Done:
-    """Trainer ``pid`` closed its manager: it gives up the lease and its pins."""
+  def op_bye(self, pid: int, owner: str | None = None) -> _requests.Done:
+    """Trainer ``pid`` closed its manager ``owner``: it gives up the lease (if it
+    holds it) and its pins."""
     self._dropped(self.table.forget([pid]))
     self.trainers.discard(pid)
-    if self.lease is not None and self.lease[0] == pid:
+    if self.lease is not None and self.lease[:2] == (pid, owner):
       self.lease = None
     return _requests.Done()
 
@@ -574,7 +588,8 @@ class Agent:
         bytes=sum(s.size for s in self.table.slots) + parity_bytes,
         parity_bytes=parity_bytes, trainers=sorted(self.trainers),
         max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
-        lease=None if self.lease is None else {"pid": self.lease[0], "generation": self.lease[1]},
+        lease=None if self.lease is None else {"pid": self.lease[0], "owner": self.lease[1],
+                                               "generation": self.lease[2]},
         early_verified_shards=self.early_verified)
 
   def op_stop(self) -> _requests.Done:

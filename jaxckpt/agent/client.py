@@ -110,8 +110,10 @@ class AgentStore(HostStore):
 
   def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
                limit_bytes: int, persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None, secret: str | None = None) -> None:
+               parity: dict[str, Any] | None = None, secret: str | None = None,
+               owner: str | None = None) -> None:
     self.opts = opts
+    self.owner = owner          # the manager this store serves: the agent's lease names it
     self.host = host
     self.run_root = opts.run_root or _paths.default_run_root()
     self.secret = _paths.job_secret(self.run_root, opts.job_name, secret or opts.secret)
@@ -157,8 +159,13 @@ class AgentStore(HostStore):
     self._client = Client(info["ipc"], who=f"snapshot agent pid {self.pid} of job "
                           f"{self.opts.job_name!r} host {self.host}",
                           timeout_secs=self.opts.request_timeout_secs, secret=self.secret)
-    self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
-                      limit_bytes=self._limit, persist=self._persist, parity=self._parity)
+    try:
+      self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
+                        limit_bytes=self._limit, persist=self._persist, parity=self._parity,
+                        owner=self.owner)
+    except BaseException:
+      self._client.close()            # refused (another manager holds the lease): nothing kept
+      raise
     self._maps.clear()
 
   def ensure_alive(self) -> None:
@@ -179,7 +186,7 @@ class AgentStore(HostStore):
       self._repersist(lost)
     self._announce(dead)
 
-  def recover_persists(self, process_index: int) -> None:
+  def recover_persists(self, process_index: int, *, run_id: str | None = None) -> None:
     """Finishes the persists the job started that this host's agent can no longer
     take part in: it is a new agent holding nothing (the machine was lost, or the
     agent died while no trainer ran). For each step due for storage whose persist
@@ -195,7 +202,9 @@ class AgentStore(HostStore):
     (``_persist.persist_part``), so a lost process 0 is found too. Not
     recovered: a step whose peers' persists all ended without a commit (they
     waited ``PersistConfig.timeout_secs``), since only storage then knows the
-    attempt, and an attempt found there cannot be told from an abandoned one."""
+    attempt, and an attempt found there cannot be told from an abandoned one;
+    nor an attempt of this run (``run_id``): a peer that ran ahead of this
+    process is persisting its own new save, which this process saves too."""
     if not (self._parity and self._persist) or self.steps():
       return
     universal = _persist._universal()   # pylint: disable=protected-access
@@ -213,7 +222,8 @@ class AgentStore(HostStore):
           logger.warning("recovering persists: %s", e)
           continue
         for s, a in status.attempts:
-          pending.setdefault(s, set()).add(a)
+          if not _persist.of_run(a, run_id):
+            pending.setdefault(s, set()).add(a)
     lost = []
     for step in sorted(held | set(pending)):
       if step % interval or universal.committed_by(directory, step) is not None:
@@ -357,6 +367,21 @@ class AgentStore(HostStore):
     with self.job_clients() as clients:
       return _parity.survey(clients)
 
+  def step_manifest(self, step: int) -> SnapshotManifest | None:
+    """Any agent's manifest of ``step`` (each records every leaf), else one of the
+    group's manifests that a parity holder keeps for its rebuild."""
+    with self.job_clients() as clients:
+      for op in ("manifest", "parity_info"):
+        for c in clients.values():
+          try:
+            r = c.call(op, step=step)[0]
+          except (errors.StepNotFoundError, errors.AgentUnavailableError):
+            continue
+          text = r.manifest if op == "manifest" else next(iter(r.manifests.values()), None)
+          if text:
+            return SnapshotManifest.from_json(text)
+    return None
+
   def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
                    have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
     clients = stack.enter_context(self.job_clients())
@@ -446,7 +471,8 @@ class AgentStore(HostStore):
     if obj != self._persist:
       self._persist = obj
       self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
-                        limit_bytes=self._limit, persist=self._persist, parity=self._parity)
+                        limit_bytes=self._limit, persist=self._persist, parity=self._parity,
+                        owner=self.owner)
 
   def _take_persist(self, reply: _requests.Persisted.Reply | _requests.Commit.Reply) -> None:
     """Keeps the persist status and errors an agent's reply brings."""
@@ -512,7 +538,7 @@ class AgentStore(HostStore):
     del timeout_secs            # the manager waited for its persists already
     try:
       if pid_alive(self.pid):
-        self.call("bye", pid=os.getpid())
+        self.call("bye", pid=os.getpid(), owner=self.owner)
     except errors.JaxckptError as e:
       logger.warning("%s: could not give up the lease at close: %s", self.who, e)
     finally:

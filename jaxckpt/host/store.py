@@ -114,6 +114,14 @@ class HostStore(abc.ABC):
     """Steps for which every saving process's snapshot is held somewhere in the job."""
     return self.steps()
 
+  def step_manifest(self, step: int) -> SnapshotManifest | None:
+    """A manifest of ``step`` from any saving process's snapshot the job holds (or
+    the copy kept with parity), for its structure; None if none is found."""
+    if step not in self.steps():
+      return None
+    with self.read(step) as (manifest, _):
+      return manifest
+
   def parity_steps(self) -> dict[int, Any]:
     """``{step: _parity.StepParity}`` of the steps the job's agents protect (none here)."""
     return {}
@@ -131,10 +139,11 @@ class HostStore(abc.ABC):
     """Learns where the job's other hosts keep their snapshots (a no-op here)."""
     del timeout_secs
 
-  def recover_persists(self, process_index: int) -> None:
-    """Writes this process's part of persists the job still waits on that this
-    store lost (a new agent after a lost machine); a no-op here."""
-    del process_index
+  def recover_persists(self, process_index: int, *, run_id: str | None = None) -> None:
+    """Writes this process's part of persists that an earlier run of the job (not
+    ``run_id``, this one) still waits on and that this store lost (a new agent
+    after a lost machine); a no-op here."""
+    del process_index, run_id
 
   @abc.abstractmethod
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:

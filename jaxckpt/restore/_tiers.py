@@ -232,6 +232,34 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   return step, tier
 
 
+def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, list[Any], dict]:
+  """What ``metadata(step)`` reads, from the first tier that has it: (the tier, the
+  leaf records, the user metadata). A manifest of any saving process serves
+  (each records every leaf): this host's, another host's agent's, or the copy
+  the survivors keep with their parity; else the stored manifest.
+
+  Raises:
+    StepNotFoundError: no tier of the job holds ``step`` (naming what they hold).
+  """
+  if step in store.steps():
+    with store.read(step) as (manifest, _):
+      return "host", list(manifest.leaves), manifest.metadata
+  held = complete_steps(store)
+  rebuilt = [] if step in held else rebuildable_steps(held, store)
+  if step in held or step in rebuilt:
+    manifest = store.step_manifest(step)
+    if manifest is not None:
+      return "host" if step in held else "parity", list(manifest.leaves), manifest.metadata
+  stored = storage_steps(directory)
+  if step in stored:
+    reader = universal.open_step(directory, step)
+    return "storage", list(reader.leaves.values()), reader.metadata
+  raise errors.StepNotFoundError(
+      f"metadata(): step {step} is held neither by the job's agents (held: {held}"
+      + (f"; rebuildable from parity: {rebuilt}" if rebuilt else "") + ")"
+      + (f" nor in storage ({stored})" if directory else ""))
+
+
 class StorageSource:
   """A step read from the universal format: each region read on demand, verified."""
 
