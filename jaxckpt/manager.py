@@ -601,21 +601,30 @@ class CheckpointManager:
   def delete(self, step: int) -> None:
     """Deletes ``step`` from every tier, for good: this host's snapshot (a
     restore reading it keeps its copy until done), its persist (a queued one
-    never runs, a running one never commits: delete waits for it to end) and,
-    from process 0, storage. No tier holds it afterwards, nor commits it later.
+    never runs, a running one never commits: delete waits for it to end) and
+    storage (from process 0; with agents, from any process: its delete reaches
+    every host's agent, snapshot, parity and persist, so the step is gone from
+    the job whichever process deletes it first and however long before the
+    others). No tier holds it afterwards, nor commits it later; a failed
+    persist of it (a peer gave up on it) is never raised.
 
     Raises:
-      StepNotFoundError: no tier holds ``step``.
+      StepNotFoundError: no tier holds ``step`` (nor did another host's delete
+        of it come first).
     """
     self._check_open("delete")
     step = check_step(step, "delete")
-    self.wait_until_snapshotted()
+    if self._pending is not None:      # the snapshot in flight (its errors: raised later)
+      self._wait(self._pending, self.options.timeout_secs, "delete")
     # Fenced first: a queued persist of the step never runs, a running one never
     # commits, and discard returns once it has ended; only then is storage cleared.
     held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
-    fenced = self._attempts.pop(step, None) is not None
+    attempt = self._attempts.pop(step, None)
+    fenced = attempt is not None
+    if fenced:
+      self._told.add(attempt)                 # its persist's failure is moot now
     stored = self.directory is not None and step in _tiers.storage_steps(self.directory)
-    if stored and self._process[0] == 0:
+    if stored and (self._process[0] == 0 or self._store.fences_job):
       universal.discard_step(self.directory, step)
     if not (held or stored or fenced):
       raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")

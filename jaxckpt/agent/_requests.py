@@ -192,13 +192,17 @@ class Abort(Request):
 
 @_request("discard")
 class Discard(Request):
-  """Forget ``step`` and fence its persists (``persisting`` in the reply while one runs)."""
+  """Forget ``step`` and fence its persists (``persisting`` in the reply while one runs),
+  as the delete of host ``by`` (of the job's hosts, this one or another: ``deleted_by``
+  in the reply names the host whose delete came first, if one did)."""
   step: int
-  bounds = {"step": STEP}
+  by: int | None = None
+  bounds = {"step": STEP, "by": INDEX}
 
   class Reply(Reply):
     discarded: bool
     persisting: bool
+    deleted_by: int | None = None
 
 
 @_request("persisted")

@@ -56,6 +56,9 @@ class _Slot:
     return self.map
 
 
+# Deleted steps an agent remembers (the newest deletes).
+_DELETES_KEPT = 1024
+
 # The pin owner of a retired slot (beyond max_snapshots + 1): no reader is ever this.
 _RETIRED = -(2**62)
 
@@ -166,6 +169,7 @@ class Agent:
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
     self.replays = _wire.Replays()     # requests are applied at most once
+    self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
 
   # -- helpers --------------------------------------------------------------
 
@@ -374,6 +378,7 @@ class Agent:
     self._dropped(self.table.commit(index, m.step, hold=persist))
     self.manifests[m.step] = manifest
     self.processes[m.step] = (int(process[0]), int(process[1]))
+    self.deleted.pop(m.step, None)             # saved again after a delete
     if persist:
       self.persister.submit(m.step, str(persist_attempt))
     if self.parity is not None and m.step in self.manifests:
@@ -481,16 +486,24 @@ class Agent:
     self.peers = {**self.peers, **new} if merge else new
     return _requests.Done()
 
-  def op_discard(self, step: int) -> _requests.Discard.Reply:
+  def op_discard(self, step: int, by: int | None = None) -> _requests.Discard.Reply:
     """Forgets ``step`` and fences its persists; ``persisting`` while one still
-    runs (it will not commit: the caller asks again until it has ended)."""
+    runs (it will not commit: the caller asks again until it has ended). A
+    delete's discard (``by`` the deleting host, this one or a peer) is
+    remembered until the step is committed again, so that the other hosts'
+    own deletes of it later find it gone, not missing (``deleted_by``)."""
+    before = self.deleted.get(step)
     d = self.table.discard(step)
     self._dropped([d] if d else [])
     busy = False
     if self.persister is not None:
       self.persister.fence(step)
       busy = self.persister.busy(step)
-    return _requests.Discard.Reply(discarded=d is not None, persisting=busy)
+    if by is not None:
+      self.deleted.setdefault(step, by)
+      while len(self.deleted) > _DELETES_KEPT:
+        self.deleted.pop(next(iter(self.deleted)))
+    return _requests.Discard.Reply(discarded=d is not None, persisting=busy, deleted_by=before)
 
   def op_steps(self) -> _requests.Steps.Reply:
     return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.free_slots(),

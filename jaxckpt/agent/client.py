@@ -506,13 +506,23 @@ class AgentStore(HostStore):
   def steps(self) -> list[int]:
     return list(self.call("steps").steps)
 
+  # Its discard fences every agent of the job: a step it deleted is on no host's agent,
+  # and no persist of it runs anywhere (so any process may clear storage next).
+  fences_job = True
+
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
-    discarded = []
+    """Discards ``step`` on this host's agent and then on every other agent of the
+    job (a delete is final on every host, whichever process calls it first: a
+    peer's snapshot, parity and persist of it go too), each fenced until its
+    persist has ended. True if this agent held it, or another host's delete
+    discarded it here first."""
+    discarded, first = [], []
     self._fence_rebuilds(lambda s: s == step)   # a persist of it rebuilt here, too
 
     def fenced() -> bool:       # fenced at once; asked again until its persist has ended
-      r = self.call("discard", step=step)
+      r = self.call("discard", step=step, by=self.host)
       discarded.append(r.discarded)
+      first.append(r.deleted_by)
       with self._fence_lock:
         rebuilding = any(s == step for s, _ in self._repersisting)
       return not r.persisting and not rebuilding
@@ -521,7 +531,24 @@ class AgentStore(HostStore):
         f"rebuild of it after a lost agent) did not stop within {timeout_secs} s (it will not "
         "commit)"))
     self._attempts.pop(step, None)
-    return any(discarded)
+    self._discard_elsewhere(step, timeout_secs)
+    return any(discarded) or first[0] not in (None, self.host)
+
+  def _discard_elsewhere(self, step: int, timeout_secs: float) -> None:
+    """The job's other agents discard ``step`` as this host's delete (each fenced
+    until its persist of it has ended); one that does not answer is skipped with
+    a warning (its snapshots count as lost)."""
+    with self.job_clients() as clients:
+      for c in clients.values():
+        if c.pid == self.pid:
+          continue
+        try:
+          _wait.until(lambda c=c: not c.call("discard", step=step, by=self.host)[0].persisting,
+                      timeout_secs=timeout_secs, poll_secs=0.01, late=lambda c=c: (
+                          f"discard of step {step}: the persist that {c.who} runs of it did "
+                          f"not stop within {timeout_secs} s (it will not commit)"))
+        except errors.AgentUnavailableError as e:
+          logger.warning("delete of step %d: skipping %s: %s", step, c.who, e)
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:

@@ -145,12 +145,17 @@ class HostStore(abc.ABC):
     after a lost machine); a no-op here."""
     del process_index, run_id
 
+  #: Whether ``discard`` fences the persists of every host of the job (the agents),
+  #: not only this process's: then any process may clear a deleted step from storage.
+  fences_job = False
+
   @abc.abstractmethod
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     """Forgets committed ``step`` (a reader holding it keeps its slot until done)
     and fences its persists: a queued one never runs, a running one never
     commits; returns once none of them runs (SnapshotTimeoutError after
-    ``timeout_secs``). False if the step was not held."""
+    ``timeout_secs``). False if the step was not held (a store shared by the
+    job's hosts: nor deleted by another host's delete first)."""
 
   def preallocate(self, nbytes: int) -> None:
     """Allocates and touches every free slot for snapshots of ``nbytes`` now, so
