@@ -248,15 +248,21 @@ class Held(Request):
 
 @_request("open")
 class Open(Request):
-  """Pin ``step`` for reader ``pid`` (its slot file and manifest in the reply)."""
+  """Pin ``step`` for reader ``pid`` (its slot file and manifest in the reply). A
+  reader on another machine (over tcp) holds its pin for ``lease_secs`` (the
+  agent's default when not given), renewed by its reads of the step: its pid
+  means nothing on the agent's machine, so the pin never depends on it; the
+  reply's ``reader`` names the pin to ``close``."""
   pid: int
   step: int
-  bounds = {"pid": PID, "step": STEP}
+  lease_secs: float | None = None
+  bounds = {"pid": PID, "step": STEP, "lease_secs": (1e-3, 3600.0)}
 
   class Reply(Reply):
     path: str
     manifest: str
     index: int
+    reader: int | None = None
 
 
 @_request("close")
@@ -264,7 +270,8 @@ class Close(Request):
   pid: int
   step: int
   index: int | None = None
-  bounds = {"pid": PID, "step": STEP, "index": INDEX}
+  reader: int | None = None       # a leased pin (``Open.Reply.reader``)
+  bounds = {"pid": PID, "step": STEP, "index": INDEX, "reader": (-2**62 + 1, -1)}
 
 
 @_request("manifest")

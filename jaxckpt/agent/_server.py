@@ -169,6 +169,7 @@ class Agent:
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
     self.replays = _wire.Replays()     # requests are applied at most once
+    self.leases: dict[int, tuple[float, float]] = {}   # remote reader -> (expiry, lease secs)
     self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
 
   # -- helpers --------------------------------------------------------------
@@ -237,8 +238,16 @@ class Agent:
     s.early.clear()
 
   def reap(self) -> None:
-    """Forgets dead trainers: their half-written slots and their read pins."""
+    """Forgets dead trainers (their half-written slots and their read pins, by pid:
+    they are local) and remote readers whose lease ran out (never by pid)."""
     dead = {p for p in self.trainers | self.table.owners() if p > 0 and not psutil.pid_exists(p)}
+    now = time.monotonic()
+    expired = {r for r, (until, _) in self.leases.items() if until < now}
+    for r in expired:
+      logger.warning("remote reader %d: its lease on a step ran out (it died or hung); "
+                     "unpinning", -r)
+      del self.leases[r]
+    dead |= expired
     dropped = self.table.forget(dead)
     for d in dropped:
       logger.info("slot %d: its writer died mid-snapshot of step %s; discarding", d.index, d.step)
@@ -518,18 +527,36 @@ class Agent:
       self.lease = None
     return _requests.Done()
 
-  def op_open(self, pid: int, step: int) -> _requests.Open.Reply:
-    s = self.table.pin(step, pid) or self._slot_of(step)
+  def op_open(self, pid: int, step: int,
+              lease_secs: float | None = None) -> _requests.Open.Reply:
+    """Pins ``step`` for local reader ``pid``, or with ``lease_secs`` (a remote
+    reader: ``handle`` gives one to every request over tcp) for a reader id of
+    its own whose pin ends with its lease, renewed by each bulk read of the step."""
+    reader = pid if lease_secs is None else -next(self._bulk_readers)
+    s = self.table.pin(step, reader) or self._slot_of(step)
+    if lease_secs is not None:
+      self.leases[reader] = (time.monotonic() + lease_secs, lease_secs)
     return _requests.Open.Reply(path=self.slots[s.index].path, manifest=self.manifests[step],
-                                index=s.index)
+                                index=s.index, reader=None if lease_secs is None else reader)
 
-  def op_close(self, pid: int, step: int, index: int | None = None) -> _requests.Done:
+  def op_close(self, pid: int, step: int, index: int | None = None,
+               reader: int | None = None) -> _requests.Done:
     """Unpins what ``op_open`` pinned: slot ``index`` (the step may have been
-    dropped meanwhile), or the slot still holding ``step``."""
+    dropped meanwhile), or the slot still holding ``step``; a leased pin by its
+    ``reader``."""
     s = self.table.committed(step) if index is None else self.table.slots[index]
+    if reader is not None:
+      self.leases.pop(reader, None)
     if s is not None:
-      self.table.unpin(s.index, pid)
+      self.table.unpin(s.index, pid if reader is None else reader)
     return _requests.Done()
+
+  def _renew(self, s: _slots.SlotState) -> None:
+    """A read of ``s``'s step: the leases of the remote readers pinning it go on."""
+    now = time.monotonic()
+    for r in s.pins:
+      if r in self.leases:
+        self.leases[r] = (now + self.leases[r][1], self.leases[r][1])
 
   def op_manifest(self, step: int) -> _requests.Manifest.Reply:
     self._slot_of(step)
@@ -558,6 +585,7 @@ class Agent:
     reader = -next(self._bulk_readers)          # a pin owner no trainer pid can be
     with self.lock:
       s = self.table.pin(step, reader) or self._slot_of(step)
+      self._renew(s)
       view = memoryview(self.slots[s.index].read_map(s.size))
     try:
       yield [view[o:o + n] for o, n in _checked(ranges, s.size, f"step {step}")]
@@ -593,11 +621,12 @@ class Agent:
     return self.parity
 
   def op_status(self) -> _requests.Status.Reply:
+    self.reap()                         # (what it says of pins is true now)
     parity_bytes = 0 if self.parity is None else self.parity.bytes_held()
     return _requests.Status.Reply(
         pid=os.getpid(), job=self.job, host=self.host, steps=self.steps(),
-        slots=[{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size}
-               for s in self.table.slots],
+        slots=[{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size,
+                "readers": sum(1 for r in s.pins if r != _RETIRED)} for s in self.table.slots],
         bytes=sum(s.size for s in self.table.slots) + parity_bytes,
         parity_bytes=parity_bytes, trainers=sorted(self.trainers),
         max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
@@ -632,7 +661,13 @@ class Agent:
       os.rmdir(job)                             # the job's directory, once empty
 
 
-def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
+# The lease of a pin taken over tcp without one (a reader elsewhere: its pid means
+# nothing here), renewed by its reads of the step.
+REMOTE_LEASE_SECS = 60.0
+
+
+def handle(agent: Agent, frames: list[Any], *, remote: bool = False) -> list[bytes]:
+  """One request's reply frames; ``remote``: it came over tcp (a pin it takes is leased)."""
   try:
     req = _protocol.verify(agent.secret, frames, agent.replays)
   except Exception as e:  # pylint: disable=broad-except  (refused, logged, never run)
@@ -647,6 +682,8 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
                             "error": f"{op!r} arrived after its deadline; not applied"})]
   try:
     request = _requests.decode(req)
+    if remote and isinstance(request, _requests.Open) and request.lease_secs is None:
+      request = dataclasses.replace(request, lease_secs=REMOTE_LEASE_SECS)
     handler = HANDLERS[type(request)]
     with agent.lock:
       out = handler(agent, **{f.name: getattr(request, f.name)
@@ -688,9 +725,10 @@ def serve(agent: Agent) -> None:
           logger.info("idle for %.0f s with no trainer; exiting", agent.idle_timeout_secs)
           break
         continue
-      ident, empty, *frames = sock.recv_multipart()
+      ident, empty, *frames = sock.recv_multipart(copy=False)
       agent.last_active = time.monotonic()
-      sock.send_multipart([ident, empty, *handle(agent, frames)], copy=False)  # no 2nd copy
+      sock.send_multipart([ident, empty, *handle(agent, frames, remote=_over_tcp(empty))],
+                          copy=False)  # no 2nd copy
   finally:
     sock.close(linger=1000)
     if bulk is not None:
@@ -702,6 +740,15 @@ def serve(agent: Agent) -> None:
       agent.parity.close()
     agent.cleanup()
     logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
+
+
+def _over_tcp(frame: Any) -> bool:
+  """Whether ``frame`` came over tcp: its peer is an address (an ipc peer is named
+  ``localhost:uid:gid:pid``, from the socket's credentials); unknown counts as tcp."""
+  try:
+    return not str(frame.get("Peer-Address")).startswith("localhost:")
+  except (zmq.ZMQError, AttributeError):
+    return True
 
 
 def _checked(ranges: list[list[int]], size: int, what: str) -> list[tuple[int, int]]:

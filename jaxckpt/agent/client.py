@@ -721,13 +721,18 @@ def complete_steps_of(clients: dict[int, Client]) -> list[int]:
   return sorted(s for s, (count, idx) in seen.items() if idx == set(range(count)))
 
 
+# How long another agent keeps this reader's pin on a step without a read of it (a
+# dead reader's pin ends then; each read renews it).
+READ_LEASE_SECS = 60.0
+
+
 def open_remote_piece(client: Client, step: int,
                       stack: contextlib.ExitStack) -> RemotePiece | None:
   """The agent's snapshot of ``step``, pinned until ``stack`` closes; None if it holds none."""
   if step not in {s for s, _, _ in client.call("held")[0].held}:
     return None
-  r = client.call("open", pid=os.getpid(), step=step)[0]
-  stack.callback(_unpin, client, step, r.index)
+  r = client.call("open", pid=os.getpid(), step=step, lease_secs=READ_LEASE_SECS)[0]
+  stack.callback(_unpin, client, step, r.index, r.reader)
   manifest = SnapshotManifest.from_json(r.manifest)
   return RemotePiece(client, manifest)
 
@@ -747,6 +752,6 @@ def _rebuilt_pieces(clients: dict[int, Client], step: int, pieces: list[Any]) ->
   return [BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]
 
 
-def _unpin(client: Client, step: int, index: int) -> None:
+def _unpin(client: Client, step: int, index: int, reader: int | None = None) -> None:
   with contextlib.suppress(OSError):
-    client.call("close", pid=os.getpid(), step=step, index=index)
+    client.call("close", pid=os.getpid(), step=step, index=index, reader=reader)
