@@ -327,9 +327,25 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
         "another step")
   for leaf in doc["leaves"]:               # every path checked before anything is read
     if leaf.get("kind") != "scalar":
-      lay.check_array_path(leaf.get("array"), attempt,
-                           where=f"step {step} in {directory!r}: leaf {leaf.get('path')!r}")
+      where = f"step {step} in {directory!r}: leaf {leaf.get('path')!r}"
+      lay.check_array_path(leaf.get("array"), attempt, where=where)
+      _check_chunk_table(leaf, where)
   return StepReader(directory, step, doc, attempt=attempt)
+
+
+def _check_chunk_table(leaf: dict[str, Any], where: str) -> None:
+  """The leaf's shape, chunk layout and table of chunk checksums agree (one checksum
+  per chunk of the grid): a manifest whose shape was changed is refused before a
+  read sizes anything by it."""
+  shape, chunk = leaf.get("shape") or [], leaf.get("chunk_shape") or []
+  inner = leaf.get("inner_chunk_shape") or []
+  grid = lay.chunk_grid(shape, chunk) if len(chunk) == len(shape) else None
+  if grid is None or len(inner) != len(shape) or int(np.prod(grid, dtype=object)) != len(
+      leaf.get("chunks") or {}):
+    raise errors.CorruptSnapshotError(
+        f"{where}: its shape {shape}, chunk layout {chunk} (inner {inner}) and its "
+        f"{len(leaf.get('chunks') or {})} chunk checksums disagree; the manifest is damaged "
+        "or forged: restore another step")
 
 
 def _restore_one(reader: StepReader, path: str, target: Any,

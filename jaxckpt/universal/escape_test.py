@@ -88,3 +88,22 @@ def test_a_part_record_path_out_of_the_step_is_never_committed(tmp_path):
   with pytest.raises(errors.CorruptSnapshotError, match="outside the step"):
     jc.universal.commit_step(d, 1, process_count=1, timeout_secs=10, attempt=attempt)
   assert jc.universal.all_steps(d) == []
+
+
+def test_a_manifest_whose_shape_disagrees_with_its_chunk_table_is_refused(tmp_path):
+  # A forged shape (2**40 rows) would have sized the restore's buffers: refused first.
+  d = str(tmp_path / "ckpt")
+  _save(d, OURS)
+  marker_path, manifest_path, marker, doc = _paths(d)
+  leaf, = [leaf for leaf in doc["leaves"] if leaf["path"] == "['w']"]
+  leaf["shape"] = [2**40, 8]
+  body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+  with open(manifest_path, "wb") as f:
+    f.write(body)
+  marker["manifest_xxh3"] = snap.checksum(body)
+  with open(marker_path, "w") as f:
+    json.dump(marker, f)
+  with jc.CheckpointManager(d, jc.CheckpointOptions(handle_sigterm=False)) as m:
+    for target in (None, {"w": np.zeros((8, 8), np.float32)}):
+      with pytest.raises(errors.CorruptSnapshotError, match="chunk checksums disagree"):
+        m.restore(1, target=target)
