@@ -1,13 +1,17 @@
-"""The chaos soak (issue 23): a 4-process job with parity m=1 persisting to a real
-SeaweedFS every 5 steps, saving every step, under a seeded schedule of faults
-(SIGKILL a trainer, SIGKILL an agent, lose a whole host, SIGSTOP the S3 server
-for 20-30 s, delete a step, restart the job); every restore compared bit for
-bit with the reference of the same seed. See :mod:`jaxckpt.testing.soak`.
+"""The chaos soak (issues 23 and 32): a 4-process job with parity m=1 persisting to a
+real SeaweedFS every 5 steps, saving every step, under a seeded schedule of faults
+(SIGKILL a trainer, SIGKILL an agent, lose a whole host (machines 0, 1, 2, ... in
+turn), SIGSTOP the S3 server for 20-30 s, delete a step on every process at
+different times, restart the job, start a second manager beside a running one,
+damage the newest step on storage after every machine lost its memory); every
+restore compared bit for bit with the reference of the same seed. See
+:mod:`jaxckpt.testing.soak` and :mod:`jaxckpt.testing.soak_faults`.
 
   python benchmarks/soak.py --steps 300 --seed 1 [--faults 14] [--short | --quick] [--log-dir D]
 
 Prints one JSON object; exits 1 when a due step was lost, a restore was wrong,
-a step read back from storage differed, or a deleted step came back.
+a step read back from storage differed, a deleted step came back, a second
+manager was accepted or a damaged step was not skipped.
 """
 
 from __future__ import annotations
@@ -28,17 +32,19 @@ def main() -> int:
   p.add_argument("--short", action="store_true",
                  help="the CI form: S3 paused 6-9 s, shorter gaps between faults")
   p.add_argument("--quick", action="store_true",
-                 help="the CI form as the test runs it: --short --steps 90 (about 2 minutes)")
+                 help=f"the CI form as the test runs it: --short --steps {soak.SHORT_STEPS} "
+                      "(about 2 minutes)")
   p.add_argument("--log-dir", default=None, help="keep every trainer's and agent's log here")
   a = p.parse_args()
   if a.quick:
-    a.short, a.steps = True, 90
+    a.short, a.steps = True, soak.SHORT_STEPS
   n = a.faults or max(len(soak.KINDS), a.steps // 25)
   out = soak.run(a.steps, a.seed, short=a.short, n_faults=n, log_dir=a.log_dir)
   out["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
   print(json.dumps(out, indent=1))
   bad = (out["due_steps"]["lost"] or out["wrong_restores"] or out["storage_wrong"]
-         or out["delete_violations"])
+         or out["delete_violations"] or out["resurrected"] or out["second_managers"].get("accepted")
+         or out["damaged_newest"]["skipped_by_the_relaunch"] != out["damaged_newest"]["damaged"])
   return 1 if bad else 0
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ from jaxckpt import _items, _preemption, _storage_only, _wait, capture, errors, 
 from jaxckpt.agent import AgentStore, _parity, _paths
 from jaxckpt.host import _persist, _schedule
 from jaxckpt.host.store import HostStore, InProcessStore
-from jaxckpt.net import _kv
+from jaxckpt.net import _kv, _wire
 from jaxckpt.options import (CheckpointOptions, default_copy_threads,
                              default_host_memory_limit_bytes)
 from jaxckpt.restore import _read, _tiers
@@ -116,7 +117,7 @@ class CheckpointManager:
       store.persist_to(self._persist_config)   # every store persists what it holds
     if store is None and self.options.agent is not None and jax.process_count() > 1:
       self._store.discover(timeout_secs=self.options.timeout_secs)
-      self._store.recover_persists(jax.process_index())
+      self._store.recover_persists(jax.process_index(), run_id=self._run_id)
     self._planner = capture.Planner()
     persist_interval = (0 if self.directory is None else
                         self.options.persist_interval_steps or (
@@ -160,16 +161,16 @@ class CheckpointManager:
     host = jax.process_index() if a.host_id is None else a.host_id
     secret = None
     if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
-      # One secret for the whole job, each host's run root being private: process 0's.
+      # One secret for the whole job, each host's run root being private: the one the
+      # hosts hold (it survives a lost host, process 0's too), else a new one of process 0.
       root = a.run_root or _paths.default_run_root()
-      secret = _kv.broadcast_from_0(
-          "agent_secret", lambda: _paths.job_secret(root, a.job_name).decode(),
-          timeout_secs=self.options.timeout_secs)
+      secret = _kv.agree_kept("agent_secret", _paths.held_secret(root, a.job_name),
+                              _wire.new_secret, timeout_secs=self.options.timeout_secs)
     return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
                       limit_bytes=limit,
                       persist=None if self._persist_config is None
                       else self._persist_config.to_obj(),
-                      parity=self._parity_config(), secret=secret)
+                      parity=self._parity_config(), secret=secret, owner=_owner_name())
 
   def _parity_config(self) -> dict[str, Any] | None:
     p = self.options.parity
@@ -537,8 +538,10 @@ class CheckpointManager:
     def late() -> str:
       self._raise_failed(failed)          # a failure said first: it is why, not the wait
       left = sorted(want & set(self._store.persist_status(ask=False).pending))
-      return (f"{what}: {self._store_name()} of process {self._process[0]} did not persist "
-              f"steps {left} to {self.directory!r} within {timeout} s (it goes on trying)")
+      who = "; ".join(_persist.who_is_late(self.directory, s, self._attempts[s], self._process[1])
+                      for s in left if s in self._attempts)
+      return (f"{what}: steps {left} were not persisted to {self.directory!r} within {timeout} "
+              f"s: {who} ({self._store_name()} of process {self._process[0]} goes on trying)")
     if want:
       _wait.until(ended, timeout_secs=timeout, late=late)
     self._raise_failed(failed)
@@ -602,11 +605,7 @@ class CheckpointManager:
       return False
 
     def late() -> str:
-      count = self._process[1]
-      missing = universal.missing_parts(self.directory, step, attempt, count)
-      who = (f"processes {missing} of {count} (their agents or trainers) did not write their "
-             "part" if missing else "every process wrote its part but process 0 did not "
-             "commit it")
+      who = _persist.who_is_late(self.directory, step, attempt, self._process[1])
       return (f"step {step} was not persisted to {self.directory!r} within {timeout} s: {who} "
               f"(persist attempt {attempt!r})")
     _wait.until(stored, timeout_secs=timeout, late=late)
@@ -655,48 +654,48 @@ class CheckpointManager:
   def metadata(self, step: int | None = None) -> _read.StepMetadata:
     """The structure of ``step`` (default: the newest): every leaf's kind, shape,
     dtype and saving sharding, and the user metadata saved with it, from the
-    host tier when it holds the step, else from storage. Reads no array bytes.
+    host tier when the job's agents hold the step (this host's or another's),
+    from the survivors' parity records when it can be rebuilt, else from
+    storage: every step ``all_steps()`` lists. Reads no array bytes.
 
     Raises:
-      StepNotFoundError: neither this host nor storage holds ``step``.
+      StepNotFoundError: no tier of the job holds ``step``.
     """
     self._check_open("metadata")
     step = self.latest_step() if step is None else check_step(step, "metadata")
     if step is None:
       raise errors.StepNotFoundError("metadata(): no step is held on any tier")
-    if step in self._store.steps():
-      with self._store.read(step) as (manifest, _):
-        leaves = {r.path: _leaf_metadata(r) for r in manifest.leaves}
-        meta = dict(manifest.metadata)
-      tier = "host"
-    elif self.directory is not None and step in _tiers.storage_steps(self.directory):
-      reader = universal.open_step(self.directory, step)
-      leaves = {p: _leaf_metadata(i) for p, i in reader.leaves.items()}
-      meta, tier = dict(reader.metadata), "storage"
-    else:
-      raise errors.StepNotFoundError(
-          f"metadata(): step {step} is held neither in host memory ({self._store.steps()}) nor "
-          f"in storage ({_tiers.storage_steps(self.directory)})")
-    return _read.StepMetadata(step, tier, tree.nest(leaves), meta)
+    tier, records, meta = _tiers.describe(self._store, self.directory, step)
+    leaves = {r.path: _leaf_metadata(r) for r in records}
+    return _read.StepMetadata(step, tier, tree.nest(leaves), dict(meta))
 
   def delete(self, step: int) -> None:
     """Deletes ``step`` from every tier, for good: this host's snapshot (a
     restore reading it keeps its copy until done), its persist (a queued one
-    never runs, a running one never commits: delete waits for it to end) and,
-    from process 0, storage. No tier holds it afterwards, nor commits it later.
+    never runs, a running one never commits: delete waits for it to end) and
+    storage (from process 0; with agents, from any process: its delete reaches
+    every host's agent, snapshot, parity and persist, so the step is gone from
+    the job whichever process deletes it first and however long before the
+    others). No tier holds it afterwards, nor commits it later; a failed
+    persist of it (a peer gave up on it) is never raised.
 
     Raises:
-      StepNotFoundError: no tier holds ``step``.
+      StepNotFoundError: no tier holds ``step`` (nor did another host's delete
+        of it come first).
     """
     self._check_open("delete")
     step = check_step(step, "delete")
-    self.wait_until_snapshotted()
+    if self._pending is not None:      # the snapshot in flight (its errors: raised later)
+      self._wait(self._pending, self.options.timeout_secs, "delete")
     # Fenced first: a queued persist of the step never runs, a running one never
     # commits, and discard returns once it has ended; only then is storage cleared.
     held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
-    fenced = self._attempts.pop(step, None) is not None
+    attempt = self._attempts.pop(step, None)
+    fenced = attempt is not None
+    if fenced:
+      self._told.add(attempt)                 # its persist's failure is moot now
     stored = self.directory is not None and step in _tiers.storage_steps(self.directory)
-    if stored and self._process[0] == 0:
+    if stored and (self._process[0] == 0 or self._store.fences_job):
       universal.discard_step(self.directory, step)
     if not (held or stored or fenced):
       raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
@@ -839,6 +838,12 @@ def _orbax_item(given: Any, args: Any, verb: str, name: str, orbax_cls: str, *,
         f"{verb}(args={type(args).__name__}(...)): jaxckpt takes one tree per step, as "
         f"args=ocp.args.{orbax_cls}(tree), {name}=tree, or several items as "
         "args=ocp.args.Composite(name=ocp.args.StandardSave(...), ...)") from None
+
+
+def _owner_name() -> str:
+  """What names a manager to its agent (the lease holder a second manager is told of)."""
+  return (f"the CheckpointManager {uuid.uuid4().hex[:8]} of pid {os.getpid()} (thread "
+          f"{threading.current_thread().name!r}, made at {time.strftime('%H:%M:%S')})")
 
 
 def _agree_run_id(timeout_secs: float) -> str:

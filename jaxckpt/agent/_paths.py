@@ -129,6 +129,14 @@ def job_secret(run_root: str, job: str, given: str | None = None) -> bytes:
   return have
 
 
+def held_secret(run_root: str, job: str) -> str | None:
+  """The job's secret this run root holds (None: none yet), checked as
+  :func:`job_secret` checks it."""
+  if not os.path.exists(os.path.join(job_dir(run_root, job), "secret")):
+    return None
+  return job_secret(run_root, job).decode()
+
+
 def file_size(path: str) -> int:
   try:
     return os.path.getsize(path)

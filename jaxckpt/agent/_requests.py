@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 import types
 import typing
 from typing import Any, ClassVar, Union
@@ -53,10 +55,19 @@ class Done(Reply):
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """A request to an agent; subclasses name their ``op`` and their ``Reply``."""
+  """A request to an agent; subclasses name their ``op`` and their ``Reply``.
+
+  ``bounds`` gives the range of each number field (checked, after its type, by
+  :func:`decode`, on both sides: a caller holding the secret cannot make an
+  agent apply a value out of range either); ``check`` what bounds cannot say.
+  """
 
   op: ClassVar[str] = ""
   Reply: ClassVar[type[Reply]] = Done
+  bounds: ClassVar[dict[str, tuple[float, float]]] = {}
+
+  def check(self) -> None:
+    """Raises InvalidArgumentError naming a field that ``bounds`` cannot check."""
 
 
 def _request(op: str):
@@ -66,6 +77,16 @@ def _request(op: str):
       cls.Reply = dataclasses.dataclass(frozen=True)(cls.Reply)
     return dataclasses.dataclass(frozen=True)(cls)
   return wrap
+
+
+# The ranges of what a request may carry.
+STEP = (0, 2**63 - 1)
+BYTES = (0, 2**63 - 1)
+PID = (1, 2**31 - 1)
+INDEX = (0, 2**20)          # a slot, a process, a host
+#: The most snapshots one agent keeps (each is a whole state in host memory).
+MAX_SNAPSHOTS = 1024
+SECS = (1e-6, 1e7)
 
 
 # -- a trainer and its agent ----------------------------------------------------
@@ -78,6 +99,19 @@ class Hello(Request):
   limit_bytes: int | None = None
   persist: dict | None = None
   parity: dict | None = None
+  owner: str | None = None      # the manager asking (None: a bare store, known by its pid)
+  bounds = {"pid": PID, "max_snapshots": (1, MAX_SNAPSHOTS), "limit_bytes": (1, BYTES[1])}
+
+  def check(self) -> None:
+    _check_owner("hello", self.owner)
+    if self.persist is not None:
+      _check_fields("hello", "persist", self.persist, _PERSIST)
+    if self.parity is not None:
+      _check_fields("hello", "parity", self.parity, _PARITY)
+      if not 1 <= self.parity["parity"] < self.parity["group_size"]:
+        raise errors.InvalidArgumentError(
+            f"request 'hello': parity={self.parity['parity']} must be in [1, group_size - 1] "
+            f"(group_size={self.parity['group_size']})")
 
   class Reply(Reply):
     pid: int
@@ -93,6 +127,7 @@ class Reserve(Request):
   pid: int
   step: int
   nbytes: int
+  bounds = {"pid": PID, "step": STEP, "nbytes": BYTES}
 
   class Reply(Reply):
     index: int | None
@@ -105,6 +140,7 @@ class Reserve(Request):
 class Preallocate(Request):
   """Size every free slot for snapshots of ``nbytes`` now (``prepare()``)."""
   nbytes: int
+  bounds = {"nbytes": BYTES}
 
   class Reply(Reply):
     slots: list         # [index, path, size, fresh] of each free slot
@@ -119,6 +155,17 @@ class Commit(Request):
   nbytes: int
   process: list
   persist_attempt: str | None = None
+  bounds = {"index": INDEX, "step": STEP, "nbytes": BYTES}
+
+  def check(self) -> None:
+    _check_ints("commit", "process", self.process, INDEX)
+    if not (len(self.process) == 2 and self.process[0] < self.process[1]):
+      raise errors.InvalidArgumentError(
+          f"request 'commit': process={self.process!r} must be [index, count], index < count")
+    if self.persist_attempt is not None and not _ATTEMPT.fullmatch(self.persist_attempt):
+      raise errors.InvalidArgumentError(
+          f"request 'commit': persist_attempt={self.persist_attempt!r} must be 1-128 letters, "
+          "digits, '.', '_' or '-' (it names storage keys)")
 
   class Reply(Reply):
     steps: list
@@ -129,16 +176,22 @@ class Commit(Request):
 @_request("abort")
 class Abort(Request):
   index: int
+  bounds = {"index": INDEX}
 
 
 @_request("discard")
 class Discard(Request):
-  """Forget ``step`` and fence its persists (``persisting`` in the reply while one runs)."""
+  """Forget ``step`` and fence its persists (``persisting`` in the reply while one runs),
+  as the delete of host ``by`` (of the job's hosts, this one or another: ``deleted_by``
+  in the reply names the host whose delete came first, if one did)."""
   step: int
+  by: int | None = None
+  bounds = {"step": STEP, "by": INDEX}
 
   class Reply(Reply):
     discarded: bool
     persisting: bool
+    deleted_by: int | None = None
 
 
 @_request("persisted")
@@ -153,8 +206,13 @@ class Persisted(Request):
 
 @_request("bye")
 class Bye(Request):
-  """Trainer ``pid`` closed its manager: it gives up the lease and its pins."""
+  """Trainer ``pid`` closed its manager (``owner``): it gives up the lease and its pins."""
   pid: int
+  owner: str | None = None
+  bounds = {"pid": PID}
+
+  def check(self) -> None:
+    _check_owner("bye", self.owner)
 
 
 # -- reading a step ----------------------------------------------------------------
@@ -179,15 +237,22 @@ class Held(Request):
 
 @_request("open")
 class Open(Request):
-  """Pin ``step`` for reader ``pid`` (its slot file and manifest in the reply)."""
+  """Pin ``step`` for reader ``pid`` (its slot file and manifest in the reply). A
+  reader on another machine (over tcp) holds its pin for ``lease_secs`` (the
+  agent's default when not given), renewed by its reads of the step: its pid
+  means nothing on the agent's machine, so the pin never depends on it; the
+  reply's ``reader`` names the pin to ``close``."""
   pid: int
   step: int
+  lease_secs: float | None = None
+  bounds = {"pid": PID, "step": STEP, "lease_secs": (1e-3, 3600.0)}
 
   class Reply(Reply):
     path: str
     manifest: str
     index: int
     size: int
+    reader: int | None = None
 
 
 @_request("close")
@@ -198,11 +263,14 @@ class Close(Request):
   step: int
   index: int | None = None
   lend: bool = False
+  reader: int | None = None       # a leased pin (``Open.Reply.reader``)
+  bounds = {"pid": PID, "step": STEP, "index": INDEX, "reader": (-2**62 + 1, -1)}
 
 
 @_request("manifest")
 class Manifest(Request):
   step: int
+  bounds = {"step": STEP}
 
   class Reply(Reply):
     manifest: str
@@ -217,10 +285,20 @@ class Peers(Request):
   peers: dict
   merge: bool = False
 
+  def check(self) -> None:
+    for host, info in self.peers.items():
+      if not (isinstance(host, str) and host.isdigit() and int(host) <= INDEX[1]
+              and isinstance(info, dict) and isinstance(info.get("tcp"), str)
+              and info["tcp"].startswith("tcp://")):
+        raise errors.InvalidArgumentError(
+            f"request 'peers': entry {host!r}: {info!r} is not a host id and an agent's "
+            "address record")
+
 
 @_request("peer_manifest")
 class PeerManifest(Request):
   step: int
+  bounds = {"step": STEP}
 
   class Reply(Reply):
     manifest: str | None
@@ -234,6 +312,7 @@ class ParityDone(Request):
   step: int
   peer: int
   digest: str
+  bounds = {"step": STEP, "peer": INDEX}
 
 
 @_request("parity_status")
@@ -249,6 +328,7 @@ class ParityStatus(Request):
 @_request("parity_info")
 class ParityInfo(Request):
   step: int
+  bounds = {"step": STEP}
 
   class Reply(Reply):
     process_count: int
@@ -317,7 +397,62 @@ def decode(header: dict[str, Any]) -> Request:
   cls = REQUESTS.get(op) if isinstance(op, str) else None
   if cls is None:
     raise errors.InvalidArgumentError(f"unknown request op={op!r}")
-  return _build(cls, header, f"request {op!r}")
+  req = _build(cls, header, f"request {op!r}")
+  for name, (lo, hi) in cls.bounds.items():
+    value = getattr(req, name)
+    if value is not None and not lo <= value <= hi:
+      raise errors.InvalidArgumentError(
+          f"request {op!r}: field {name}={value!r} is out of range [{lo}, {hi}]; nothing "
+          "was applied")
+  req.check()
+  return req
+
+
+_ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# (type, range or None, required) of the options a hello carries
+_PERSIST = {"directory": (str, None, True), "interval_steps": (int, (1, STEP[1]), True),
+            "max_to_keep": (int, (1, STEP[1]), False), "timeout_secs": (float, SECS, False),
+            "hold_until_committed": (bool, None, False)}
+_PARITY = {"group_size": (int, (2, 255), True), "parity": (int, (1, 254), True),
+           "timeout_secs": (float, SECS, False), "poll_secs": (float, (1e-6, 60.0), False),
+           "sub_block_bytes": (int, (1, 1 << 40), False)}
+
+
+def _check_fields(op: str, what: str, obj: dict, spec: dict[str, tuple[type, Any, bool]]) -> None:
+  """Each field of ``obj`` is one ``spec`` knows, of its type and in its range."""
+  unknown = sorted(set(obj) - set(spec))
+  missing = sorted(n for n, (_, _, required) in spec.items() if required and n not in obj)
+  if unknown or missing:
+    raise errors.InvalidArgumentError(
+        f"request {op!r}: {what} has unknown fields {unknown} or lacks {missing}")
+  for name, value in obj.items():
+    kind, bounds, required = spec[name]
+    if value is None and not required:
+      continue
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          if kind is float else _fits(value, kind))
+    if ok and kind is str:
+      ok = 0 < len(value) <= 4096
+    if not ok or (bounds is not None and not bounds[0] <= value <= bounds[1]):
+      raise errors.InvalidArgumentError(
+          f"request {op!r}: {what}.{name}={value!r} is not a {kind.__name__}"
+          + (f" in [{bounds[0]}, {bounds[1]}]" if bounds else "") + "; nothing was applied")
+
+
+def _check_owner(op: str, owner: str | None) -> None:
+  if owner is not None and not 0 < len(owner) <= 200:
+    raise errors.InvalidArgumentError(f"request {op!r}: owner {owner[:40]!r}... is not 1-200 "
+                                      "characters")
+
+
+def _check_ints(op: str, what: str, values: list, bounds: tuple[int, int]) -> None:
+  lo, hi = bounds
+  if not values or (all(type(v) is int for v in values) and lo <= min(values)
+                    and max(values) <= hi):
+    return                                  # (a commit carries every shard's: kept fast)
+  bad = next(v for v in values if not (_fits(v, int) and lo <= v <= hi))
+  raise errors.InvalidArgumentError(
+      f"request {op!r}: {what} holds {bad!r}, not an int in [{lo}, {hi}]")
 
 
 def encode_reply(reply: Reply) -> dict[str, Any]:

@@ -80,6 +80,13 @@ class _Slot:
       os.unlink(old)
 
 
+# Deleted steps an agent remembers (the newest deletes).
+_DELETES_KEPT = 1024
+
+# The pin owner of a retired slot (beyond max_snapshots + 1): no reader is ever this.
+_RETIRED = -(2**62)
+
+
 class Agent:
   """The agent's state and request handlers (no sockets here; see ``serve``)."""
 
@@ -88,7 +95,7 @@ class Agent:
                tcp_host: str = "127.0.0.1") -> None:
     self.job, self.host, self.dir = job, host, directory
     self.secret = secret
-    self.lease: tuple[int, int] | None = None   # (trainer pid, generation)
+    self.lease: tuple[int, str | None, int] | None = None   # (trainer pid, its manager, generation)
     self.generation = 0
     self.tcp_host = tcp_host
     self.max_snapshots = max_snapshots
@@ -108,6 +115,8 @@ class Agent:
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
     self.replays = _wire.Replays()     # requests are applied at most once
+    self.leases: dict[int, tuple[float, float]] = {}   # remote reader -> (expiry, lease secs)
+    self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
 
   # -- helpers --------------------------------------------------------------
 
@@ -123,11 +132,36 @@ class Agent:
     return self.table.steps()
 
   def _ensure_slots(self) -> None:
+    """``max_snapshots + 1`` slots in use; those beyond (a trainer asked for fewer)
+    are retired: pinned by ``_RETIRED`` (never handed out again) and their memory
+    freed once they are free."""
+    usable = self.max_snapshots + 1
     self.table.keep = self.max_snapshots
-    self.table.grow_to(self.max_snapshots + 1)
+    self.table.grow_to(usable)
     while len(self.slots) < len(self.table):
       i = len(self.slots)
       self.slots.append(_Slot(i, self.dir))
+    for st in self.table.slots:
+      retired = _RETIRED in st.pins
+      if st.index >= usable and not retired:
+        st.pins[_RETIRED] = 1
+        self._free_retired(st)
+      elif st.index < usable and retired:
+        del st.pins[_RETIRED]
+
+  def _free_retired(self, st: _slots.SlotState) -> None:
+    """Gives back the memory of retired slot ``st`` once it is free (the file is
+    unlinked, so a reader's or a restored array's map of it stays valid)."""
+    if st.state != _slots.FREE or set(st.pins) != {_RETIRED} or not st.size:
+      return
+    s = self.slots[st.index]
+    if s.map is not None:
+      with contextlib.suppress(BufferError):
+        s.map.close()
+      s.map = None
+    with contextlib.suppress(OSError):
+      os.unlink(s.path)
+    st.size, st.lent = 0, False
 
   def _dropped(self, dropped: list[_slots.Dropped]) -> None:
     """Releases what the agent keeps beside slots the table freed."""
@@ -139,10 +173,19 @@ class Agent:
         self.processes.pop(d.step, None)
       if d.held and self.persister is not None:   # rolled back before it was persisted
         self.persister.fence(d.step)
+      self._free_retired(self.table.slots[d.index])
 
   def reap(self) -> None:
-    """Forgets dead trainers: their half-written slots and their read pins."""
+    """Forgets dead trainers (their half-written slots and their read pins, by pid:
+    they are local) and remote readers whose lease ran out (never by pid)."""
     dead = {p for p in self.trainers | self.table.owners() if p > 0 and not psutil.pid_exists(p)}
+    now = time.monotonic()
+    expired = {r for r, (until, _) in self.leases.items() if until < now}
+    for r in expired:
+      logger.warning("remote reader %d: its lease on a step ran out (it died or hung); "
+                     "unpinning", -r)
+      del self.leases[r]
+    dead |= expired
     dropped = self.table.forget(dead)
     for d in dropped:
       logger.info("slot %d: its writer died mid-snapshot of step %s; discarding", d.index, d.step)
@@ -154,9 +197,10 @@ class Agent:
   def op_hello(self, pid: int, max_snapshots: int | None = None,
                limit_bytes: int | None = None,
                persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None) -> _requests.Hello.Reply:
+               parity: dict[str, Any] | None = None,
+               owner: str | None = None) -> _requests.Hello.Reply:
     self.reap()
-    self._take_lease(int(pid))
+    self._take_lease(int(pid), owner)
     if persist and (self.persister is None or self.persister.config.to_obj() != persist):
       if self.persister is not None:      # its queue runs out on its own thread
         self.retired.append(self.persister)
@@ -165,30 +209,42 @@ class Agent:
     if parity:
       self._configure_parity(parity)
     self.trainers.add(pid)
-    if max_snapshots:
-      self.max_snapshots = max(self.max_snapshots, int(max_snapshots))
-    if limit_bytes:
+    if max_snapshots is not None:     # (range-checked with the request, as every value is)
+      self.max_snapshots = int(max_snapshots)
+    if limit_bytes is not None:
       self.limit_bytes = int(limit_bytes)
     self._ensure_slots()
-    return _requests.Hello.Reply(pid=os.getpid(), steps=self.steps(), slots=len(self.slots),
+    return _requests.Hello.Reply(pid=os.getpid(), steps=self.steps(), slots=self.max_snapshots + 1,
                                  generation=self.generation)
 
-  def _take_lease(self, pid: int) -> None:
-    """One trainer per job and host: a live holder other than ``pid`` keeps the lease;
-    a dead one's lease passes on (the generation counts the holders)."""
+  def _take_lease(self, pid: int, owner: str | None = None) -> None:
+    """One manager per job and host, in any process: a live holder keeps the lease
+    against another process, and against another manager of its own process
+    (``owner``); a dead one's lease passes on (the generation counts the holders),
+    and a closed one's was given up (``op_bye``)."""
     if self.lease is not None:
-      holder, gen = self.lease
-      if holder == pid:
+      holder, holding, gen = self.lease
+      if holder == pid and holding == owner:
         return
-      if psutil.pid_exists(holder):
+      if holder == pid and holding is not None and owner is not None:
         raise errors.PermissionDeniedError(
-            f"job {self.job!r} host {self.host} already has a live trainer, pid {holder} "
-            f"(lease generation {gen}); one trainer per job and host: stop it, or give "
-            "this one another AgentOptions(job_name=...)")
-      logger.warning("trainer pid %d (lease generation %d) is gone; pid %d takes over",
-                     holder, gen, pid)
+            f"job {self.job!r} host {self.host} is held by another live manager in this "
+            f"process: {holding} (lease generation {gen}); a step belongs to the manager "
+            "that saved it: close that manager first (mgr.close(), or a with block), or "
+            "give this one another AgentOptions(job_name=...)")
+      if holder != pid and psutil.pid_exists(holder):
+        raise errors.PermissionDeniedError(
+            f"job {self.job!r} host {self.host} already has a live trainer, pid {holder}"
+            + (f" ({holding})" if holding else "") + f" (lease generation {gen}); one "
+            "manager per job and host: stop it, or give this one another "
+            "AgentOptions(job_name=...)")
+      if holder != pid:
+        logger.warning("trainer pid %d (lease generation %d) is gone; pid %d takes over",
+                       holder, gen, pid)
+      elif holding is not None:         # a bare store beside a manager: it keeps the lease
+        return
     self.generation += 1
-    self.lease = (pid, self.generation)
+    self.lease = (pid, owner, self.generation)
 
   def _configure_parity(self, parity: dict[str, Any]) -> None:
     """Starts the parity thread, or updates its timeouts (parity already held stays)."""
@@ -238,12 +294,13 @@ class Agent:
     """Raises HostMemoryBudgetError, at the first save of a state (not a later one),
     if ``nbytes`` snapshots do not fit the budget or the run root's free memory."""
     self._ensure_slots()
-    need = len(self.slots) * nbytes
-    what = f"{len(self.slots)} snapshot slots x {nbytes / 2**20:.1f} MiB"
+    usable = self.max_snapshots + 1          # (slots beyond it are retired)
+    need = usable * nbytes
+    what = f"{usable} snapshot slots x {nbytes / 2**20:.1f} MiB"
     if self.parity is not None:
       pbytes = self.parity.estimate_bytes(nbytes)
-      need += len(self.slots) * pbytes
-      what += f" + {len(self.slots)} parity slots x {pbytes / 2**20:.1f} MiB"
+      need += usable * pbytes
+      what += f" + {usable} parity slots x {pbytes / 2**20:.1f} MiB"
     if need > self.limit_bytes:
       raise errors.HostMemoryBudgetError(
           f"{what} = {need / 2**20:.1f} MiB exceed host_memory_limit_bytes={self.limit_bytes} "
@@ -275,6 +332,7 @@ class Agent:
     self.slots[index].allocated = True
     self.manifests[step] = manifest
     self.processes[step] = (int(process[0]), int(process[1]))
+    self.deleted.pop(step, None)             # saved again after a delete
     if persist:
       self.persister.submit(step, str(persist_attempt))
     if self.parity is not None and step in self.manifests:
@@ -347,46 +405,74 @@ class Agent:
     self.peers = {**self.peers, **new} if merge else new
     return _requests.Done()
 
-  def op_discard(self, step: int) -> _requests.Discard.Reply:
+  def op_discard(self, step: int, by: int | None = None) -> _requests.Discard.Reply:
     """Forgets ``step`` and fences its persists; ``persisting`` while one still
-    runs (it will not commit: the caller asks again until it has ended)."""
+    runs (it will not commit: the caller asks again until it has ended). A
+    delete's discard (``by`` the deleting host, this one or a peer) is
+    remembered until the step is committed again, so that the other hosts'
+    own deletes of it later find it gone, not missing (``deleted_by``)."""
+    before = self.deleted.get(step)
     d = self.table.discard(step)
     self._dropped([d] if d else [])
     busy = False
     if self.persister is not None:
       self.persister.fence(step)
       busy = self.persister.busy(step)
-    return _requests.Discard.Reply(discarded=d is not None, persisting=busy)
+    if by is not None:
+      self.deleted.setdefault(step, by)
+      while len(self.deleted) > _DELETES_KEPT:
+        self.deleted.pop(next(iter(self.deleted)))
+    return _requests.Discard.Reply(discarded=d is not None, persisting=busy, deleted_by=before)
 
   def op_steps(self) -> _requests.Steps.Reply:
     return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.free_slots(),
                                  protected=self.table.protected_step())
 
-  def op_bye(self, pid: int) -> _requests.Done:
-    """Trainer ``pid`` closed its manager: it gives up the lease and its pins."""
+  def op_bye(self, pid: int, owner: str | None = None) -> _requests.Done:
+    """Trainer ``pid`` closed its manager ``owner``: it gives up the lease (if it
+    holds it) and its pins."""
     self._dropped(self.table.forget([pid]))
     self.trainers.discard(pid)
-    if self.lease is not None and self.lease[0] == pid:
+    if self.lease is not None and self.lease[:2] == (pid, owner):
       self.lease = None
     return _requests.Done()
 
-  def op_open(self, pid: int, step: int) -> _requests.Open.Reply:
-    s = self.table.pin(step, pid) or self._slot_of(step)
+  def op_open(self, pid: int, step: int,
+              lease_secs: float | None = None) -> _requests.Open.Reply:
+    """Pins ``step`` for local reader ``pid``, or with ``lease_secs`` (a remote
+    reader: ``handle`` gives one to every request over tcp) for a reader id of
+    its own whose pin ends with its lease, renewed by each bulk read of the step."""
+    reader = pid if lease_secs is None else -next(self._bulk_readers)
+    s = self.table.pin(step, reader) or self._slot_of(step)
+    if lease_secs is not None:
+      self.leases[reader] = (time.monotonic() + lease_secs, lease_secs)
     return _requests.Open.Reply(path=self.slots[s.index].path, manifest=self.manifests[step],
-                                index=s.index, size=s.size)
+                                index=s.index, size=s.size,
+                                reader=None if lease_secs is None else reader)
 
   def op_close(self, pid: int, step: int, index: int | None = None,
-               lend: bool = False) -> _requests.Done:
+               lend: bool = False, reader: int | None = None) -> _requests.Done:
     """Unpins what ``op_open`` pinned: slot ``index`` (the step may have been
-    dropped meanwhile), or the slot still holding ``step``. With ``lend`` the
-    reader keeps views of the slot's memory (restored arrays): it is never
-    written again, and its next reservation gets a new file."""
+    dropped meanwhile), or the slot still holding ``step``; a leased pin by its
+    ``reader``. With ``lend`` the (local) reader keeps views of the slot's memory
+    (restored arrays): it is never written again, and its next reservation gets
+    a new file."""
     s = self.table.committed(step) if index is None else self.table.slots[index]
+    if reader is not None:
+      self.leases.pop(reader, None)
     if s is not None:
-      if lend and pid in s.pins:
+      owner = pid if reader is None else reader
+      if lend and reader is None and pid in s.pins:
         self.table.lend(s.index)
-      self.table.unpin(s.index, pid)
+      self.table.unpin(s.index, owner)
     return _requests.Done()
+
+  def _renew(self, s: _slots.SlotState) -> None:
+    """A read of ``s``'s step: the leases of the remote readers pinning it go on."""
+    now = time.monotonic()
+    for r in s.pins:
+      if r in self.leases:
+        self.leases[r] = (now + self.leases[r][1], self.leases[r][1])
 
   def op_manifest(self, step: int) -> _requests.Manifest.Reply:
     self._slot_of(step)
@@ -415,6 +501,7 @@ class Agent:
     reader = -next(self._bulk_readers)          # a pin owner no trainer pid can be
     with self.lock:
       s = self.table.pin(step, reader) or self._slot_of(step)
+      self._renew(s)
       view = memoryview(self.slots[s.index].read_map(s.size))
     try:
       yield [view[o:o + n] for o, n in _checked(ranges, s.size, f"step {step}")]
@@ -450,15 +537,17 @@ class Agent:
     return self.parity
 
   def op_status(self) -> _requests.Status.Reply:
+    self.reap()                         # (what it says of pins is true now)
     parity_bytes = 0 if self.parity is None else self.parity.bytes_held()
     return _requests.Status.Reply(
         pid=os.getpid(), job=self.job, host=self.host, steps=self.steps(),
-        slots=[{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size}
-               for s in self.table.slots],
+        slots=[{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size,
+                "readers": sum(1 for r in s.pins if r != _RETIRED)} for s in self.table.slots],
         bytes=sum(s.size for s in self.table.slots) + parity_bytes,
         parity_bytes=parity_bytes, trainers=sorted(self.trainers),
         max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
-        lease=None if self.lease is None else {"pid": self.lease[0], "generation": self.lease[1]})
+        lease=None if self.lease is None else {"pid": self.lease[0], "owner": self.lease[1],
+                                               "generation": self.lease[2]})
 
   def op_stop(self) -> _requests.Done:
     self.stopping = True
@@ -495,7 +584,13 @@ class Agent:
         lag_secs=None if since is None else max(0.0, time.time() - since))
 
 
-def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
+# The lease of a pin taken over tcp without one (a reader elsewhere: its pid means
+# nothing here), renewed by its reads of the step.
+REMOTE_LEASE_SECS = 60.0
+
+
+def handle(agent: Agent, frames: list[Any], *, remote: bool = False) -> list[bytes]:
+  """One request's reply frames; ``remote``: it came over tcp (a pin it takes is leased)."""
   try:
     req = _protocol.verify(agent.secret, frames, agent.replays)
   except Exception as e:  # pylint: disable=broad-except  (refused, logged, never run)
@@ -510,6 +605,8 @@ def handle(agent: Agent, frames: list[bytes]) -> list[bytes]:
                             "error": f"{op!r} arrived after its deadline; not applied"})]
   try:
     request = _requests.decode(req)
+    if remote and isinstance(request, _requests.Open) and request.lease_secs is None:
+      request = dataclasses.replace(request, lease_secs=REMOTE_LEASE_SECS)
     handler = HANDLERS[type(request)]
     with agent.lock:
       out = handler(agent, **{f.name: getattr(request, f.name)
@@ -551,9 +648,10 @@ def serve(agent: Agent) -> None:
           logger.info("idle for %.0f s with no trainer; exiting", agent.idle_timeout_secs)
           break
         continue
-      ident, empty, *frames = sock.recv_multipart()
+      ident, empty, *frames = sock.recv_multipart(copy=False)
       agent.last_active = time.monotonic()
-      sock.send_multipart([ident, empty, *handle(agent, frames)], copy=False)  # no 2nd copy
+      sock.send_multipart([ident, empty, *handle(agent, frames, remote=_over_tcp(empty))],
+                          copy=False)  # no 2nd copy
   finally:
     sock.close(linger=1000)
     if bulk is not None:
@@ -565,6 +663,15 @@ def serve(agent: Agent) -> None:
       agent.parity.close()
     agent.cleanup()
     logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
+
+
+def _over_tcp(frame: Any) -> bool:
+  """Whether ``frame`` came over tcp: its peer is an address (an ipc peer is named
+  ``localhost:uid:gid:pid``, from the socket's credentials); unknown counts as tcp."""
+  try:
+    return not str(frame.get("Peer-Address")).startswith("localhost:")
+  except (zmq.ZMQError, AttributeError):
+    return True
 
 
 def _checked(ranges: list[list[int]], size: int, what: str) -> list[tuple[int, int]]:

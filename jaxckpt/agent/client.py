@@ -111,8 +111,10 @@ class AgentStore(HostStore):
 
   def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
                limit_bytes: int, persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None, secret: str | None = None) -> None:
+               parity: dict[str, Any] | None = None, secret: str | None = None,
+               owner: str | None = None) -> None:
     self.opts = opts
+    self.owner = owner          # the manager this store serves: the agent's lease names it
     self.host = host
     self.run_root = opts.run_root or _paths.default_run_root()
     self.secret = _paths.job_secret(self.run_root, opts.job_name, secret or opts.secret)
@@ -161,8 +163,13 @@ class AgentStore(HostStore):
     self._client = Client(info["ipc"], who=f"snapshot agent pid {self.pid} of job "
                           f"{self.opts.job_name!r} host {self.host}",
                           timeout_secs=self.opts.request_timeout_secs, secret=self.secret)
-    self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
-                      limit_bytes=self._limit, persist=self._persist, parity=self._parity)
+    try:
+      self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
+                        limit_bytes=self._limit, persist=self._persist, parity=self._parity,
+                        owner=self.owner)
+    except BaseException:
+      self._client.close()            # refused (another manager holds the lease): nothing kept
+      raise
     self._maps.clear()
     self._allocated.clear()
 
@@ -184,7 +191,7 @@ class AgentStore(HostStore):
       self._repersist(lost)
     self._announce(dead)
 
-  def recover_persists(self, process_index: int) -> None:
+  def recover_persists(self, process_index: int, *, run_id: str | None = None) -> None:
     """Finishes the persists the job started that this host's agent can no longer
     take part in: it is a new agent holding nothing (the machine was lost, or the
     agent died while no trainer ran). For each step due for storage whose persist
@@ -200,7 +207,9 @@ class AgentStore(HostStore):
     (``_persist.persist_part``), so a lost process 0 is found too. Not
     recovered: a step whose peers' persists all ended without a commit (they
     waited ``PersistConfig.timeout_secs``), since only storage then knows the
-    attempt, and an attempt found there cannot be told from an abandoned one."""
+    attempt, and an attempt found there cannot be told from an abandoned one;
+    nor an attempt of this run (``run_id``): a peer that ran ahead of this
+    process is persisting its own new save, which this process saves too."""
     if not (self._parity and self._persist) or self.steps():
       return
     universal = _persist._universal()   # pylint: disable=protected-access
@@ -218,7 +227,8 @@ class AgentStore(HostStore):
           logger.warning("recovering persists: %s", e)
           continue
         for s, a in status.attempts:
-          pending.setdefault(s, set()).add(a)
+          if not _persist.of_run(a, run_id):
+            pending.setdefault(s, set()).add(a)
     lost = []
     for step in sorted(held | set(pending)):
       if step % interval or universal.committed_by(directory, step) is not None:
@@ -377,6 +387,21 @@ class AgentStore(HostStore):
     with self.job_clients() as clients:
       return _parity.survey(clients)
 
+  def step_manifest(self, step: int) -> SnapshotManifest | None:
+    """Any agent's manifest of ``step`` (each records every leaf), else one of the
+    group's manifests that a parity holder keeps for its rebuild."""
+    with self.job_clients() as clients:
+      for op in ("manifest", "parity_info"):
+        for c in clients.values():
+          try:
+            r = c.call(op, step=step)[0]
+          except (errors.StepNotFoundError, errors.AgentUnavailableError):
+            continue
+          text = r.manifest if op == "manifest" else next(iter(r.manifests.values()), None)
+          if text:
+            return SnapshotManifest.from_json(text)
+    return None
+
   def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
                    have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
     clients = stack.enter_context(self.job_clients())
@@ -476,7 +501,8 @@ class AgentStore(HostStore):
     if obj != self._persist:
       self._persist = obj
       self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
-                        limit_bytes=self._limit, persist=self._persist, parity=self._parity)
+                        limit_bytes=self._limit, persist=self._persist, parity=self._parity,
+                        owner=self.owner)
 
   def _take_persist(self, reply: _requests.Persisted.Reply | _requests.Commit.Reply) -> None:
     """Keeps the persist status and errors an agent's reply brings."""
@@ -510,13 +536,23 @@ class AgentStore(HostStore):
   def steps(self) -> list[int]:
     return list(self.call("steps").steps)
 
+  # Its discard fences every agent of the job: a step it deleted is on no host's agent,
+  # and no persist of it runs anywhere (so any process may clear storage next).
+  fences_job = True
+
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
-    discarded = []
+    """Discards ``step`` on this host's agent and then on every other agent of the
+    job (a delete is final on every host, whichever process calls it first: a
+    peer's snapshot, parity and persist of it go too), each fenced until its
+    persist has ended. True if this agent held it, or another host's delete
+    discarded it here first."""
+    discarded, first = [], []
     self._fence_rebuilds(lambda s: s == step)   # a persist of it rebuilt here, too
 
     def fenced() -> bool:       # fenced at once; asked again until its persist has ended
-      r = self.call("discard", step=step)
+      r = self.call("discard", step=step, by=self.host)
       discarded.append(r.discarded)
+      first.append(r.deleted_by)
       with self._fence_lock:
         rebuilding = any(s == step for s, _ in self._repersisting)
       return not r.persisting and not rebuilding
@@ -525,7 +561,24 @@ class AgentStore(HostStore):
         f"rebuild of it after a lost agent) did not stop within {timeout_secs} s (it will not "
         "commit)"))
     self._attempts.pop(step, None)
-    return any(discarded)
+    self._discard_elsewhere(step, timeout_secs)
+    return any(discarded) or first[0] not in (None, self.host)
+
+  def _discard_elsewhere(self, step: int, timeout_secs: float) -> None:
+    """The job's other agents discard ``step`` as this host's delete (each fenced
+    until its persist of it has ended); one that does not answer is skipped with
+    a warning (its snapshots count as lost)."""
+    with self.job_clients() as clients:
+      for c in clients.values():
+        if c.pid == self.pid:
+          continue
+        try:
+          _wait.until(lambda c=c: not c.call("discard", step=step, by=self.host)[0].persisting,
+                      timeout_secs=timeout_secs, poll_secs=0.01, late=lambda c=c: (
+                          f"discard of step {step}: the persist that {c.who} runs of it did "
+                          f"not stop within {timeout_secs} s (it will not commit)"))
+        except errors.AgentUnavailableError as e:
+          logger.warning("delete of step %d: skipping %s: %s", step, c.who, e)
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
@@ -573,7 +626,7 @@ class AgentStore(HostStore):
     del timeout_secs            # the manager waited for its persists already
     try:
       if pid_alive(self.pid):
-        self.call("bye", pid=os.getpid())
+        self.call("bye", pid=os.getpid(), owner=self.owner)
     except errors.JaxckptError as e:
       logger.warning("%s: could not give up the lease at close: %s", self.who, e)
     finally:
@@ -735,13 +788,18 @@ def complete_steps_of(clients: dict[int, Client]) -> list[int]:
   return sorted(s for s, (count, idx) in seen.items() if idx == set(range(count)))
 
 
+# How long another agent keeps this reader's pin on a step without a read of it (a
+# dead reader's pin ends then; each read renews it).
+READ_LEASE_SECS = 60.0
+
+
 def open_remote_piece(client: Client, step: int,
                       stack: contextlib.ExitStack) -> RemotePiece | None:
   """The agent's snapshot of ``step``, pinned until ``stack`` closes; None if it holds none."""
   if step not in {s for s, _, _ in client.call("held")[0].held}:
     return None
-  r = client.call("open", pid=os.getpid(), step=step)[0]
-  stack.callback(_unpin, client, step, r.index)
+  r = client.call("open", pid=os.getpid(), step=step, lease_secs=READ_LEASE_SECS)[0]
+  stack.callback(_unpin, client, step, r.index, r.reader)
   manifest = SnapshotManifest.from_json(r.manifest)
   return RemotePiece(client, manifest)
 
@@ -761,6 +819,6 @@ def _rebuilt_pieces(clients: dict[int, Client], step: int, pieces: list[Any]) ->
   return [BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]
 
 
-def _unpin(client: Client, step: int, index: int) -> None:
+def _unpin(client: Client, step: int, index: int, reader: int | None = None) -> None:
   with contextlib.suppress(OSError):
-    client.call("close", pid=os.getpid(), step=step, index=index)
+    client.call("close", pid=os.getpid(), step=step, index=index, reader=reader)

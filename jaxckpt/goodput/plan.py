@@ -582,8 +582,13 @@ def run_cli(args: argparse.Namespace) -> int:
   try:
     result = plan(PlanInputs(**{f.name: getattr(args, f.name)
                                 for f in dataclasses.fields(PlanInputs)}))
+    text = json.dumps(result.to_dict(), indent=1, allow_nan=False) if args.json else render(result)
   except errors.JaxckptError as e:
     print(f"jaxckpt plan: {e}", file=sys.stderr)
     return 2
-  print(json.dumps(result.to_dict(), indent=1) if args.json else render(result))
+  except (ArithmeticError, ValueError) as e:     # finite inputs too far out for the model
+    print(f"jaxckpt plan: inputs out of range ({type(e).__name__}: {e}); give the sizes, "
+          "times and rates of a real job", file=sys.stderr)
+    return 2
+  print(text)
   return 0

@@ -156,6 +156,19 @@ def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: Any,
     universal.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(manifest.step,))
 
 
+def who_is_late(directory: str, step: int, attempt: str, process_count: int) -> str:
+  """Why persist ``attempt`` of ``step`` is not on storage yet: the processes whose
+  part is missing there, or process 0's commit (what a timeout names)."""
+  try:
+    missing = _universal().missing_parts(directory, step, attempt, process_count)
+  except (OSError, ValueError) as e:       # (a storage that does not answer now)
+    return f"step {step}: which parts are missing is unknown ({type(e).__name__}: {e})"
+  if missing:
+    return (f"step {step}: processes {missing} of {process_count} (their agents or "
+            "trainers) did not write their part")
+  return f"step {step}: every process wrote its part but process 0 did not commit it"
+
+
 class Cancelled(Exception):
   """A persist attempt fenced by a delete or a rollback: it must not commit."""
 

@@ -126,6 +126,14 @@ class HostStore(abc.ABC):
         return {manifest.process_index}, manifest.process_count
     return set(), None
 
+  def step_manifest(self, step: int) -> SnapshotManifest | None:
+    """A manifest of ``step`` from any saving process's snapshot the job holds (or
+    the copy kept with parity), for its structure; None if none is found."""
+    if step not in self.steps():
+      return None
+    with self.read(step) as (manifest, _):
+      return manifest
+
   def parity_steps(self) -> dict[int, Any]:
     """``{step: _parity.StepParity}`` of the steps the job's agents protect (none here)."""
     return {}
@@ -143,17 +151,23 @@ class HostStore(abc.ABC):
     """Learns where the job's other hosts keep their snapshots (a no-op here)."""
     del timeout_secs
 
-  def recover_persists(self, process_index: int) -> None:
-    """Writes this process's part of persists the job still waits on that this
-    store lost (a new agent after a lost machine); a no-op here."""
-    del process_index
+  def recover_persists(self, process_index: int, *, run_id: str | None = None) -> None:
+    """Writes this process's part of persists that an earlier run of the job (not
+    ``run_id``, this one) still waits on and that this store lost (a new agent
+    after a lost machine); a no-op here."""
+    del process_index, run_id
+
+  #: Whether ``discard`` fences the persists of every host of the job (the agents),
+  #: not only this process's: then any process may clear a deleted step from storage.
+  fences_job = False
 
   @abc.abstractmethod
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     """Forgets committed ``step`` (a reader holding it keeps its slot until done)
     and fences its persists: a queued one never runs, a running one never
     commits; returns once none of them runs (SnapshotTimeoutError after
-    ``timeout_secs``). False if the step was not held."""
+    ``timeout_secs``). False if the step was not held (a store shared by the
+    job's hosts: nor deleted by another host's delete first)."""
 
   def preallocate(self, nbytes: int) -> None:
     """Allocates and touches every free slot for snapshots of ``nbytes`` now, so

@@ -14,6 +14,8 @@ state.
 
 from __future__ import annotations
 
+import collections
+import json
 import time
 import uuid
 from typing import Callable
@@ -117,3 +119,22 @@ def allgather(name: str, value: str, *, timeout_secs: float, what: str) -> list[
         f"processes {late} did not publish {what} within {timeout_secs} s (process {me} "
         f"heard from {sorted(p for p, v in got.items() if v is not None)})")
   return [got[p] for p in range(n)]
+
+
+def agree_kept(name: str, held: str | None, make: Callable[[], str], *,
+               timeout_secs: float) -> str:
+  """The value the job keeps, agreed by every process: the one held by most of
+  the processes that hold one (the lowest process's among equals), so that it
+  survives the loss of any process, process 0's included; process 0's
+  ``make()`` when none holds one. Every process says what it holds (the value
+  travels as ``broadcast_from_0``'s would)."""
+  me = jax.process_index()
+  offer = held if held is not None else make() if me == 0 else ""
+  said = [json.loads(v) for v in allgather(
+      name, json.dumps([held is not None, offer]), timeout_secs=timeout_secs,
+      what=f"the job's {name} they hold")]
+  kept = [value for has, value in said if has]
+  if not kept:
+    return said[0][1]
+  counts = collections.Counter(kept)
+  return next(v for v in kept if counts[v] == max(counts.values()))

@@ -42,6 +42,8 @@ class RestoreInfo:
   tier: Tier
   seconds: float
   nbytes: int
+  #: newer steps a ``restore(step=None)`` found damaged and skipped: (step, the damage)
+  skipped: tuple[tuple[int, str], ...] = ()
 
 
 class Piece(Protocol):

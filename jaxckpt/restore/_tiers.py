@@ -97,35 +97,103 @@ def _rebuildable(held: list[int], store: HostStore) -> tuple[list[int], dict[int
   return sorted(ok), why
 
 
+# What makes a step unrestorable: its bytes or its manifest are damaged on every tier
+# that holds it, or parity could not rebuild it after all.
+DAMAGE = (errors.CorruptSnapshotError, errors.ManifestError, errors.UnrecoverableLossError)
+
+
 def restore(store: HostStore, directory: str | None, step: int | None, target: Any, *,
             partial: bool, timeout_secs: float) -> tuple[Any, _read.RestoreInfo]:
   """Chooses the step and its fastest tier, reads it onto ``target``, and says
   what it did: the one place a restore's tiers are chosen and read, top to
   bottom. A host or parity read that finds a damaged or lost snapshot falls
-  back to storage when storage holds the step."""
+  back to storage when storage holds the step.
+
+  With ``step=None`` the newest step that can be restored is taken: a newer one
+  that is damaged on every tier holding it (on any process: they agree) is
+  skipped with a WARNING naming it and the damage, recorded in the returned
+  ``RestoreInfo.skipped``, and, if it is on storage, set aside there by process 0
+  (``universal.quarantine_step``) so the job can save that step again; an
+  explicit ``restore(step=...)`` of it still raises CorruptSnapshotError."""
   t0 = time.perf_counter()
-  step, tier = choose_step(store, directory, step, timeout_secs=timeout_secs)
-  if tier is not _read.Tier.STORAGE:
+  skipped: list[tuple[int, str]] = []
+  while True:
+    chosen, tier = choose_step(store, directory, step, timeout_secs=timeout_secs,
+                               skip={s for s, _ in skipped})
     try:
-      with host_pieces(store, step, rebuild=tier is _read.Tier.PARITY) as pieces:
-        source: _read.Source = _read.HostSource(pieces)
-        out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
-    except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
-      if step not in storage_steps(directory):
-        raise
-      logger.warning("step %d: %s tier failed (%s); reading storage instead", step, tier.value, e)
-      tier = _read.Tier.STORAGE
-  if tier is _read.Tier.STORAGE:
-    source = StorageSource(directory, step)
-    out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
-  info = _read.RestoreInfo(step, tier, time.perf_counter() - t0, source.bytes_read)
-  logger.info("restored step %d from %s (%d bytes, %.3f s)", step, tier.value, info.nbytes,
+      out, tier, source = _read_step(store, directory, chosen, tier, target, partial)
+      damage = None
+    except DAMAGE as e:
+      if step is not None or (jax.process_count() == 1 and not _older(store, directory, chosen)):
+        raise                           # asked for, or nothing older to go back to
+      out, damage = None, e
+    if step is None:
+      damaged_on = (_damaged_on(damage, timeout_secs) if jax.process_count() > 1
+                    else [] if damage is None else [0])
+      if damaged_on:
+        why = (f"{type(damage).__name__}: {damage}" if damage is not None
+               else f"processes {damaged_on} found it damaged")
+        skipped.append((chosen, why))
+        logger.warning("restore(): step %d cannot be restored (%s); skipping it for the newest "
+                       "older step", chosen, why)
+        _set_aside(directory, chosen, why)
+        continue
+    break
+  info = _read.RestoreInfo(chosen, tier, time.perf_counter() - t0, source.bytes_read,
+                           tuple(skipped))
+  logger.info("restored step %d from %s (%d bytes, %.3f s)", chosen, tier.value, info.nbytes,
               info.seconds)
   return out, info
 
 
+def _read_step(store: HostStore, directory: str | None, step: int, tier: _read.Tier,
+               target: Any, partial: bool) -> tuple[Any, _read.Tier, Any]:
+  """``step`` read onto ``target`` from ``tier``, or from storage if that tier
+  fails and storage holds it: (the tree, the tier used, the source read)."""
+  if tier is not _read.Tier.STORAGE:
+    try:
+      with host_pieces(store, step, rebuild=tier is _read.Tier.PARITY) as pieces:
+        source: Any = _read.HostSource(pieces)
+        out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
+      return out, tier, source
+    except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
+      if step not in storage_steps(directory):
+        raise
+      logger.warning("step %d: %s tier failed (%s); reading storage instead", step, tier.value, e)
+  source = StorageSource(directory, step)
+  out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
+  return out, _read.Tier.STORAGE, source
+
+
+def _older(store: HostStore, directory: str | None, step: int) -> bool:
+  """Whether any tier holds a step older than ``step`` (somewhere to go back to)."""
+  held = complete_steps(store)
+  return any(s < step for s in [*held, *rebuildable_steps(held, store),
+                                *storage_steps(directory)])
+
+
+def _damaged_on(damage: Exception | None, timeout_secs: float) -> list[int]:
+  """The processes whose read of the agreed step found it damaged (every process
+  says, so that all of them skip it or none does)."""
+  said = _kv.allgather("restore_ok", "" if damage is None else "damaged",
+                       timeout_secs=timeout_secs, what="whether they could read the step")
+  return [p for p, v in enumerate(said) if v]
+
+
+def _set_aside(directory: str | None, step: int, why: str) -> None:
+  """Process 0 quarantines a skipped step that storage holds (see :func:`restore`)."""
+  if directory is None or jax.process_index() != 0 or step not in storage_steps(directory):
+    return
+  try:
+    universal.quarantine_step(directory, step, why)
+  except (OSError, ValueError, errors.JaxckptError) as e:
+    logger.warning("step %d could not be set aside on %s (%s); a save of it will find it "
+                   "committed", step, directory, e)
+
+
 def choose_step(store: HostStore, directory: str | None, step: int | None, *,
-                timeout_secs: float) -> tuple[int, _read.Tier]:
+                timeout_secs: float, skip: set[int] | frozenset = frozenset()
+                ) -> tuple[int, _read.Tier]:
   """The step to restore and the fastest tier that holds it: "host" (every
   saving process's snapshot is held), "parity" (some are lost but the
   survivors' parity rebuilds them) or "storage".
@@ -133,14 +201,20 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   Raises:
     UnrecoverableLossError: the step (or, for ``step=None``, the newest step
       anywhere) lost more hosts than parity can rebuild and storage has no step.
+    CorruptSnapshotError: ``step`` was set aside on storage as damaged, or (for
+      ``step=None``) every step left is in ``skip`` (found damaged).
     StepNotFoundError: no tier holds the step.
   """
   held = complete_steps(store)
   rebuilt, why = _rebuildable(held, store)
   stored = storage_steps(directory)
-  every = set(held) | set(rebuilt) | set(stored)
+  every = (set(held) | set(rebuilt) | set(stored)) - set(skip)
   if step is None:
     if not every:
+      if skip:
+        raise errors.CorruptSnapshotError(
+            f"restore(): no step can be restored: steps {sorted(skip)} are damaged on every "
+            "tier that holds them (see the warnings), and no tier holds an older one")
       if why:
         raise why[max(why)]
       raise errors.StepNotFoundError(
@@ -152,6 +226,11 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   elif step not in every:
     if step in why:
       raise why[step]
+    aside = universal.quarantined(directory, step) if directory else None
+    if aside is not None:
+      raise errors.CorruptSnapshotError(
+          f"restore(step={step}): step {step} in {directory!r} was found damaged by an "
+          f"earlier restore and set aside ({aside.get('reason')}); restore another step")
     raise errors.StepNotFoundError(
         f"restore(step={step}): step {step} is not held (held steps: {held})"
         + (f"; rebuildable from parity: {rebuilt}" if rebuilt else "")
@@ -161,6 +240,34 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   tier = (_read.Tier.HOST if step in held else _read.Tier.PARITY if step in rebuilt
           else _read.Tier.STORAGE)
   return step, tier
+
+
+def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, list[Any], dict]:
+  """What ``metadata(step)`` reads, from the first tier that has it: (the tier, the
+  leaf records, the user metadata). A manifest of any saving process serves
+  (each records every leaf): this host's, another host's agent's, or the copy
+  the survivors keep with their parity; else the stored manifest.
+
+  Raises:
+    StepNotFoundError: no tier of the job holds ``step`` (naming what they hold).
+  """
+  if step in store.steps():
+    with store.read(step) as (manifest, _):
+      return "host", list(manifest.leaves), manifest.metadata
+  held = complete_steps(store)
+  rebuilt = [] if step in held else rebuildable_steps(held, store)
+  if step in held or step in rebuilt:
+    manifest = store.step_manifest(step)
+    if manifest is not None:
+      return "host" if step in held else "parity", list(manifest.leaves), manifest.metadata
+  stored = storage_steps(directory)
+  if step in stored:
+    reader = universal.open_step(directory, step)
+    return "storage", list(reader.leaves.values()), reader.metadata
+  raise errors.StepNotFoundError(
+      f"metadata(): step {step} is held neither by the job's agents (held: {held}"
+      + (f"; rebuildable from parity: {rebuilt}" if rebuilt else "") + ")"
+      + (f" nor in storage ({stored})" if directory else ""))
 
 
 class StorageSource:

@@ -12,14 +12,21 @@ faults are injected one at a time:
 - ``kill_agent``: SIGKILL one agent. The trainers go on (the next save of that
   host starts a new agent); a few steps later the job is killed and relaunched.
 - ``lose_host``: SIGKILL one machine's trainer and agent and remove its run
-  root (its shared memory); the job is relaunched with an empty machine there.
+  root (its shared memory, the job's secret with it); the job is relaunched with
+  an empty machine there. The lost machines go round from machine 0 (process 0's,
+  which the short form loses), and a long run loses every machine at least once.
 - ``s3_pause``: SIGSTOP the S3 server for 20-30 s (less in the short form)
   while the job runs, then SIGCONT.
-- ``delete``: every trainer stops at the next step due for storage, deletes it
-  right after its snapshot (its persist still running), closes and exits; the
-  relaunched job must never see that step.
+- ``delete``: every trainer stops at the next step due for storage and deletes it
+  after its snapshot, each at another time (seeded delays of 0-3 s, in a seeded
+  order: a peer's persist may wait for a commit that process 0's delete
+  cancelled), closes and exits; no trainer may see the step after its own delete,
+  nor the relaunched job ever (counted as *resurrected*).
 - ``restart``: every trainer stops after the same step, closes and exits; the
   job is relaunched.
+- ``second_manager`` and ``damage_newest``: see :mod:`jaxckpt.testing.soak_faults`
+  (a second manager beside a running one must be refused; a damaged newest step
+  on storage must be skipped by the relaunch's restore).
 
 Each relaunch restores the newest step, and each trainer compares every shard it
 restored with the reference (:class:`soak_worker.Reference`, the same seed)
@@ -39,9 +46,9 @@ processes this module started (the trainers, and the agents they spawned under
 this soak's run root) are ever killed, by pid, and everything is cleaned up when
 the soak fails too.
 
->>> result = run(steps=90, seed=0, short=True)      # doctest: +SKIP
->>> result["due_steps"]["lost"], result["wrong_restores"]   # doctest: +SKIP
-(0, 0)
+>>> result = run(steps=SHORT_STEPS, seed=0, short=True)      # doctest: +SKIP
+>>> result["due_steps"]["lost"], result["wrong_restores"], result["resurrected"]   # doctest: +SKIP
+(0, 0, 0)
 """
 
 from __future__ import annotations
@@ -64,14 +71,18 @@ from typing import Any, Callable
 
 import psutil
 
-from jaxckpt.testing import processes
+from jaxckpt.testing import processes, soak_faults
 from jaxckpt.testing.soak_worker import Reference
 
-KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart")
+KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart",
+         "second_manager", "damage_newest")
 # The faults that can destroy a committed snapshot: the others leave every agent alive.
-DESTRUCTIVE = ("kill_agent", "lose_host")
+DESTRUCTIVE = ("kill_agent", "lose_host", "damage_newest")
+# The faults after which the job goes on without a relaunch.
+IN_PLACE = ("s3_pause", "kill_agent", "second_manager")
 HOSTS = 4
 PERSIST_INTERVAL = 5
+SHORT_STEPS = 75            # the short form's length (CI; benchmarks/soak.py --quick)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -89,12 +100,18 @@ def plan(seed: int, n_faults: int, *, short: bool) -> list[Fault]:
   rng = random.Random(seed)
   kinds = list(KINDS)
   rng.shuffle(kinds)
+  if not short:                 # a long run loses every machine at least once
+    for _ in range(min(HOSTS - 1, max(0, n_faults - len(kinds)))):
+      kinds.insert(rng.randrange(len(kinds) + 1), "lose_host")
   kinds += [rng.choice(KINDS) for _ in range(max(0, n_faults - len(kinds)))]
-  out = []
+  out, lost = [], 0
   for kind in kinds:
     pause = rng.uniform(6.0, 9.0) if short else rng.uniform(20.0, 30.0)
     gap = rng.randint(3, 6) if short else rng.randint(6, 14)
-    out.append(Fault(kind, rng.randrange(HOSTS), gap, rng.randint(1, 3),
+    host = rng.randrange(HOSTS)
+    if kind == "lose_host":     # machines 0, 1, 2, ... in turn: process 0's first
+      host, lost = lost % HOSTS, lost + 1
+    out.append(Fault(kind, host, gap, rng.randint(1, 3),
                      round(pause, 1) if kind == "s3_pause" else 0.0))
   return out
 
@@ -132,6 +149,9 @@ class Trainer:
     self.save_errors: list[str] = []
     self.reported: set[tuple[int, int]] = set()   # (incarnation, step) an error said was lost
     self.deleted: int | None = None
+    self.after_delete: set[int] = set()           # what it could restore after its delete
+    self.damaged_skipped: list[int] = []
+    self.second: tuple[str, str] | None = None
     self.stopped: int | None = None
     self.done = False
     self.error: str | None = None
@@ -163,8 +183,13 @@ class Trainer:
           self.fresh, self.last_step = True, 0
         elif w[0] == "SAVE_ERROR":
           self.save_errors.append(line)
-        elif w[0] == "DELETED":
+        elif w[0] == "DELETED" and len(w) == 3:
           self.deleted = int(w[1])
+          self.after_delete = set() if w[2] == "-" else {int(x) for x in w[2].split(",")}
+        elif w[0] == "DAMAGED_SKIPPED" and len(w) == 2:
+          self.damaged_skipped = [int(x) for x in w[1].split(",")]
+        elif w[0] == "SECOND" and len(w) == 3:
+          self.second = (w[1], w[2])
         elif w[0] == "STOPPED":
           self.stopped = int(w[1])
         elif w[0] == "DONE":
@@ -304,10 +329,16 @@ class Soak:
     self.save_errors: list[str] = []
     self.reported: set[tuple[int, int]] = set()   # (incarnation, step) an error said was lost
     self.delete_violations: list[str] = []
+    self.resurrected: list[str] = []            # a deleted step seen again
+    self.damaged: set[tuple[int, int]] = set()  # versions damaged on storage on purpose
+    self.damaged_skipped = 0                    # relaunches that skipped them, as they should
+    self.second_tries = 0
+    self.second_managers: collections.Counter[str] = collections.Counter()
     self.skipped = 0
     self.agent_restarts = 0
     self.restart_secs: list[float] = []
     self.pause_progress: list[int] = []
+    self.checks: dict[str, Any] = {}
 
   def keep_agent_logs(self, i: int, tag: str) -> None:
     """Copies machine ``i``'s agent logs into the log directory (before its run root goes)."""
@@ -478,41 +509,66 @@ class Soak:
         info["steps_while_paused"] = job.progress() - before
       self.pause_progress.append(info["steps_while_paused"])
     elif fault.kind in ("restart", "delete"):
-      progress = job.furthest()
-      job.send(f"STOP {fault.kind}")
-      job.wait(lambda: all(t.stopped is not None for t in job.trainers), 600,
-               f"every trainer to stop ({fault.kind})")
-      stops = {t.stopped for t in job.trainers}
-      for t in job.trainers:
-        t.p.wait(timeout=120)
-        t.expect_exit = True
-      if len(stops) != 1:
-        raise SoakError(f"{fault.kind}: trainers stopped at different steps {sorted(stops)}")
-      stop = stops.pop()
-      progress = max(progress, stop)
-      complete = job.complete_steps()
-      self.absorb()
-      job.close()
+      rng = random.Random(f"{self.seed}-{self.incarnation}")     # the deletes' order
+      delays = [round(rng.uniform(0.0, 3.0), 1) for _ in job.trainers]
+      progress, complete = job.furthest(), job.complete_steps()
+      stop = self.stop_job(fault.kind if fault.kind == "restart"
+                           else f"delete {','.join(map(str, delays))}")
+      progress, complete = max(progress, stop), job.complete_steps()
       expect_not = None
       if fault.kind == "delete":
-        info["deleted_step"] = stop
+        info.update(deleted_step=stop, delete_delays=delays)
         complete = [s for s in complete if s % PERSIST_INTERVAL == 0]  # older ones may be dropped
         self.deleted.add((job.incarnation, stop))
-        if {t.deleted for t in job.trainers} != {stop}:
-          self.delete_violations.append(f"not every trainer deleted step {stop}")
-        from jaxckpt import universal  # pylint: disable=import-outside-toplevel
-        if stop in universal.all_steps(self.directory):
-          self.delete_violations.append(f"step {stop} is on storage after delete() and close()")
+        self._check_deleted(job, stop)
         expect_not, expect_min = stop, max([s for s in complete if s < stop], default=None)
       else:
         expect_min = max(complete, default=None)
       self.launch(fresh=False, cause=fault.kind, expect_min=expect_min, expect_not=expect_not,
                   progress=progress)
-    if fault.kind == "s3_pause" or (fault.kind == "kill_agent" and not relaunch):
+      if expect_not is not None and expect_not in self.samples[-1][2]:
+        self.resurrected.append(f"the job relaunched after deleting step {stop} can restore "
+                                f"it again: {sorted(self.samples[-1][2])}")
+    elif fault.kind == "second_manager":
+      soak_faults.second_manager(self, info)
+    elif fault.kind == "damage_newest":
+      soak_faults.damage_newest(self, info)
+    if fault.kind in ("s3_pause", "second_manager") or (fault.kind == "kill_agent"
+                                                         and not relaunch):
       self.base = self.job.progress()
     else:
       info.update({k: self.recoveries[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
     return info
+
+  def stop_job(self, how: str) -> int:
+    """``STOP how``: every trainer stops after the same step, closes its manager and
+    exits; returns that step (the job's saves recorded, its trainers reaped)."""
+    job = self.job
+    job.send(f"STOP {how}")
+    job.wait(lambda: all(t.stopped is not None for t in job.trainers), 600,
+             f"every trainer to stop ({how})")
+    stops = {t.stopped for t in job.trainers}
+    for t in job.trainers:
+      t.p.wait(timeout=120)
+      t.expect_exit = True
+    if len(stops) != 1:
+      raise SoakError(f"{how}: trainers stopped at different steps {sorted(stops)}")
+    self.absorb()
+    job.close()
+    return stops.pop()
+
+  def _check_deleted(self, job: Job, step: int) -> None:
+    """Every trainer deleted ``step``, none could restore it after its own delete, and
+    storage no longer holds it."""
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+    if {t.deleted for t in job.trainers} != {step}:
+      self.delete_violations.append(f"not every trainer deleted step {step}")
+    for t in job.trainers:
+      if step in t.after_delete:
+        self.resurrected.append(f"trainer {t.index} can restore step {step} after deleting "
+                                f"it: {sorted(t.after_delete)}")
+    if step in universal.all_steps(self.directory):
+      self.resurrected.append(f"step {step} is on storage after every delete() and close()")
 
   # -- the run --------------------------------------------------------------
 
@@ -552,7 +608,7 @@ class Soak:
             job.send(f"GO {target + fault.lead}")
             job.wait(lambda: job.progress() >= target, 600, f"the job to reach step {target}")
             faults.pop(0)         # injected once, even if a trainer dies meanwhile
-            later = {f.kind for f in faults} - {"s3_pause", "kill_agent"}
+            later = {f.kind for f in faults} - set(IN_PLACE)
             self.log.append(self.inject(fault, relaunch=not later))
           else:
             job = self.job
@@ -567,6 +623,7 @@ class Soak:
             break
         except TrainerDied as e:
           self._continue_after_failure(e)
+      self.checks = soak_faults.run_checks()
       verified, storage_wrong = self.verify_storage()
       wall = time.monotonic() - t0
     return self.result(verified, storage_wrong, wall)
@@ -606,6 +663,8 @@ class Soak:
                     or (smp[0] == v[0] and smp[1] is not None and v[1] <= smp[1])), None)
       if v in self.deleted:
         fates["deleted"].append(list(v))
+      elif v in self.damaged:
+        fates["damaged_on_purpose"].append(list(v))
       elif first is not None and v[1] not in first[2] and first[3] in DESTRUCTIVE:
         fates["destroyed_by_fault"].append(list(v))
         destroyed_by[first[3]] += 1
@@ -624,6 +683,7 @@ class Soak:
         "steps_redone": self.redone,
         "due_steps": {"committed": len(committed), "persisted": len(fates["persisted"]),
                       "deleted": len(fates["deleted"]),
+                      "damaged_on_purpose": len(fates["damaged_on_purpose"]),
                       "destroyed_by_fault": len(fates["destroyed_by_fault"]),
                       "destroyed_by_fault_kind": dict(destroyed_by),
                       "lost": len(fates["lost"])},
@@ -635,6 +695,11 @@ class Soak:
         "wrong_restores": len(self.wrong), "wrong_restore_details": self.wrong,
         "restores_older_than_newest_complete": self.behind,
         "delete_violations": self.delete_violations,
+        "resurrected": len(self.resurrected), "resurrected_details": self.resurrected,
+        "second_managers": {"tries": self.second_tries, **dict(self.second_managers)},
+        "damaged_newest": {"damaged": len(self.damaged), "damaged_steps": sorted(self.damaged),
+                           "skipped_by_the_relaunch": self.damaged_skipped},
+        "checks": self.checks,
         "storage_steps_verified": len(stored), "storage_wrong": storage_wrong,
         "unplanned_failures": self.unplanned,
         "agent_unavailable_errors_reported": len(self.save_errors),

@@ -29,17 +29,32 @@ def test_the_schedule_is_seeded_and_has_every_kind():
              if f.kind == "s3_pause")
 
 
+@pytest.mark.parametrize("seed", [0, 1, 11, 23])
+def test_the_short_form_loses_process_0s_machine_and_a_long_run_every_machine(seed):
+  lost = [f.host for f in soak.plan(seed, len(soak.KINDS), short=True) if f.kind == "lose_host"]
+  assert lost[:1] == [0], lost
+  lost = [f.host for f in soak.plan(seed, 12, short=False) if f.kind == "lose_host"]
+  assert set(lost) == set(range(soak.HOSTS)), lost
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_chaos_soak_short_form_loses_nothing_and_restores_exactly(tmp_path):
   logs = tmp_path / "logs"                     # every trainer's and agent's log, kept by pytest
   logs.mkdir()
-  out = soak.run(steps=90, seed=0, short=True, log_dir=str(logs))
+  out = soak.run(steps=soak.SHORT_STEPS, seed=0, short=True, log_dir=str(logs))
   report = json.dumps(out, indent=1) + f"\n(logs in {logs})"
   assert out["due_steps"]["lost"] == 0, report
   assert out["wrong_restores"] == 0, report
   assert out["storage_wrong"] == [] and out["delete_violations"] == [], report
+  assert out["resurrected"] == 0, report
   assert set(out["faults_injected"]) == set(soak.KINDS), report
   assert all(n >= 1 for n in out["faults_injected"].values()), report
-  # a relaunch (and its checked restore) after every fault but an S3 stop and a killed agent
-  assert out["restores"] >= 4 and out["storage_steps_verified"] >= 1, report
+  assert {"kind": "lose_host", "host": 0}.items() <= next(
+      e for e in out["schedule"] if e["kind"] == "lose_host").items(), report
+  tries = out["second_managers"]["tries"]
+  assert out["second_managers"]["refused_naming_the_first"] == soak.HOSTS * tries >= 4, report
+  assert out["damaged_newest"]["skipped_by_the_relaunch"] == out["damaged_newest"]["damaged"]
+  # a relaunch (and its checked restore) after every fault but an S3 stop, a killed agent
+  # and a second manager
+  assert out["restores"] >= 5 and out["storage_steps_verified"] >= 1, report

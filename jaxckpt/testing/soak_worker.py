@@ -17,18 +17,24 @@ It talks to the soak on stdout, one line per event:
 
   TIMING ...                             (seconds to import, join the job, open the manager)
   RESTORED step tier ok|BAD:<why> secs   FRESH    (tier "none": nothing was left, step 0)
+  DAMAGED_SKIPPED s1,s2,...              (before RESTORED: newer steps the restore skipped)
   AVAILABLE s1,s2,...                    (after a restore, or asked: mgr.all_steps())
   STEP step saved restarts skipped       (after save() and wait_until_snapshotted())
   SAVE_ERROR step type: message          (an earlier step's persist failed or the agent
                                           died: said, and the loop goes on)
-  DELETED step   STOPPED step   DONE step   ERROR type: message (then it exits 3)
+  DELETED step s1,s2,...                 (after delete(step): what it can still restore)
+  SECOND refused|accepted names_first|-  (a second manager of the job, tried beside this one)
+  STOPPED step   DONE step   ERROR type: message (then it exits 3)
 
 and reads commands on stdin: ``GO k`` (run up to step k, then hold: the soak
 places its faults this way, a few steps after their seeded step at most),
 ``AVAIL`` (say AVAILABLE after the next step, or at once while held), ``STOP restart`` (every trainer stops after the same step, agreed through the
-step's collective, closes its manager and exits) and ``STOP delete`` (the same,
-at the next step due for storage, which every trainer deletes right after its
-snapshot, while its persist runs).
+step's collective, closes its manager and exits), ``STOP delete d0,d1,...`` (the
+same, at the next step due for storage, which every trainer deletes after its
+snapshot, trainer i ``di`` seconds later, while persists run: the deletes of one
+step come at different times, in a seeded order) and ``SECOND k`` (at the step
+agreed, every trainer tries a second manager of the job beside its own, and
+says whether it was refused; ``k`` numbers the tries).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import numpy as np
 # (replicated) and a non-array position.
 _MUL, _ADD = np.uint32(1664525), 1013904223
 CODES = {"restart": 1, "delete": 2}
+SECOND = 16                 # the flags carry code + SECOND x the newest SECOND try
 
 
 def initial(seed: int, rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -215,6 +222,8 @@ def _run(a: argparse.Namespace) -> int:
     target = put(ref.arrays(0), ref.key_data(0), 0)
     state = mgr.restore(target=target)
     start = mgr.last_restore.step
+    if mgr.last_restore.skipped:
+      say("DAMAGED_SKIPPED", ",".join(str(s) for s, _ in mgr.last_restore.skipped))
     why = _compare(state, ref, start, shard)
     say("RESTORED", start, mgr.last_restore.tier, "ok" if why is None else f"BAD:{why}",
         f"{time.perf_counter() - t0:.3f}")
@@ -234,15 +243,18 @@ def _run(a: argparse.Namespace) -> int:
       if step <= ctl.ceiling:
         break
       ctl.handle(commands.get())                   # held until the soak says GO
-    code = ctl.code
+    code = ctl.code + SECOND * ctl.second
     flags = jax.make_array_from_callback(
         (n_dev,), shard["flags"], lambda i, c=code: np.full((n_dev,), c, np.int32)[i])
     w, f, rep, key, agreed = step_fn(state["w"], state["rep"], state["key"], flags,
                                      jnp.uint32(step))
     agreed = int(np.asarray(agreed.addressable_data(0)))    # the loop's "loss fetch"
     state = {"w": w, "f": f, "rep": rep, "key": key, "data": {"position": step}}
-    stopping = max(stopping, agreed)
+    stopping = max(stopping, agreed % SECOND)
     saved = _save(mgr, step, state, errors)
+    if agreed // SECOND > ctl.second_done:      # every trainer at this same step
+      ctl.second_done = ctl.second = agreed // SECOND
+      _second_manager(jc, a.directory, opts, errors)
     say("STEP", step, int(saved), mgr.stats.agent_restarts, mgr.stats.skipped_busy)
     if ctl.avail:
       say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
@@ -250,8 +262,9 @@ def _run(a: argparse.Namespace) -> int:
     if stopping == CODES["restart"] or (stopping == CODES["delete"]
                                         and step % a.persist_interval == 0):
       if stopping == CODES["delete"]:
+        time.sleep(ctl.delays[a.process_id % len(ctl.delays)] if ctl.delays else 0.0)
         mgr.delete(step)
-        say("DELETED", step)
+        say("DELETED", step, ",".join(map(str, mgr.all_steps())) or "-")
       _close(mgr, errors)
       say("STOPPED", step)
       _leave(jax)
@@ -274,15 +287,34 @@ class _Control:
 
   def __init__(self, ceiling: int) -> None:
     self.code, self.avail, self.ceiling = 0, False, ceiling
+    self.delays: list[float] = []
+    self.second = self.second_done = 0
 
   def handle(self, line: str) -> None:
     words = line.split()
     if words[:1] == ["STOP"]:
       self.code = max(self.code, CODES[words[1]])
+      if len(words) > 2:
+        self.delays = [float(x) for x in words[2].split(",")]
+    elif words[:1] == ["SECOND"]:
+      self.second = max(self.second, int(words[1]))
     elif words == ["AVAIL"]:
       self.avail = True
     elif words[:1] == ["GO"]:
       self.ceiling = int(words[1])
+
+
+def _second_manager(jc, directory: str, opts, errors) -> None:
+  """A second manager of this job and host beside the running one (every trainer at
+  the same step, so their agreements stay in step): it must be refused, naming
+  the first."""
+  try:
+    second = jc.CheckpointManager(directory, opts)
+  except errors.PermissionDeniedError as e:
+    say("SECOND refused", "names_first" if "held by another live manager" in str(e) else "-")
+    return
+  say("SECOND accepted -")
+  second.close()
 
 
 def _anything_restorable(mgr) -> bool:

@@ -47,6 +47,7 @@ def replace(info: man.LeafInfo, **kw: Any) -> man.LeafInfo:
 
 
 def _spec(directory: str, step: int, info: man.LeafInfo) -> dict[str, Any]:
+  lay.check_array_path(info.array, None, where=f"step {step}: leaf {info.path!r}")
   return lay.zarr_spec(directory, step, info.array, shape=info.shape,
                        dtype=info.storage_dtype or info.dtype,
                        chunk=info.chunk_shape, inner=info.inner_chunk_shape)

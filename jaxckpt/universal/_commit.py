@@ -160,6 +160,11 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
               f"commit of step {step}: the part record of process {i} under attempt "
               f"{attempt!r} says attempt {obj.get('attempt')!r}, process "
               f"{obj.get('process_index')!r}; it is damaged")
+        for leaf in obj["leaves"]:
+          if leaf.get("kind") != "scalar":
+            lay.check_array_path(leaf.get("array"), attempt, where=(
+                f"commit of step {step}: the part record of process {i}, leaf "
+                f"{leaf.get('path')!r}"))
         parts[i] = obj
     if not missing():
       return [parts[i] for i in range(process_count)]
@@ -426,11 +431,41 @@ def latest_step(directory: str) -> int | None:
   return steps[-1] if steps else None
 
 
+def quarantine_step(directory: str, step: int, reason: str) -> None:
+  """Sets committed ``step`` aside as damaged: its commit marker moves to
+  ``quarantine/<step>.json`` with ``reason``, so no listing or restore picks it
+  and the job may save the step again; its data stays for inspection (until
+  :func:`discard_step`). A no-op if the step is not committed."""
+  kv = lay.open_kvstore(directory)
+  try:
+    marker = read_marker(kv, directory, step)
+  except errors.CorruptSnapshotError:
+    marker = {"step": step, "marker": "damaged"}
+  if marker is None:
+    return
+  record = dict(marker, reason=reason[:2000], quarantined_at=time.time())
+  kv.write(lay.quarantine_key(step), json.dumps(record).encode()).result(
+      timeout=lay.REQUEST_TIMEOUT_SECS)
+  _delete(kv, lay.commit_key(step))
+  log.warning("step %d in %s set aside as damaged (%s): %s", step, directory,
+              lay.quarantine_key(step), reason)
+
+
+def quarantined(directory: str, step: int) -> dict[str, Any] | None:
+  """The record of ``step`` if :func:`quarantine_step` set it aside (and it was not
+  committed again since), else None."""
+  kv = lay.open_kvstore(directory)
+  if lay.read_json(kv, lay.commit_key(step)) is not None:
+    return None
+  return lay.read_json(kv, lay.quarantine_key(step))
+
+
 def discard_step(directory: str, step: int) -> None:
   """Deletes a step, every attempt at it included (marker first, so it is never
-  listed half-deleted)."""
+  listed half-deleted), and its quarantine record."""
   kv = lay.open_kvstore(directory)
   kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
+  _delete(kv, lay.quarantine_key(step))
   prefix = lay.step_dir(step)
   kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   local = lay.local_path(directory)

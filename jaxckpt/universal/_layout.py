@@ -6,6 +6,7 @@ Layout under ``directory`` (a local path or any tensorstore kvstore URL):
   step_0000000012/attempts/<A>/manifest.json   the manifest (written by the commit)
   step_0000000012/arrays/<A>/<leaf>/...  one zarr v3 array per array leaf
   commits/0000000012.json                the commit marker, written last: names <A>
+  quarantine/0000000012.json             a marker set aside: the step was found damaged
 
 ``<A>`` is the persist *attempt* that wrote it (the writing job's run id and
 a counter): every attempt writes only keys of its own, so two writers of one
@@ -133,6 +134,11 @@ def commit_key(step: int) -> str:
   return f"{COMMITS_PREFIX}{step:010d}.json"
 
 
+def quarantine_key(step: int) -> str:
+  """Where a committed step found damaged is set aside (its marker, and why)."""
+  return f"quarantine/{step:010d}.json"
+
+
 def attempt_dir(step: int, attempt: str) -> str:
   """Where one persist attempt of ``step`` keeps its part records and manifest."""
   return f"{step_dir(step)}attempts/{attempt}/"
@@ -152,12 +158,36 @@ def claims_prefix(step: int) -> str:
   return f"{step_dir(step)}claims/"
 
 
+ATTEMPT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def check_attempt(attempt: str) -> str:
   """An attempt id is a short key-safe name (it becomes part of storage keys)."""
-  if not isinstance(attempt, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", attempt):
+  if not isinstance(attempt, str) or not ATTEMPT.fullmatch(attempt):
     raise errors.InvalidArgumentError(
         f"persist attempt id {attempt!r} must be 1-128 letters, digits, '.', '_' or '-'")
   return attempt
+
+
+_KEY_PART = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+def check_array_path(array: Any, attempt: str | None, *, where: str) -> None:
+  """Raises CorruptSnapshotError unless ``array`` (a leaf's array directory, read
+  from a manifest or a part record) stays inside the step: relative, made of
+  key-safe names, none of them ``.`` or ``..``, and under ``attempt``'s own
+  arrays when the step has one (every array jaxckpt writes is). Checked before
+  anything is read through it."""
+  parts = array.split("/") if isinstance(array, str) else None
+  ok = bool(parts) and all(_KEY_PART.fullmatch(p) and p not in (".", "..") for p in parts)
+  if ok and attempt is not None:
+    ok = len(parts) >= 2 and parts[0] == attempt
+  if not ok:
+    raise errors.CorruptSnapshotError(
+        f"{where}: its array path {array!r} leads outside the step"
+        + ("" if attempt is None else f" (its data is attempt {attempt!r}'s arrays)")
+        + "; the manifest is damaged or forged, so nothing was read through it: restore "
+        "another step")
 
 
 def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:

@@ -309,6 +309,11 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
         f"step {step} is not committed in {directory!r}; committed steps: "
         f"{_commit.all_steps(directory)}")
   attempt = marker.get("attempt")
+  if attempt is not None and not (isinstance(attempt, str)
+                                  and lay.ATTEMPT.fullmatch(attempt)):
+    raise errors.CorruptSnapshotError(
+        f"step {step} in {directory!r}: its commit marker names attempt {attempt!r}, not a "
+        "key-safe name; the marker is damaged or forged: restore another step")
   body = kv.read(lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if body.state != "value" or snap.checksum(body.value) != marker.get("manifest_xxh3"):
     raise errors.CorruptSnapshotError(
@@ -320,7 +325,27 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: its manifest says step {doc['step']}; restore "
         "another step")
+  for leaf in doc["leaves"]:               # every path checked before anything is read
+    if leaf.get("kind") != "scalar":
+      where = f"step {step} in {directory!r}: leaf {leaf.get('path')!r}"
+      lay.check_array_path(leaf.get("array"), attempt, where=where)
+      _check_chunk_table(leaf, where)
   return StepReader(directory, step, doc, attempt=attempt)
+
+
+def _check_chunk_table(leaf: dict[str, Any], where: str) -> None:
+  """The leaf's shape, chunk layout and table of chunk checksums agree (one checksum
+  per chunk of the grid): a manifest whose shape was changed is refused before a
+  read sizes anything by it."""
+  shape, chunk = leaf.get("shape") or [], leaf.get("chunk_shape") or []
+  inner = leaf.get("inner_chunk_shape") or []
+  grid = lay.chunk_grid(shape, chunk) if len(chunk) == len(shape) else None
+  if grid is None or len(inner) != len(shape) or int(np.prod(grid, dtype=object)) != len(
+      leaf.get("chunks") or {}):
+    raise errors.CorruptSnapshotError(
+        f"{where}: its shape {shape}, chunk layout {chunk} (inner {inner}) and its "
+        f"{len(leaf.get('chunks') or {})} chunk checksums disagree; the manifest is damaged "
+        "or forged: restore another step")
 
 
 def _restore_one(reader: StepReader, path: str, target: Any,

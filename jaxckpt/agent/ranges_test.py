@@ -1,0 +1,151 @@
+"""Every value of a sealed request is range-checked before it changes anything, and
+a relaunch that asks for fewer snapshots gets them (issue 32, items 9 and 10).
+
+The requests here are sealed with the job's secret and sent by hand, past the
+client's own checks: a job member holding the secret must not be able to break
+the agent by mistake either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import jaxckpt as jc
+from jaxckpt import errors
+from jaxckpt.agent import _paths, _protocol
+from jaxckpt.net import _wire
+from jaxckpt.testing import processes
+
+W = np.arange(512, dtype=np.float32).reshape(64, 8)
+
+
+@pytest.fixture
+def held():
+  """A running agent holding step 1; yields (opts, root, job, address record)."""
+  with processes.agent_sandbox("jr") as (root, job):
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root),
+                                handle_sigterm=False)
+    with jc.CheckpointManager(options=opts) as m:
+      assert m.save(1, {"w": W})
+      m.wait_until_finished()
+    with open(_paths.address_file(_paths.agent_dir(root, job, 0))) as f:
+      yield opts, root, job, json.load(f)
+
+
+def _sealed(endpoint: str, secret: bytes, header: dict) -> dict:
+  """One request sealed with the secret and sent by hand; its reply header."""
+  sock = zmq.Context.instance().socket(zmq.REQ)
+  sock.setsockopt(zmq.LINGER, 0)
+  sock.connect(endpoint)
+  try:
+    sock.send_multipart(_wire.seal(secret, header, timeout_secs=20))
+    assert sock.poll(20000), "the agent did not answer"
+    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+  finally:
+    sock.close()
+
+
+PID = os.getpid()
+OUT_OF_RANGE = [
+    ({"op": "hello", "pid": PID, "limit_bytes": -1}, r"limit_bytes=-1 is out of range"),
+    ({"op": "hello", "pid": PID, "limit_bytes": 0}, r"limit_bytes=0 is out of range"),
+    ({"op": "hello", "pid": PID, "max_snapshots": 200000}, r"max_snapshots=200000 is out of range"),
+    ({"op": "hello", "pid": PID, "max_snapshots": 0}, r"max_snapshots=0 is out of range"),
+    ({"op": "hello", "pid": -7}, r"pid=-7 is out of range"),
+    ({"op": "hello", "pid": PID, "persist": {"directory": "/tmp/x", "interval_steps": 0}},
+     r"persist.interval_steps=0 is not a int in \[1, "),
+    ({"op": "hello", "pid": PID, "persist": {"directory": "/tmp/x", "interval_steps": 1,
+                                            "timeout_secs": float("nan")}},
+     r"persist.timeout_secs=nan is not a float"),
+    ({"op": "hello", "pid": PID, "parity": {"group_size": 1, "parity": 1}},
+     r"parity.group_size=1 is not a int in \[2, 255\]"),
+    ({"op": "hello", "pid": PID, "parity": {"group_size": 4, "parity": 4}},
+     r"parity=4 must be in \[1, group_size - 1\]"),
+    ({"op": "reserve", "pid": PID, "step": 2, "nbytes": -5}, r"nbytes=-5 is out of range"),
+    ({"op": "reserve", "pid": PID, "step": -1, "nbytes": 8}, r"step=-1 is out of range"),
+    ({"op": "preallocate", "nbytes": -64}, r"nbytes=-64 is out of range"),
+    ({"op": "commit", "index": 0, "manifest": "{}", "step": 2, "nbytes": 8,
+      "process": [3, 2]}, r"process=\[3, 2\] must be"),
+    ({"op": "commit", "index": 0, "manifest": "{}", "step": 2, "nbytes": 8,
+      "process": [0, 1], "persist_attempt": "../../etc"},
+     r"persist_attempt='../../etc' must be"),
+    ({"op": "discard", "step": -3}, r"step=-3 is out of range"),
+    ({"op": "open", "pid": 0, "step": 1}, r"pid=0 is out of range"),
+    ({"op": "peers", "peers": {"0": {"tcp": "ipc:///tmp/evil"}}}, r"is not a host id and an agent"),
+]
+
+
+@pytest.mark.parametrize("header, why", OUT_OF_RANGE, ids=[f"{h['op']}-{i}" for i, (h, _) in
+                                                           enumerate(OUT_OF_RANGE)])
+def test_an_out_of_range_value_is_refused_and_the_agent_stays_healthy(held, header, why):
+  opts, root, job, info = held
+  secret = _paths.job_secret(root, job)
+  reply = _sealed(info["ipc"], secret, header)
+  assert not reply["ok"] and reply["type"] == "InvalidArgumentError", reply
+  assert __import__("re").search(why, reply["error"]), reply["error"]
+  client = _protocol.Client(info["ipc"], who="test", timeout_secs=20, secret=secret)
+  try:
+    status = client.call("status")[0]
+  finally:
+    client.close()
+  assert (status.max_snapshots, status.steps, status.lease) == (2, [1], None)
+  assert status.limit_bytes > 0
+  with jc.CheckpointManager(options=opts) as m:        # saves and restores as before
+    assert m.save(2, {"w": W + 1})
+    m.wait_until_finished()
+    out = m.restore(target={"w": np.zeros_like(W)})
+    assert (m.last_restore.step, m.last_restore.tier) == (2, "host")
+  np.testing.assert_array_equal(out["w"], W + 1)
+
+
+def test_the_client_refuses_an_out_of_range_value_before_sending_it(held):
+  _, root, job, info = held
+  client = _protocol.Client(info["ipc"], who="test", timeout_secs=20,
+                            secret=_paths.job_secret(root, job))
+  try:
+    with pytest.raises(errors.InvalidArgumentError, match=r"max_snapshots=200000 is out of "
+                       r"range \[1, 1024\]; nothing was applied"):
+      client.call("hello", pid=PID, max_snapshots=200000)
+  finally:
+    client.close()
+
+
+def test_a_relaunch_with_fewer_snapshots_gets_them_and_their_memory_back(held):
+  # The job ran with max_snapshots=4 (5 slots of 2 KiB); its relaunch asks for 1 within a
+  # budget of 2 slots. The agent lowers its count: the budget holds, saves go on, and
+  # the slots beyond 2 give their memory back once free.
+  opts, root, job, info = held
+  big = jc.CheckpointOptions(max_snapshots=4, agent=opts.agent, handle_sigterm=False)
+  with jc.CheckpointManager(options=big) as m:
+    for step in range(2, 7):
+      assert m.save(step, {"w": W + step})
+      m.wait_until_snapshotted()
+    assert m.all_steps() == [3, 4, 5, 6]
+  small = jc.CheckpointOptions(max_snapshots=1, host_memory_limit_bytes=2 * W.nbytes,
+                               agent=opts.agent, handle_sigterm=False)
+  with jc.CheckpointManager(options=small) as m:
+    out = m.restore(target={"w": np.zeros_like(W)})
+    assert m.last_restore.step == 6
+    np.testing.assert_array_equal(out["w"], W + 6)
+    for step in range(7, 10):
+      assert m.save(step, {"w": W + step})
+      m.wait_until_snapshotted()
+    assert m.all_steps() == [9]
+    out = m.restore(target={"w": np.zeros_like(W)})
+    np.testing.assert_array_equal(out["w"], W + 9)
+  client = _protocol.Client(info["ipc"], who="test", timeout_secs=20,
+                            secret=_paths.job_secret(root, job))
+  try:
+    status = client.call("status")[0]
+  finally:
+    client.close()
+  assert status.max_snapshots == 1
+  assert status.bytes <= 2 * W.nbytes, status.slots          # the retired slots' memory is back
+  files = [n for n in os.listdir(_paths.agent_dir(root, job, 0)) if n.startswith("slot")]
+  assert len(files) <= 2, files

@@ -1,0 +1,233 @@
+"""One process of a small ``jax.distributed`` job on loopback that runs one named
+scenario (the multi-process tests of issue 32: a lost process 0, deletes far
+apart, a wait's blame, a damaged newest step).
+
+  python -m jaxckpt.testing.job_worker --port P --num-processes N --process-id I \
+      --run-root R --tcp-host 127.0.1.M --job J --directory D --scenario NAME
+
+Each process is a "machine" of its own (its own run root and loopback address,
+so its own snapshot agent). It prints one line per finding (``SAY ...``),
+``DONE`` at the end, or ``ERROR type: message`` (then it exits 3); the test
+reads them. The state is a ``(rows, 6)`` float32 sharded over every device of
+the job, a replicated leaf and a non-array one, all a function of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+SCENARIOS: dict[str, Callable[..., None]] = {}
+
+
+def scenario(fn: Callable[..., None]) -> Callable[..., None]:
+  SCENARIOS[fn.__name__] = fn
+  return fn
+
+
+def say(*words: object) -> None:
+  print(*words, flush=True)
+
+
+def expected(step: int) -> dict[str, np.ndarray]:
+  w = np.arange(16 * 6, dtype=np.float32).reshape(16, 6) + 1000 * step
+  return {"w": w, "rep": np.full((5,), step, np.int32)}
+
+
+class Job:
+  """This process's view of the job: its options, state and barriers."""
+
+  def __init__(self, a: argparse.Namespace) -> None:
+    import jax  # pylint: disable=import-outside-toplevel
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    self.a, self.jax = a, jax
+    self.me, self.n = jax.process_index(), jax.process_count()
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    self.shardings = {"w": NamedSharding(mesh, P("x")), "rep": NamedSharding(mesh, P())}
+
+  def options(self, **kw: Any) -> Any:
+    import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+    agent = kw.pop("agent", True)
+    parity = kw.pop("parity", True)
+    return jc.CheckpointOptions(
+        handle_sigterm=False, timeout_secs=kw.pop("timeout_secs", 60.0),
+        agent=jc.AgentOptions(job_name=self.a.job, run_root=self.a.run_root,
+                              tcp_host=self.a.tcp_host) if agent else None,
+        parity=jc.ParityOptions(group_size=self.n, parity=1) if parity and agent else None,
+        **kw)
+
+  def state(self, step: int) -> dict[str, Any]:
+    vals = expected(step)
+    out = {k: self.jax.make_array_from_callback(v.shape, self.shardings[k], lambda i, v=v: v[i])
+           for k, v in vals.items()}
+    return {**out, "data": {"position": step}}
+
+  def check(self, out: dict[str, Any], step: int) -> str:
+    """"ok" if ``out`` is ``step``'s state bit for bit, else what differs."""
+    vals = expected(step)
+    for k, v in vals.items():
+      for s in out[k].addressable_shards:
+        if np.asarray(s.data).tobytes() != v[s.index].tobytes():
+          return f"BAD:{k}{s.index}"
+    return "ok" if out["data"] == {"position": step} else f"BAD:data={out['data']}"
+
+  def barrier(self, name: str) -> None:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(name)
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+@scenario
+def wait_blame(job: Job) -> None:
+  """Process 1 never writes its part of step 1 (it died before): process 0's
+  wait_until_finished times out naming process 1."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  agent = job.a.variant == "agent"
+  mgr = jc.CheckpointManager(job.a.directory, job.options(agent=agent, parity=False,
+                                                         persist_interval_steps=1))
+  if job.me == 0:
+    assert mgr.save(1, job.state(1))
+    try:
+      mgr.wait_until_finished(timeout_secs=6)
+      say("NO_TIMEOUT")
+    except jc.errors.SnapshotTimeoutError as e:
+      say("TIMEOUT", str(e).replace("\n", " "))
+  job.barrier("blamed")
+  os._exit(0)                 # (process 0's persist still waits for the part: no close)
+
+
+@scenario
+def deletes_far_apart(job: Job) -> None:
+  """Step 2 (due for storage, protected by parity) deleted by process 0, then by
+  process 1 seconds later; step 4 the other way round. After each first delete
+  and after both, what every process can list and restore."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory, job.options(persist_interval_steps=2))
+  target = job.state(0)
+  for first, (older, step) in ((0, (1, 2)), (1, (3, 4))):
+    for s in (older, step):
+      assert mgr.save(s, job.state(s))
+    if job.me == first:
+      mgr.wait_until_finished()         # committed on storage; the other may still wait for it
+    mgr.wait_until_snapshotted()
+    mgr.wait_until_protected(step)
+    job.barrier(f"saved{step}")
+    if job.me == first:
+      mgr.delete(step)
+      say("FIRST_DELETED", step, "STEPS", mgr.all_steps())
+    job.barrier(f"first{step}")
+    if job.me != first:
+      time.sleep(2.0)
+      say("SEEN_BEFORE_MINE", step, "STEPS", mgr.all_steps())
+      try:
+        mgr.delete(step)
+        say("SECOND_DELETED", step)
+      except Exception as e:  # pylint: disable=broad-except
+        say("SECOND_DELETE_FAILED", step, f"{type(e).__name__}: {e}".replace("\n", " "))
+    job.barrier(f"second{step}")
+    time.sleep(0.5)
+    say("AFTER", step, "STEPS", mgr.all_steps(), "STORED", jc.universal.all_steps(job.a.directory))
+    out = mgr.restore(target=target)
+    say("RESTORED", step, mgr.last_restore.step, mgr.last_restore.tier,
+        job.check(out, mgr.last_restore.step))
+  mgr.close()
+
+
+@scenario
+def save_protected(job: Job) -> None:
+  """Saves steps 1-3 (a Composite), waits until step 3 is protected, then holds:
+  the test loses a machine, and ``relaunch_after_loss`` goes on."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory or None, job.options())
+  for s in (1, 2, 3):
+    assert mgr.save(s, args=ocp.args.Composite(state=ocp.args.StandardSave(job.state(s))))
+    mgr.wait_until_finished()
+  mgr.wait_until_protected(3)
+  say("PROTECTED", 3)
+  time.sleep(3600)
+
+
+@scenario
+def relaunch_after_loss(job: Job) -> None:
+  """After a machine was lost: the job starts with default options, every process
+  describes step 3 and restores it (a Composite, then the plain tree) bit for bit."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory or None, job.options())
+  say("STARTED")
+  meta = mgr.metadata(3)
+  say("METADATA", meta.step, meta.tier, sorted(meta.tree["state"]))
+  out = mgr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(job.state(0))))
+  say("COMPOSITE", mgr.last_restore.step, mgr.last_restore.tier, job.check(out["state"], 3))
+  mgr.close()
+
+
+@scenario
+def damaged_newest(job: Job) -> None:
+  """Steps 60 and 70 on storage; one chunk of step 70 that only process 1 reads is
+  damaged. A new manager's restore(None) takes step 60 on every process and
+  says it skipped 70; restore(step=70) still raises."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  from jaxckpt.testing import damage  # pylint: disable=import-outside-toplevel
+  opts = job.options(agent=False, persist_interval_steps=10)
+  with jc.CheckpointManager(job.a.directory, opts) as mgr:
+    for s in (60, 70):
+      assert mgr.save(s, job.state(s))
+      mgr.wait_until_finished()
+  job.barrier("stored")
+  if job.me == 0:                           # a row only process 1 reads
+    damage.flip_stored_byte(job.a.directory, 70, "['w']", (12, 0))
+  job.barrier("damaged")
+  with jc.CheckpointManager(job.a.directory, opts) as mgr:
+    out = mgr.restore(target=job.state(0))
+    r = mgr.last_restore
+    say("RESTORED", r.step, r.tier, job.check(out, r.step), "SKIPPED",
+        [s for s, _ in r.skipped])
+    try:
+      mgr.restore(step=70, target=job.state(0))
+      say("EXPLICIT_OK")
+    except jc.errors.CorruptSnapshotError as e:
+      say("EXPLICIT_RAISED", type(e).__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--port", type=int, required=True)
+  p.add_argument("--num-processes", type=int, required=True)
+  p.add_argument("--process-id", type=int, required=True)
+  p.add_argument("--run-root", required=True)
+  p.add_argument("--tcp-host", required=True)
+  p.add_argument("--job", required=True)
+  p.add_argument("--directory", default="")
+  p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+  p.add_argument("--variant", default="")
+  a = p.parse_args(argv)
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
+                               num_processes=a.num_processes, process_id=a.process_id,
+                               initialization_timeout=120)
+    SCENARIOS[a.scenario](Job(a))
+    say("DONE")
+    jax.distributed.shutdown()
+  except BaseException as e:  # pylint: disable=broad-except  (said, then a hard exit)
+    say(f"ERROR {type(e).__name__}: {e}".replace("\n", " | "))
+    traceback.print_exc(file=sys.stdout)
+    sys.stdout.flush()
+    os._exit(3)
+  sys.stdout.flush()
+  os._exit(0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
