@@ -589,6 +589,11 @@ class Agent:
 REMOTE_LEASE_SECS = 60.0
 
 
+# Requests that only look (``jaxckpt status --watch``, ``agent status``): an agent
+# whose trainers are gone still exits idle_timeout_secs after its last real use.
+_WATCHING = (_requests.Status, _requests.JobView)
+
+
 def handle(agent: Agent, frames: list[Any], *, remote: bool = False) -> list[bytes]:
   """One request's reply frames; ``remote``: it came over tcp (a pin it takes is leased)."""
   try:
@@ -608,6 +613,8 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False) -> list[byt
     if remote and isinstance(request, _requests.Open) and request.lease_secs is None:
       request = dataclasses.replace(request, lease_secs=REMOTE_LEASE_SECS)
     handler = HANDLERS[type(request)]
+    if not isinstance(request, _WATCHING):       # a watcher does not keep an agent alive
+      agent.last_active = time.monotonic()
     with agent.lock:
       out = handler(agent, **{f.name: getattr(request, f.name)
                               for f in dataclasses.fields(request)})
@@ -649,7 +656,6 @@ def serve(agent: Agent) -> None:
           break
         continue
       ident, empty, *frames = sock.recv_multipart(copy=False)
-      agent.last_active = time.monotonic()
       sock.send_multipart([ident, empty, *handle(agent, frames, remote=_over_tcp(empty))],
                           copy=False)  # no 2nd copy
   finally:

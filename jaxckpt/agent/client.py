@@ -126,6 +126,7 @@ class AgentStore(HostStore):
     self._maps_lock = threading.Lock()
     self._lending: dict[int, tuple[int, list[bool]]] = {}   # step read -> (slot, lent?)
     self._allocated: dict[int, str] = {}    # slot -> the file this trainer allocated
+    self._committed: dict[int, tuple[str, SnapshotManifest]] = {}   # step -> what it sent
     self._failed: list[PersistError] = []
     self._errors_lock = threading.Lock()
     self._status = PersistStatus()          # as the agent's last reply said
@@ -491,10 +492,15 @@ class AgentStore(HostStore):
     # a new timeline from this step on (a rollback, or the step saved again): a rebuilt
     # persist of the old one must not commit
     self._fence_rebuilds(lambda s: s >= manifest.step)
+    text = manifest.to_json()
     self._take_persist(self.call(
-        "commit", index=slot.index, manifest=manifest.to_json(), step=manifest.step,
+        "commit", index=slot.index, manifest=text, step=manifest.step,
         nbytes=manifest.nbytes, process=[manifest.process_index, manifest.process_count],
         persist_attempt=persist_attempt))
+    with self._maps_lock:         # a restore of it need not parse its manifest again
+      self._committed[manifest.step] = (text, manifest)
+      while len(self._committed) > self._max + 2:
+        self._committed.pop(next(iter(self._committed)))
 
   def persist_to(self, config: Any) -> None:
     obj = config.to_obj()
@@ -586,7 +592,10 @@ class AgentStore(HostStore):
     lent: list[bool] = []
     self._lending[step] = (r.index, lent)
     try:
-      manifest = SnapshotManifest.from_json(r.manifest)
+      with self._maps_lock:
+        known = self._committed.get(step)
+      manifest = (known[1] if known is not None and known[0] == r.manifest
+                  else SnapshotManifest.from_json(r.manifest))
       yield manifest, self._read_map(r, manifest)
     finally:
       self._lending.pop(step, None)

@@ -312,8 +312,11 @@ def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterat
   with contextlib.ExitStack() as stack:
     pieces = []
     local_index = None
-    if step in store.steps():
+    try:
       manifest, buffer = stack.enter_context(store.read(step))
+    except errors.StepNotFoundError:       # this host holds none: the job's other hosts do
+      manifest = None
+    if manifest is not None:
       pieces.append(_read.BufferPiece(manifest, buffer,
                                          lend=functools.partial(store.lend, step, buffer)))
       local_index = manifest.process_index
