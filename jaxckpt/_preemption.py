@@ -259,6 +259,9 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+_TERMINATING = threading.Lock()    # held by the one thread that ends the process (said once)
+
+
 def terminate(why: str) -> None:
   """Ends this process by SIGTERM's default action, from any thread.
 
@@ -266,6 +269,9 @@ def terminate(why: str) -> None:
   this resets SIGTERM's action in the C library instead and sends SIGTERM, which the kernel
   acts on at once.
   """
+  if not _TERMINATING.acquire(blocking=False):     # another thread ends it already
+    time.sleep(5.0)
+    os._exit(128 + signal.SIGTERM)  # pylint: disable=protected-access
   logger.error("terminating on SIGTERM: %s", why)
   try:
     libc = ctypes.CDLL(None, use_errno=True)

@@ -59,7 +59,7 @@ for step in range(100_000):
 
 def _run(src, *args, second_sigterm=False, wait=60):
   p = subprocess.Popen([sys.executable, "-c", src, *map(str, args)], stdout=subprocess.PIPE,
-                       text=True)
+                       stderr=subprocess.PIPE, text=True)
   try:
     assert p.stdout.readline().strip() == "ready"
     time.sleep(0.3)          # the native case: well inside the computation
@@ -68,7 +68,8 @@ def _run(src, *args, second_sigterm=False, wait=60):
     if second_sigterm:
       time.sleep(0.2)
       p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=wait)
+    out, err = p.communicate(timeout=wait)
+    _run.stderr = err
     return p.returncode, out, time.monotonic() - t0
   finally:
     if p.poll() is None:
@@ -91,6 +92,7 @@ def test_a_loop_that_never_polls_gets_the_deadline_callback_then_dies_by_sigterm
   assert code == -signal.SIGTERM
   assert "deadline callback in MainThread" in out      # the loop is paused meanwhile
   assert 1.0 - 0.2 <= secs < 2.0 + 1.0      # after the poll window (1 s), within the grace
+  assert _run.stderr.count("terminating on SIGTERM") == 1, _run.stderr   # said once
 
 
 def test_a_hung_deadline_callback_still_ends_at_the_grace():
