@@ -128,7 +128,10 @@ class CheckpointManager:
         persist_interval=persist_interval, timeout_secs=self.options.timeout_secs,
         channel=None if jax.process_count() == 1 else _kv.Channel(
             "schedule", timeout_secs=self.options.timeout_secs))
-    self._committed_at: dict[int, float] = {}   # due step -> when its snapshot committed
+    # due steps whose persist has not been seen to end -> (committed at, None while the
+    # snapshot is copied; its bytes)
+    self._due: dict[int, tuple[float | None, int]] = {}
+    self._newest_step: int | None = None        # the newest step this manager committed
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
@@ -252,6 +255,8 @@ class CheckpointManager:
       raise
     self._schedule.took(d)
     attempt = self._new_attempt(step) if d.due else None
+    if attempt is not None:
+      self._due[step] = (None, plan.nbytes)
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
                                       metadata, t0, attempt)
     self._last_save_at = t0
@@ -260,11 +265,8 @@ class CheckpointManager:
     return True
 
   def _persisting(self) -> bool:
-    """Whether a persist this manager started has not ended, as last heard (no request)."""
-    if not self._attempts:
-      return False
-    return any(s in self._attempts and s not in self._on_storage    # (seen committed)
-               for s in self._store.persist_status(ask=False).pending)
+    """Whether a persist this manager started has not been seen to end (no request)."""
+    return any(s not in self._on_storage for s in self._due)
 
   def _never_skipped(self, d: _schedule.Decision) -> str | None:
     """Why a save that was decided may not be skipped (None: it may)."""
@@ -376,17 +378,23 @@ class CheckpointManager:
   def _skip_busy(self, step: int, why: str, detail: str = "") -> None:
     self.stats.skipped_busy += 1
     self.stats.skip_reasons[why] = self.stats.skip_reasons.get(why, 0) + 1
-    logger.warning("step %d: save skipped: %s (%d skipped so far; saves due for storage wait "
-                   "instead)", step, detail or why, self.stats.skipped_busy)
+    n = self.stats.skipped_busy      # said at the 1st, 2nd, 4th, 8th... skip, not each
+    logger.log(logging.WARNING if n & (n - 1) == 0 else logging.DEBUG,
+               "step %d: save skipped: %s (%d skipped so far; saves due for storage wait "
+               "instead; on_busy='wait' waits)", step, detail or why, n)
 
   def _note_persist_lag(self, step: int) -> None:
     """Updates ``stats``' persist lag after ``step`` committed; logs when it grows."""
     status = self._store.persist_status(ask=False)
     now = time.monotonic()
-    for s, at in list(self._committed_at.items()):
-      if s not in status.pending:             # ended: persisted, failed or fenced
+    for s, (at, nbytes) in list(self._due.items()):
+      if at is not None and s not in status.pending:   # ended: persisted, failed or fenced
         self._schedule.measure.persist.append(now - at)
-        del self._committed_at[s]
+        del self._due[s]
+        if s in status.persisted and self.options.agent is not None:   # (its agent's log has
+          logger.info("step %d is on storage: %.1f MiB persisted by the snapshot agent within "
+                      "%.2f s of its snapshot (%.3g GB/s)", s, nbytes / 2**20, now - at,
+                      nbytes / max(now - at, 1e-9) / 1e9)                      # the details)
     st = self.stats
     st.persists_pending = len(status.pending)
     st.oldest_unpersisted_step = status.pending[0] if status.pending else None
@@ -397,7 +405,8 @@ class CheckpointManager:
       logger.warning(
           "storage is slower than the loop: %d persists to %s are queued (oldest step %d, "
           "%.1f s and %d steps behind); while their slots are held, saves not due for storage "
-          "are skipped and due ones wait", st.persists_pending, self.directory,
+          "are skipped and due ones wait: raise persist_interval_steps, or leave it unset so "
+          "that persists follow storage's pace", st.persists_pending, self.directory,
           st.oldest_unpersisted_step, st.persist_lag_secs, st.persist_lag_steps)
 
   def should_save(self, step: int) -> bool:
@@ -449,8 +458,9 @@ class CheckpointManager:
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest, persist_attempt=attempt)
       if attempt is not None:
-        self._committed_at[step] = time.monotonic()
+        self._due[step] = (time.monotonic(), plan.nbytes)
     except BaseException as e:  # surfaced by the next save / wait
+      self._due.pop(step, None)
       self._store.abort(slot)
       logger.exception("step %d: snapshot failed", step)
       with self._lock:
@@ -460,6 +470,7 @@ class CheckpointManager:
     self.stats.last_snapshot_secs = time.perf_counter() - t0
     self._schedule.measure.copy.append(self.stats.last_snapshot_secs)
     self.stats.last_nbytes = plan.nbytes
+    self._newest_step = step
     if self._persist_config is not None:
       self._note_persist_lag(step)
     logger.debug("step %d: snapshot committed (%d bytes)", step, plan.nbytes)
@@ -544,7 +555,13 @@ class CheckpointManager:
               f"s: {who} ({self._store_name()} of process {self._process[0]} goes on trying)")
     if want:
       _wait.until(ended, timeout_secs=timeout, late=late)
+    self._refresh_persist_stats()
     self._raise_failed(failed)
+
+  def _refresh_persist_stats(self) -> None:
+    """``stats``' persist lag as the store last said (a wait that returns leaves them current)."""
+    if self._persist_config is not None and self._newest_step is not None:
+      self._note_persist_lag(self._newest_step)
 
   def _store_name(self) -> str:
     return "the in-process store" if self.options.agent is None else "the snapshot agent"
@@ -610,6 +627,11 @@ class CheckpointManager:
               f"(persist attempt {attempt!r})")
     _wait.until(stored, timeout_secs=timeout, late=late)
     self._on_storage.add(step)
+    _wait.until(lambda: step not in self._store.persist_status().pending,   # its job's end
+                timeout_secs=timeout, late=lambda: (
+                    f"step {step} is on {self.directory!r} but {self._store_name()} still "
+                    f"reports its persist as running after {timeout} s"))
+    self._refresh_persist_stats()
 
   def protected_steps(self) -> list[int]:
     """Steps whose parity every host's agent holds in full (parity on), oldest first.

@@ -263,11 +263,14 @@ class Persister:
 
   def _persist(self, job: _Job) -> None:
     directory, step, attempt = self.config.directory, job.step, job.attempt
+    t0 = time.monotonic()
     try:
-      self._write_and_commit(job)
+      nbytes = self._write_and_commit(job)
       with self._lock:
         self.persisted.append(step)
-      logger.info("step %d persisted to %s (attempt %s)", step, directory, attempt)
+      secs = time.monotonic() - t0
+      logger.info("step %d persisted to %s: %.1f MiB in %.2f s (%.3g GB/s; attempt %s)", step,
+                  directory, nbytes / 2**20, secs, nbytes / max(secs, 1e-9) / 1e9, attempt)
     except Cancelled:
       if job.process_index == 0:  # process 0 owns the attempt's data: only it removes it
         discard_quietly(directory, step, attempt)
@@ -285,8 +288,9 @@ class Persister:
       with self._lock:
         self._errors.append(PersistError.of(step, attempt, e))
 
-  def _write_and_commit(self, job: _Job) -> None:
-    """Writes this process's part and (process 0) commits; a storage that does not
+  def _write_and_commit(self, job: _Job) -> int:
+    """Writes this process's part and (process 0) commits; returns the snapshot's
+    bytes. A storage that does not
     answer or refuses for a while is tried again, with backoff, for up to the
     persist's ``timeout_secs`` (writes of one attempt are idempotent)."""
     directory, step, attempt = self.config.directory, job.step, job.attempt
@@ -298,7 +302,7 @@ class Persister:
         with self._open_step(step) as (manifest, buffer):
           job.process_index = manifest.process_index
           persist_part(self.config, manifest, buffer, attempt, lambda: self._check(job))
-        return
+          return manifest.nbytes
       except errors.StorageError as e:
         if e.errno not in _TRANSIENT or time.monotonic() + pause > deadline or job.cancelled:
           raise

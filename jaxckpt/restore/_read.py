@@ -6,6 +6,8 @@ import concurrent.futures
 import dataclasses
 import enum
 import functools
+import logging
+import math
 import os
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
@@ -18,7 +20,10 @@ from jaxckpt.host.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifes
                               aligned_empty, assemble_region, box_intersection, box_shape,
                               copy_and_hash, full_box, shard_view, verify_shard)
 from jaxckpt.restore._assemble import device_boxes, make_array
+from jaxckpt.universal._progress import LogProgress
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
+
+logger = logging.getLogger(__name__)
 
 
 class Tier(str, enum.Enum):
@@ -273,6 +278,10 @@ def _serving(shards: Sequence[tuple[Any, LeafRecord, ShardRecord]],
   return [exact] if exact else [x for x in shards if box_intersection(x[2].index, box) is not None]
 
 
+def _leaf_bytes(rec: LeafRecord) -> int:
+  return 0 if rec.kind == "scalar" else math.prod(rec.shape) * rec.numpy_dtype.itemsize
+
+
 def restore_tree(source: Source, target: Any, *, partial: bool = False) -> Any:
   """Restores the tree held by ``source`` onto ``target``'s structure and shardings.
 
@@ -288,10 +297,13 @@ def restore_tree(source: Source, target: Any, *, partial: bool = False) -> Any:
     targets, treedef, index = match_target(target, saved, source.step, partial=partial)
   needed = {i: _needed_boxes(saved[i], t) for i, t in zip(index, targets)
             if saved[i].kind != "scalar"}
+  total = sum(_leaf_bytes(saved[i]) for i in needed)
+  progress = LogProgress(logger, f"restoring step {source.step}", total)
   source.prefetch(needed)
-  # One thread on purpose: restoring into fresh memory is bound by page faults,
-  # and two threads faulting in one process took twice as long (measured).
-  values = [_leaf_value(source, i, saved[i], t, needed.get(i)) for i, t in zip(index, targets)]
+  values = []
+  for i, t in zip(index, targets):    # (leaf by leaf: two threads faulting in fresh memory
+    values.append(_leaf_value(source, i, saved[i], t, needed.get(i)))     # took twice as long)
+    progress.update(_leaf_bytes(saved[i]) if i in needed else 0)
   if treedef is None:
     return {rec.path: v for rec, v in zip(saved, values)}
   return jax.tree_util.tree_unflatten(treedef, values)

@@ -24,6 +24,7 @@ from jaxckpt.host.snapshot import LeafRecord
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
 from jaxckpt.restore import _read
+from jaxckpt.universal import _progress
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +142,9 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
     break
   info = _read.RestoreInfo(chosen, tier, time.perf_counter() - t0, source.bytes_read,
                            tuple(skipped))
-  logger.info("restored step %d from %s (%d bytes, %.3f s)", chosen, tier.value, info.nbytes,
-              info.seconds)
+  logger.info("restored step %d from %s: %s in %.3f s (%s)", chosen, tier.value,
+              _progress.human_bytes(info.nbytes), info.seconds,
+              _progress.rate(info.nbytes, info.seconds))
   return out, info
 
 

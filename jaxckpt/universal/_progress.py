@@ -115,3 +115,27 @@ def _is_terminal(stream: TextIO) -> bool:
     return stream.isatty()
   except (AttributeError, ValueError):
     return False
+
+
+class LogProgress:
+  """Progress of the library's own long work (a persist, a restore) as INFO lines of
+  ``logger``: none for work that ends within ``every_secs``, then one each
+  ``every_secs`` with bytes done, of how many, and the rate so far. Thread-safe."""
+
+  def __init__(self, logger: Any, what: str, total: int, *, every_secs: float = 5.0) -> None:
+    self.logger, self.what, self.total, self.every = logger, what, total, every_secs
+    self.nbytes = 0
+    self._start = self._last = time.monotonic()
+    self._lock = threading.Lock()
+
+  def update(self, n: int) -> None:
+    with self._lock:
+      self.nbytes += n
+      now = time.monotonic()
+      if now - self._last < self.every:
+        return
+      self._last = now
+      done, secs = self.nbytes, now - self._start
+    self.logger.info("%s: %s of %s (%.0f%%) in %.1f s, %s", self.what, human_bytes(done),
+                     human_bytes(self.total), 100 * done / max(self.total, 1), secs,
+                     rate(done, secs))

@@ -21,7 +21,7 @@ import tensorstore as ts
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box, SnapshotManifest
-from jaxckpt.universal import _arrays, _budget, _commit
+from jaxckpt.universal import _arrays, _budget, _commit, _progress
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 
@@ -147,6 +147,8 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
     opened = list(pool.map(lambda p: _arrays.open_for_write(directory, step, p[0])
                            if p[0].is_array and p[1] else None, plans))
   leaves = []
+  progress = _progress.LogProgress(log, f"persisting step {step} to {directory}",
+                                   sum(s.nbytes for _, u in plans for s in u.values()))
   try:
     for (info, unique), store_info in zip(plans, opened):
       if info.is_array and not unique:  # another process creates the array
@@ -159,6 +161,7 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
         sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
                              budget)
         info = _arrays.replace(info, chunks=sums)
+        progress.update(sum(s.nbytes for s in unique.values()))
       obj = info.to_obj()
       obj["boxes"] = [[list(p) for p in b] for b in unique]
       leaves.append(obj)
