@@ -14,7 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _items, _preemption, _storage_only, _wait, capture, errors, tree, universal
+from jaxckpt import capture, errors, tree, universal
+from jaxckpt.capture import _storage_only
+from jaxckpt.orbax import _items
+from jaxckpt.util import _preemption, _wait
 from jaxckpt.agent import AgentStore, _parity, _paths
 from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore, InProcessStore
@@ -237,7 +240,7 @@ class CheckpointManager:
 
   def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
                        t0: float) -> bool:
-    """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt._storage_only`."""
+    """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt.capture._storage_only`."""
     leaves, _ = tree.flatten(state)
     attempt = self._new_attempt(step)
     try:

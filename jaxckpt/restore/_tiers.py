@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 import jax
 
-from jaxckpt import _wait, errors, universal
+from jaxckpt import errors, universal
+from jaxckpt.util import _wait
 from jaxckpt.host.snapshot import LeafRecord
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv

@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _wait, errors
+from jaxckpt import errors
+from jaxckpt.util import _wait
 from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays
 from jaxckpt.universal import _layout as lay
