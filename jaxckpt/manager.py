@@ -14,9 +14,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from etils import epath
+
 from jaxckpt import capture, errors, tree, universal
 from jaxckpt.capture import _storage_only
-from jaxckpt.orbax import _items
+from jaxckpt.orbax import _options as _orbax_options
+from jaxckpt.orbax import _verbs
+from jaxckpt.orbax._verbs import OrbaxVerbs
 from jaxckpt.util import _preemption, _wait
 from jaxckpt.agent import AgentStore, _parity, _paths
 from jaxckpt.host import _persist
@@ -55,7 +59,7 @@ class SaveStats:
   agent_restarts: int = 0              # dead snapshot agents replaced by a new one
 
 
-class CheckpointManager:
+class CheckpointManager(OrbaxVerbs):
   """Snapshots a training state every step and restores it from the fastest tier.
 
   >>> import jax.numpy as jnp, jaxckpt as jc
@@ -71,23 +75,32 @@ class CheckpointManager:
   checksum per shard, and commits the step. ``restore()`` verifies every
   checksum before anything is returned and reports what it did in
   ``last_restore``.
+
+  orbax's manager is this one with orbax's arguments: ``options`` may be an
+  ``ocp.CheckpointManagerOptions`` (orbax's meaning: :mod:`jaxckpt.orbax._options`),
+  and ``metadata`` (the root metadata, written once), ``item_names``,
+  ``item_handlers`` and ``logger`` are orbax's (``handler_registry`` is accepted:
+  jaxckpt needs no handlers).
   """
 
-  def __init__(self, directory: str | None = None,
-               options: CheckpointOptions | None = None, *,
-               store: HostStore | None = None) -> None:
-    self.options = options or CheckpointOptions()
-    if not isinstance(self.options, CheckpointOptions):
+  def __init__(self, directory: Any = None, options: Any = None, *,
+               store: HostStore | None = None, metadata: Any = None, item_names: Any = None,
+               item_handlers: Any = None, logger: Any = None,  # pylint: disable=redefined-outer-name
+               handler_registry: Any = None) -> None:
+    del handler_registry          # orbax's handlers: jaxckpt saves every item kind itself
+    self.options, self._rules = _orbax_options.translate(options)
+    self._dir = None if directory is None else os.fspath(directory)
+    if self._dir is None and self._rules.orbax:
       raise errors.InvalidArgumentError(
-          f"options={self.options!r} must be a jaxckpt.CheckpointOptions")
-    self.directory = None if directory is None else os.fspath(directory)
+          "CheckpointManager(options=ocp.CheckpointManagerOptions(...)) needs the directory, "
+          "as orbax's: CheckpointManager('/path/or/s3://bucket/run', options)")
     self._persist_config = None
     self._run_id = None
     self._attempts: dict[int, str] = {}       # step -> this run's newest persist attempt
     self._persist_counts: dict[int, int] = {}
     self._on_storage: set[int] = set()
     self._told: set[str] = set()              # persist attempts whose failure was raised
-    if self.directory is None and (self.options.persist_interval_steps is not None
+    if self._dir is None and (self.options.persist_interval_steps is not None
                                    or self.options.max_to_keep is not None):
       given = ", ".join(f"{n}={getattr(self.options, n)!r}" for n in
                         ("persist_interval_steps", "max_to_keep")
@@ -96,18 +109,19 @@ class CheckpointManager:
           f"CheckpointOptions({given}) says how to keep steps on storage, but the manager has "
           "no directory, so nothing would ever be persisted: pass CheckpointManager("
           "'/path/or/s3://bucket/run', options), or leave them None for host snapshots only")
-    if not self.options.host_snapshots and self.directory is None:
+    if not self.options.host_snapshots and self._dir is None:
       raise errors.InvalidArgumentError(
           "CheckpointOptions(host_snapshots=False) writes every save straight to storage, so "
           "the manager needs a directory: CheckpointManager('/path/or/s3://bucket/run', options)")
-    if self.directory is not None:
-      _persist.check_directory(self.directory, timeout_secs=self.options.timeout_secs)
+    if self._dir is not None and not self._rules.read_only and (
+        self._rules.create or os.path.isdir(self._dir) or "://" in self._dir):
+      _persist.check_directory(self._dir, timeout_secs=self.options.timeout_secs)
       self._persist_config = _persist.PersistConfig(
-          self.directory, self.options.persist_interval_steps or self.options.save_interval_steps,
+          self._dir, self.options.persist_interval_steps or self.options.save_interval_steps,
           self.options.max_to_keep, self.options.timeout_secs,
           hold_until_committed=self.options.parity is not None)
       self._run_id = _agree_run_id(self.options.timeout_secs)
-      self._on_storage = set(_tiers.storage_steps(self.directory))
+      self._on_storage = set(_tiers.storage_steps(self._dir))
     self._store = store or self._make_store()
     if store is not None and self._persist_config is not None:
       store.persist_to(self._persist_config)   # every store persists what it holds
@@ -131,6 +145,12 @@ class CheckpointManager:
     self._preemption = _preemption.Notice(install=self.options.handle_sigterm,
                                           grace_secs=self.options.sigterm_grace_secs,
                                           on_deadline=self._close_before_exit)
+    self._init_orbax(metadata, item_names, item_handlers, logger)
+
+  @property
+  def directory(self) -> epath.Path | None:
+    """The checkpoint directory, as a path object (orbax's ``directory``), or None."""
+    return None if self._dir is None else epath.Path(self._dir)
 
   def _make_store(self) -> HostStore:
     limit = self.options.host_memory_limit_bytes or default_host_memory_limit_bytes()
@@ -167,11 +187,14 @@ class CheckpointManager:
   # -- saving ---------------------------------------------------------------
 
   def save(self, step: int, state: Any = None, *, args: Any = None,
-           metadata: dict[str, Any] | None = None, force: bool = False) -> bool:
+           metadata: dict[str, Any] | None = None, force: bool = False, metrics: Any = None,
+           custom_metadata: dict[str, Any] | None = None) -> bool:
     """Starts a snapshot of ``state`` at ``step``; returns True if one was started.
 
-    ``args=ocp.args.StandardSave(state)`` (orbax's form) is taken too, so an
-    orbax loop ports with only its manager's construction changed.
+    orbax's forms are taken too, so an orbax loop ports with only its manager's
+    construction changed: ``args=ocp.args.StandardSave(state)`` (and the other
+    args, ``Composite`` included), ``metrics=`` (kept with the step: ``best_fn``
+    ranks by them) and ``custom_metadata=`` (orbax's name of ``metadata``).
 
     Returns False (and counts it in ``stats``) when ``step`` is off the save
     interval or the previous snapshot is still being copied and
@@ -179,45 +202,53 @@ class CheckpointManager:
     for storage is never skipped: it waits for the previous snapshot (at most
     ``timeout_secs``; SnapshotTimeoutError names the step and what was late).
     A snapshot of ``step`` discards held snapshots of steps >= ``step`` (they
-    belong to a timeline that was rolled back).
+    belong to a timeline that was rolled back). With orbax's options, orbax
+    decides which steps are saved (and a step is saved once).
+
+    Raises:
+      StepAlreadyExistsError (a ValueError): ``step`` is on storage or on its way
+        there (so no two tiers ever hold different bytes under one step), or,
+        with orbax's options, held at all.
     """
     t0 = time.perf_counter()
     self._check_open("save")
-    if _items.is_composite(args) and state is None:
-      state, metadata = _items.to_tree(args, metadata)
-      args = None
-    state = _orbax_item(state, args, "save", "state", "StandardSave")
+    state, metadata = self._forms.save(state, args, _merged(metadata, custom_metadata))
     self._raise_background_error(ask_agent=False)
     step = check_step(step, "save")
-    if not force and step % self.options.save_interval_steps:
+    if self._rules.orbax:
+      if not self._orbax_may_save(step, force):
+        return False
+    elif not force and step % self.options.save_interval_steps:
       self.stats.skipped_interval += 1
       return False
     persist_due = self._persist_due(step)
-    if persist_due and step in self._on_storage:
-      self._refuse_committed(step)
+    self._refuse_existing(step)
+    metadata = self._record(step, metadata, metrics)
     if not self.options.host_snapshots:
-      return self._save_to_storage(step, state, metadata, t0) if persist_due else False
+      return self._saved(step, persist_due and self._save_to_storage(step, state, metadata, t0),
+                         t0)
     if not self._wait_for_previous(step):   # before any per-leaf work: skips stay cheap
-      return False
+      return self._saved(step, False, t0)
     leaves, _ = tree.flatten(state)
     plan = self._planner.plan(leaves)
     slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout(step))
     self.stats.agent_restarts = self._store.restarts
     if slot is None:
       self._no_slot(step, persist_due)
-      return False
+      return self._saved(step, False, t0)
     try:
       sources = capture.start(leaves, plan)
     except BaseException:
       self._store.abort(slot)
       raise
     attempt = self._new_attempt(step) if persist_due else None
+    self._pending_step = step
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
                                       metadata, t0, attempt)
     self._last_save_at = t0
     self.stats.started += 1
     self.stats.last_blocking_secs = time.perf_counter() - t0
-    return True
+    return self._saved(step, True, t0)
 
   def _no_slot(self, step: int, due: bool) -> None:
     """A save found no free slot: skipped if not due for storage, else raises."""
@@ -225,7 +256,7 @@ class CheckpointManager:
     if status.pending:
       age = time.time() - status.oldest_since if status.oldest_since else 0.0
       held = (f"every slot is held: persists of steps {list(status.pending)} to "
-              f"{self.directory!r} have not ended (the oldest was committed {age:.1f} s ago)")
+              f"{self._dir!r} have not ended (the oldest was committed {age:.1f} s ago)")
     else:
       held = ("every slot is held by a committed step: one a restore still reads, or the "
               "newest step protected by parity, kept until a newer one is protected")
@@ -245,12 +276,12 @@ class CheckpointManager:
     attempt = self._new_attempt(step)
     try:
       staged = _storage_only.save(
-          self.directory, step, leaves, self._planner,
+          self._dir, step, leaves, self._planner,
           budget=self.options.host_memory_limit_bytes or _storage_only.DEFAULT_STAGING_BYTES,
           attempt=attempt, process=self._process, metadata=metadata,
           timeout_secs=self.options.timeout_secs, max_to_keep=self.options.max_to_keep)
     except BaseException:
-      _persist.discard_quietly(self.directory, step, attempt)   # what it wrote is unreachable
+      _persist.discard_quietly(self._dir, step, attempt)   # what it wrote is unreachable
       raise
     self._on_storage.add(step)
     self.stats.started += 1
@@ -328,7 +359,7 @@ class CheckpointManager:
       logger.warning(
           "storage is slower than the loop: %d persists to %s are queued (oldest step %d, "
           "%.1f s and %d steps behind); while their slots are held, saves not due for storage "
-          "are skipped and due ones wait", st.persists_pending, self.directory,
+          "are skipped and due ones wait", st.persists_pending, self._dir,
           st.oldest_unpersisted_step, st.persist_lag_secs, st.persist_lag_steps)
 
   def should_save(self, step: int) -> bool:
@@ -337,9 +368,13 @@ class CheckpointManager:
     host snapshots, a step not due for storage is also refused while
     ``on_busy="skip"`` and the previous snapshot is still being copied, or when
     no snapshot slot is free (persists hold them). A save due for storage is
-    never skipped (it waits), so it is always True for one.
+    never skipped (it waits), so it is always True for one. With orbax's
+    options: orbax's ``should_save`` (read-only, newer than the newest step, and
+    the save decision policy).
     """
     step = check_step(step, "should_save")
+    if self._rules.orbax:
+      return not self._closed and self._orbax_should_save(step)
     if self._closed or step % self.options.save_interval_steps:
       return False
     due = self._persist_due(step)
@@ -360,17 +395,22 @@ class CheckpointManager:
     attempt = self._attempts[step] = _persist.attempt_id(self._run_id, step, nth)
     return attempt
 
-  def _refuse_committed(self, step: int) -> None:
-    """Raises StepExistsError if ``step`` is committed on storage (checked there)."""
-    if step not in _tiers.storage_steps(self.directory):   # deleted since (gc, delete)
+  def _refuse_existing(self, step: int) -> None:
+    """Raises StepAlreadyExistsError if ``step`` is committed on storage or on its way
+    there: a step saved again never leaves two tiers holding different bytes."""
+    if self._dir is None or (step not in self._on_storage and step not in self._attempts):
+      return
+    if step in self._store.persist_status(ask=False).pending:
+      where = "its first save is being persisted"
+    elif step in _tiers.storage_steps(self._dir):
+      where = (f"it is committed in {self._dir!r} (persist attempt "
+               f"{universal.committed_by(self._dir, step)!r})")
+    else:                                     # deleted since (gc, delete), or never stored
       self._on_storage.discard(step)
       return
-    raise errors.StepExistsError(
-        f"save(step={step}): step {step} is already committed in {self.directory!r} "
-        f"(persist attempt {universal.committed_by(self.directory, step)!r}), by another job "
-        "or by this job before a rollback; a save never overwrites a committed step, so "
-        f"nothing was saved. Delete it first (jaxckpt.universal.discard_step("
-        f"{self.directory!r}, {step})), or persist into another directory")
+    raise _verbs.already_exists(
+        f"save(step={step}): step {step} already exists: {where}; a step is saved once, so "
+        f"nothing was saved. Delete it first (mgr.delete({step})), or save another step")
 
   def _complete(self, step, plan, sources, slot, metadata, t0, attempt) -> None:
     try:
@@ -406,6 +446,7 @@ class CheckpointManager:
     self.wait_until_snapshotted(timeout)
     if self._persist_config is not None and self.options.host_snapshots:
       self._wait_for_persists(timeout, "wait_until_finished")
+    self._finalized()
 
   def wait_until_snapshotted(self, timeout_secs: float | None = None) -> None:
     """Blocks until the snapshot in flight is committed in host memory (not
@@ -451,7 +492,7 @@ class CheckpointManager:
     if failed:
       where = (f"process {self._process[0]}" + ("" if self.options.agent is None
                                                 else ", in its snapshot agent"))
-      first = failed[0].exception(f"{where}, to {self.directory!r}")
+      first = failed[0].exception(f"{where}, to {self._dir!r}")
       for other in failed[1:]:
         logger.error("also: persisting step %d failed: %s", other.step, other.message)
       raise first
@@ -470,7 +511,7 @@ class CheckpointManager:
       self._raise_failed(failed)          # a failure said first: it is why, not the wait
       left = sorted(want & set(self._store.persist_status(ask=False).pending))
       return (f"{what}: {self._store_name()} of process {self._process[0]} did not persist "
-              f"steps {left} to {self.directory!r} within {timeout} s (it goes on trying)")
+              f"steps {left} to {self._dir!r} within {timeout} s (it goes on trying)")
     if want:
       _wait.until(ended, timeout_secs=timeout, late=late)
     self._raise_failed(failed)
@@ -481,12 +522,18 @@ class CheckpointManager:
   # -- what is held ---------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """Restorable steps: complete on every host that saved them, rebuildable from
-    the survivors' parity (parity on), or on storage."""
+    """Restorable steps: the one being saved, those complete on every host that
+    saved them, rebuildable from the survivors' parity (parity on), or on storage
+    (as orbax's: those stored when this manager started, by itself since, or seen
+    by ``reload()``), less those the preservation policy dropped."""
     self._check_open("all_steps")
+    pending = self._pending
+    flight = {self._pending_step} if pending is not None and not pending.done() else set()
     held = _tiers.complete_steps(self._store)
     rebuilt = _tiers.rebuildable_steps(held, self._store) if self.options.parity else []
-    return sorted(set(held) | set(rebuilt) | set(_tiers.storage_steps(self.directory)))
+    self._known.update(held, rebuilt)
+    stored = self._known.intersection(_tiers.storage_steps(self._dir))
+    return sorted((flight | set(held) | set(rebuilt) | stored) - self._removed)
 
   def wait_until_persisted(self, step: int | None = None,
                            timeout_secs: float | None = None) -> None:
@@ -502,7 +549,7 @@ class CheckpointManager:
         missing on storage.
     """
     self._check_open("wait_until_persisted")
-    if self.directory is None:
+    if self._dir is None:
       raise errors.InvalidArgumentError(
           "wait_until_persisted(): this manager has no directory; pass "
           "CheckpointManager(directory=...) to persist")
@@ -518,28 +565,28 @@ class CheckpointManager:
 
     def stored() -> bool:
       self._raise_persist_error()
-      if step in _tiers.storage_steps(self.directory):
-        by = universal.committed_by(self.directory, step)
+      if step in _tiers.storage_steps(self._dir):
+        by = universal.committed_by(self._dir, step)
         if attempt is None or by == attempt:
           return True
         self._told.add(attempt)
         raise errors.StepExistsError(
-            f"step {step} is already committed in {self.directory!r} by persist attempt "
+            f"step {step} is already committed in {self._dir!r} by persist attempt "
             f"{by!r}, not by this manager's ({attempt!r}): another writer got there first; "
             "this manager's snapshot of it was not stored")
       if attempt is None:
         raise errors.StepNotFoundError(
             f"wait_until_persisted(step={step}): this manager never saved step {step} for "
-            f"storage and it is not on {self.directory!r}")
+            f"storage and it is not on {self._dir!r}")
       return False
 
     def late() -> str:
       count = self._process[1]
-      missing = universal.missing_parts(self.directory, step, attempt, count)
+      missing = universal.missing_parts(self._dir, step, attempt, count)
       who = (f"processes {missing} of {count} (their agents or trainers) did not write their "
              "part" if missing else "every process wrote its part but process 0 did not "
              "commit it")
-      return (f"step {step} was not persisted to {self.directory!r} within {timeout} s: {who} "
+      return (f"step {step} was not persisted to {self._dir!r} within {timeout} s: {who} "
               f"(persist attempt {attempt!r})")
     _wait.until(stored, timeout_secs=timeout, late=late)
     self._on_storage.add(step)
@@ -584,32 +631,37 @@ class CheckpointManager:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def metadata(self, step: int | None = None) -> _read.StepMetadata:
-    """The structure of ``step`` (default: the newest): every leaf's kind, shape,
-    dtype and saving sharding, and the user metadata saved with it, from the
-    host tier when it holds the step, else from storage. Reads no array bytes.
+  def metadata(self, step: int | None = None) -> Any:
+    """The structure of ``step``: every leaf's kind, shape, dtype and saving
+    sharding, and the metadata saved with it, from the host tier when it holds the
+    step, else from storage. Reads no array bytes. Without a step, orbax's root
+    metadata (``RootMetadata``: ``CheckpointManager(metadata=...)``).
 
     Raises:
       StepNotFoundError: neither this host nor storage holds ``step``.
     """
     self._check_open("metadata")
-    step = self.latest_step() if step is None else check_step(step, "metadata")
     if step is None:
-      raise errors.StepNotFoundError("metadata(): no step is held on any tier")
+      return self._root_metadata()
+    step = check_step(step, "metadata")
+    return self._step_metadata(step, *self._core_metadata(step))
+
+  def _core_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
+    """The tier that describes ``step``, its leaves by path and its metadata."""
     if step in self._store.steps():
       with self._store.read(step) as (manifest, _):
         leaves = {r.path: _leaf_metadata(r) for r in manifest.leaves}
         meta = dict(manifest.metadata)
       tier = "host"
-    elif self.directory is not None and step in _tiers.storage_steps(self.directory):
-      reader = universal.open_step(self.directory, step)
+    elif self._dir is not None and step in _tiers.storage_steps(self._dir):
+      reader = universal.open_step(self._dir, step)
       leaves = {p: _leaf_metadata(i) for p, i in reader.leaves.items()}
       meta, tier = dict(reader.metadata), "storage"
     else:
       raise errors.StepNotFoundError(
           f"metadata(): step {step} is held neither in host memory ({self._store.steps()}) nor "
-          f"in storage ({_tiers.storage_steps(self.directory)})")
-    return _read.StepMetadata(step, tier, tree.nest(leaves), meta)
+          f"in storage ({_tiers.storage_steps(self._dir)})")
+    return tier, leaves, meta
 
   def delete(self, step: int) -> None:
     """Deletes ``step`` from every tier, for good: this host's snapshot (a
@@ -617,31 +669,46 @@ class CheckpointManager:
     never runs, a running one never commits: delete waits for it to end) and,
     from process 0, storage. No tier holds it afterwards, nor commits it later.
 
+    A read-only manager (orbax's ``read_only``) deletes nothing (logged).
+
     Raises:
       StepNotFoundError: no tier holds ``step``.
     """
     self._check_open("delete")
     step = check_step(step, "delete")
+    if self._rules.read_only:
+      logger.warning("%s is read only: delete(%d) is skipped", self._dir, step)
+      return
     self.wait_until_snapshotted()
+    held, stored, fenced = self._delete_everywhere(step)
+    if not (held or stored or fenced):
+      raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
+    logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
+
+  def _delete_everywhere(self, step: int) -> tuple[bool, bool, bool]:
+    """Deletes ``step`` from this host and, from process 0, storage; says what held it."""
     # Fenced first: a queued persist of the step never runs, a running one never
     # commits, and discard returns once it has ended; only then is storage cleared.
     held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
     fenced = self._attempts.pop(step, None) is not None
-    stored = self.directory is not None and step in _tiers.storage_steps(self.directory)
+    stored = self._dir is not None and step in _tiers.storage_steps(self._dir)
     if stored and self._process[0] == 0:
-      universal.discard_step(self.directory, step)
-    if not (held or stored or fenced):
-      raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
+      universal.discard_step(self._dir, step, todelete_subdir=self._rules.todelete_subdir)
     self._on_storage.discard(step)
-    logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
+    self._infos.pop(step, None)
+    return held, stored, fenced
 
   # -- restoring ------------------------------------------------------------
 
   def restore(self, step: int | None = None, target: Any = None, *, args: Any = None,
-              partial: bool = False) -> Any:
+              partial: bool = False, directory: Any = None) -> Any:
     """Restores ``step`` (the newest when None) onto ``target``'s structure and shardings.
 
-    ``args=ocp.args.StandardRestore(target)`` (orbax's form) is taken too.
+    orbax's forms are taken too: ``args=ocp.args.StandardRestore(target)``,
+    ``PyTreeRestore(item, restore_args=..., partial_restore=...)`` (with
+    ``ocp.PLACEHOLDER`` leaves), ``ArrayRestore``, ``JsonRestore``, Grain's
+    ``CheckpointRestore`` and a ``Composite`` of any of the saved items (a
+    Composite comes back); ``directory=`` restores a step stored elsewhere.
 
     Args:
       step: the step to restore; None for the newest held one.
@@ -660,24 +727,30 @@ class CheckpointManager:
       CorruptSnapshotError: a stored shard fails its checksum.
     """
     self._check_open("restore")
+    t0 = time.perf_counter()
     if step is not None:
       step = check_step(step, "restore")
-    if _items.is_composite(args) and target is None:
-      step = self.latest_step() if step is None else step
-      if step is None:
-        raise errors.StepNotFoundError("restore(): no step is held on any tier; save first")
-      meta = self.metadata(step)
-      return _items.restore(args, meta.metadata,
-                            lambda t: self.restore(step, t, partial=partial),
-                            lambda name: meta.tree[name])
-    target = _orbax_item(target, args, "restore", "target", "StandardRestore", required=False)
-    self.wait_until_snapshotted()
-    out, self.last_restore = _tiers.restore(self._store, self.directory, step, target,
+    if directory is not None:
+      return self._restore_elsewhere(directory, step, target, args, partial)
+    self.wait_until_snapshotted()     # first: a step saved just now is the newest
+    if step is None and self._removed:
+      step = self.latest_step()       # not one the preservation policy dropped
+    if args is None and target is not None:
+      out = self._read(step, target, partial)
+    else:
+      step, _ = _tiers.choose_step(self._store, self._dir, step,   # the job's, on its tiers
+                                   timeout_secs=self.options.timeout_secs)
+      _, leaves, meta = self._core_metadata(step)
+      out = self._forms.restore(args, target, partial, leaves, meta,
+                                lambda t, p: self._read(step, t, p))
+    self._log_entry("restore", self.last_restore.step, t0)
+    return out
+
+  def _read(self, step: int | None, target: Any, partial: bool) -> Any:
+    out, self.last_restore = _tiers.restore(self._store, self._dir, step, target,
                                             partial=partial,
                                             timeout_secs=self.options.timeout_secs)
-    if target is None:
-      out = tree.nest(out)
-    return out
+    return tree.nest(out) if target is None else out
 
   # -- preemption -----------------------------------------------------------
 
@@ -706,6 +779,7 @@ class CheckpointManager:
       if self._persist_config is not None:
         self._wait_for_persists(self.options.timeout_secs, "close")
       self._raise_background_error()
+      self._finalized()
     finally:
       self._closed = True
       self._pool.shutdown(wait=True)
@@ -752,25 +826,15 @@ def _leaf_metadata(rec: Any) -> _read.LeafMetadata:
                                tree.scalar_from_json(rec.value), rec.key_impl)
 
 
-def _orbax_item(given: Any, args: Any, verb: str, name: str, orbax_cls: str, *,
-                required: bool = True) -> Any:
-  """``given``, or the tree inside orbax's ``args`` (``StandardSave(tree)``,
-  ``StandardRestore(tree)``, ``PyTreeSave``: anything with ``.item``)."""
-  if args is None:
-    if required and given is None:
-      raise errors.InvalidArgumentError(f"{verb}() needs the {name}: {verb}(step, {name})")
-    return given
-  if given is not None:
+def _merged(metadata: dict[str, Any] | None,
+            custom_metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+  """``metadata`` and orbax's ``custom_metadata`` (its name for it), as one dict."""
+  if custom_metadata is None:
+    return metadata
+  if metadata is not None:
     raise errors.InvalidArgumentError(
-        f"{verb}() got both {name}= and args=; pass one (args=ocp.args.{orbax_cls}({name}) is "
-        f"the orbax form of {name}=)")
-  try:
-    return args.item
-  except (AttributeError, KeyError):
-    raise errors.InvalidArgumentError(
-        f"{verb}(args={type(args).__name__}(...)): jaxckpt takes one tree per step, as "
-        f"args=ocp.args.{orbax_cls}(tree), {name}=tree, or several items as "
-        "args=ocp.args.Composite(name=ocp.args.StandardSave(...), ...)") from None
+        "save() got both metadata= and custom_metadata= (orbax's name for metadata=); pass one")
+  return dict(custom_metadata)
 
 
 def _agree_run_id(timeout_secs: float) -> str:

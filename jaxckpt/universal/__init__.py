@@ -14,6 +14,8 @@ from jaxckpt.universal._commit import discard_step
 from jaxckpt.universal._commit import gc_steps
 from jaxckpt.universal._commit import latest_step
 from jaxckpt.universal._commit import missing_parts
+from jaxckpt.universal._commit import read_json
+from jaxckpt.universal._commit import write_json
 from jaxckpt.universal._commit import wait_committed
 from jaxckpt.universal._manifest import LeafInfo
 from jaxckpt.universal._read import RegionReader
@@ -42,6 +44,8 @@ __all__ = [
     "gc_steps",
     "latest_step",
     "missing_parts",
+    "read_json",
+    "write_json",
     "wait_committed",
     "new_attempt",
     "open_step",

@@ -427,16 +427,25 @@ def latest_step(directory: str) -> int | None:
   return steps[-1] if steps else None
 
 
-def discard_step(directory: str, step: int) -> None:
+def discard_step(directory: str, step: int, *, todelete_subdir: str | None = None) -> None:
   """Deletes a step, every attempt at it included (marker first, so it is never
-  listed half-deleted)."""
+  listed half-deleted). With ``todelete_subdir`` (orbax's option) a local
+  directory's step is moved into ``directory/todelete_subdir/`` instead, for a
+  reaper to remove later; on an object store it is deleted (as orbax does on GCS)."""
   kv = lay.open_kvstore(directory)
   kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
   prefix = lay.step_dir(step)
-  kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   local = lay.local_path(directory)
+  if todelete_subdir and local is not None and os.path.isdir(os.path.join(local, prefix)):
+    into = os.path.join(local, todelete_subdir)
+    os.makedirs(into, exist_ok=True)
+    os.replace(os.path.join(local, prefix), os.path.join(into, prefix.rstrip("/")))
+    return
+  kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if local is not None:  # the file kvstore leaves empty directories behind
     shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+    with contextlib.suppress(OSError):       # the last step gone: an empty directory again
+      os.rmdir(os.path.join(local, lay.COMMITS_PREFIX))
 
 
 def discard_attempt(directory: str, step: int, attempt: str) -> None:
@@ -452,6 +461,17 @@ def discard_attempt(directory: str, step: int, attempt: str) -> None:
     local = lay.local_path(directory)
     if local is not None:
       shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+
+
+def read_json(directory: str, name: str) -> Any:
+  """The JSON object stored under ``name`` beside the steps (None if absent)."""
+  return lay.read_json(lay.open_kvstore(directory), name)
+
+
+def write_json(directory: str, name: str, obj: Any) -> None:
+  """Stores ``obj`` as JSON under ``name`` beside the steps (one put)."""
+  kv = lay.open_kvstore(directory)
+  lay.storage_result(kv.write(name, json.dumps(obj).encode()), f"writing {name}", directory)
 
 
 def gc_steps(directory: str, *, max_to_keep: int, keep: Iterable[int] = ()) -> list[int]:
