@@ -22,12 +22,10 @@ from jaxckpt.orbax import _options as _orbax_options
 from jaxckpt.orbax import _verbs
 from jaxckpt.orbax._verbs import OrbaxVerbs
 from jaxckpt.util import _preemption, _wait
-from jaxckpt.agent import AgentStore, _parity, _paths
+from jaxckpt.agent import _factory
 from jaxckpt.host import _persist
-from jaxckpt.host.store import HostStore, InProcessStore
-from jaxckpt.net import _kv
-from jaxckpt.options import (CheckpointOptions, default_copy_threads,
-                             default_host_memory_limit_bytes)
+from jaxckpt.host.store import HostStore
+from jaxckpt.options import default_copy_threads
 from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
@@ -94,35 +92,21 @@ class CheckpointManager(OrbaxVerbs):
       raise errors.InvalidArgumentError(
           "CheckpointManager(options=ocp.CheckpointManagerOptions(...)) needs the directory, "
           "as orbax's: CheckpointManager('/path/or/s3://bucket/run', options)")
-    self._persist_config = None
-    self._run_id = None
-    self._attempts: dict[int, str] = {}       # step -> this run's newest persist attempt
-    self._persist_counts: dict[int, int] = {}
-    self._on_storage: set[int] = set()
-    self._told: set[str] = set()              # persist attempts whose failure was raised
-    if self._dir is None and (self.options.persist_interval_steps is not None
-                                   or self.options.max_to_keep is not None):
-      given = ", ".join(f"{n}={getattr(self.options, n)!r}" for n in
-                        ("persist_interval_steps", "max_to_keep")
-                        if getattr(self.options, n) is not None)
-      raise errors.InvalidArgumentError(
-          f"CheckpointOptions({given}) says how to keep steps on storage, but the manager has "
-          "no directory, so nothing would ever be persisted: pass CheckpointManager("
-          "'/path/or/s3://bucket/run', options), or leave them None for host snapshots only")
-    if not self.options.host_snapshots and self._dir is None:
-      raise errors.InvalidArgumentError(
-          "CheckpointOptions(host_snapshots=False) writes every save straight to storage, so "
-          "the manager needs a directory: CheckpointManager('/path/or/s3://bucket/run', options)")
-    if self._dir is not None and not self._rules.read_only and (
-        self._rules.create or os.path.isdir(self._dir) or "://" in self._dir):
-      _persist.check_directory(self._dir, timeout_secs=self.options.timeout_secs)
+    self.options.check_directory(self._dir)
+    self._persist_config = self._run_id = None
+    if self._dir is not None and not self._rules.read_only:   # read-only: nothing is written
+      if self._rules.create or os.path.isdir(self._dir) or "://" in self._dir:
+        _persist.check_directory(self._dir, timeout_secs=self.options.timeout_secs)
       self._persist_config = _persist.PersistConfig(
           self._dir, self.options.persist_interval_steps or self.options.save_interval_steps,
           self.options.max_to_keep, self.options.timeout_secs,
           hold_until_committed=self.options.parity is not None)
-      self._run_id = _agree_run_id(self.options.timeout_secs)
-      self._on_storage = set(_tiers.storage_steps(self._dir))
-    self._store = store or self._make_store()
+      self._run_id = _factory.agree_run_id(self.options.timeout_secs)
+    self._process = (jax.process_index(), jax.process_count())
+    self._persists = _persist.Attempts(
+        self._persist_config, self._run_id, self._process,
+        "the in-process store" if self.options.agent is None else "the snapshot agent")
+    self._store = store or _factory.make_store(self.options, self._persist_config)
     if store is not None and self._persist_config is not None:
       store.persist_to(self._persist_config)   # every store persists what it holds
     if store is None and self.options.agent is not None and jax.process_count() > 1:
@@ -141,7 +125,6 @@ class CheckpointManager(OrbaxVerbs):
     self._lag_warn_at = 2               # persists pending that get a warning (doubles each time)
     self._last_save_at = time.perf_counter()
     self.last_restore: _read.RestoreInfo | None = None
-    self._process = (jax.process_index(), jax.process_count())
     self._preemption = _preemption.Notice(install=self.options.handle_sigterm,
                                           grace_secs=self.options.sigterm_grace_secs,
                                           on_deadline=self._close_before_exit)
@@ -151,38 +134,6 @@ class CheckpointManager(OrbaxVerbs):
   def directory(self) -> epath.Path | None:
     """The checkpoint directory, as a path object (orbax's ``directory``), or None."""
     return None if self._dir is None else epath.Path(self._dir)
-
-  def _make_store(self) -> HostStore:
-    limit = self.options.host_memory_limit_bytes or default_host_memory_limit_bytes()
-    a = self.options.agent
-    if a is None:
-      return InProcessStore(max_snapshots=self.options.max_snapshots,
-                            host_memory_limit_bytes=limit, persist=self._persist_config)
-    p = self.options.parity
-    if p is not None:
-      from jaxckpt.parity import codec, placement  # pylint: disable=import-outside-toplevel  (numba, ~0.5 s: only with parity)
-      if a.host_id is None:                                     # hosts = this job's processes
-        placement.check_hosts(jax.process_count(), p)
-      codec.warm_up(p.group_size - p.parity, p.parity)  # a rebuild after a restart must not load it
-    host = jax.process_index() if a.host_id is None else a.host_id
-    secret = None
-    if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
-      # One secret for the whole job, each host's run root being private: process 0's.
-      root = a.run_root or _paths.default_run_root()
-      secret = _kv.broadcast_from_0(
-          "agent_secret", lambda: _paths.job_secret(root, a.job_name).decode(),
-          timeout_secs=self.options.timeout_secs)
-    return AgentStore(a, host=host, max_snapshots=self.options.max_snapshots,
-                      limit_bytes=limit,
-                      persist=None if self._persist_config is None
-                      else self._persist_config.to_obj(),
-                      parity=self._parity_config(), secret=secret)
-
-  def _parity_config(self) -> dict[str, Any] | None:
-    p = self.options.parity
-    if p is None:
-      return None
-    return _parity.ParityConfig(p.group_size, p.parity, self.options.timeout_secs).to_obj()
 
   # -- saving ---------------------------------------------------------------
 
@@ -241,7 +192,7 @@ class CheckpointManager(OrbaxVerbs):
     except BaseException:
       self._store.abort(slot)
       raise
-    attempt = self._new_attempt(step) if persist_due else None
+    attempt = self._persists.new(step) if persist_due else None
     self._pending_step = step
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
                                       metadata, t0, attempt)
@@ -263,7 +214,7 @@ class CheckpointManager(OrbaxVerbs):
     if due:
       raise errors.SnapshotTimeoutError(
           f"save(step={step}): the step is due for storage but no slot of "
-          f"{self._store_name()} freed up within {self._reserve_timeout(step)} s: {held}; "
+          f"{self._persists.where} freed up within {self._reserve_timeout(step)} s: {held}; "
           "storage is slower than the loop: persist less often (persist_interval_steps), keep "
           "more snapshots (max_snapshots) or wait longer (timeout_secs)")
     self._skip_busy(step, "no snapshot slot is free (persists in flight)" if status.pending
@@ -273,7 +224,7 @@ class CheckpointManager(OrbaxVerbs):
                        t0: float) -> bool:
     """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt.capture._storage_only`."""
     leaves, _ = tree.flatten(state)
-    attempt = self._new_attempt(step)
+    attempt = self._persists.new(step)
     try:
       staged = _storage_only.save(
           self._dir, step, leaves, self._planner,
@@ -283,7 +234,7 @@ class CheckpointManager(OrbaxVerbs):
     except BaseException:
       _persist.discard_quietly(self._dir, step, attempt)   # what it wrote is unreachable
       raise
-    self._on_storage.add(step)
+    self._persists.on_storage.add(step)
     self.stats.started += 1
     self.stats.committed += 1
     self.stats.last_blocking_secs = self.stats.last_snapshot_secs = time.perf_counter() - t0
@@ -388,29 +339,24 @@ class CheckpointManager(OrbaxVerbs):
         return False
     return self.options.on_busy == "wait" or self._store.has_free_slot()
 
-  def _new_attempt(self, step: int) -> str:
-    """This run's next persist attempt of ``step`` (the same on every process)."""
-    nth = self._persist_counts.get(step, 0)
-    self._persist_counts[step] = nth + 1
-    attempt = self._attempts[step] = _persist.attempt_id(self._run_id, step, nth)
-    return attempt
-
   def _refuse_existing(self, step: int) -> None:
     """Raises StepAlreadyExistsError if ``step`` is committed on storage or on its way
     there: a step saved again never leaves two tiers holding different bytes."""
-    if self._dir is None or (step not in self._on_storage and step not in self._attempts):
+    known = self._persists.on_storage.union(self._persists.by_step)
+    if self._dir is None or step not in known:
       return
-    if step in self._store.persist_status(ask=False).pending:
-      where = "its first save is being persisted"
-    elif step in _tiers.storage_steps(self._dir):
-      where = (f"it is committed in {self._dir!r} (persist attempt "
+    if step in _tiers.storage_steps(self._dir):
+      where = (f"is already committed in {self._dir!r} (persist attempt "
                f"{universal.committed_by(self._dir, step)!r})")
+    elif step in self._store.persist_status(ask=False).pending:
+      where = "is already being persisted (its first save)"
     else:                                     # deleted since (gc, delete), or never stored
-      self._on_storage.discard(step)
+      self._persists.on_storage.discard(step)
       return
     raise _verbs.already_exists(
-        f"save(step={step}): step {step} already exists: {where}; a step is saved once, so "
-        f"nothing was saved. Delete it first (mgr.delete({step})), or save another step")
+        f"save(step={step}): step {step} {where}; a step is saved once (no two tiers may hold "
+        f"different bytes under one step), so nothing was saved. Delete it first "
+        f"(mgr.delete({step})), or save another step")
 
   def _complete(self, step, plan, sources, slot, metadata, t0, attempt) -> None:
     try:
@@ -445,7 +391,7 @@ class CheckpointManager(OrbaxVerbs):
     timeout = timeout_secs or self.options.timeout_secs
     self.wait_until_snapshotted(timeout)
     if self._persist_config is not None and self.options.host_snapshots:
-      self._wait_for_persists(timeout, "wait_until_finished")
+      self._persists.wait_ended(self._store, timeout, "wait_until_finished")
     self._finalized()
 
   def wait_until_snapshotted(self, timeout_secs: float | None = None) -> None:
@@ -469,55 +415,7 @@ class CheckpointManager(OrbaxVerbs):
       err, self._error = self._error, None
     if err is not None:
       raise err
-    self._raise_persist_error(ask_agent=ask_agent)
-
-  def _raise_persist_error(self, *, ask_agent: bool = True) -> None:
-    """Raises the first error of a background persist (this process's or its agent's).
-
-    Without ``ask_agent`` (``save()``: no request on the save path) an agent's
-    errors are those its commit replies brought back.
-    """
-    if self._persist_config is None:
-      return
-    self._raise_failed(self._store.persist_errors(ask=ask_agent))
-
-  def _raise_failed(self, failed: list[Any]) -> None:
-    failed = [e for e in failed if e.attempt not in self._told]   # raised once only
-    self._told.update(e.attempt for e in failed)
-    earlier = [e for e in failed if not _persist.of_run(e.attempt, self._run_id)]
-    for e in earlier:         # an earlier run's (its agent outlived it): not this run's save
-      logger.error("a persist of step %d by an earlier run (attempt %s) failed: %s; that "
-                   "step is not on storage", e.step, e.attempt, e.message)
-    failed = [e for e in failed if e not in earlier]
-    if failed:
-      where = (f"process {self._process[0]}" + ("" if self.options.agent is None
-                                                else ", in its snapshot agent"))
-      first = failed[0].exception(f"{where}, to {self._dir!r}")
-      for other in failed[1:]:
-        logger.error("also: persisting step %d failed: %s", other.step, other.message)
-      raise first
-
-  def _wait_for_persists(self, timeout: float, what: str) -> None:
-    """Waits until the store's persists of the steps this manager saved for
-    storage have ended (persisted, failed or fenced), then raises the first failure."""
-    want = {s for s, a in self._attempts.items() if a not in self._told}
-    failed: list[Any] = []
-
-    def ended() -> bool:
-      failed.extend(self._store.persist_errors())
-      return not want & set(self._store.persist_status().pending)
-
-    def late() -> str:
-      self._raise_failed(failed)          # a failure said first: it is why, not the wait
-      left = sorted(want & set(self._store.persist_status(ask=False).pending))
-      return (f"{what}: {self._store_name()} of process {self._process[0]} did not persist "
-              f"steps {left} to {self._dir!r} within {timeout} s (it goes on trying)")
-    if want:
-      _wait.until(ended, timeout_secs=timeout, late=late)
-    self._raise_failed(failed)
-
-  def _store_name(self) -> str:
-    return "the in-process store" if self.options.agent is None else "the snapshot agent"
+    self._persists.raise_errors(self._store, ask_agent=ask_agent)
 
   # -- what is held ---------------------------------------------------------
 
@@ -556,40 +454,10 @@ class CheckpointManager(OrbaxVerbs):
     if step is not None:
       step = check_step(step, "wait_until_persisted")
     self.wait_until_snapshotted()
-    if step is None:
-      if not self._attempts:
-        return
-      step = max(self._attempts)
-    attempt = self._attempts.get(step)
-    timeout = timeout_secs or self.options.timeout_secs
-
-    def stored() -> bool:
-      self._raise_persist_error()
-      if step in _tiers.storage_steps(self._dir):
-        by = universal.committed_by(self._dir, step)
-        if attempt is None or by == attempt:
-          return True
-        self._told.add(attempt)
-        raise errors.StepExistsError(
-            f"step {step} is already committed in {self._dir!r} by persist attempt "
-            f"{by!r}, not by this manager's ({attempt!r}): another writer got there first; "
-            "this manager's snapshot of it was not stored")
-      if attempt is None:
-        raise errors.StepNotFoundError(
-            f"wait_until_persisted(step={step}): this manager never saved step {step} for "
-            f"storage and it is not on {self._dir!r}")
-      return False
-
-    def late() -> str:
-      count = self._process[1]
-      missing = universal.missing_parts(self._dir, step, attempt, count)
-      who = (f"processes {missing} of {count} (their agents or trainers) did not write their "
-             "part" if missing else "every process wrote its part but process 0 did not "
-             "commit it")
-      return (f"step {step} was not persisted to {self._dir!r} within {timeout} s: {who} "
-              f"(persist attempt {attempt!r})")
-    _wait.until(stored, timeout_secs=timeout, late=late)
-    self._on_storage.add(step)
+    if step is None and not self._persists.by_step:
+      return
+    step = max(self._persists.by_step) if step is None else step
+    self._persists.wait_stored(self._store, step, timeout_secs or self.options.timeout_secs)
 
   def protected_steps(self) -> list[int]:
     """Steps whose parity every host's agent holds in full (parity on), oldest first.
@@ -647,21 +515,7 @@ class CheckpointManager(OrbaxVerbs):
     return self._step_metadata(step, *self._core_metadata(step))
 
   def _core_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
-    """The tier that describes ``step``, its leaves by path and its metadata."""
-    if step in self._store.steps():
-      with self._store.read(step) as (manifest, _):
-        leaves = {r.path: _leaf_metadata(r) for r in manifest.leaves}
-        meta = dict(manifest.metadata)
-      tier = "host"
-    elif self._dir is not None and step in _tiers.storage_steps(self._dir):
-      reader = universal.open_step(self._dir, step)
-      leaves = {p: _leaf_metadata(i) for p, i in reader.leaves.items()}
-      meta, tier = dict(reader.metadata), "storage"
-    else:
-      raise errors.StepNotFoundError(
-          f"metadata(): step {step} is held neither in host memory ({self._store.steps()}) nor "
-          f"in storage ({_tiers.storage_steps(self._dir)})")
-    return tier, leaves, meta
+    return _tiers.step_metadata(self._store, self._dir, step)
 
   def delete(self, step: int) -> None:
     """Deletes ``step`` from every tier, for good: this host's snapshot (a
@@ -690,11 +544,11 @@ class CheckpointManager(OrbaxVerbs):
     # Fenced first: a queued persist of the step never runs, a running one never
     # commits, and discard returns once it has ended; only then is storage cleared.
     held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
-    fenced = self._attempts.pop(step, None) is not None
+    fenced = self._persists.by_step.pop(step, None) is not None
     stored = self._dir is not None and step in _tiers.storage_steps(self._dir)
     if stored and self._process[0] == 0:
       universal.discard_step(self._dir, step, todelete_subdir=self._rules.todelete_subdir)
-    self._on_storage.discard(step)
+    self._persists.on_storage.discard(step)
     self._infos.pop(step, None)
     return held, stored, fenced
 
@@ -777,7 +631,7 @@ class CheckpointManager(OrbaxVerbs):
       if self._pending is not None:
         self._wait(self._pending, self.options.timeout_secs, "close")
       if self._persist_config is not None:
-        self._wait_for_persists(self.options.timeout_secs, "close")
+        self._persists.wait_ended(self._store, self.options.timeout_secs, "close")
       self._raise_background_error()
       self._finalized()
     finally:
@@ -820,12 +674,6 @@ def check_step(step: Any, where: str) -> int:
   return value
 
 
-def _leaf_metadata(rec: Any) -> _read.LeafMetadata:
-  """What ``metadata()`` says of a saved leaf (a host LeafRecord or a stored LeafInfo)."""
-  return _read.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
-                               tree.scalar_from_json(rec.value), rec.key_impl)
-
-
 def _merged(metadata: dict[str, Any] | None,
             custom_metadata: dict[str, Any] | None) -> dict[str, Any] | None:
   """``metadata`` and orbax's ``custom_metadata`` (its name for it), as one dict."""
@@ -835,10 +683,3 @@ def _merged(metadata: dict[str, Any] | None,
     raise errors.InvalidArgumentError(
         "save() got both metadata= and custom_metadata= (orbax's name for metadata=); pass one")
   return dict(custom_metadata)
-
-
-def _agree_run_id(timeout_secs: float) -> str:
-  """A run id that every process of the job gets alike (process 0 picks it)."""
-  if jax.process_count() == 1:
-    return _persist.new_run_id()
-  return _kv.broadcast_from_0("run_id", _persist.new_run_id, timeout_secs=timeout_secs)

@@ -139,6 +139,23 @@ class CheckpointOptions:
                          "exchanged between the hosts' snapshot agents); set "
                          "agent=jaxckpt.AgentOptions(job_name=...) or parity=None")
 
+  def check_directory(self, directory: str | None) -> None:
+    """Raises InvalidArgumentError if these options need a ``directory`` and there is none."""
+    if directory is not None:
+      return
+    given = ", ".join(f"{n}={getattr(self, n)!r}" for n in ("persist_interval_steps",
+                                                             "max_to_keep")
+                      if getattr(self, n) is not None)
+    if given:
+      raise errors.InvalidArgumentError(
+          f"CheckpointOptions({given}) says how to keep steps on storage, but the manager has "
+          "no directory, so nothing would ever be persisted: pass CheckpointManager("
+          "'/path/or/s3://bucket/run', options), or leave them None for host snapshots only")
+    if not self.host_snapshots:
+      raise errors.InvalidArgumentError(
+          "CheckpointOptions(host_snapshots=False) writes every save straight to storage, so "
+          "the manager needs a directory: CheckpointManager('/path/or/s3://bucket/run', options)")
+
 
 def _at_least(obj: object, name: str, lo: int) -> None:
   v = getattr(obj, name)

@@ -229,7 +229,7 @@ class OrbaxVerbs:
       return True
     if self._persist_config is None:
       return False
-    own = set(self._attempts)
+    own = set(self._persists.by_step)
     return bool(own & set(self._store.persist_status().pending))
 
   def check_for_errors(self) -> None:
@@ -287,7 +287,7 @@ class OrbaxVerbs:
     elif step not in universal.all_steps(other):
       raise errors.StepNotFoundError(f"restore(step={step}, directory={other!r}): not stored there")
     source = _tiers.StorageSource(other, step)
-    leaves = {r.path: _targets_meta(r) for r in source.leaves}
+    leaves = {r.path: _tiers.leaf_metadata(r) for r in source.leaves}
 
     def read(t: Any, p: bool) -> Any:
       out = _read.restore_tree(_tiers.StorageSource(other, step), t, partial=p)
@@ -298,9 +298,4 @@ class OrbaxVerbs:
     if self._orbax_logger is not None:
       self._orbax_logger.log_entry({"event_type": event, "step": step,
                                     "directory": str(self._dir), "start_time": t0})
-
-
-def _targets_meta(rec: Any) -> _read.LeafMetadata:
-  return _read.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, None,
-                            tree.scalar_from_json(rec.value), rec.key_impl)
 

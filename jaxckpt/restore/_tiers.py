@@ -22,6 +22,7 @@ import jax
 from jaxckpt import errors, universal
 from jaxckpt.util import _wait
 from jaxckpt.host.snapshot import LeafRecord
+from jaxckpt.tree import scalar_from_json
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
 from jaxckpt.restore import _read
@@ -152,6 +153,33 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   tier = (_read.Tier.HOST if step in held else _read.Tier.PARITY if step in rebuilt
           else _read.Tier.STORAGE)
   return step, tier
+
+
+def step_metadata(store: HostStore, directory: str | None, step: int
+                  ) -> tuple[str, dict[str, _read.LeafMetadata], dict[str, Any]]:
+  """The tier that describes ``step`` (this host's snapshot, else storage), its leaves
+  by path and the metadata saved with it. Reads no array bytes.
+
+  Raises:
+    StepNotFoundError: neither this host nor storage holds ``step``.
+  """
+  if step in store.steps():
+    with store.read(step) as (manifest, _):
+      return "host", {r.path: leaf_metadata(r) for r in manifest.leaves}, dict(
+          manifest.metadata)
+  if step in storage_steps(directory):
+    reader = universal.open_step(directory, step)
+    return ("storage", {p: leaf_metadata(i) for p, i in reader.leaves.items()},
+            dict(reader.metadata))
+  raise errors.StepNotFoundError(
+      f"metadata(): step {step} is held neither in host memory ({store.steps()}) nor "
+      f"in storage ({storage_steps(directory)})")
+
+
+def leaf_metadata(rec: Any) -> _read.LeafMetadata:
+  """What ``metadata()`` says of a saved leaf (a host LeafRecord or a stored LeafInfo)."""
+  return _read.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
+                            scalar_from_json(rec.value), rec.key_impl)
 
 
 class StorageSource:
