@@ -140,3 +140,34 @@ def test_a_trainer_sigkilled_mid_epoch_resumes_with_the_batches_an_uninterrupted
     subprocess.run([sys.executable, "-c", TRAIN, root, job, "30", got], env=env, check=True,
                    capture_output=True, timeout=300)
     np.testing.assert_array_equal(np.load(got), np.load(ref))
+
+
+@jax.jit
+def _slow(x):
+  """A computation still running when save() returns (its snapshot commits after it)."""
+  return jax.lax.fori_loop(0, 300, lambda i, y: jax.numpy.tanh(y @ y.T @ y * 1e-3), x)
+
+
+@pytest.mark.parametrize("store", ["in-process", "agent"])
+def test_a_composite_restore_right_after_a_save_gets_that_step(store):
+  """restore(args=Composite(...)) with step None waits for the save in flight, then takes
+  the newest step: the one just saved (issue 32, item 2), as a plain restore and orbax do.
+  (Before, it took the newest committed step: 1.)"""
+  with contextlib.ExitStack() as stack:
+    agent = None
+    if store == "agent":
+      root, job = stack.enter_context(processes.agent_sandbox())
+      agent = jc.AgentOptions(job_name=job, run_root=root)
+    m = stack.enter_context(jc.CheckpointManager(options=jc.CheckpointOptions(agent=agent)))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 256), dtype=np.float32)
+    big = rng.standard_normal((16, 1024, 1024), dtype=np.float32)    # 64 MiB to copy
+    m.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": x, "b": big})))
+    m.wait_until_finished()
+    _slow(jax.numpy.asarray(x)).block_until_ready()                  # compiled
+    state = {"w": _slow(jax.numpy.asarray(x)), "b": jax.numpy.asarray(big) + 1}   # dispatched
+    assert m.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+    out = m.restore(args=ocp.args.Composite(state=ocp.args.StandardRestore({"w": x, "b": big})))
+    assert m.last_restore.step == 2
+    np.testing.assert_array_equal(np.asarray(out.state["w"]), np.asarray(state["w"]))
+    np.testing.assert_array_equal(out.state["b"], big + 1)
