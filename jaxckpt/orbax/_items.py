@@ -335,15 +335,21 @@ def _set_grain_state(it: Any, data: bytes) -> Any:
   return it
 
 
-def _rows(data: bytes, name: str) -> Any:
-  """This process's ``data`` as its row of the item's (process_count, ROW_BYTES) array."""
+def encode_row(data: bytes, name: str) -> np.ndarray:
+  """``data`` as one row of a data iterator's item: an 8-byte length, then the bytes."""
   if len(data) > ROW_BYTES - _LEN_BYTES:
     raise errors.InvalidArgumentError(
-        f"save(args=Composite({name}=...)): the data iterator's state is {len(data)} bytes, "
-        f"over the {ROW_BYTES - _LEN_BYTES} it holds")
+        f"item {name!r}: the data iterator's state is {len(data)} bytes, over the "
+        f"{ROW_BYTES - _LEN_BYTES} it holds")
   row = np.zeros(ROW_BYTES, np.uint8)
   row[:_LEN_BYTES] = np.frombuffer(len(data).to_bytes(_LEN_BYTES, "little"), np.uint8)
   row[_LEN_BYTES:_LEN_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+  return row
+
+
+def _rows(data: bytes, name: str) -> Any:
+  """This process's ``data`` as its row of the item's (process_count, ROW_BYTES) array."""
+  row = encode_row(data, name)
   count = jax.process_count()
   if count == 1:
     return row[None]
