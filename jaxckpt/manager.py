@@ -431,7 +431,8 @@ class CheckpointManager(OrbaxVerbs):
     rebuilt = _tiers.rebuildable_steps(held, self._store) if self.options.parity else []
     self._known.update(held, rebuilt)
     stored = self._known.intersection(_tiers.storage_steps(self._dir))
-    return sorted((flight | set(held) | set(rebuilt) | stored) - self._removed)
+    return sorted((flight | set(held) | set(rebuilt) | stored | self._saved_steps())
+                  - self._removed)
 
   def wait_until_persisted(self, step: int | None = None,
                            timeout_secs: float | None = None) -> None:

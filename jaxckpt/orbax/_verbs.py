@@ -77,6 +77,10 @@ class OrbaxVerbs:
     self._pending_step: int | None = None
     self._unfinalized = False
     self._root_given = None if metadata is None else dict(metadata)
+    if (self._rules.cleanup_tmp_directories and self._persist_config is not None
+        and self._process[0] == 0):           # what crashed saves left (not what agents persist)
+      universal.discard_uncommitted(self._dir, keep=set(self._store.steps()) | set(
+          self._store.persist_status().pending))
     self._load()
     self._write_root_metadata()
 
@@ -99,6 +103,15 @@ class OrbaxVerbs:
     t = meta.get(TIME_KEY)
     when = _EPOCH if t is None else datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
     return _options.StepInfo(step, when, meta.get(METRICS_KEY))
+
+  def _saved_steps(self) -> set[int]:
+    """With orbax's options, the steps this manager saved whose persist has not failed: a
+    step is listed from its save on, as orbax lists it (another process may commit it
+    a little later)."""
+    if not self._rules.orbax:
+      return set()
+    told = self._persists.told
+    return {s for s, a in self._persists.by_step.items() if a not in told}
 
   def _kept(self) -> list[_options.StepInfo]:
     return [self._infos[s] for s in sorted(self._infos) if s not in self._removed]

@@ -11,6 +11,7 @@ from jaxckpt.universal._commit import commit_step
 from jaxckpt.universal._commit import committed_by
 from jaxckpt.universal._commit import discard_attempt
 from jaxckpt.universal._commit import discard_step
+from jaxckpt.universal._commit import discard_uncommitted
 from jaxckpt.universal._commit import gc_steps
 from jaxckpt.universal._commit import latest_step
 from jaxckpt.universal._commit import missing_parts
@@ -41,6 +42,7 @@ __all__ = [
     "committed_by",
     "discard_attempt",
     "discard_step",
+    "discard_uncommitted",
     "gc_steps",
     "latest_step",
     "missing_parts",

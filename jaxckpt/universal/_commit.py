@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -461,6 +462,25 @@ def discard_attempt(directory: str, step: int, attempt: str) -> None:
     local = lay.local_path(directory)
     if local is not None:
       shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+
+
+def discard_uncommitted(directory: str, *, keep: Iterable[int] = ()) -> list[int]:
+  """Deletes what unfinished saves left in a local ``directory``: the steps that have
+  data but no commit marker (except those in ``keep``: a save may be writing them).
+  On an object store it does nothing (an unfinished attempt's keys are its own and
+  never read; listing every key to find them would cost more than they do).
+  Returns the steps deleted."""
+  local = lay.local_path(directory)
+  if local is None or not os.path.isdir(local):
+    return []
+  committed, protected = set(all_steps(directory)), set(keep)
+  doomed = sorted(int(n[len("step_"):]) for n in os.listdir(local)
+                  if re.fullmatch(r"step_\d+", n) and int(n[len("step_"):]) not in committed)
+  doomed = [s for s in doomed if s not in protected]
+  for step in doomed:
+    shutil.rmtree(os.path.join(local, lay.step_dir(step)), ignore_errors=True)
+    log.info("removed the unfinished save of step %d from %s", step, directory)
+  return doomed
 
 
 def read_json(directory: str, name: str) -> Any:
