@@ -516,6 +516,8 @@ class CheckpointManager(OrbaxVerbs):
     return self._step_metadata(step, *self._core_metadata(step))
 
   def _core_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
+    if step == self._pending_step:
+      self.wait_until_snapshotted()          # the step being saved: once it is held
     return _tiers.step_metadata(self._store, self._dir, step)
 
   def delete(self, step: int) -> None:
