@@ -12,20 +12,17 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
-
-from etils import epath
 
 from jaxckpt import capture, errors, tree, universal
 from jaxckpt.capture import _storage_only
 from jaxckpt.orbax import _options as _orbax_options
 from jaxckpt.orbax import _verbs
 from jaxckpt.orbax._verbs import OrbaxVerbs
-from jaxckpt.util import _preemption, _wait
+from jaxckpt.util import _preemption
 from jaxckpt.agent import _factory
 from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore
-from jaxckpt.options import default_copy_threads
+from jaxckpt.options import check_step, default_copy_threads
 from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
@@ -56,6 +53,24 @@ class SaveStats:
   persist_lag_secs: float = 0.0        # how long the oldest unpersisted step has waited
   agent_restarts: int = 0              # dead snapshot agents replaced by a new one
 
+  def __post_init__(self) -> None:
+    self._lag_warn_at = 2               # persists pending that get a warning (doubles each time)
+
+  def note_persist_lag(self, status: Any, step: int, directory: str | None) -> None:
+    """Updates the persist lag after ``step`` committed (``status``: the store's
+    persist status); logs when it grows."""
+    self.persists_pending = len(status.pending)
+    self.oldest_unpersisted_step = status.pending[0] if status.pending else None
+    self.persist_lag_steps = step - status.pending[0] if status.pending else 0
+    self.persist_lag_secs = (time.time() - status.oldest_since) if status.oldest_since else 0.0
+    if self.persists_pending >= self._lag_warn_at:
+      self._lag_warn_at *= 2
+      logger.warning(
+          "storage is slower than the loop: %d persists to %s are queued (oldest step %d, "
+          "%.1f s and %d steps behind); while their slots are held, saves not due for storage "
+          "are skipped and due ones wait", self.persists_pending, directory,
+          self.oldest_unpersisted_step, self.persist_lag_secs, self.persist_lag_steps)
+
 
 class CheckpointManager(OrbaxVerbs):
   """Snapshots a training state every step and restores it from the fastest tier.
@@ -68,17 +83,12 @@ class CheckpointManager(OrbaxVerbs):
   True
   [1.0, 1.0, 1.0, 1.0]
 
-  ``save()`` returns as soon as the device-to-host copies are dispatched; a
-  background thread completes them into a preallocated host slot, with a
-  checksum per shard, and commits the step. ``restore()`` verifies every
-  checksum before anything is returned and reports what it did in
-  ``last_restore``.
-
-  orbax's manager is this one with orbax's arguments: ``options`` may be an
-  ``ocp.CheckpointManagerOptions`` (orbax's meaning: :mod:`jaxckpt.orbax._options`),
-  and ``metadata`` (the root metadata, written once), ``item_names``,
-  ``item_handlers`` and ``logger`` are orbax's (``handler_registry`` is accepted:
-  jaxckpt needs no handlers).
+  ``save()`` returns once the device-to-host copies are dispatched; a background
+  thread completes them into a host slot, a checksum per shard, and commits the
+  step. ``restore()`` verifies every checksum first and says what it did in
+  ``last_restore``. orbax's arguments are taken too: ``options`` may be orbax's
+  ``CheckpointManagerOptions`` (:mod:`jaxckpt.orbax._options`), and ``metadata``,
+  ``item_names``, ``item_handlers``, ``logger`` and ``handler_registry`` are orbax's.
   """
 
   def __init__(self, directory: Any = None, options: Any = None, *,
@@ -86,22 +96,10 @@ class CheckpointManager(OrbaxVerbs):
                item_handlers: Any = None, logger: Any = None,  # pylint: disable=redefined-outer-name
                handler_registry: Any = None) -> None:
     del handler_registry          # orbax's handlers: jaxckpt saves every item kind itself
-    self.options, self._rules = _orbax_options.translate(options)
     self._dir = None if directory is None else os.fspath(directory)
-    if self._dir is None and self._rules.orbax:
-      raise errors.InvalidArgumentError(
-          "CheckpointManager(options=ocp.CheckpointManagerOptions(...)) needs the directory, "
-          "as orbax's: CheckpointManager('/path/or/s3://bucket/run', options)")
-    self.options.check_directory(self._dir)
-    self._persist_config = self._run_id = None
-    if self._dir is not None and not self._rules.read_only:   # read-only: nothing is written
-      if self._rules.create or os.path.isdir(self._dir) or "://" in self._dir:
-        _persist.check_directory(self._dir, timeout_secs=self.options.timeout_secs)
-      self._persist_config = _persist.PersistConfig(
-          self._dir, self.options.persist_interval_steps or self.options.save_interval_steps,
-          self.options.max_to_keep, self.options.timeout_secs,
-          hold_until_committed=self.options.parity is not None)
-      self._run_id = _factory.agree_run_id(self.options.timeout_secs)
+    self.options, self._rules = _orbax_options.translate(options, self._dir)
+    self._persist_config, self._run_id = _factory.persistence(
+        self._dir, self.options, writes=not self._rules.read_only, create=self._rules.create)
     self._process = (jax.process_index(), jax.process_count())
     self._persists = _persist.Attempts(
         self._persist_config, self._run_id, self._process,
@@ -122,7 +120,6 @@ class CheckpointManager(OrbaxVerbs):
     self._lock = threading.Lock()
     self._closed = False
     self.stats = SaveStats()
-    self._lag_warn_at = 2               # persists pending that get a warning (doubles each time)
     self._last_save_at = time.perf_counter()
     self.last_restore: _read.RestoreInfo | None = None
     self._preemption = _preemption.Notice(install=self.options.handle_sigterm,
@@ -130,36 +127,25 @@ class CheckpointManager(OrbaxVerbs):
                                           on_deadline=self._close_before_exit)
     self._init_orbax(metadata, item_names, item_handlers, logger)
 
-  @property
-  def directory(self) -> epath.Path | None:
-    """The checkpoint directory, as a path object (orbax's ``directory``), or None."""
-    return None if self._dir is None else epath.Path(self._dir)
-
   # -- saving ---------------------------------------------------------------
 
   def save(self, step: int, state: Any = None, *, args: Any = None,
            metadata: dict[str, Any] | None = None, force: bool = False, metrics: Any = None,
            custom_metadata: dict[str, Any] | None = None) -> bool:
-    """Starts a snapshot of ``state`` at ``step``; returns True if one was started.
+    """Starts a snapshot of ``state`` (or orbax's ``args=``) at ``step``; True if started.
 
-    orbax's forms are taken too, so an orbax loop ports with only its manager's
-    construction changed: ``args=ocp.args.StandardSave(state)`` (and the other
-    args, ``Composite`` included), ``metrics=`` (kept with the step: ``best_fn``
-    ranks by them) and ``custom_metadata=`` (orbax's name of ``metadata``).
-
-    Returns False (and counts it in ``stats``) when ``step`` is off the save
-    interval or the previous snapshot is still being copied and
-    ``on_busy="skip"`` (logged at WARNING with the running count). A save due
-    for storage is never skipped: it waits for the previous snapshot (at most
-    ``timeout_secs``; SnapshotTimeoutError names the step and what was late).
-    A snapshot of ``step`` discards held snapshots of steps >= ``step`` (they
-    belong to a timeline that was rolled back). With orbax's options, orbax
-    decides which steps are saved (and a step is saved once).
+    False (counted in ``stats``) when ``step`` is off the save interval, or the
+    previous snapshot is still being copied and ``on_busy="skip"`` (logged). A
+    save due for storage is never skipped: it waits, at most ``timeout_secs``.
+    A snapshot of ``step`` drops held snapshots of steps >= ``step`` (a rolled
+    back timeline). With orbax's options, orbax's policy decides. ``metrics`` are
+    kept with the step (``best_fn`` ranks by them); ``custom_metadata`` is orbax's
+    name of ``metadata``.
 
     Raises:
       StepAlreadyExistsError (a ValueError): ``step`` is on storage or on its way
-        there (so no two tiers ever hold different bytes under one step), or,
-        with orbax's options, held at all.
+        there (no two tiers hold different bytes under one step) or, with orbax's
+        options, held at all.
     """
     t0 = time.perf_counter()
     self._check_open("save")
@@ -173,7 +159,7 @@ class CheckpointManager(OrbaxVerbs):
       self.stats.skipped_interval += 1
       return False
     persist_due = self._persist_due(step)
-    self._refuse_existing(step)
+    self._persists.refuse_existing(step, self._store, _verbs.already_exists)
     metadata = self._record(step, metadata, metrics)
     if not self.options.host_snapshots:
       return self._saved(step, persist_due and self._save_to_storage(step, state, metadata, t0),
@@ -223,34 +209,21 @@ class CheckpointManager(OrbaxVerbs):
   def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
                        t0: float) -> bool:
     """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt.capture._storage_only`."""
-    leaves, _ = tree.flatten(state)
-    attempt = self._persists.new(step)
-    try:
-      staged = _storage_only.save(
-          self._dir, step, leaves, self._planner,
-          budget=self.options.host_memory_limit_bytes or _storage_only.DEFAULT_STAGING_BYTES,
-          attempt=attempt, process=self._process, metadata=metadata,
-          timeout_secs=self.options.timeout_secs, max_to_keep=self.options.max_to_keep)
-    except BaseException:
-      _persist.discard_quietly(self._dir, step, attempt)   # what it wrote is unreachable
-      raise
+    st = self.stats
+    st.last_nbytes = _storage_only.save_step(
+        self._dir, step, tree.flatten(state)[0], self._planner,
+        budget=self.options.host_memory_limit_bytes or _storage_only.DEFAULT_STAGING_BYTES,
+        attempt=self._persists.new(step), process=self._process, metadata=metadata,
+        timeout_secs=self.options.timeout_secs, max_to_keep=self.options.max_to_keep)
     self._persists.on_storage.add(step)
-    self.stats.started += 1
-    self.stats.committed += 1
-    self.stats.last_blocking_secs = self.stats.last_snapshot_secs = time.perf_counter() - t0
-    self.stats.last_nbytes = staged
+    st.started, st.committed = st.started + 1, st.committed + 1
+    st.last_blocking_secs = st.last_snapshot_secs = time.perf_counter() - t0
     return True
 
   def prepare(self, state: Any) -> None:
-    """Does now, before the first save, what the first save of ``state``'s layout
-    would otherwise do while the training loop waits.
-
-    Plans the layout, compiles and runs the packed gather once, allocates and
-    touches every snapshot slot of the in-process store, and on accelerators
-    grows the pinned host memory pool with one transfer of each leaf (the
-    first transfers into a cold pool run at ~1 GB/s). Saves nothing; call it
-    with the initial state (concrete arrays) before the loop.
-    """
+    """Does now, before the loop, what the first save of ``state``'s layout would
+    do while the loop waits: plans it, runs the packed gather once, touches every
+    snapshot slot, and on accelerators warms the pinned host pool. Saves nothing."""
     self._check_open("prepare")
     leaves, _ = tree.flatten(state)
     plan = self._planner.plan(leaves, wait=True)
@@ -297,32 +270,11 @@ class CheckpointManager(OrbaxVerbs):
     logger.warning("step %d: save skipped: %s (%d skipped so far; saves due for storage wait "
                    "instead)", step, detail or why, self.stats.skipped_busy)
 
-  def _note_persist_lag(self, step: int) -> None:
-    """Updates ``stats``' persist lag after ``step`` committed; logs when it grows."""
-    status = self._store.persist_status(ask=False)
-    st = self.stats
-    st.persists_pending = len(status.pending)
-    st.oldest_unpersisted_step = status.pending[0] if status.pending else None
-    st.persist_lag_steps = step - status.pending[0] if status.pending else 0
-    st.persist_lag_secs = (time.time() - status.oldest_since) if status.oldest_since else 0.0
-    if st.persists_pending >= self._lag_warn_at:
-      self._lag_warn_at *= 2
-      logger.warning(
-          "storage is slower than the loop: %d persists to %s are queued (oldest step %d, "
-          "%.1f s and %d steps behind); while their slots are held, saves not due for storage "
-          "are skipped and due ones wait", st.persists_pending, self._dir,
-          st.oldest_unpersisted_step, st.persist_lag_secs, st.persist_lag_steps)
-
   def should_save(self, step: int) -> bool:
-    """Whether ``save(step)`` now would save, exactly: the manager is open,
-    ``step`` is on the save interval and, storage-only, due for storage; with
-    host snapshots, a step not due for storage is also refused while
-    ``on_busy="skip"`` and the previous snapshot is still being copied, or when
-    no snapshot slot is free (persists hold them). A save due for storage is
-    never skipped (it waits), so it is always True for one. With orbax's
-    options: orbax's ``should_save`` (read-only, newer than the newest step, and
-    the save decision policy).
-    """
+    """Whether ``save(step)`` now would save, exactly: on the save interval, and (not
+    due for storage) no skip for a copy still running (``on_busy="skip"``) or for no
+    free slot; a save due for storage is never skipped. With orbax's options, orbax's
+    ``should_save``."""
     step = check_step(step, "should_save")
     if self._rules.orbax:
       return not self._closed and self._orbax_should_save(step)
@@ -338,25 +290,6 @@ class CheckpointManager(OrbaxVerbs):
       if not self._done_within_grace(pending):
         return False
     return self.options.on_busy == "wait" or self._store.has_free_slot()
-
-  def _refuse_existing(self, step: int) -> None:
-    """Raises StepAlreadyExistsError if ``step`` is committed on storage or on its way
-    there: a step saved again never leaves two tiers holding different bytes."""
-    known = self._persists.on_storage.union(self._persists.by_step)
-    if self._dir is None or step not in known:
-      return
-    if step in _tiers.storage_steps(self._dir):
-      where = (f"is already committed in {self._dir!r} (persist attempt "
-               f"{universal.committed_by(self._dir, step)!r})")
-    elif step in self._store.persist_status(ask=False).pending:
-      where = "is already being persisted (its first save)"
-    else:                                     # deleted since (gc, delete), or never stored
-      self._persists.on_storage.discard(step)
-      return
-    raise _verbs.already_exists(
-        f"save(step={step}): step {step} {where}; a step is saved once (no two tiers may hold "
-        f"different bytes under one step), so nothing was saved. Delete it first "
-        f"(mgr.delete({step})), or save another step")
 
   def _complete(self, step, plan, sources, slot, metadata, t0, attempt) -> None:
     try:
@@ -378,16 +311,13 @@ class CheckpointManager(OrbaxVerbs):
     self.stats.last_snapshot_secs = time.perf_counter() - t0
     self.stats.last_nbytes = plan.nbytes
     if self._persist_config is not None:
-      self._note_persist_lag(step)
+      self.stats.note_persist_lag(self._store.persist_status(ask=False), step, self._dir)
     logger.debug("step %d: snapshot committed (%d bytes)", step, plan.nbytes)
 
   def wait_until_finished(self, timeout_secs: float | None = None) -> None:
-    """Blocks until every save so far has finished as orbax's would have: the
-    snapshot in flight is committed and, with a directory, every step saved for
-    storage is on storage (or its persist failed: its error is raised).
-
-    :meth:`wait_until_snapshotted` is the cheaper wait, for the host snapshot only.
-    """
+    """Blocks until every save so far has finished, as orbax's: the snapshot is
+    committed and every step saved for storage is on storage (else its error is
+    raised). :meth:`wait_until_snapshotted` waits for the host snapshot only."""
     timeout = timeout_secs or self.options.timeout_secs
     self.wait_until_snapshotted(timeout)
     if self._persist_config is not None and self.options.host_snapshots:
@@ -425,14 +355,10 @@ class CheckpointManager(OrbaxVerbs):
     (as orbax's: those stored when this manager started, by itself since, or seen
     by ``reload()``), less those the preservation policy dropped."""
     self._check_open("all_steps")
-    pending = self._pending
-    flight = {self._pending_step} if pending is not None and not pending.done() else set()
+    flight = self._in_flight()        # first: once it is done, the host tier holds it
     held = _tiers.complete_steps(self._store)
     rebuilt = _tiers.rebuildable_steps(held, self._store) if self.options.parity else []
-    self._known.update(held, rebuilt)
-    stored = self._known.intersection(_tiers.storage_steps(self._dir))
-    return sorted((flight | set(held) | set(rebuilt) | stored | self._saved_steps())
-                  - self._removed)
+    return self._listed(flight, set(held) | set(rebuilt), _tiers.storage_steps(self._dir))
 
   def wait_until_persisted(self, step: int | None = None,
                            timeout_secs: float | None = None) -> None:
@@ -440,12 +366,9 @@ class CheckpointManager(OrbaxVerbs):
     snapshot) is committed on storage.
 
     Raises:
-      StepExistsError: another writer (another job, or this one before a
-        rollback) committed ``step``; this manager's data was not stored.
-      StorageError (or the jaxckpt error that fits): the persist failed; the
-        message names the path, the cause and the process.
-      SnapshotTimeoutError: naming the processes whose part of the step is
-        missing on storage.
+      StepExistsError: another writer committed ``step``; this one's was not stored.
+      StorageError (or the jaxckpt error that fits): the persist failed.
+      SnapshotTimeoutError: naming the processes whose part is missing on storage.
     """
     self._check_open("wait_until_persisted")
     if self._dir is None:
@@ -461,12 +384,9 @@ class CheckpointManager(OrbaxVerbs):
     self._persists.wait_stored(self._store, step, timeout_secs or self.options.timeout_secs)
 
   def protected_steps(self) -> list[int]:
-    """Steps whose parity every host's agent holds in full (parity on), oldest first.
-
-    A protected step survives the loss of up to ``parity.parity`` hosts per
-    parity group. Agents exchange parity in the background after each commit,
-    so the newest committed step becomes protected a little later.
-    """
+    """Steps whose parity every host's agent holds in full (parity on), oldest first:
+    each survives the loss of up to ``parity.parity`` hosts per parity group (the
+    newest committed step becomes protected a little after its commit)."""
     self._check_open("protected_steps")
     return _tiers.protected_steps(self._store)
 
@@ -480,53 +400,26 @@ class CheckpointManager(OrbaxVerbs):
 
     Raises:
       ValueError: parity is off.
-      SnapshotTimeoutError: naming the hosts whose parity was late, and why.
-      ParityError: a host's parity of ``step`` failed (it is never retried), naming why.
+      SnapshotTimeoutError, ParityError: naming the hosts that were late or failed, and why.
     """
     if self.options.parity is None:
       raise errors.InvalidArgumentError("wait_until_protected(): parity is off; set "
                        "CheckpointOptions(parity=jaxckpt.ParityOptions(...))")
     self.wait_until_snapshotted()
-    if step is None:
-      held = self._store.steps()
-      if not held:
-        return
-      step = held[-1]
-    timeout = timeout_secs or self.options.timeout_secs
-    _tiers.wait_protected(self._store, step, timeout_secs=timeout)
+    held = self._store.steps()
+    if step is not None or held:
+      _tiers.wait_protected(self._store, held[-1] if step is None else step,
+                            timeout_secs=timeout_secs or self.options.timeout_secs)
 
   def latest_step(self) -> int | None:
     """The newest restorable step, or None."""
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def metadata(self, step: int | None = None) -> Any:
-    """The structure of ``step``: every leaf's kind, shape, dtype and saving
-    sharding, and the metadata saved with it, from the host tier when it holds the
-    step, else from storage. Reads no array bytes. Without a step, orbax's root
-    metadata (``RootMetadata``: ``CheckpointManager(metadata=...)``).
-
-    Raises:
-      StepNotFoundError: neither this host nor storage holds ``step``.
-    """
-    self._check_open("metadata")
-    if step is None:
-      return self._root_metadata()
-    step = check_step(step, "metadata")
-    return self._step_metadata(step, *self._core_metadata(step))
-
-  def _core_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
-    if step == self._pending_step:
-      self.wait_until_snapshotted()          # the step being saved: once it is held
-    return _tiers.step_metadata(self._store, self._dir, step)
-
   def delete(self, step: int) -> None:
-    """Deletes ``step`` from every tier, for good: this host's snapshot (a
-    restore reading it keeps its copy until done), its persist (a queued one
-    never runs, a running one never commits: delete waits for it to end) and,
-    from process 0, storage. No tier holds it afterwards, nor commits it later.
-
-    A read-only manager (orbax's ``read_only``) deletes nothing (logged).
+    """Deletes ``step`` from every tier, for good: this host's snapshot, its persist
+    (a queued one never runs, a running one never commits) and, from process 0,
+    storage. A read-only manager deletes nothing (logged).
 
     Raises:
       StepNotFoundError: no tier holds ``step``.
@@ -561,26 +454,17 @@ class CheckpointManager(OrbaxVerbs):
               partial: bool = False, directory: Any = None) -> Any:
     """Restores ``step`` (the newest when None) onto ``target``'s structure and shardings.
 
-    orbax's forms are taken too: ``args=ocp.args.StandardRestore(target)``,
-    ``PyTreeRestore(item, restore_args=..., partial_restore=...)`` (with
-    ``ocp.PLACEHOLDER`` leaves), ``ArrayRestore``, ``JsonRestore``, Grain's
-    ``CheckpointRestore`` and a ``Composite`` of any of the saved items (a
-    Composite comes back); ``directory=`` restores a step stored elsewhere.
-
-    Args:
-      step: the step to restore; None for the newest held one.
-      target: the abstract state (``jax.ShapeDtypeStruct`` leaves with
-        ``sharding``, e.g. from ``jax.eval_shape`` or ``nnx.eval_shape``) or
-        concrete arrays whose shardings are used; numpy leaves come back as
-        numpy. None returns the saved tree as nested dicts and lists (``.attr``
-        levels become dict keys) of numpy arrays, PRNG keys and scalars.
+    ``target``: the abstract state (``jax.ShapeDtypeStruct`` leaves with
+    ``sharding``, e.g. ``nnx.eval_shape``) or concrete arrays; numpy leaves come
+    back as numpy. None: the saved tree as nested dicts and lists of numpy arrays,
+    PRNG keys and scalars. ``partial=True``: any subset of the saved leaves, only
+    those read. orbax's ``args=`` forms are taken too (:mod:`jaxckpt.orbax._items`),
+    and ``directory=`` restores a step stored elsewhere.
 
     Raises:
       StepNotFoundError: no tier holds ``step``.
-      StructureMismatchError: ``target`` does not match what was saved (the
-        first mismatching path is named; nothing is restored). With
-        ``partial=True`` the target may hold any subset of the saved leaves
-        (e.g. the params alone); only those leaves are read, on every tier.
+      StructureMismatchError: ``target`` does not match what was saved (the first
+        mismatching path is named; nothing is restored).
       CorruptSnapshotError: a stored shard fails its checksum.
     """
     self._check_open("restore")
@@ -592,14 +476,8 @@ class CheckpointManager(OrbaxVerbs):
     self.wait_until_snapshotted()     # first: a step saved just now is the newest
     if step is None and self._removed:
       step = self.latest_step()       # not one the preservation policy dropped
-    if args is None and target is not None:
-      out = self._read(step, target, partial)
-    else:
-      step, _ = _tiers.choose_step(self._store, self._dir, step,   # the job's, on its tiers
-                                   timeout_secs=self.options.timeout_secs)
-      _, leaves, meta = self._core_metadata(step)
-      out = self._forms.restore(args, target, partial, leaves, meta,
-                                lambda t, p: self._read(step, t, p))
+    out = (self._read(step, target, partial) if args is None and target is not None
+           else self._restore_forms(step, target, args, partial))
     self._log_entry("restore", self.last_restore.step, t0)
     return out
 
@@ -612,11 +490,8 @@ class CheckpointManager(OrbaxVerbs):
   # -- preemption -----------------------------------------------------------
 
   def reached_preemption(self, step: int) -> bool:
-    """True once a preemption notice (SIGTERM) arrived: snapshot ``step`` and exit.
-
-    Under ``jax.distributed`` with JAX's preemption service, every process
-    agrees on the same step (``multihost_utils.reached_preemption_sync_point``).
-    """
+    """True once a preemption notice (SIGTERM, or JAX's preemption service, the same
+    step on every process) arrived: snapshot ``step`` and exit."""
     return self._preemption.reached(step)
 
   # -- lifecycle ------------------------------------------------------------
@@ -658,23 +533,6 @@ class CheckpointManager(OrbaxVerbs):
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
-
-
-def check_step(step: Any, where: str) -> int:
-  """``step`` as an int if it is a Python or numpy integer in [0, 2**63); else raises.
-
-  >>> check_step(np.int64(3), "save")
-  3
-  """
-  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
-    raise errors.InvalidArgumentError(
-        f"{where}(step={step!r}): a step is a non-negative int (Python or numpy integer), "
-        f"not a {type(step).__name__}")
-  value = int(step)
-  if not 0 <= value < 2**63:
-    raise errors.InvalidArgumentError(
-        f"{where}(step={step!r}): a step must be in [0, 2**63)")
-  return value
 
 
 def _merged(metadata: dict[str, Any] | None,

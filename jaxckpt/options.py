@@ -6,7 +6,9 @@ import dataclasses
 import os
 import re
 import shutil
+from typing import Any
 
+import numpy as np
 import psutil
 
 from jaxckpt import errors
@@ -21,6 +23,23 @@ def check_job_name(job: str) -> str:
     raise errors.InvalidArgumentError(f"job_name={job!r} must be 1-64 characters of letters, digits, "
                      "'.', '_' or '-', starting with a letter or digit")
   return job
+
+
+def check_step(step: Any, where: str) -> int:
+  """``step`` as an int if it is a Python or numpy integer in [0, 2**63); else raises.
+
+  >>> check_step(np.int64(3), "save")
+  3
+  """
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+    raise errors.InvalidArgumentError(
+        f"{where}(step={step!r}): a step is a non-negative int (Python or numpy integer), "
+        f"not a {type(step).__name__}")
+  value = int(step)
+  if not 0 <= value < 2**63:
+    raise errors.InvalidArgumentError(
+        f"{where}(step={step!r}): a step must be in [0, 2**63)")
+  return value
 
 
 def default_copy_threads() -> int:

@@ -46,6 +46,23 @@ def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | Non
                     secret=secret)
 
 
+def persistence(directory: str | None, options: CheckpointOptions, *, writes: bool = True,
+                create: bool = True) -> tuple[_persist.PersistConfig | None, str | None]:
+  """Where and how this job persists, and its run id (the same on every process): None
+  without a directory or when nothing may be written (``writes=False``: orbax's
+  ``read_only``). A local directory is created and probed unless ``create`` is False
+  and it does not exist (orbax's ``create``: a save then fails, naming it)."""
+  options.check_directory(directory)
+  if directory is None or not writes:
+    return None, None
+  if create or os.path.isdir(directory) or "://" in directory:
+    _persist.check_directory(directory, timeout_secs=options.timeout_secs)
+  config = _persist.PersistConfig(
+      directory, options.persist_interval_steps or options.save_interval_steps,
+      options.max_to_keep, options.timeout_secs, hold_until_committed=options.parity is not None)
+  return config, agree_run_id(options.timeout_secs)
+
+
 def agree_run_id(timeout_secs: float) -> str:
   """A run id that every process of the job gets alike (process 0 picks it)."""
   if jax.process_count() == 1:

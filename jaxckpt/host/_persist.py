@@ -401,6 +401,25 @@ class Attempts:
     attempt = self.by_step[step] = attempt_id(self.run_id, step, nth)
     return attempt
 
+  def refuse_existing(self, step: int, store: Any, error: Callable[[str], Exception]) -> None:
+    """Raises ``error(message)`` if ``step`` is committed on storage or on its way there: a
+    step saved again never leaves two tiers holding different bytes."""
+    directory = self.directory
+    if directory is None or (step not in self.on_storage and step not in self.by_step):
+      return
+    universal = _universal()
+    if step in universal.all_steps(directory):
+      where = (f"is already committed in {directory!r} (persist attempt "
+               f"{universal.committed_by(directory, step)!r})")
+    elif step in store.persist_status(ask=False).pending:
+      where = "is already being persisted (its first save)"
+    else:                                     # deleted since (gc, delete), or never stored
+      self.on_storage.discard(step)
+      return
+    raise error(f"save(step={step}): step {step} {where}; a step is saved once (no two tiers "
+                f"may hold different bytes under one step), so nothing was saved. Delete it "
+                f"first (mgr.delete({step})), or save another step")
+
   def raise_errors(self, store: Any, *, ask_agent: bool = True) -> None:
     """Raises the first error of a background persist (this process's or its agent's).
 

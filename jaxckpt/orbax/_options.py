@@ -93,15 +93,15 @@ def is_orbax_options(options: Any) -> bool:
   return t.__name__ == "CheckpointManagerOptions" and t.__module__.startswith("orbax.")
 
 
-def translate(options: Any) -> tuple[CheckpointOptions, Rules]:
+def translate(options: Any, directory: str | None = "") -> tuple[CheckpointOptions, Rules]:
   """jaxckpt's options and the manager's rules for ``options``: a
   ``jaxckpt.CheckpointOptions`` (or None) as it is, or orbax's
-  ``CheckpointManagerOptions`` with orbax's meaning.
+  ``CheckpointManagerOptions`` with orbax's meaning (which needs a ``directory``).
 
   Raises:
     InvalidArgumentError (a ValueError): anything else, or orbax options that
       orbax itself refuses (a ``preservation_policy`` beside ``max_to_keep``,
-      ``keep_period`` or ``keep_time_interval``).
+      ``keep_period`` or ``keep_time_interval``), or orbax's without a directory.
   """
   if options is None:
     return CheckpointOptions(), Rules()
@@ -111,6 +111,10 @@ def translate(options: Any) -> tuple[CheckpointOptions, Rules]:
     raise errors.InvalidArgumentError(
         f"options={options!r} must be a jaxckpt.CheckpointOptions or orbax's "
         "ocp.CheckpointManagerOptions")
+  if directory is None:
+    raise errors.InvalidArgumentError(
+        "CheckpointManager(options=ocp.CheckpointManagerOptions(...)) needs the directory, "
+        "as orbax's: CheckpointManager('/path/or/s3://bucket/run', options)")
   return _from_orbax(options)
 
 

@@ -26,9 +26,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from jaxckpt import errors, tree, universal
 from jaxckpt.net import _kv
+from jaxckpt.options import check_step
 from jaxckpt.orbax import _items, _options
 from jaxckpt.restore import _read, _tiers
 
@@ -84,6 +86,11 @@ class OrbaxVerbs:
     self._load()
     self._write_root_metadata()
 
+  @property
+  def directory(self) -> epath.Path | None:
+    """The checkpoint directory, as a path object (orbax's ``directory``), or None."""
+    return None if self._dir is None else epath.Path(self._dir)
+
   # -- the kept steps -------------------------------------------------------
 
   def _load(self) -> None:
@@ -104,14 +111,23 @@ class OrbaxVerbs:
     when = _EPOCH if t is None else datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
     return _options.StepInfo(step, when, meta.get(METRICS_KEY))
 
-  def _saved_steps(self) -> set[int]:
-    """With orbax's options, the steps this manager saved whose persist has not failed: a
-    step is listed from its save on, as orbax lists it (another process may commit it
-    a little later)."""
-    if not self._rules.orbax:
-      return set()
-    told = self._persists.told
-    return {s for s, a in self._persists.by_step.items() if a not in told}
+  def _in_flight(self) -> set[int]:
+    """The step whose snapshot is being taken, if any."""
+    pending = self._pending
+    return {self._pending_step} if pending is not None and not pending.done() else set()
+
+  def _listed(self, flight: set[int], held: set[int], stored: list[int]) -> list[int]:
+    """``all_steps()`` from the step in ``flight``, those the host tier ``held`` and those
+    ``stored``: another writer's stored steps once ``reload()`` saw them and (orbax's
+    options) every step this manager saved whose persist has not failed, as orbax lists a
+    step from its save on (another process may commit it a little later), less the
+    steps the preservation policy dropped."""
+    self._known.update(held)
+    listed = flight | held | self._known.intersection(stored)
+    if self._rules.orbax:
+      told = self._persists.told
+      listed |= {s for s, a in self._persists.by_step.items() if a not in told}
+    return sorted(listed - self._removed)
 
   def _kept(self) -> list[_options.StepInfo]:
     return [self._infos[s] for s in sorted(self._infos) if s not in self._removed]
@@ -177,9 +193,7 @@ class OrbaxVerbs:
     if not self._removed:
       return
     with self._collect_lock:
-      busy = set() if all_ended else set(self._store.persist_status().pending)
-      if self._pending is not None and not self._pending.done():
-        busy.add(self._pending_step)
+      busy = self._in_flight() | (set() if all_ended else set(self._store.persist_status().pending))
       for step in sorted(self._removed - busy):
         self._delete_everywhere(step)
         self._removed.discard(step)
@@ -237,8 +251,7 @@ class OrbaxVerbs:
   def is_saving_in_progress(self) -> bool:
     """Whether a save has not ended yet: its snapshot is being copied, or a step this
     manager saved for storage is still being persisted."""
-    pending = self._pending
-    if pending is not None and not pending.done():
+    if self._in_flight():
       return True
     if self._persist_config is None:
       return False
@@ -259,6 +272,28 @@ class OrbaxVerbs:
     return self.metadata(step).item_metadata
 
   # -- metadata ---------------------------------------------------------------
+
+  def metadata(self, step: int | None = None) -> Any:
+    """The structure of ``step``: every leaf's kind, shape, dtype and saving
+    sharding, and the metadata saved with it, from the host tier when it holds the
+    step, else from storage. Reads no array bytes. Without a step, orbax's root
+    metadata (``RootMetadata``: ``CheckpointManager(metadata=...)``).
+
+    Raises:
+      StepNotFoundError: neither this host nor storage holds ``step``.
+    """
+    self._check_open("metadata")
+    if step is None:
+      return self._root_metadata()
+    step = check_step(step, "metadata")
+    return self._step_metadata(step, *self._core_metadata(step))
+
+  def _core_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
+    """The tier that describes ``step``, its leaves by path and its metadata."""
+    if step == self._pending_step:
+      self.wait_until_snapshotted()          # the step being saved: once it is held
+    return _tiers.step_metadata(self._store, self._dir, step)
+
 
   def _step_metadata(self, step: int, tier: str, leaves: dict[str, Any],
                      meta: dict[str, Any]) -> _read.StepMetadata:
@@ -285,6 +320,14 @@ class OrbaxVerbs:
       return ocp.metadata.RootMetadata(custom_metadata=stored.get("custom_metadata") or {})
     given = self._root_given if self._rules.read_only or self._dir is None else None
     return ocp.metadata.RootMetadata(custom_metadata=dict(given or {}))
+
+  def _restore_forms(self, step: int | None, target: Any, args: Any, partial: bool) -> Any:
+    """A restore of orbax's ``args`` (or as saved): the step's items read onto their targets."""
+    step, _ = _tiers.choose_step(self._store, self._dir, step,   # the job's, on its tiers
+                                 timeout_secs=self.options.timeout_secs)
+    _, leaves, meta = self._core_metadata(step)
+    return self._forms.restore(args, target, partial, leaves, meta,
+                               lambda t, p: self._read(step, t, p))
 
   # -- another directory ------------------------------------------------------
 
