@@ -116,6 +116,7 @@ class CheckpointManager(OrbaxVerbs):
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
         threads, thread_name_prefix="jaxckpt-copy")
     self._pending: concurrent.futures.Future | None = None
+    self._pending_step: int | None = None
     self._error: BaseException | None = None
     self._lock = threading.Lock()
     self._closed = False

@@ -177,8 +177,9 @@ class Forms:
         return _composite({n: self._plan(n, k, None, leaves, partial) for n, k in items.items()},
                           read)
       kind = meta.get(ITEM_KEY, PYTREE)
-      self._mode(False)
-      self.known.setdefault(DEFAULT, kind)
+      if ITEM_KEY in meta:            # saved through args=: orbax's single item
+        self._mode(False)
+        self.known.setdefault(DEFAULT, kind)
       return _run(self._plan(DEFAULT, kind, None, leaves, partial), read, partial)
     if target is not None:
       raise errors.InvalidArgumentError(

@@ -76,7 +76,6 @@ class OrbaxVerbs:
     self._removed: set[int] = set()         # dropped by the preservation policy, to delete
     self._known: set[int] = set()           # stored steps this manager lists (others: reload())
     self._collect_lock = threading.Lock()
-    self._pending_step: int | None = None
     self._unfinalized = False
     self._root_given = None if metadata is None else dict(metadata)
     if (self._rules.cleanup_tmp_directories and self._persist_config is not None
@@ -94,12 +93,11 @@ class OrbaxVerbs:
   # -- the kept steps -------------------------------------------------------
 
   def _load(self) -> None:
-    """The steps held now, with their time and metrics (what orbax reads at start)."""
+    """The steps held now, with their time and metrics (what orbax reads at start).
+    Steps dropped by the preservation policy stay dropped (deleted once persisted)."""
     self._known = set(_tiers.storage_steps(self._dir))
-    self._removed.clear()
-    steps = sorted(set(self.all_steps()) | self._known)
-    self._infos = {s: self._read_info(s) if self._rules.orbax else
-                   _options.StepInfo(s, _EPOCH, None) for s in steps}
+    steps = (set(self.all_steps()) | self._known) - self._removed
+    self._infos = ({s: self._read_info(s) for s in sorted(steps)} if self._rules.orbax else {})
 
   def _read_info(self, step: int) -> _options.StepInfo:
     try:
@@ -122,11 +120,16 @@ class OrbaxVerbs:
     options) every step this manager saved whose persist has not failed, as orbax lists a
     step from its save on (another process may commit it a little later), less the
     steps the preservation policy dropped."""
+    mine = set(self._persists.by_step)
     self._known.update(held)
+    self._known.intersection_update(set(stored) | held | flight | mine)   # gone: forgotten
     listed = flight | held | self._known.intersection(stored)
     if self._rules.orbax:
       told = self._persists.told
       listed |= {s for s, a in self._persists.by_step.items() if a not in told}
+    else:                             # metrics of steps no tier holds any more
+      for s in set(self._infos) - listed:
+        del self._infos[s]
     return sorted(listed - self._removed)
 
   def _kept(self) -> list[_options.StepInfo]:
@@ -150,11 +153,11 @@ class OrbaxVerbs:
           timeout_secs=self.options.timeout_secs)), tz=datetime.timezone.utc)
     if metrics is not None:
       metrics = _jsonable(metrics)
-    self._infos[step] = _options.StepInfo(step, when, metrics)
     self._removed.discard(step)
     self._known.add(step)
     if not self._rules.orbax and metrics is None:
-      return metadata
+      return metadata                 # jaxckpt's options: nothing to rank the step by
+    self._infos[step] = _options.StepInfo(step, when, metrics)
     out = dict(metadata or {})
     out[TIME_KEY] = when.timestamp()
     if metrics is not None and self._rules.write_metrics:
