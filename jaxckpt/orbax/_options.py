@@ -67,6 +67,8 @@ class Rules:
     whether less is better; None ranks by recency.
   - ``uses_time``: the preservation policy reads the steps' times (so a job's
     processes agree on each step's time, process 0's).
+  - ``asks_progress``: the save decision policy reads whether a save is in
+    progress (``ContinuousCheckpointingPolicy``, or a policy of the user's own).
   - ``blocking``: ``enable_async_checkpointing=False`` (a save returns once the
     step is on storage).
   """
@@ -77,6 +79,7 @@ class Rules:
   best_key: Callable[[Any], Any] | None = None
   best_min: bool = False
   uses_time: bool = False
+  asks_progress: bool = False
   blocking: bool = False
   read_only: bool = False
   create: bool = True
@@ -150,6 +153,7 @@ def _from_orbax(o: Any) -> tuple[CheckpointOptions, Rules]:
   rules = Rules(
       orbax=True, should_save=should_save, to_remove=to_remove, best_key=o.best_fn,
       best_min=o.best_mode == "min", uses_time=_uses_time(cm, keep_policy),
+      asks_progress=_asks_progress(cm, save_policy),
       blocking=not o.enable_async_checkpointing, read_only=o.read_only, create=o.create,
       cleanup_tmp_directories=o.cleanup_tmp_directories, todelete_subdir=o.todelete_subdir,
       save_root_metadata=o.save_root_metadata, write_metrics=not o.prevent_write_metrics,
@@ -215,3 +219,10 @@ def _uses_time(cm: Any, policy: Any) -> bool:
   return any(not isinstance(p, simple)
              for p in _flat(cm, policy, cm.AnyPreservationPolicy))
 
+
+def _asks_progress(cm: Any, policy: Any) -> bool:
+  """Whether a save decision policy reads ``is_saving_in_progress`` (orbax's continuous
+  checkpointing, or one of the user's own, which may)."""
+  simple = (cm.FixedIntervalPolicy, cm.SpecificStepsPolicy, cm.InitialSavePolicy,
+            cm.PreemptionCheckpointingPolicy, _ShouldSaveFn)
+  return any(not isinstance(p, simple) for p in _flat(cm, policy, cm.AnySavePolicy))

@@ -211,8 +211,8 @@ class OrbaxVerbs:
     kept = self._kept()
     if kept and kept[-1].step >= step:
       return False
-    return self._rules.should_save(step, kept, self.is_saving_in_progress(),
-                                   self.reached_preemption(step))
+    saving = self._rules.asks_progress and self.is_saving_in_progress()   # (an agent request)
+    return self._rules.should_save(step, kept, saving, self.reached_preemption(step))
 
   def _orbax_may_save(self, step: int, force: bool) -> bool:
     """Whether an orbax manager saves ``step`` (``force`` skips the policy, never the

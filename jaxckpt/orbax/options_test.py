@@ -66,6 +66,7 @@ def test_continuous_checkpointing_waits_its_minimum_interval():
   now = datetime.datetime.now(tz=datetime.timezone.utc)
   just_now = [_options.StepInfo(1, now - datetime.timedelta(seconds=5))]
   long_ago = [_options.StepInfo(1, now - datetime.timedelta(seconds=120))]
+  assert rules.asks_progress and not _options.translate(ocp.CheckpointManagerOptions())[1].asks_progress
   assert rules.should_save(2, [], False, False)
   assert not rules.should_save(2, just_now, False, False)
   assert rules.should_save(2, long_ago, False, False)
