@@ -204,6 +204,8 @@ def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = 
   _, items, _ = _selected(os.path.abspath(orbax_dir), step, item)
   total = 0
   for kind, item_dir, _ in items.values():
+    if kind == "array":
+      total += sum(i.nbytes for i in _array_item(item_dir, "", None, "plain")[0].values())
     if kind == "pytree":
       tree, _ = orbax_tree(item_dir)
       total += sum(int(np.prod(md.shape)) * np.dtype(md.dtype).itemsize
