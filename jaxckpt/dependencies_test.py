@@ -81,7 +81,6 @@ def test_the_layers_import_only_downwards():
               if m.startswith(above + ("jaxckpt.host", "jaxckpt.net", "jaxckpt.restore"))]
 
 
-def test_the_root_holds_the_public_surface_and_the_managers_helpers():
+def test_the_root_holds_the_public_surface_only():
   names = sorted(f.stem for f in (_ROOT / "jaxckpt").glob("*.py") if not f.stem.endswith("_test"))
-  assert names == ["__init__", "__main__", "_items", "_preemption", "_storage_only", "_wait", "cli",
-                   "errors", "manager", "options", "snapshot", "store", "tree"], names
+  assert names == ["__init__", "__main__", "cli", "errors", "manager", "options", "tree"], names

@@ -69,6 +69,15 @@ class StepExistsError(JaxckptError, FileExistsError):
   """A step is already committed in storage and would be overwritten."""
 
 
+class StepAlreadyExistsError(StepExistsError, ValueError):
+  """``save(step)`` of a step that a tier already holds (orbax's error of the same name, a
+  ValueError; with orbax installed, the manager raises a subclass that is also orbax's)."""
+
+
+class ItemNotFoundError(StructureMismatchError, FileNotFoundError):
+  """A restore asked for an item that the step does not hold (orbax raises FileNotFoundError)."""
+
+
 class InvalidArgumentError(JaxckptError, ValueError):
   """An argument or option has a value jaxckpt cannot use (the message names it and the fix)."""
 

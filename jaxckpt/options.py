@@ -6,7 +6,9 @@ import dataclasses
 import os
 import re
 import shutil
+from typing import Any
 
+import numpy as np
 import psutil
 
 from jaxckpt import errors
@@ -21,6 +23,23 @@ def check_job_name(job: str) -> str:
     raise errors.InvalidArgumentError(f"job_name={job!r} must be 1-64 characters of letters, digits, "
                      "'.', '_' or '-', starting with a letter or digit")
   return job
+
+
+def check_step(step: Any, where: str) -> int:
+  """``step`` as an int if it is a Python or numpy integer in [0, 2**63); else raises.
+
+  >>> check_step(np.int64(3), "save")
+  3
+  """
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+    raise errors.InvalidArgumentError(
+        f"{where}(step={step!r}): a step is a non-negative int (Python or numpy integer), "
+        f"not a {type(step).__name__}")
+  value = int(step)
+  if not 0 <= value < 2**63:
+    raise errors.InvalidArgumentError(
+        f"{where}(step={step!r}): a step must be in [0, 2**63)")
+  return value
 
 
 def default_copy_threads() -> int:
@@ -138,6 +157,23 @@ class CheckpointOptions:
         raise errors.InvalidArgumentError(f"CheckpointOptions.parity={self.parity!r} needs agents (parity is "
                          "exchanged between the hosts' snapshot agents); set "
                          "agent=jaxckpt.AgentOptions(job_name=...) or parity=None")
+
+  def check_directory(self, directory: str | None) -> None:
+    """Raises InvalidArgumentError if these options need a ``directory`` and there is none."""
+    if directory is not None:
+      return
+    given = ", ".join(f"{n}={getattr(self, n)!r}" for n in ("persist_interval_steps",
+                                                             "max_to_keep")
+                      if getattr(self, n) is not None)
+    if given:
+      raise errors.InvalidArgumentError(
+          f"CheckpointOptions({given}) says how to keep steps on storage, but the manager has "
+          "no directory, so nothing would ever be persisted: pass CheckpointManager("
+          "'/path/or/s3://bucket/run', options), or leave them None for host snapshots only")
+    if not self.host_snapshots:
+      raise errors.InvalidArgumentError(
+          "CheckpointOptions(host_snapshots=False) writes every save straight to storage, so "
+          "the manager needs a directory: CheckpointManager('/path/or/s3://bucket/run', options)")
 
 
 def _at_least(obj: object, name: str, lo: int) -> None:

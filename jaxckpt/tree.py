@@ -196,6 +196,13 @@ class TargetLeaf:
   dtype: Any = None
   sharding: jax.sharding.Sharding | None = None   # None: uncommitted, default device
   numpy_scalar: bool = False
+  key_data: bool = False      # a PRNG key's target given as its key data: sharding is the data's
+
+
+class FlatTarget(dict):
+  """A restore target given leaf by leaf: ``{saved path: target leaf}``, any subset of
+  the saved leaves with ``partial``; the restore returns ``{saved path: value}``.
+  A target leaf is what a tree's leaf would be (``None`` for a scalar)."""
 
 
 def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int, *,
@@ -207,8 +214,12 @@ def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int, *,
   mismatching path is named. With ``partial`` the target may hold any subset
   of the saved leaves (each one it holds must have been saved).
   """
-  with_paths, treedef = _flatten_target(target)
-  paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+  if isinstance(target, FlatTarget):
+    paths, leaves, treedef = list(target), list(target.values()), None
+  else:
+    with_paths, treedef = _flatten_target(target)
+    paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+    leaves = [x for _, x in with_paths]
   saved_paths = [leaf.path for leaf in saved]
   if partial:
     where = {p: i for i, p in enumerate(saved_paths)}
@@ -222,8 +233,7 @@ def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int, *,
     raise errors.StructureMismatchError(_structure_message(paths, saved_paths, step))
   else:
     index = list(range(len(saved)))
-  out = [_target_leaf(p, x, saved[i], step) for (p, x), i in
-         zip(zip(paths, (x for _, x in with_paths)), index)]
+  out = [_target_leaf(p, x, saved[i], step) for (p, x), i in zip(zip(paths, leaves), index)]
   return out, treedef, index
 
 
@@ -257,6 +267,11 @@ def _target_leaf(path: str, x: Any, rec: LeafRecord, step: int) -> TargetLeaf:
         f"restore target leaf {path} is a {type(x).__name__}; use a "
         "jax.ShapeDtypeStruct, a jax.Array or a numpy array")
   saved_shape = rec.shape[:-1] if rec.kind == "prng_key" else rec.shape
+  if (rec.kind == "prng_key" and not is_prng_key(x) and shape == tuple(rec.shape)
+      and np.dtype(dtype) == rec.numpy_dtype):
+    # the key's data (orbax's to_shape_dtype_struct of a typed key): a typed key comes back
+    key_data = _target_leaf(path, x, rec._replace(kind="jax"), step)
+    return dataclasses.replace(key_data, shape=saved_shape, key_data=True)
   if shape != saved_shape:
     raise _mismatch(path, step, f"shape {shape}", f"shape {saved_shape}")
   if rec.kind == "prng_key":

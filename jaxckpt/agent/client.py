@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from jaxckpt import _wait, errors
+from jaxckpt import errors
+from jaxckpt.util import _wait
 from jaxckpt.agent import _parity, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client

@@ -18,7 +18,8 @@ import os
 import time
 from typing import Any
 
-from jaxckpt import _wait, errors
+from jaxckpt import errors
+from jaxckpt.util import _wait
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent.client import job_agents

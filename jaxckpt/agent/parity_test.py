@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
 import jaxckpt.universal as u
-from jaxckpt import _wait, errors
+from jaxckpt import errors
+from jaxckpt.util import _wait
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxckpt as jc
-from jaxckpt import _wait
+from jaxckpt.util import _wait
 from jaxckpt.agent import _paths, _protocol
 from jaxckpt.testing import processes
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxckpt import _wait
+from jaxckpt.util import _wait
 from jaxckpt.ft import _links
 from jaxckpt.net import _bulk, _wire
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, ContextManager
 
 from jaxckpt import errors
 from jaxckpt.host.snapshot import SnapshotManifest
+from jaxckpt.util import _wait
 
 logger = logging.getLogger(__name__)
 
@@ -386,3 +387,133 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
     raise errors.StorageError(
         e.errno, f"checkpoint directory {local!r} cannot be written ({e.strerror}); "
         "choose a writable directory", local) from None
+
+
+class Attempts:
+  """A trainer's persist attempts and the waits for them.
+
+  Each save due for storage gets an attempt id that every process of the job gives
+  alike (:func:`attempt_id`); a failure reported by the store is raised once, in
+  the trainer, as the jaxckpt error it was. ``where`` names the store in messages
+  (this process's, or its snapshot agent).
+  """
+
+  def __init__(self, config: PersistConfig | None, run_id: str | None,
+               process: tuple[int, int], where: str) -> None:
+    self.config, self.run_id, self.process, self.where = config, run_id, process, where
+    self.by_step: dict[int, str] = {}        # step -> this run's newest persist attempt
+    self._counts: dict[int, int] = {}
+    self.told: set[str] = set()              # attempts whose failure was raised
+    self.on_storage: set[int] = (set() if config is None
+                                 else set(_universal().all_steps(config.directory)))
+
+  @property
+  def directory(self) -> str | None:
+    return None if self.config is None else self.config.directory
+
+  def new(self, step: int) -> str:
+    """This run's next persist attempt of ``step`` (the same on every process)."""
+    nth = self._counts.get(step, 0)
+    self._counts[step] = nth + 1
+    attempt = self.by_step[step] = attempt_id(self.run_id, step, nth)
+    return attempt
+
+  def refuse_existing(self, step: int, store: Any, error: Callable[[str], Exception]) -> None:
+    """Raises ``error(message)`` if ``step`` is committed on storage or on its way there: a
+    step saved again never leaves two tiers holding different bytes."""
+    directory = self.directory
+    if directory is None or (step not in self.on_storage and step not in self.by_step):
+      return
+    universal = _universal()
+    if step in universal.all_steps(directory):
+      where = (f"is already committed in {directory!r} (persist attempt "
+               f"{universal.committed_by(directory, step)!r})")
+    elif step in store.persist_status(ask=False).pending:
+      where = "is already being persisted (its first save)"
+    else:                                     # deleted since (gc, delete), or never stored
+      self.on_storage.discard(step)
+      return
+    raise error(f"save(step={step}): step {step} {where}; a step is saved once (no two tiers "
+                f"may hold different bytes under one step), so nothing was saved. Delete it "
+                f"first (mgr.delete({step})), or save another step")
+
+  def raise_errors(self, store: Any, *, ask_agent: bool = True) -> None:
+    """Raises the first error of a background persist (this process's or its agent's).
+
+    Without ``ask_agent`` (``save()``: no request on the save path) an agent's
+    errors are those its commit replies brought back.
+    """
+    if self.config is not None:
+      self.raise_failed(store.persist_errors(ask=ask_agent))
+
+  def raise_failed(self, failed: list[PersistError]) -> None:
+    failed = [e for e in failed if e.attempt not in self.told]   # raised once only
+    self.told.update(e.attempt for e in failed)
+    earlier = [e for e in failed if not of_run(e.attempt, self.run_id)]
+    for e in earlier:         # an earlier run's (its agent outlived it): not this run's save
+      logger.error("a persist of step %d by an earlier run (attempt %s) failed: %s; that "
+                   "step is not on storage", e.step, e.attempt, e.message)
+    failed = [e for e in failed if e not in earlier]
+    if failed:
+      where = f"process {self.process[0]}" + ("" if "agent" not in self.where
+                                               else ", in its snapshot agent")
+      first = failed[0].exception(f"{where}, to {self.directory!r}")
+      for other in failed[1:]:
+        logger.error("also: persisting step %d failed: %s", other.step, other.message)
+      raise first
+
+  def wait_ended(self, store: Any, timeout: float, what: str) -> None:
+    """Waits until the store's persists of the steps this manager saved for
+    storage have ended (persisted, failed or fenced), then raises the first failure."""
+    want = {s for s, a in self.by_step.items() if a not in self.told}
+    failed: list[PersistError] = []
+
+    def ended() -> bool:
+      failed.extend(store.persist_errors())
+      return not want & set(store.persist_status().pending)
+
+    def late() -> str:
+      self.raise_failed(failed)          # a failure said first: it is why, not the wait
+      left = sorted(want & set(store.persist_status(ask=False).pending))
+      who = "; ".join(who_is_late(self.directory, s, self.by_step[s], self.process[1])
+                      for s in left if s in self.by_step)
+      return (f"{what}: steps {left} were not persisted to {self.directory!r} within {timeout} "
+              f"s: {who} ({self.where} of process {self.process[0]} goes on trying)")
+    if want:
+      _wait.until(ended, timeout_secs=timeout, late=late)
+    self.raise_failed(failed)
+
+  def wait_stored(self, store: Any, step: int, timeout: float) -> None:
+    """Waits until ``step`` is committed on storage by this manager's attempt.
+
+    Raises:
+      StepExistsError: another writer committed ``step`` first.
+      StepNotFoundError: this manager never saved ``step`` for storage and it is not there.
+      SnapshotTimeoutError: naming the processes whose part is missing.
+    """
+    universal, directory = _universal(), self.directory
+    attempt = self.by_step.get(step)
+
+    def stored() -> bool:
+      self.raise_errors(store)
+      if step in universal.all_steps(directory):
+        by = universal.committed_by(directory, step)
+        if attempt is None or by == attempt:
+          return True
+        self.told.add(attempt)
+        raise errors.StepExistsError(
+            f"step {step} is already committed in {directory!r} by persist attempt "
+            f"{by!r}, not by this manager's ({attempt!r}): another writer got there first; "
+            "this manager's snapshot of it was not stored")
+      if attempt is None:
+        raise errors.StepNotFoundError(
+            f"wait_until_persisted(step={step}): this manager never saved step {step} for "
+            f"storage and it is not on {directory!r}")
+      return False
+
+    def late() -> str:
+      who = who_is_late(directory, step, attempt, self.process[1])
+      return (f"step {step} was not persisted to {directory!r} within {timeout} s: {who} "
+              f"(persist attempt {attempt!r})")
+    _wait.until(stored, timeout_secs=timeout, late=late)
+    self.on_storage.add(step)

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
 import jaxckpt.universal as u
-from jaxckpt import _wait, errors
+from jaxckpt import errors
+from jaxckpt.util import _wait
 from jaxckpt.host import _persist
 from jaxckpt.testing import processes
 from jaxckpt.universal import _fixtures

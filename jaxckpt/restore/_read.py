@@ -98,13 +98,19 @@ class LeafMetadata(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class StepMetadata:
   """What ``CheckpointManager.metadata(step)`` returns: the saved tree's structure
-  (nested like ``restore()`` without a target, of :class:`LeafMetadata`), the
-  user metadata saved with the step, and the tier it was read from."""
+  (nested like ``restore()`` without a target, of :class:`LeafMetadata`; flat by
+  path in ``leaves``), the metadata saved with the step, and the tier it was read
+  from. orbax's names are here too: ``custom_metadata`` (the metadata given to
+  ``save()``), ``metrics`` and ``item_metadata`` (each item's structure)."""
 
   step: int
   tier: str
   tree: Any
   metadata: dict[str, Any]
+  leaves: dict[str, LeafMetadata] = dataclasses.field(default_factory=dict)
+  item_metadata: Any = None
+  custom_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+  metrics: Any = None
 
 
 class BufferPiece:
@@ -305,7 +311,7 @@ def restore_tree(source: Source, target: Any, *, partial: bool = False) -> Any:
     values.append(_leaf_value(source, i, saved[i], t, needed.get(i)))     # took twice as long)
     progress.update(_leaf_bytes(saved[i]) if i in needed else 0)
   if treedef is None:
-    return {rec.path: v for rec, v in zip(saved, values)}
+    return {saved[i].path: v for i, v in zip(index, values)}
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
@@ -324,8 +330,8 @@ def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None,
       return jax.random.wrap_key_data(host, impl=rec.key_impl)
     return host[()] if t is not None and t.numpy_scalar else host
   if rec.kind == "prng_key":
-    data = make_array(rec.shape, rec.numpy_dtype, _key_data_sharding(t.sharding),
-                      read_region)
+    data = make_array(rec.shape, rec.numpy_dtype,
+                      t.sharding if t.key_data else _key_data_sharding(t.sharding), read_region)
     return jax.random.wrap_key_data(data, impl=rec.key_impl)
   return make_array(rec.shape, rec.numpy_dtype, t.sharding, read_region)
 
@@ -333,7 +339,8 @@ def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None,
 def _needed_boxes(rec: LeafRecord, t: TargetLeaf | None) -> set[Box]:
   """The regions of leaf ``rec`` that restoring it onto ``t`` reads."""
   if t is not None and t.mode == "jax" and t.sharding is not None:
-    sharding = (_key_data_sharding(t.sharding) if rec.kind == "prng_key" else t.sharding)
+    sharding = (_key_data_sharding(t.sharding) if rec.kind == "prng_key" and not t.key_data
+                else t.sharding)
     return set(device_boxes(rec.shape, sharding).values())
   return {full_box(rec.shape)}
 

@@ -19,8 +19,10 @@ from typing import Any, Iterator
 
 import jax
 
-from jaxckpt import _wait, errors, universal
+from jaxckpt import errors, universal
+from jaxckpt.util import _wait
 from jaxckpt.host.snapshot import LeafRecord
+from jaxckpt.tree import scalar_from_json
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
 from jaxckpt.restore import _read
@@ -270,6 +272,25 @@ def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, l
       f"metadata(): step {step} is held neither by the job's agents (held: {held}"
       + (f"; rebuildable from parity: {rebuilt}" if rebuilt else "") + ")"
       + (f" nor in storage ({stored})" if directory else ""))
+
+
+def step_metadata(store: HostStore, directory: str | None, step: int
+                  ) -> tuple[str, dict[str, _read.LeafMetadata], dict[str, Any]]:
+  """:func:`describe`'s answer as ``metadata(step)`` gives it: the tier, the leaves by
+  path (their kind, shape, dtype, saving sharding, scalar value) and the
+  metadata saved with the step. Reads no array bytes.
+
+  Raises:
+    StepNotFoundError: no tier of the job holds ``step``.
+  """
+  tier, leaves, meta = describe(store, directory, step)
+  return tier, {r.path: leaf_metadata(r) for r in leaves}, dict(meta)
+
+
+def leaf_metadata(rec: Any) -> _read.LeafMetadata:
+  """What ``metadata()`` says of a saved leaf (a host LeafRecord or a stored LeafInfo)."""
+  return _read.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
+                            scalar_from_json(rec.value), rec.key_impl)
 
 
 class StorageSource:

@@ -11,11 +11,14 @@ from jaxckpt.universal._commit import commit_step
 from jaxckpt.universal._commit import committed_by
 from jaxckpt.universal._commit import discard_attempt
 from jaxckpt.universal._commit import discard_step
+from jaxckpt.universal._commit import discard_uncommitted
 from jaxckpt.universal._commit import gc_steps
 from jaxckpt.universal._commit import latest_step
 from jaxckpt.universal._commit import missing_parts
 from jaxckpt.universal._commit import quarantine_step
 from jaxckpt.universal._commit import quarantined
+from jaxckpt.universal._commit import read_json
+from jaxckpt.universal._commit import write_json
 from jaxckpt.universal._commit import wait_committed
 from jaxckpt.universal._manifest import LeafInfo
 from jaxckpt.universal._read import RegionReader
@@ -41,11 +44,14 @@ __all__ = [
     "committed_by",
     "discard_attempt",
     "discard_step",
+    "discard_uncommitted",
     "gc_steps",
     "latest_step",
     "missing_parts",
     "quarantine_step",
     "quarantined",
+    "read_json",
+    "write_json",
     "wait_committed",
     "new_attempt",
     "open_step",

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -28,7 +29,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _wait, errors
+from jaxckpt import errors
+from jaxckpt.util import _wait
 from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays
 from jaxckpt.universal import _layout as lay
@@ -460,17 +462,27 @@ def quarantined(directory: str, step: int) -> dict[str, Any] | None:
   return lay.read_json(kv, lay.quarantine_key(step))
 
 
-def discard_step(directory: str, step: int) -> None:
+def discard_step(directory: str, step: int, *, todelete_subdir: str | None = None) -> None:
   """Deletes a step, every attempt at it included (marker first, so it is never
-  listed half-deleted), and its quarantine record."""
+  listed half-deleted), and its quarantine record. With ``todelete_subdir``
+  (orbax's option) a local directory's step is moved into
+  ``directory/todelete_subdir/`` instead, for a reaper to remove later; on an
+  object store it is deleted (as orbax does on GCS)."""
   kv = lay.open_kvstore(directory)
   kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
   _delete(kv, lay.quarantine_key(step))
   prefix = lay.step_dir(step)
-  kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   local = lay.local_path(directory)
+  if todelete_subdir and local is not None and os.path.isdir(os.path.join(local, prefix)):
+    into = os.path.join(local, todelete_subdir)
+    os.makedirs(into, exist_ok=True)
+    os.replace(os.path.join(local, prefix), os.path.join(into, prefix.rstrip("/")))
+    return
+  kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if local is not None:  # the file kvstore leaves empty directories behind
     shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+    with contextlib.suppress(OSError):       # the last step gone: an empty directory again
+      os.rmdir(os.path.join(local, lay.COMMITS_PREFIX))
 
 
 def discard_attempt(directory: str, step: int, attempt: str) -> None:
@@ -486,6 +498,36 @@ def discard_attempt(directory: str, step: int, attempt: str) -> None:
     local = lay.local_path(directory)
     if local is not None:
       shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+
+
+def discard_uncommitted(directory: str, *, keep: Iterable[int] = ()) -> list[int]:
+  """Deletes what unfinished saves left in a local ``directory``: the steps that have
+  data but no commit marker (except those in ``keep``: a save may be writing them).
+  On an object store it does nothing (an unfinished attempt's keys are its own and
+  never read; listing every key to find them would cost more than they do).
+  Returns the steps deleted."""
+  local = lay.local_path(directory)
+  if local is None or not os.path.isdir(local):
+    return []
+  committed, protected = set(all_steps(directory)), set(keep)
+  doomed = sorted(int(n[len("step_"):]) for n in os.listdir(local)
+                  if re.fullmatch(r"step_\d+", n) and int(n[len("step_"):]) not in committed)
+  doomed = [s for s in doomed if s not in protected]
+  for step in doomed:
+    shutil.rmtree(os.path.join(local, lay.step_dir(step)), ignore_errors=True)
+    log.info("removed the unfinished save of step %d from %s", step, directory)
+  return doomed
+
+
+def read_json(directory: str, name: str) -> Any:
+  """The JSON object stored under ``name`` beside the steps (None if absent)."""
+  return lay.read_json(lay.open_kvstore(directory), name)
+
+
+def write_json(directory: str, name: str, obj: Any) -> None:
+  """Stores ``obj`` as JSON under ``name`` beside the steps (one put)."""
+  kv = lay.open_kvstore(directory)
+  lay.storage_result(kv.write(name, json.dumps(obj).encode()), f"writing {name}", directory)
 
 
 def gc_steps(directory: str, *, max_to_keep: int, keep: Iterable[int] = ()) -> list[int]:

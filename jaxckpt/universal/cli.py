@@ -148,11 +148,7 @@ def _orbax_hint(directory: str, local: str, step: int | None, verb: str) -> str 
     what, src = "an orbax checkpoint (one saved item)", local
   elif (steps := _orbax_steps(local)):                     # a CheckpointManager directory
     what, src = f"an orbax CheckpointManager directory (steps {sorted(steps)})", local
-    extra = [] if step is None else ["--step", str(step)]
-    items = _orbax_items(os.path.join(local, steps[max(steps)]))
-    if len(items) > 1:
-      extra += ["--item", items[0]]
-      what += f" with items {items}"
+    extra = [] if step is None else ["--step", str(step)]     # every item is imported
   elif has("_CHECKPOINT_METADATA") and (n := re.search(r"(\d+)$", os.path.basename(local))):
     what, src = "one step of an orbax CheckpointManager directory", os.path.dirname(local)
     extra = ["--step", str(int(n.group(1)))]
@@ -172,12 +168,6 @@ def _orbax_steps(local: str) -> dict[int, str]:
     if m and os.path.exists(os.path.join(local, name, "_CHECKPOINT_METADATA")):
       steps[int(m.group(1))] = name
   return steps
-
-
-def _orbax_items(step_dir: str) -> list[str]:
-  """The items of one orbax step that ``import-orbax`` reads (those with array metadata)."""
-  return sorted(n for n in os.listdir(step_dir)
-                if os.path.exists(os.path.join(step_dir, n, "_METADATA")))
 
 
 def _items(reader: _read.StepReader) -> tuple[dict[str, Any], list[str]]:

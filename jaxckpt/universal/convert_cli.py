@@ -39,10 +39,13 @@ naming the paths (exit 2). See docs/conversion.md."""
 _IMPORT_HELP = """Copy an orbax checkpoint into a universal-format directory.
 
 ORBAX_DIR is a directory of ocp.CheckpointManager (steps inside; default: the
-latest step, and its only item, usually 'default') or one
-ocp.StandardCheckpointer save. Tree, shapes and dtypes come from orbax's
-metadata; arrays are read from orbax's tensorstore files chunk by chunk. The
-result restores onto any mesh and is readable by any zarr v3 reader."""
+latest step) or one ocp.StandardCheckpointer save. Every item of the step is
+imported (pytree, JSON, array and Grain iterator items), as one Composite
+step that the manager restores with args=ocp.args.Composite(...); an item
+saved by any other handler is refused, naming it (--item imports one item
+alone). Tree, shapes and dtypes come from orbax's metadata; arrays are read
+from orbax's tensorstore files chunk by chunk. The result restores onto any
+mesh and is readable by any zarr v3 reader."""
 
 _EXPORT_HELP = """Write a committed universal-format step as an orbax checkpoint.
 
@@ -76,7 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
   p.add_argument("orbax_dir", metavar="ORBAX_DIR", help="orbax checkpoint directory")
   p.add_argument("dst", metavar="DST", help="universal-format directory to write")
   p.add_argument("--step", type=int, default=None, help="orbax step (default: latest)")
-  p.add_argument("--item", default=None, help="CheckpointManager item (default: the only one)")
+  p.add_argument("--item", default=None,
+                 help="one CheckpointManager item, imported alone (default: every item of the "
+                 "step, as one Composite step)")
   p.add_argument("--dst-step", type=int, default=None,
                  help="step to write (default: the orbax step, 0 for a bare save)")
   p.add_argument("--layout", choices=["auto", "nnx", "plain"], default="auto",

@@ -34,7 +34,9 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxckpt import errors
+from jaxckpt.orbax import _items
 from jaxckpt.tree import nest, path_keys  # pylint: disable=unused-import (public here too)
+from jaxckpt.universal import _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 from jaxckpt.universal import _read
@@ -46,10 +48,14 @@ log = logging.getLogger(__name__)
 READ_TIMEOUT_SECS = 600.0
 
 
-def _item_dir(orbax_dir: str, step: int | None, item: str | None) -> tuple[str, int | None]:
-  """The directory of one saved item, and its step (None for a bare checkpointer save)."""
+_PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
+
+
+def _step_items(orbax_dir: str, step: int | None) -> tuple[int | None, dict[str, tuple]]:
+  """The step (None for a bare checkpointer save) and its items: ``{name: (kind, dir,
+  handler)}``, kind None for an item import_orbax cannot read."""
   if os.path.exists(os.path.join(orbax_dir, "_METADATA")):
-    return orbax_dir, None
+    return None, {"": ("pytree", orbax_dir, None)}
   steps = sorted(ocp.path.step.checkpoint_steps(orbax_dir))
   if not steps:
     raise errors.StepNotFoundError(
@@ -61,14 +67,57 @@ def _item_dir(orbax_dir: str, step: int | None, item: str | None) -> tuple[str, 
     raise errors.StepNotFoundError(f"orbax step {step} is not in {orbax_dir!r}; it has {steps}")
   step_dir = str(ocp.path.step.find_step_path(orbax_dir, ocp.path.step.standard_name_format(),
                                               step=step))
-  items = sorted(n for n in os.listdir(step_dir)
-                 if os.path.exists(os.path.join(step_dir, n, "_METADATA")))
-  if item is None and len(items) == 1:
-    item = items[0]
-  if item not in items:
-    raise errors.StepNotFoundError(
-        f"orbax step {step} in {orbax_dir!r} has items {items}; pick one with item= (--item)")
-  return os.path.join(step_dir, item), step
+  try:
+    with open(os.path.join(step_dir, "_CHECKPOINT_METADATA"), encoding="utf-8") as f:
+      handlers = json.load(f).get("item_handlers") or {}
+  except (OSError, ValueError):
+    handlers = {}
+  items = {}
+  for name in sorted(os.listdir(step_dir)):
+    where = os.path.join(step_dir, name)
+    if os.path.isdir(where) and "orbax-checkpoint-tmp" not in name:
+      handler = handlers.get(name) if isinstance(handlers, dict) else None
+      items[name] = (_item_kind(where, handler), where, handler)
+  return step, items
+
+
+def _item_kind(item_dir: str, handler: str | None) -> str | None:
+  """What an orbax item holds, from the handler that saved it (else from its files)."""
+  h = handler or ""
+  if any(n in h for n in _PYTREE_HANDLERS) or (not h and os.path.exists(
+      os.path.join(item_dir, "_METADATA"))):
+    return "pytree"
+  if "JsonCheckpointHandler" in h:
+    return "json"
+  if "ArrayCheckpointHandler" in h:
+    return "array"
+  if "grain" in h or (not h and glob.glob(os.path.join(item_dir, "process_*-of-*.json"))):
+    return "grain"
+  return None
+
+
+def _selected(orbax_dir: str, step: int | None, item: str | None
+              ) -> tuple[int | None, dict[str, tuple], bool]:
+  """The items to import and whether they are one (the step's only item, orbax's
+  ``default``, or ``item``) or a Composite."""
+  found, items = _step_items(orbax_dir, step)
+  if item is not None:
+    if item not in items:
+      raise errors.StepNotFoundError(
+          f"orbax step {found} in {orbax_dir!r} has items {sorted(items)}; pick one with "
+          "item= (--item), or none to import them all")
+    items = {item: items[item]}
+  cannot = {n: h for n, (kind, _, h) in items.items() if kind is None}
+  if cannot:
+    raise errors.InvalidArgumentError(
+        f"orbax step {found} in {orbax_dir!r}: import-orbax cannot import item(s) "
+        + ", ".join(f"{n!r} (saved by {h or 'an unknown handler'})" for n, h in cannot.items())
+        + f"; it imports pytree, JSON, array and Grain iterator items: import the others one "
+        f"at a time with --item NAME (items: {sorted(items)})")
+  if not items:
+    raise errors.ManifestError(f"orbax step {found} in {orbax_dir!r} holds no items")
+  single = item is not None or list(items) in ([""], ["default"])
+  return found, items, single
 
 
 def _open_orbax_array(item_dir: str, name: str, use_zarr3: bool) -> ts.TensorStore:
@@ -152,11 +201,18 @@ def orbax_tree(item_dir: str) -> tuple[Any, bool]:
 def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = None) -> int:
   """Bytes of array data :func:`import_orbax` would copy (for progress bars)."""
   import jax  # pylint: disable=import-outside-toplevel
-  tree, _ = orbax_tree(_item_dir(os.path.abspath(orbax_dir), step, item)[0])
-  return sum(int(np.prod(md.shape)) * np.dtype(md.dtype).itemsize
-             for md in jax.tree_util.tree_leaves(tree)
-             if isinstance(md, ocp.metadata.ArrayMetadata)
-             and not isinstance(md, ocp.metadata.ScalarMetadata))
+  _, items, _ = _selected(os.path.abspath(orbax_dir), step, item)
+  total = 0
+  for kind, item_dir, _ in items.values():
+    if kind == "array":
+      total += sum(i.nbytes for i in _array_item(item_dir, "", None, "plain")[0].values())
+    if kind == "pytree":
+      tree, _ = orbax_tree(item_dir)
+      total += sum(int(np.prod(md.shape)) * np.dtype(md.dtype).itemsize
+                   for md in jax.tree_util.tree_leaves(tree)
+                   if isinstance(md, ocp.metadata.ArrayMetadata)
+                   and not isinstance(md, ocp.metadata.ScalarMetadata))
+  return total
 
 
 _NNX_INDEX = re.compile(r"\['(\d+)'\]")
@@ -255,9 +311,44 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
   """
   if layout not in LAYOUTS:
     raise errors.InvalidArgumentError(f"import_orbax layout={layout!r}: expected one of {LAYOUTS}")
-  import jax  # pylint: disable=import-outside-toplevel
   orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
-  item_dir, found = _item_dir(orbax_dir, step, item)
+  found, items, single = _selected(orbax_dir, step, item)
+  dst_step = (found or 0) if dst_step is None else dst_step
+  if dst_step in _commit.all_steps(dst_dir):
+    raise errors.StepAlreadyExistsError(
+        f"step {dst_step} is already in {dst_dir!r} (imported before?); import into another "
+        f"step (dst_step=, --dst-step) or directory, or delete it first "
+        f"(jaxckpt.universal.discard_step({dst_dir!r}, {dst_step}))")
+  leaves, sources = {}, {}
+  for name, (kind, item_dir, _) in items.items():
+    prefix = "" if single else f"[{name!r}]"
+    got, src = _ITEM_READERS[kind](item_dir, prefix, progress, layout)
+    leaves.update(got)
+    sources.update(src)
+  if not leaves:
+    raise errors.ManifestError(
+        f"orbax checkpoint {orbax_dir!r} holds no leaves that import_orbax can read (orbax's "
+        "metadata gives an empty tree); point it at a StandardSave / StandardCheckpointer "
+        "save (the directory with _METADATA, or the CheckpointManager directory)")
+  kinds = {n: kind for n, (kind, _, _) in items.items()}
+  metadata: dict[str, Any] = {"imported_from": {
+      "orbax": orbax_dir, "step": found,
+      "item": None if found is None else (next(iter(kinds)) if single else sorted(kinds))}}
+  if single:
+    if (kind := next(iter(kinds.values()))) != "pytree":
+      metadata[_items.ITEM_KEY] = kind
+  else:
+    metadata[_items.ITEMS_KEY] = kinds
+  _write.write_leaves(dst_dir, dst_step, leaves, sources, metadata=metadata)
+  log.info("imported %d leaves of %s (items %s) into step %d of %s", len(leaves), orbax_dir,
+           sorted(kinds), dst_step, dst_dir)
+  return dst_step
+
+
+def _pytree_item(item_dir: str, prefix: str, progress: Any, layout: str
+                 ) -> tuple[dict[str, man.LeafInfo], dict[str, Any]]:
+  """A StandardSave / PyTreeSave item's leaves (at NNX paths as ``layout`` says)."""
+  import jax  # pylint: disable=import-outside-toplevel
   tree, use_zarr3 = orbax_tree(item_dir)
   key_impls = orbax_key_impls(item_dir)
   leaves, sources = {}, {}
@@ -274,17 +365,56 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     leaves = {new[p]: (_nnx_leaf(p, new[p], info, key_impls is None) if new[p] != p else info)
               for p, info in leaves.items()}
     sources = {new[p]: src for p, src in sources.items()}
-  if not leaves:
-    raise errors.ManifestError(
-        f"orbax checkpoint {item_dir!r} holds no leaves that import_orbax can read (orbax's "
-        "metadata gives an empty tree); point it at a StandardSave / StandardCheckpointer "
-        "save (the directory with _METADATA, or the CheckpointManager directory)")
-  dst_step = (found or 0) if dst_step is None else dst_step
-  metadata = {"imported_from": {"orbax": orbax_dir, "step": found,
-                                "item": os.path.basename(item_dir) if found is not None else None}}
-  _write.write_leaves(dst_dir, dst_step, leaves, sources, metadata=metadata)
-  log.info("imported %d leaves of %s into step %d of %s", len(leaves), item_dir, dst_step, dst_dir)
-  return dst_step
+  return ({prefix + p: dataclasses.replace(i, path=prefix + p) for p, i in leaves.items()},
+          {prefix + p: src for p, src in sources.items()})
+
+
+def _json_item(item_dir: str, prefix: str, progress: Any, layout: str
+               ) -> tuple[dict[str, man.LeafInfo], dict[str, Any]]:
+  """A JsonSave item: its JSON text, one string leaf."""
+  del progress, layout
+  files = [n for n in os.listdir(item_dir) if not n.startswith(".") and n != "commit_success.txt"
+           and os.path.isfile(os.path.join(item_dir, n))]
+  if len(files) != 1:
+    raise errors.ManifestError(f"orbax JSON item {item_dir!r} holds files {sorted(files)}, "
+                               "not one JSON file")
+  with open(os.path.join(item_dir, files[0]), encoding="utf-8") as f:
+    text = json.dumps(json.load(f))
+  return {prefix: man.LeafInfo(path=prefix, kind="scalar", value=text)}, {}
+
+
+def _array_item(item_dir: str, prefix: str, progress: Any, layout: str
+                ) -> tuple[dict[str, man.LeafInfo], dict[str, Any]]:
+  """An ArraySave item: its one array."""
+  del layout
+  zarr3 = os.path.exists(os.path.join(item_dir, "checkpoint", "zarr.json"))
+  view = _open_orbax_array(item_dir, "checkpoint", zarr3)
+  info = man.LeafInfo(path=prefix, kind="numpy", shape=tuple(view.shape),
+                      dtype=np.dtype(view.dtype.numpy_dtype).name)
+  return {prefix: info}, {prefix: _Counted(view, progress)}
+
+
+def _grain_item(item_dir: str, prefix: str, progress: Any, layout: str
+                ) -> tuple[dict[str, man.LeafInfo], dict[str, Any]]:
+  """A Grain iterator's state: one row per process that saved it (as the manager saves it)."""
+  del progress, layout
+  files = {}
+  for f in glob.glob(os.path.join(item_dir, "process_*-of-*.json")):
+    m = re.fullmatch(r"process_(\d+)-of-(\d+)\.json", os.path.basename(f))
+    if m:
+      files[int(m.group(1))] = (int(m.group(2)), f)
+  count = {n for n, _ in files.values()}
+  if len(count) != 1 or sorted(files) != list(range(next(iter(count)))):
+    raise errors.ManifestError(f"orbax Grain item {item_dir!r} does not hold one state per "
+                               f"process (files of processes {sorted(files)})")
+  rows = np.concatenate([_items.encode_row(open(files[i][1], "rb").read(), item_dir)[None]
+                         for i in sorted(files)])
+  info = man.LeafInfo(path=prefix, kind="numpy", shape=rows.shape, dtype="uint8")
+  return {prefix: info}, {prefix: rows}
+
+
+_ITEM_READERS = {"pytree": _pytree_item, "json": _json_item, "array": _array_item,
+                 "grain": _grain_item}
 
 
 def _exportable(path: str, info: man.LeafInfo) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxckpt import capture
+from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
 from jaxckpt.tree import Leaf
 from jaxckpt.universal import _write, commit_step, gc_steps
@@ -78,3 +79,13 @@ def save(directory: str, step: int, leaves: Sequence[Leaf], planner: capture.Pla
   logger.info("step %d written to %s without a host snapshot (%d leaves in %d batches, at most "
               "%d bytes staged)", step, directory, len(leaves), len(groups), staged)
   return staged
+
+
+def save_step(directory: str, step: int, leaves: Sequence[Leaf], planner: Any, *,
+              attempt: str, **kwargs: Any) -> int:
+  """:func:`save` as ``attempt``; if it fails, what it wrote is removed (no one could read it)."""
+  try:
+    return save(directory, step, leaves, planner, attempt=attempt, **kwargs)
+  except BaseException:
+    _persist.discard_quietly(directory, step, attempt)
+    raise

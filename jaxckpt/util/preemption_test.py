@@ -12,7 +12,8 @@ import time
 import pytest
 
 import jaxckpt as jc
-from jaxckpt import _preemption, errors
+from jaxckpt import errors
+from jaxckpt.util import _preemption
 
 LOOP = r"""
 import os, signal, sys, time
@@ -31,7 +32,7 @@ for step in range(1000):
 NOTICE = r"""
 import sys, threading, time
 import jax, jax.numpy as jnp
-from jaxckpt import _preemption
+from jaxckpt.util import _preemption
 grace, mode = float(sys.argv[1]), sys.argv[2]
 
 def commit():
@@ -122,7 +123,7 @@ def test_a_second_sigterm_ends_the_process_at_once():
 
 FORK = r"""
 import os, signal, sys, time
-from jaxckpt import _preemption
+from jaxckpt.util import _preemption
 notice = _preemption.Notice(install=True, grace_secs=30.0)
 child = os.fork()
 if child == 0:                              # a worker, as a data loader or a pool forks one

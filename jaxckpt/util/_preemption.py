@@ -28,7 +28,6 @@ import time
 import weakref
 from typing import Any, Callable
 
-import jax
 from jax.experimental import multihost_utils
 
 logger = logging.getLogger(__name__)
@@ -214,12 +213,10 @@ class Notice:
           self._timer.cancel()         # the loop saw it in time: it owns the exit now
           self._timer = None
       return True
-    if jax.process_count() > 1:
-      try:
-        return bool(multihost_utils.reached_preemption_sync_point(step))
-      except (RuntimeError, AttributeError):
-        return False   # no preemption service in this job
-    return False
+    try:      # JAX's preemption service (jax.distributed), the same step on every process
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    except (RuntimeError, AttributeError):
+      return False   # no preemption service in this job
 
   def uninstall(self) -> None:
     if self._installed and threading.current_thread() is threading.main_thread():
