@@ -154,3 +154,14 @@ def test_the_first_example_runs_as_written(page: str, tmp_path: pathlib.Path):
   finally:
     subprocess.run([sys.executable, "-m", "jaxckpt.agent", "stop", "--job-name", job],
                    capture_output=True, timeout=60)
+
+
+def test_the_guide_s_metrics_example_prints_what_it_says(tmp_path: pathlib.Path):
+  text = (_DOCS / "guide.md").read_text()
+  section = text.split("### Metrics where you look", 1)[1].split("\n## ", 1)[0]
+  src, = re.findall(r"```python\n(.*?)```", section, re.S)
+  proc = subprocess.run([sys.executable, "-c", src], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  said = re.search(r"# (\[.*\])", src).group(1)
+  assert proc.stdout.strip().splitlines()[-1] == said, proc.stdout

@@ -97,6 +97,17 @@ class CheckpointManager(OrbaxVerbs):
   ``last_restore``. orbax's arguments are taken too: ``options`` may be orbax's
   ``CheckpointManagerOptions`` (:mod:`jaxckpt.orbax._options`), and ``metadata``,
   ``item_names``, ``item_handlers``, ``logger`` and ``handler_registry`` are orbax's.
+
+  ``logger=`` takes orbax's loggers, any object with ``log_entry(dict)``, or a
+  callable taking the dict: one entry per event, each with ``event_type``,
+  ``step``, ``directory`` and ``start_time``: ``"save"`` (``blocking_secs``,
+  ``skipped_busy``, ``skipped_plan``, ``persist_lag_steps``,
+  ``persist_lag_secs``), ``"snapshot"`` (``snapshot_secs``, ``nbytes``,
+  ``snapshot_GBps``), ``"persist"`` (``persisted``, ``persist_secs``,
+  ``nbytes``, ``persist_GBps``) and ``"restore"`` (``tier``, ``restore_secs``,
+  ``nbytes``, ``restore_GBps``, ``skipped_steps``). Snapshot and persist entries
+  come from the background thread. ``examples/metrics_tensorboard.py`` writes
+  them to TensorBoard.
   """
 
   def __init__(self, directory: Any = None, options: Any = None, *,
@@ -386,8 +397,10 @@ class CheckpointManager(OrbaxVerbs):
         self._error = e
       return
     self.stats.committed += 1
-    self.stats.last_snapshot_secs = time.perf_counter() - t0
-    self._schedule.measure.copy.append(self.stats.last_snapshot_secs)
+    self.stats.last_snapshot_secs = secs = time.perf_counter() - t0
+    self._schedule.measure.copy.append(secs)
+    self._log_entry("snapshot", step, t0, snapshot_secs=secs, nbytes=plan.nbytes,
+                    snapshot_GBps=plan.nbytes / max(secs, 1e-9) / 1e9)
     self.stats.last_nbytes = plan.nbytes
     self._newest_step = step
     self._note_persist_lag(step)
@@ -412,6 +425,9 @@ class CheckpointManager(OrbaxVerbs):
         if self._due.pop(s, None) is None:
           continue                       # (the other thread saw it end first)
         self._schedule.measure.persist.append(now - at)
+        self._log_entry("persist", s, at, persisted=s in status.persisted,
+                        persist_secs=now - at, nbytes=nbytes,
+                        persist_GBps=nbytes / max(now - at, 1e-9) / 1e9)
         if s in status.persisted and self.options.agent is not None:   # (its agent's log has
           logger.info("step %d is on storage: %.1f MiB persisted by the snapshot agent within "
                       "%.2f s of its snapshot (%.3g GB/s)", s, nbytes / 2**20, now - at,
@@ -598,7 +614,10 @@ class CheckpointManager(OrbaxVerbs):
       step = self.latest_step()       # not one the preservation policy dropped
     out = (self._read(step, target, partial) if args is None and target is not None
            else self._restore_forms(step, target, args, partial))
-    self._log_entry("restore", self.last_restore.step, t0)
+    r = self.last_restore
+    self._log_entry("restore", r.step, t0, tier=str(r.tier), restore_secs=r.seconds,
+                    nbytes=r.nbytes, restore_GBps=r.nbytes / max(r.seconds, 1e-9) / 1e9,
+                    skipped_steps=[s for s, _ in r.skipped])
     return out
 
   def _read(self, step: int | None, target: Any, partial: bool) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import time
 import os
 import threading
 from typing import Any
@@ -180,7 +181,10 @@ class OrbaxVerbs:
       self.wait_until_finished()
     else:
       self._collect()
-    self._log_entry("save", step, t0)
+    st = self.stats
+    self._log_entry("save", step, t0, blocking_secs=time.perf_counter() - t0,
+                    skipped_busy=st.skipped_busy, skipped_plan=st.skipped_plan,
+                    persist_lag_steps=st.persist_lag_steps, persist_lag_secs=st.persist_lag_secs)
     return True
 
   def _finalized(self) -> None:
@@ -353,8 +357,20 @@ class OrbaxVerbs:
       return tree.nest(out) if t is None else out
     return self._forms.restore(args, target, partial, leaves, dict(source.reader_.metadata), read)
 
-  def _log_entry(self, event: str, step: int, t0: float) -> None:
-    if self._orbax_logger is not None:
-      self._orbax_logger.log_entry({"event_type": event, "step": step,
-                                    "directory": str(self._dir), "start_time": t0})
+  def _log_entry(self, event: str, step: int, t0: float, **figures: Any) -> None:
+    """Hands ``logger=`` (orbax's ``AbstractLogger``: anything with ``log_entry(dict)``,
+    or a plain callable taking the dict) one entry: orbax's fields, and jaxckpt's
+    figures of the event (see :func:`jaxckpt.manager.CheckpointManager`)."""
+    sink = self._orbax_logger
+    if sink is None:
+      return
+    entry = {"event_type": event, "step": step, "directory": str(self._dir), "start_time": t0,
+             **figures}
+    try:
+      (sink.log_entry if hasattr(sink, "log_entry") else sink)(entry)
+    except Exception as e:  # pylint: disable=broad-except  (a metrics sink never fails a save)
+      if not getattr(self, "_logger_failed", False):
+        self._logger_failed = True
+        logger.warning("logger=%r failed on a %r entry (%s: %s); its entries go on, this "
+                       "warning is said once", sink, event, type(e).__name__, e)
 
