@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
 import time
 import uuid
 
 import jax
+import psutil
 
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent.client import AgentStore
@@ -15,6 +18,8 @@ from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore, InProcessStore
 from jaxckpt.net import _kv, _wire
 from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | None) -> HostStore:
@@ -27,6 +32,7 @@ def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | Non
   """
   limit = options.host_memory_limit_bytes or default_host_memory_limit_bytes()
   a = options.agent
+  _check_room(limit, None if a is None else a.run_root or _paths.default_run_root())
   if a is None:
     return InProcessStore(max_snapshots=options.max_snapshots,
                           host_memory_limit_bytes=limit, persist=persist)
@@ -53,6 +59,24 @@ def _owner_name() -> str:
   """What names a manager to its agent (the lease holder a second manager is told of)."""
   return (f"the CheckpointManager {uuid.uuid4().hex[:8]} of pid {os.getpid()} (thread "
           f"{threading.current_thread().name!r}, made at {time.strftime('%H:%M:%S')})")
+
+
+def _check_room(limit: int, run_root: str | None) -> None:
+  """Says at start (once a first save would fail) when the host-memory budget is more
+  than the memory the snapshots may take: free RAM, and the run root's free space
+  for an agent's shared memory. The first save of a state that does not fit is
+  refused, before the loop gets further."""
+  free = psutil.virtual_memory().available
+  where = "free RAM"
+  if run_root is not None and os.path.isdir(run_root):
+    shm = shutil.disk_usage(run_root).free
+    if shm < free:
+      free, where = shm, f"free space of the run root {run_root}"
+  if limit > free:
+    logger.warning(
+        "host_memory_limit_bytes=%d (%.1f MiB) is more than the %s (%.1f MiB): snapshots "
+        "larger than that fail at their first save; lower the limit, or give the run root "
+        "more memory", limit, limit / 2**20, where, free / 2**20)
 
 
 def persistence(directory: str | None, options: CheckpointOptions, *, writes: bool = True,
