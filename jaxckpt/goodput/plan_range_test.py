@@ -23,4 +23,5 @@ def test_absurd_finite_inputs_exit_2_with_the_reason_and_no_traceback(name, valu
                      capture_output=True, text=True, timeout=120, check=False)
   assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
   assert "Traceback" not in p.stderr and p.stdout == ""
-  assert p.stderr.startswith("jaxckpt plan: inputs out of range"), p.stderr
+  assert p.stderr.startswith("jaxckpt plan: ") and f"--{name}" in p.stderr, p.stderr
+  assert "must be between" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr

@@ -119,6 +119,14 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
   (``universal.quarantine_step``) so the job can save that step again; an
   explicit ``restore(step=...)`` of it still raises CorruptSnapshotError."""
   t0 = time.perf_counter()
+  if step is not None and jax.process_count() == 1:     # a step this store holds whole:
+    local = _read_local(store, step, target, partial)    # nothing else to ask
+    if local is not None:
+      out, source = local
+      info = _read.RestoreInfo(step, _read.Tier.HOST, time.perf_counter() - t0,
+                               source.bytes_read)
+      _said(info)
+      return out, info
   skipped: list[tuple[int, str]] = []
   while True:
     chosen, tier = choose_step(store, directory, step, timeout_secs=timeout_secs,
@@ -144,10 +152,33 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
     break
   info = _read.RestoreInfo(chosen, tier, time.perf_counter() - t0, source.bytes_read,
                            tuple(skipped))
-  logger.info("restored step %d from %s: %s in %.3f s (%s)", chosen, tier.value,
+  _said(info)
+  return out, info
+
+
+def _said(info: _read.RestoreInfo) -> None:
+  logger.info("restored step %d from %s: %s in %.3f s (%s)", info.step, info.tier.value,
               _progress.human_bytes(info.nbytes), info.seconds,
               _progress.rate(info.nbytes, info.seconds))
-  return out, info
+
+
+def _read_local(store: HostStore, step: int, target: Any, partial: bool) -> Any:
+  """``step`` read from this store alone when it holds the whole step (one saving
+  process): (the tree, the source); None otherwise, or when its read fails (the
+  full path then says why, and falls back to storage)."""
+  with contextlib.ExitStack() as stack:
+    try:
+      manifest, buffer = stack.enter_context(store.read(step))
+    except (errors.StepNotFoundError, *DAMAGE):
+      return None
+    if manifest.process_count != 1:
+      return None
+    source = _read.HostSource([_read.BufferPiece(
+        manifest, buffer, lend=functools.partial(store.lend, step, buffer))])
+    try:
+      return jax.block_until_ready(_read.restore_tree(source, target, partial=partial)), source
+    except DAMAGE:
+      return None
 
 
 def _read_step(store: HostStore, directory: str | None, step: int, tier: _read.Tier,

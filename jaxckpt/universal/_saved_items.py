@@ -3,10 +3,12 @@
 A step saved with ``args=ocp.args.Composite(...)`` records the kind of each
 item in its metadata (``{"jaxckpt.items": {name: kind}}``, kinds ``pytree``,
 ``json`` and ``grain``). A pytree item is the leaves under ``['name']``; a JSON
-item and a Grain iterator's state are the leaf ``['name']``, a ``(process_count,
-ROW_BYTES)`` uint8 array with one row per saving process: an 8-byte
-little-endian length, then that many bytes of UTF-8 JSON, then zeros. (The
-writer is ``jaxckpt``'s orbax layer; this module only reads.)
+item is the leaf ``['name']`` holding its JSON text (one value for the whole
+job; older steps: rows as a Grain state); a Grain iterator's state is the leaf
+``['name']``, a ``(process_count, ROW_BYTES)`` uint8 array with one row per
+saving process: an 8-byte little-endian length, then that many bytes of UTF-8
+JSON, then zeros. (The writer is ``jaxckpt``'s orbax layer; this module only
+reads.)
 
 >>> row = np.zeros(32, np.uint8); row[:8] = [7, 0, 0, 0, 0, 0, 0, 0]
 >>> row[8:15] = np.frombuffer(b'{"a":1}', np.uint8)
@@ -42,6 +44,19 @@ def path_of(name: str) -> str:
 def is_row_leaf(info: Any) -> bool:
   """Whether a leaf (a LeafInfo) has the shape a JSON or Grain item is stored in."""
   return info.is_array and info.dtype == "uint8" and len(info.shape) == 2 and info.shape[1] > 8
+
+
+def is_json_leaf(info: Any) -> bool:
+  """Whether a leaf holds a JSON item as its text (one value for the whole job)."""
+  return not info.is_array and isinstance(info.scalar, str)
+
+
+def decode_json(text: str, name: str) -> Any:
+  """A JSON item's value from its text; CorruptSnapshotError naming the item if damaged."""
+  try:
+    return json.loads(text)
+  except ValueError as e:
+    raise errors.CorruptSnapshotError(f"item {name!r}: not JSON ({e})") from None
 
 
 def decode_rows(rows: np.ndarray, name: str) -> list[Any]:
@@ -99,7 +114,7 @@ def surviving(metadata: Mapping[str, Any], leaves: Mapping[str, Any],
             out[moved] = kind
       continue
     for path, origin in origins.items():
-      if origin == path_of(name) and is_row_leaf(leaves[path]):
+      if origin == path_of(name) and (is_row_leaf(leaves[path]) or is_json_leaf(leaves[path])):
         new = _top_level_name(path)
         if new is not None:
           out[new] = kind

@@ -64,6 +64,9 @@ def _tree_lines(reader: _read.StepReader, row_items: dict[str, str]) -> list[str
   width = max((len(p) for p in reader.leaves), default=0)
   for path in sorted(reader.leaves):
     info = reader.leaves[path]
+    if path in row_items and not info.is_array:      # a JSON item: one for the whole job
+      lines.append(f"  {path:<{width}}  {row_items[path]} item, one for the job: see items")
+      continue
     if not info.is_array:
       lines.append(f"  {path:<{width}}  {info.kind:<8} = {info.scalar!r}")
       continue
@@ -181,6 +184,12 @@ def _items(reader: _read.StepReader) -> tuple[dict[str, Any], list[str]]:
       out[name] = {"kind": kind, "leaves": len(under), "nbytes": sum(i.nbytes for i in under)}
       continue
     info = reader.leaves.get(path)
+    if kind == items.JSON and info is not None and items.is_json_leaf(info):
+      try:
+        out[name] = {"kind": kind, "values": [items.decode_json(info.scalar, name)]}
+      except errors.JaxckptError as e:
+        damaged.append(f"item {name!r} ({kind}): {e}")
+      continue
     if info is None or not items.is_row_leaf(info):
       damaged.append(f"item {name!r} ({kind}): the step has no leaf {path} of uint8 rows")
       continue

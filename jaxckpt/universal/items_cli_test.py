@@ -54,7 +54,7 @@ def test_inspect_shows_json_and_grain_items_as_saved(saved, capsys):
   assert "uint8" not in out and "65536" not in out                 # no blobs
   assert "jaxckpt.items" not in out
   line = next(l for l in out.splitlines() if l.startswith("  ['meta']"))
-  assert "json item, saved by 1 process(es): see items" in line
+  assert "json item, one for the job: see items" in line
   assert f"  meta (json): {json.dumps(META, sort_keys=True)}" in out
   assert "  data (grain iterator state):" in out
   for field, value in grain_state.items():
@@ -124,8 +124,10 @@ def test_a_cast_leaves_integer_key_and_item_leaves_alone(saved):
   assert dtypes["['state']['count']"] == "int32"                       # a step counter
   assert dtypes["['state']['key']"] == reader.leaves["['state']['key']"].dtype   # key data
   assert view.leaves["['state']['key']"].key_impl is not None
-  assert dtypes["['meta']"] == dtypes["['data']"] == "uint8"           # item rows
-  np.testing.assert_array_equal(view.read("['meta']"), reader.read("['meta']"))
+  assert dtypes["['data']"] == "uint8"                                 # a Grain state's rows
+  np.testing.assert_array_equal(view.read("['data']"), reader.read("['data']"))
+  assert view.leaves["['meta']"].scalar == reader.leaves["['meta']"].scalar  # its JSON text
+  assert json.loads(view.leaves["['meta']"].scalar) == META
   # Named by its full path, an integer leaf is cast.
   named = cv.apply(cv.ConversionSpec(rules=(cv.Cast(src="['state']['count']", dtype="float32"),)),
                    reader)
