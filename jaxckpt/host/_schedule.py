@@ -74,9 +74,9 @@ class Plan:
 class Report:
   """What one process measured (seconds; None: nothing measured yet)."""
 
-  copy_secs: float | None = None      # save() to committed snapshot, newest few, worst
+  copy_secs: float | None = None      # save() to committed snapshot (median of the newest)
   gap_secs: float | None = None       # the loop's time between candidate calls (median)
-  persist_secs: float | None = None   # committed snapshot to persisted step, worst
+  persist_secs: float | None = None   # committed snapshot to persisted step (median)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.astuple(self))
@@ -116,9 +116,14 @@ class Measure:
     self.persist: collections.deque[float] = collections.deque(maxlen=_WINDOW)
 
   def report(self) -> Report:
-    gaps = sorted(self.gap)
-    return Report(max(self.copy, default=None), gaps[len(gaps) // 2] if gaps else None,
-                  max(self.persist, default=None))
+    """The medians of the newest few (a first copy into fresh memory, or a first persist
+    that made the directory, does not set the pace for long)."""
+    return Report(_median(self.copy), _median(self.gap), _median(self.persist))
+
+
+def _median(xs: collections.deque[float]) -> float | None:
+  got = sorted(xs)
+  return got[len(got) // 2] if got else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,7 +89,7 @@ def test_processes_with_different_timings_decide_the_same_steps():
   schedules = [sch.Schedule(process=(i, 3), on_busy="skip", persist_interval=None,
                             timeout_secs=10, channel=ch, clock=Clock(0.1)) for i in range(3)]
   for i, s in enumerate(schedules):      # process 2 copies slowly, process 1 persists slowly
-    s.measure.copy.extend([0.01, 0.01, 0.25 if i == 2 else 0.02])
+    s.measure.copy.extend([0.9] + [0.25 if i == 2 else 0.02] * 3)   # (a slow first copy: no)
     s.measure.persist.extend([1.0 if i == 1 else 0.1])
   decisions = _run(schedules, range(1, 41))
   assert decisions[0] == decisions[1] == decisions[2]
