@@ -31,12 +31,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
                  help="address to serve on (port 0 picks a free port; the bound address is printed)")
   p.add_argument("--min-replicas", type=int, default=1, metavar="N",
                  help="fewest replica groups a quorum may have (default 1)")
-  p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECS",
-                 help="drop a group whose last heartbeat is older (default 5)")
-  p.add_argument("--join-timeout", type=float, default=1.0, metavar="SECS",
-                 help="wait this long for live groups that have not asked yet (default 1)")
-  p.add_argument("--straggler-timeout", type=float, default=60.0, metavar="SECS",
-                 help="wait this long for busy members of the previous quorum (default 60)")
+  defaults = LighthouseOptions()
+  p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout.total_seconds(),
+                 metavar="SECS", help="drop a group whose last heartbeat is older, and end the attempt "
+                 f"in flight for the others (default {defaults.heartbeat_timeout.total_seconds():g})")
+  p.add_argument("--join-timeout", type=float, default=defaults.join_timeout.total_seconds(), metavar="SECS",
+                 help="wait this long for live groups that have not asked yet "
+                      f"(default {defaults.join_timeout.total_seconds():g})")
+  p.add_argument("--straggler-timeout", type=float, default=defaults.straggler_timeout.total_seconds(),
+                 metavar="SECS", help="wait this long for busy members of the previous quorum "
+                 f"(default {defaults.straggler_timeout.total_seconds():g})")
   p.add_argument("--private-port", type=int, default=0, metavar="PORT",
                  help="port of the job's private door on the same interface (CURVE, keyed by the "
                       "secret; groups learn it from the lighthouse's replies); default 0: any free port")

@@ -14,8 +14,23 @@ state, whatever the number of groups) when
 A group is live while its heartbeats arrive within ``heartbeat_timeout``; a dead
 group is simply not waited for. The state is soft: after a restart the
 lighthouse waits ``join_timeout`` for heartbeats to rebuild membership and
-carries on, so a lighthouse restart does not lose the job (groups resend their
-requests until a lighthouse answers).
+carries on, or forms at once when every member of the view the requests hold is
+asking again (each request says how many members its view has), so a
+lighthouse restart does not lose the job and costs it little more than the
+outage (groups resend their requests until a lighthouse answers).
+
+Failures end an attempt for every member at once. A member of the attempt in
+flight whose heartbeats stop (dead, or stopped) is declared out of it after
+``heartbeat_timeout``, and a member that fails its attempt reports why and whom
+it blames (a closed stream, a refused connection: :mod:`jaxckpt.ft._links`).
+Either way the lighthouse tells every other member still in the attempt to
+abort it (a sealed ``abort`` on its heartbeat connection), so no member waits
+out its ring timeout for a piece that cannot come, and a failure reaches every
+live member whoever its ring neighbours are. A group out of the attempt is not
+waited for by the next quorum, and until it asks again each of its heartbeats
+is answered with an ``abort`` of its stale attempt: a stopped group that
+resumes learns at once that the job moved on, and catches up without holding
+a healthy quorum.
 
 Every message is sealed with the job's secret (:mod:`jaxckpt.net._wire`). One that
 cannot be (no mac of the right size) is dropped unread; one whose mac does not
@@ -53,7 +68,7 @@ from typing import Any, Callable
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.ft import _intake, _quorum, _requests, _route
+from jaxckpt.ft import _intake, _quorum, _replay, _requests, _route
 from jaxckpt.ft._quorum import Member, Quorum, View
 from jaxckpt.net import _wire
 
@@ -66,6 +81,9 @@ _FLOOD_PAUSE_SECS = 0.005          # after a public batch mostly refused: read o
 _MAX_MESSAGE_BYTES = 1 << 16       # every lighthouse message is far smaller
 _MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 _RESCAN_SECS = 0.01                # how stale the set of live groups not yet asking may be
+_CHECK_SECS = 0.05                 # how often the members of the attempt in flight are checked for heartbeats
+_NOTICE_SECS = 0.25                # a group out of the attempt is told so at most this often
+_MAX_WHY = 1000                    # characters of a reason sent in an abort
 Peer = tuple  # (socket, ZeroMQ identity): where a message came from, and where its answer goes
 
 
@@ -74,15 +92,20 @@ class LighthouseOptions:
   """Options of a :class:`Lighthouse`.
 
   Attributes:
-    min_replicas: fewest groups a quorum may have.
-    heartbeat_timeout: a group whose last heartbeat is older is dropped.
+    min_replicas: fewest groups a quorum may have. Below the number of groups,
+      the first quorums may form before every group has started: those steps
+      average fewer gradients (fewer batches) than the job's full width, and the
+      late groups catch up to them.
+    heartbeat_timeout: a group whose last heartbeat is older is dropped; a
+      member of the attempt in flight, also out of that attempt (every other
+      member is told to abort it at once).
     join_timeout: how long pending requests wait for live groups that have not
       asked yet; also the grace period after a (re)start.
     straggler_timeout: how long members of the previous quorum that are still
       live but have not asked again are waited for.
   """
   min_replicas: int = 1
-  heartbeat_timeout: timedelta = timedelta(seconds=5)
+  heartbeat_timeout: timedelta = timedelta(milliseconds=750)
   join_timeout: timedelta = timedelta(seconds=1)
   straggler_timeout: timedelta = timedelta(seconds=60)
 
@@ -103,6 +126,7 @@ class _Pending:
   since: float
   view: str                             # the view key the member holds (see _quorum)
   ask: int | None                       # which ask of the member this is (its resends repeat it)
+  held: int | None = None               # how many members that view has
 
 
 class Lighthouse:
@@ -147,10 +171,11 @@ class Lighthouse:
         self.private_port = private_port
     who = f"the lighthouse at {self.address}"
     self._refusals = _intake.Refusals(logger, who, "not sealed with the job's secret")
-    # A group's heartbeats, quorum requests and readiness each supersede its last
-    # one: a captured message replayed (or overtaken) is refused, in memory that
-    # grows with groups, not messages. Status requests change nothing.
-    self._replays = _wire.NewerPerSender(_sender_of)
+    # A group's heartbeats, quorum requests, readiness and failure reports each
+    # supersede its last one (by a sequence number per incarnation, see
+    # ft/_replay.py): a captured message replayed (or overtaken) is refused, in
+    # memory that grows with groups, not messages. Status requests change nothing.
+    self._replays = _replay.Incarnations(_sender_of)
     self._malformed = _intake.Refusals(logger, who, "sealed but malformed")
     self._answers = _intake.AnswerLimiter()
     self._epoch = os.urandom(4).hex()
@@ -169,6 +194,12 @@ class Lighthouse:
     self._first_pending: float | None = None    # when the oldest pending request came
     self._waiting: set[str] | None = None       # live groups that neither asked nor catch up (last scan)
     self._scanned_at = 0.0
+    self._quorum_id: str | None = None    # of the quorum formed last (its attempt is in flight)
+    self._out: dict[str, str] = {}        # groups out of that attempt (and why), until they ask
+    self._aborted: str | None = None      # the quorum whose abort went out to its members
+    self._beat_peers: dict[str, Peer] = {}  # where each group's heartbeats come from (its notices go)
+    self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
+    self._checked_at = 0.0
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._started_at = time.monotonic()
@@ -242,6 +273,7 @@ class Lighthouse:
       for peer, frames in batch:
         if _intake.looks_sealed(frames):
           self._guarded(self._handle, peer, frames)
+      self._guarded(self._check_in_flight, time.monotonic())
       self._guarded(self._maybe_form, time.monotonic())
       self._cpu_secs = time.thread_time()
     now = time.monotonic()
@@ -303,15 +335,22 @@ class Lighthouse:
 
   def _apply(self, peer: Peer, request: _requests.Request, now: float) -> None:
     if isinstance(request, _requests.Heartbeat):
-      if self._last_seen.setdefault(request.group, now) == now:
+      gid = request.group
+      if self._last_seen.setdefault(gid, now) == now:
         self._waiting = None            # (a group not seen before: who is waited for changes)
-      self._last_seen[request.group] = now
+      self._last_seen[gid] = now
+      self._beat_peers[gid] = peer
+      if gid in self._out and self._notices.allow(gid, now):
+        self._notify(gid, self._out[gid], ())    # (its attempt is stale: it learns at once)
     elif isinstance(request, _requests.QuorumRequest):
       self._ask(peer, request, now)
     elif isinstance(request, _requests.Ready):   # a member catching up is about to ask in sync
       self._behind.discard(request.group)
+      self._out.pop(request.group, None)
       self._last_seen[request.group] = now
       self._waiting = None
+    elif isinstance(request, _requests.Failed):
+      self._failed(request)
     else:
       self._reply(peer, dict(self._status(now), op="status", request_id=request.request_id))
 
@@ -337,17 +376,68 @@ class Lighthouse:
     self._last_seen[gid] = now
     self._inflight.pop(gid, None)
     self._behind.discard(gid)
+    self._out.pop(gid, None)
     old = self._pending.get(gid)
     if old is None and self._waiting is not None:
       self._waiting.discard(gid)
     if not self._pending:
       self._first_pending = now
     self._pending[gid] = _Pending(peer, request.request_id, member, old.since if old else now,
-                                  request.view, request.ask)
+                                  request.view, request.ask, request.held)
+
+  # ---- ending an attempt for every member --------------------------------------------------------------
+
+  def _check_in_flight(self, now: float) -> None:
+    """Members of the attempt in flight whose heartbeats stopped are out of it: the others abort it."""
+    if not self._inflight or now - self._checked_at < _CHECK_SECS:
+      return
+    self._checked_at = now
+    dead = sorted(g for g in self._inflight if not self._is_live(g, now))
+    if not dead:
+      return
+    secs = self.options.heartbeat_timeout.total_seconds()
+    for g in dead:
+      del self._inflight[g]
+      self._out[g] = (f"group {g} sent the lighthouse no heartbeat for {secs:g} s during quorum "
+                      f"{self._quorum_id}'s attempt (dead or stopped)")
+    self._waiting = None
+    logger.warning("lighthouse at %s: %s; the other members abort that attempt", self.address,
+                   "; ".join(self._out[g] for g in dead), extra={"dropped_groups": dead})
+    self._abort_attempt(self._out[dead[0]], dead)
+
+  def _failed(self, report: _requests.Failed) -> None:
+    """A member failed the attempt in flight: whom it blames is out of it, and the rest abort it."""
+    if report.q != self._quorum_id or report.group not in self._last_members:
+      return                              # (an older attempt's report: nothing left to end)
+    why = f"group {report.group} failed quorum {report.q}'s attempt: {report.why}"
+    for g in report.blame:
+      if g in self._inflight:
+        del self._inflight[g]
+        self._out[g] = why
+        self._waiting = None
+    self._abort_attempt(why, report.blame, skip=report.group)
+
+  def _abort_attempt(self, why: str, blame: Any, skip: str | None = None) -> None:
+    """Tells every member still in the attempt in flight to abort it (once per attempt)."""
+    if self._aborted == self._quorum_id:
+      return
+    self._aborted = self._quorum_id
+    for g in self._inflight:
+      if g != skip:
+        self._notify(g, why, blame)
+
+  def _notify(self, gid: str, why: str, blame: Any) -> None:
+    """An ``abort`` of ``gid``'s last attempt, on its heartbeat connection."""
+    peer, answered = self._beat_peers.get(gid), self._answered.get(gid)
+    if peer is None or answered is None:
+      return
+    _wire.send(peer[0], [peer[1], *_wire.seal(self._key, {
+        "op": "abort", "q": answered[1]["quorum"]["id"], "why": why[:_MAX_WHY], "blame": list(blame)[:8]})])
 
   def _status(self, now: float) -> dict[str, Any]:
     return {"live": sorted(self._live(now)), "pending": sorted(self._pending),
             "last_members": list(self._last_members), "quorums_formed": self._quorums_formed,
+            "out": sorted(self._out),
             "last_form_secs": self._last_form_secs, "cpu_secs": self._cpu_secs,
             "refused": self._refusals.count,
             "malformed": self._malformed.count}
@@ -366,7 +456,7 @@ class Lighthouse:
     at every group run only once the cheap ones pass."""
     opts = self.options
     join = opts.join_timeout.total_seconds()
-    if not self._pending or now - self._started_at < join:
+    if not self._pending or (now - self._started_at < join and not self._whole_view_asks()):
       return
     if len(self._pending) < opts.min_replicas:
       return
@@ -383,9 +473,16 @@ class Lighthouse:
     at most every _RESCAN_SECS and after membership changes; in between, each
     request only takes its group off the set the last scan found."""
     if self._waiting is None or now - self._scanned_at >= _RESCAN_SECS:
-      self._waiting = self._live(now) - self._pending.keys() - self._behind
+      self._waiting = self._live(now) - self._pending.keys() - self._behind - self._out.keys()
       self._scanned_at = now
     return bool(self._waiting)
+
+  def _whole_view_asks(self) -> bool:
+    """Whether the pending requests are every member of the one view they hold (after a
+    restart: the whole last quorum is back, so there is no membership left to wait for)."""
+    first = next(iter(self._pending.values()))
+    return (bool(first.view) and first.held == len(self._pending)
+            and all(p.view == first.view and p.held == first.held for p in self._pending.values()))
 
   def _form(self, now: float) -> None:
     t0 = time.perf_counter()
@@ -400,8 +497,13 @@ class Lighthouse:
       header = {"op": "quorum", "request_id": p.request_id, "quorum": reply}
       self._reply(p.peer, header, blob)
       self._answered[p.member.group_id] = (p.ask, header, blob)
+    for g in self._inflight:              # ring members of the last attempt that never came back
+      if g not in held:
+        self._out.setdefault(g, f"the job formed quorum {quorum_id} without group {g}, whose attempt "
+                                f"in quorum {self._quorum_id} had not ended")
     self._pending.clear()
     self._first_pending, self._waiting = None, None
+    self._quorum_id = quorum_id
     ids = tuple(m.group_id for m in members)
     self._inflight = {m.group_id: now for m in healthy}   # members that are behind catch up first:
     self._behind = set(ids) - self._inflight.keys()         # neither is waited for
@@ -420,7 +522,7 @@ class LighthouseClient:
   """A replica group's requests to the lighthouse (used from one thread only)."""
 
   def __init__(self, ctx: zmq.Context, address: str, *, secret: str | bytes | None = None,
-               drop: Callable[[], bool] = lambda: False, resend_secs: float = 0.5):
+               drop: Callable[[], bool] = lambda: False, resend_secs: float = 0.25):
     self.address = address
     self._secret = _wire.secret_bytes(secret, who="a lighthouse client")
     self._ctx = ctx
@@ -429,6 +531,7 @@ class LighthouseClient:
     # Request ids start at random: an ask is named by its first one, and a restarted
     # group's asks must not look like resends of its previous life's.
     self._ids = itertools.count(secrets.randbits(48) + 1)
+    self._stamp = _replay.Stamp()       # this client's incarnation and sequence (see ft/_replay.py)
     self._route = _route.Route(ctx, address, self._secret)   # the public port, then the private one
     self.view = View()
 
@@ -442,10 +545,11 @@ class LighthouseClient:
     wire = self.ask(member, timeout, self.view.key)
     return None if wire is None else self.view.resolve(member.group_id, wire)
 
-  def ask(self, member: Member, timeout: timedelta, view: str = "") -> dict[str, Any] | None:
+  def ask(self, member: Member, timeout: timedelta, view: str = "",
+          held: int | None = None) -> dict[str, Any] | None:
     """The lighthouse's reply to a quorum request (for :meth:`View.resolve`, with the
     view difference it attached as ``delta``), or None if none came within ``timeout``.
-    ``view`` is the key of the view the member holds."""
+    ``view`` is the key of the view the member holds, ``held`` how many members it has."""
     deadline = time.monotonic() + timeout.total_seconds()
     sent: set[int] = set()
     next_send = 0.0
@@ -456,9 +560,11 @@ class LighthouseClient:
         ask = request_id if ask is None else ask
         sent.add(request_id)
         if not self._drop():
-          self._route.send(_wire.seal(self._secret, {
-              "op": "quorum", "request_id": request_id, "member": member.to_wire(), "view": view,
-              "ask": ask}), deadline)
+          header = {"op": "quorum", "request_id": request_id, "member": member.to_wire(), "view": view,
+                    "ask": ask}
+          if held is not None:
+            header["held"] = held
+          self._route.send(_wire.seal(self._secret, self._stamp(header)), deadline)
         next_send = now + self._resend_secs
       frames = self._route.recv(min(deadline, next_send) - now)
       if frames is None or self._drop():
@@ -481,7 +587,15 @@ class LighthouseClient:
   def ready(self, group_id: str) -> None:
     """Tells the lighthouse that ``group_id`` (catching up) asks in sync next."""
     if not self._drop():
-      self._route.send(_wire.seal(self._secret, {"op": "ready", "group": group_id}))
+      self._route.send(_wire.seal(self._secret, self._stamp({"op": "ready", "group": group_id})))
+
+  def failed(self, group_id: str, quorum_id: str, why: str, blame: tuple[str, ...]) -> None:
+    """Tells the lighthouse that ``group_id`` failed quorum ``quorum_id``'s attempt, why,
+    and whom that shows out of it: the lighthouse has every other member abort it."""
+    if not self._drop():
+      self._route.send(_wire.seal(self._secret, self._stamp({
+          "op": "failed", "group": group_id, "q": quorum_id, "why": why[:_MAX_WHY],
+          "blame": list(blame)[:8]})))
 
   def close(self) -> None:
     self._route.close()
@@ -490,7 +604,7 @@ class LighthouseClient:
 def _sender_of(header: dict[str, Any]) -> Any:
   """(op, group) of a message that changes the lighthouse's state; None for the rest."""
   op = header.get("op")
-  if op in ("heartbeat", "ready"):
+  if op in ("heartbeat", "ready", "failed"):
     return (op, _hashable(header.get("group")))
   if op == "quorum":
     member = header.get("member")
@@ -502,17 +616,25 @@ def _hashable(x: Any) -> Any:
   return x if isinstance(x, (str, int, float, bool, type(None))) else repr(x)
 
 
+Notice = Callable[[str, str, tuple[str, ...]], None]   # (quorum id, why, blamed groups)
+
+
 class Heartbeat:
-  """Sends ``{"op": "heartbeat"}`` every ``interval`` from a daemon thread."""
+  """Sends ``{"op": "heartbeat"}`` every ``interval`` from a daemon thread, and hands
+  the lighthouse's answers on that connection (``abort`` of an attempt, see the module
+  docstring) to ``on_abort(quorum_id, why, blame)``."""
 
   def __init__(self, ctx: zmq.Context, address: str, group_id: str, interval: timedelta, *,
-               secret: str | bytes | None = None, drop: Callable[[], bool] = lambda: False):
+               secret: str | bytes | None = None, drop: Callable[[], bool] = lambda: False,
+               on_abort: Notice | None = None):
     self._secret = _wire.secret_bytes(secret, who="a lighthouse heartbeat")
     self._sock = _wire.socket(ctx, zmq.DEALER, immediate=True)
     self._sock.connect(f"tcp://{address}")
     self._group_id = group_id
     self._interval = interval.total_seconds()
     self._drop = drop
+    self._on_abort = on_abort
+    self._stamp = _replay.Stamp()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name=f"heartbeat-{group_id}", daemon=True)
     self._thread.start()
@@ -520,10 +642,25 @@ class Heartbeat:
   def _run(self) -> None:
     while not self._stop.is_set():
       if not self._drop():
-        _wire.send(self._sock, _wire.seal(self._secret, {"op": "heartbeat",
-                                                         "group": self._group_id}))
-      self._stop.wait(self._interval)
+        _wire.send(self._sock, _wire.seal(self._secret, self._stamp({"op": "heartbeat",
+                                                                     "group": self._group_id})))
+      until = time.monotonic() + self._interval
+      while not self._stop.is_set() and (left := until - time.monotonic()) > 0:
+        frames = _wire.recv(self._sock, left)
+        if frames is not None and not self._drop():
+          self._heard(frames)
     self._sock.close(linger=0)
+
+  def _heard(self, frames: list[Any]) -> None:
+    try:
+      header, _ = _wire.open_(self._secret, frames)
+    except errors.PermissionDeniedError as e:
+      logger.warning("group %s: the lighthouse refused a heartbeat: %s", self._group_id, e)
+      return
+    q, why, blame = header.get("q"), header.get("why"), header.get("blame")
+    if (header.get("op") == "abort" and self._on_abort is not None and isinstance(q, str)
+        and isinstance(why, str) and isinstance(blame, list)):
+      self._on_abort(q, why, tuple(g for g in blame if isinstance(g, str)))
 
   def stop(self) -> None:
     self._stop.set()
