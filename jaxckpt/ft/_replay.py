@@ -21,10 +21,10 @@ the window is a bug; the oldest is forgotten first).
 A message without ``inc`` and ``seq`` (a client of an older version) must be
 newer, by its timestamp, than the last such one of its ``(op, group)``.
 
->>> check = Incarnations(lambda h: (h["op"], h["group"]))
->>> check.check(b"n" * 8, 100.0, {"op": "heartbeat", "group": "g0", "inc": b"a" * 16, "seq": 1})
->>> check.check(b"n" * 8, 55.0, {"op": "heartbeat", "group": "g0", "inc": b"b" * 16, "seq": 1})
->>> check.check(b"n" * 8, 100.0, {"op": "heartbeat", "group": "g0", "inc": b"a" * 16, "seq": 1})
+>>> check, now = Incarnations(lambda h: (h["op"], h["group"])), time.time()
+>>> check.check(b"n" * 8, now, {"op": "heartbeat", "group": "g0", "inc": b"a" * 16, "seq": 1})
+>>> check.check(b"n" * 8, now - 45, {"op": "heartbeat", "group": "g0", "inc": b"b" * 16, "seq": 1})
+>>> check.check(b"n" * 8, now, {"op": "heartbeat", "group": "g0", "inc": b"a" * 16, "seq": 1})
 Traceback (most recent call last):
 ...
 jaxckpt.errors.PermissionDeniedError: a replayed message was refused (sequence number 1 of its sender's incarnation was accepted before)

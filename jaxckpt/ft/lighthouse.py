@@ -259,7 +259,10 @@ class Lighthouse:
       batch = [((self._private, f[0]), f) for f in self._read(self._private, ready, _BATCH)]
       public = [((self._sock, f[0]), f) for f in self._read(self._sock, ready, _PUBLIC_BATCH)]
       refused = self._refusals.count
-      self._serve(batch + public)
+      # Messages left unread (a full batch, or a flood's pause) may hold heartbeats: a member
+      # is not declared dead for what the lighthouse has not read yet.
+      lagging = paused or len(batch) >= _BATCH or len(public) >= _PUBLIC_BATCH
+      self._serve(batch + public, lagging)
       if self._refusals.count - refused > _PUBLIC_BATCH // 2:
         quiet_until = time.monotonic() + _FLOOD_PAUSE_SECS   # (so a flood costs a bounded share of a core)
 
@@ -267,13 +270,15 @@ class Lighthouse:
   def _read(sock: zmq.Socket | None, ready: dict[Any, int], limit: int) -> list[list[bytes]]:
     return _intake.drain(sock, 0, limit) if sock is not None and sock in ready else []
 
-  def _serve(self, batch: list[tuple[Peer, list[bytes]]]) -> None:
-    """Handles the sealed messages of ``batch``, checks for a quorum, then refuses the rest."""
+  def _serve(self, batch: list[tuple[Peer, list[bytes]]], lagging: bool = False) -> None:
+    """Handles the sealed messages of ``batch``, checks the attempt in flight (unless
+    ``lagging``: more is queued than was read) and for a quorum, then refuses the rest."""
     with self._lock:
       for peer, frames in batch:
         if _intake.looks_sealed(frames):
           self._guarded(self._handle, peer, frames)
-      self._guarded(self._check_in_flight, time.monotonic())
+      if not lagging:
+        self._guarded(self._check_in_flight, time.monotonic())
       self._guarded(self._maybe_form, time.monotonic())
       self._cpu_secs = time.thread_time()
     now = time.monotonic()
@@ -542,7 +547,7 @@ class LighthouseClient:
 
   def quorum(self, member: Member, timeout: timedelta) -> Quorum | None:
     """This member's view of the quorum of the next step attempt, or None if none formed within ``timeout``."""
-    wire = self.ask(member, timeout, self.view.key)
+    wire = self.ask(member, timeout, self.view.key, len(self.view.members) or None)
     return None if wire is None else self.view.resolve(member.group_id, wire)
 
   def ask(self, member: Member, timeout: timedelta, view: str = "",
@@ -622,18 +627,21 @@ Notice = Callable[[str, str, tuple[str, ...]], None]   # (quorum id, why, blamed
 class Heartbeat:
   """Sends ``{"op": "heartbeat"}`` every ``interval`` from a daemon thread, and hands
   the lighthouse's answers on that connection (``abort`` of an attempt, see the module
-  docstring) to ``on_abort(quorum_id, why, blame)``."""
+  docstring) to ``on_abort(quorum_id, why, blame)``. ``private_port()`` (e.g. the
+  group's :attr:`LighthouseClient.private_port`) moves the heartbeats to the
+  lighthouse's private port once known, so a flood of its public address cannot
+  delay them into a false death."""
 
   def __init__(self, ctx: zmq.Context, address: str, group_id: str, interval: timedelta, *,
                secret: str | bytes | None = None, drop: Callable[[], bool] = lambda: False,
-               on_abort: Notice | None = None):
+               on_abort: Notice | None = None, private_port: Callable[[], int | None] | None = None):
     self._secret = _wire.secret_bytes(secret, who="a lighthouse heartbeat")
-    self._sock = _wire.socket(ctx, zmq.DEALER, immediate=True)
-    self._sock.connect(f"tcp://{address}")
+    self._route = _route.Route(ctx, address, self._secret)
     self._group_id = group_id
     self._interval = interval.total_seconds()
     self._drop = drop
     self._on_abort = on_abort
+    self._private = private_port
     self._stamp = _replay.Stamp()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name=f"heartbeat-{group_id}", daemon=True)
@@ -641,15 +649,17 @@ class Heartbeat:
 
   def _run(self) -> None:
     while not self._stop.is_set():
+      port = self._private() if self._private is not None else None
+      if port is not None and self._route.private != port:
+        self._route.learn({"private": port})
       if not self._drop():
-        _wire.send(self._sock, _wire.seal(self._secret, self._stamp({"op": "heartbeat",
-                                                                     "group": self._group_id})))
+        self._route.send(_wire.seal(self._secret, self._stamp({"op": "heartbeat", "group": self._group_id})))
       until = time.monotonic() + self._interval
       while not self._stop.is_set() and (left := until - time.monotonic()) > 0:
-        frames = _wire.recv(self._sock, left)
+        frames = self._route.recv(left)
         if frames is not None and not self._drop():
           self._heard(frames)
-    self._sock.close(linger=0)
+    self._route.close()
 
   def _heard(self, frames: list[Any]) -> None:
     try:

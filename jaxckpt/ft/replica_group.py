@@ -183,7 +183,8 @@ class ReplicaGroup:
                                  timeout_secs=timeout.total_seconds())
       self._lighthouse = LighthouseClient(self._ctx, lighthouse, secret=key, drop=self._dropping)
       self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
-                                  secret=key, drop=self._dropping, on_abort=self._aborted_by_lighthouse)
+                                  secret=key, drop=self._dropping, on_abort=self._aborted_by_lighthouse,
+                                  private_port=lambda: self._lighthouse.private_port)
     self.bytes_sent = 0          # gradient bytes this group sent in all-reduces
     # Flat all-reduce buffers, reused once no ring entry or result refers to them.
     self._buffers = _allreduce.BufferPool(self.options.ring_size + 2)
