@@ -196,7 +196,8 @@ class Lighthouse:
     self._scanned_at = 0.0
     self._quorum_id: str | None = None    # of the quorum formed last (its attempt is in flight)
     self._out: dict[str, str] = {}        # groups out of that attempt (and why), until they ask
-    self._aborted: str | None = None      # the quorum whose abort went out to its members
+    # The attempt in flight's abort, once it is ended: (quorum id, why, blame, its reporter).
+    self._aborted: tuple[str | None, str, tuple[str, ...], str | None] | None = None
     self._beat_peers: dict[str, Peer] = {}  # where each group's heartbeats come from (its notices go)
     self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
     self._checked_at = 0.0
@@ -347,6 +348,9 @@ class Lighthouse:
       self._beat_peers[gid] = peer
       if gid in self._out and self._notices.allow(gid, now):
         self._notify(gid, self._out[gid], ())    # (its attempt is stale: it learns at once)
+      elif (self._aborted is not None and gid in self._inflight and gid != self._aborted[3]
+            and self._notices.allow(gid, now)):
+        self._notify(gid, *self._aborted[1:3])   # (again: a notice may have gone to an old socket)
     elif isinstance(request, _requests.QuorumRequest):
       self._ask(peer, request, now)
     elif isinstance(request, _requests.Ready):   # a member catching up is about to ask in sync
@@ -423,10 +427,11 @@ class Lighthouse:
     self._abort_attempt(why, report.blame, skip=report.group)
 
   def _abort_attempt(self, why: str, blame: Any, skip: str | None = None) -> None:
-    """Tells every member still in the attempt in flight to abort it (once per attempt)."""
-    if self._aborted == self._quorum_id:
+    """Tells every member still in the attempt in flight to abort it (at once, and on each
+    of its heartbeats until it asks again)."""
+    if self._aborted is not None:
       return
-    self._aborted = self._quorum_id
+    self._aborted = (self._quorum_id, why, tuple(blame), skip)
     for g in self._inflight:
       if g != skip:
         self._notify(g, why, blame)
@@ -508,7 +513,7 @@ class Lighthouse:
                                 f"in quorum {self._quorum_id} had not ended")
     self._pending.clear()
     self._first_pending, self._waiting = None, None
-    self._quorum_id = quorum_id
+    self._quorum_id, self._aborted = quorum_id, None
     ids = tuple(m.group_id for m in members)
     self._inflight = {m.group_id: now for m in healthy}   # members that are behind catch up first:
     self._behind = set(ids) - self._inflight.keys()         # neither is waited for
