@@ -188,13 +188,16 @@ class Job:
     if self.kind != "sync" or all(p.poll() is None for p in self.procs.values()):
       return
     noticed = time.time()
+    ended = {g: p.returncode for g, p in self.procs.items() if p.poll() is not None}
     for p in self.procs.values():
       _kill(p)
+    why = {g: next((r.get("failure") for r in reversed(self.log(g)) if "step" in r), None) for g in ended}
     common = min(self.top(g) for g in self.groups)
     self.restarts += 1
     for g in self.groups:
       self.spawn(g, resume_at_most=common)
-    self.faults.append({"kind": "sync restart", "at": noticed, "from_step": common})
+    self.faults.append({"kind": "sync restart", "at": noticed, "from_step": common, "ended": ended,
+                        "why": {g: (w or "")[:200] for g, w in why.items()}})
 
   def close(self) -> None:
     with open(self.stop_file, "w", encoding="utf-8"):
@@ -275,9 +278,13 @@ def measure(job: Job, schedule: list[dict[str, Any]], start: float, start_step: 
       row["lost_beyond_outage_s"] = round(lost_s - row["outage_s"], 2)
     out["faults"].append(row)
   if job.kind == "sync":
-    out["restarts"] = [{"noticed_after_fault_s": round(r["at"] - max(f["at"] for f in schedule
-                                                                      if f["at"] <= r["at"]), 2),
-                        "from_step": r["from_step"]} for r in job.faults]
+    out["restarts"] = []
+    for r in job.faults:
+      before = [f for f in schedule if f["at"] <= r["at"]]
+      out["restarts"].append({
+          "after": before[-1]["kind"] if before else "no fault (unplanned)",
+          "noticed_after_fault_s": round(r["at"] - before[-1]["at"], 2) if before else None,
+          "from_step": r["from_step"], "ended": r["ended"], "why": r["why"]})
   return out
 
 
@@ -400,6 +407,7 @@ def main() -> int:
   p.add_argument("--runs", type=int, default=1)
   p.add_argument("--jobs", default="ft,sync")
   p.add_argument("--quick", action="store_true", help="25 s windows, one run")
+  p.add_argument("--host", default=None, help="what to call this machine in the JSON")
   args = p.parse_args()
   if args.worker:
     return worker(args)
@@ -407,7 +415,8 @@ def main() -> int:
     args.window, args.runs = 25.0, 1
   secret = uuid.uuid4().hex
   result: dict[str, Any] = {"groups": args.groups, "step_secs": args.step_secs, "timeout_s": args.timeout,
-                            "window_s": args.window, "host_cores": os.cpu_count(), "runs": []}
+                            "window_s": args.window, "host_cores": os.cpu_count(),
+                            "host": args.host or f"{os.cpu_count()} cores, JAX on CPU", "runs": []}
   for _ in range(args.runs):
     tmp = tempfile.mkdtemp(prefix="jaxckpt-ftgp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:

@@ -43,6 +43,12 @@ class Ready:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Leave:
+  """A group closing (on its heartbeat connection, just before that closes)."""
+  group: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class QuorumRequest:
   request_id: int
   member: Member
@@ -66,7 +72,7 @@ class Status:
   request_id: int | None
 
 
-Request = Union[Heartbeat, Ready, QuorumRequest, Status, Failed]
+Request = Union[Heartbeat, Ready, QuorumRequest, Status, Failed, Leave]
 
 
 def parse(header: Any) -> Request:
@@ -93,6 +99,10 @@ def _heartbeat(h: dict[str, Any]) -> Heartbeat:
 
 def _ready(h: dict[str, Any]) -> Ready:
   return Ready(_name(h, "ready", "group"))
+
+
+def _leave(h: dict[str, Any]) -> Leave:
+  return Leave(_name(h, "leave", "group"))
 
 
 def _status(h: dict[str, Any]) -> Status:
@@ -167,4 +177,4 @@ def _show(value: Any) -> str:
 
 
 _PARSERS = {"heartbeat": _heartbeat, "ready": _ready, "quorum": _quorum, "status": _status,
-            "failed": _failed}
+            "failed": _failed, "leave": _leave}

@@ -20,9 +20,12 @@ lighthouse restart does not lose the job and costs it little more than the
 outage (groups resend their requests until a lighthouse answers).
 
 Failures end an attempt for every member at once. A member of the attempt in
-flight whose heartbeats stop (dead, or stopped) is declared out of it after
-``heartbeat_timeout``, and a member that fails its attempt reports why and whom
-it blames (a closed stream, a refused connection: :mod:`jaxckpt.ft._links`).
+flight whose heartbeat connection closes (its process died, or stopped: the
+lighthouse pings every connection and closes one silent for
+``connection_timeout``, see :class:`LighthouseOptions`) or whose heartbeats stop
+for ``heartbeat_timeout`` is declared out of it, and a member that fails its
+attempt reports why and whom it blames (a closed stream, a refused connection:
+:mod:`jaxckpt.ft._links`).
 Either way the lighthouse tells every other member still in the attempt to
 abort it (a sealed ``abort`` on its heartbeat connection), so no member waits
 out its ring timeout for a piece that cannot come, and a failure reaches every
@@ -66,6 +69,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from jaxckpt import errors
 from jaxckpt.ft import _intake, _quorum, _replay, _requests, _route
@@ -84,7 +88,8 @@ _RESCAN_SECS = 0.01                # how stale the set of live groups not yet as
 _CHECK_SECS = 0.05                 # how often the members of the attempt in flight are checked for heartbeats
 _NOTICE_SECS = 0.25                # a group out of the attempt is told so at most this often
 _MAX_WHY = 1000                    # characters of a reason sent in an abort
-Peer = tuple  # (socket, ZeroMQ identity): where a message came from, and where its answer goes
+_CLOSE_GRACE_SECS = 0.05           # a closed heartbeat connection counts unless its group left in this time
+Peer = tuple  # (socket, ZeroMQ identity, connection fd): where a message came from, where its answer goes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,21 +103,30 @@ class LighthouseOptions:
       late groups catch up to them.
     heartbeat_timeout: a group whose last heartbeat is older is dropped; a
       member of the attempt in flight, also out of that attempt (every other
-      member is told to abort it at once).
+      member is told to abort it at once). Long enough for a pause of the
+      group's Python (a garbage collection holds every thread for up to
+      seconds in a large process): the connection timeout catches a dead or
+      stopped process sooner.
+    connection_timeout: the lighthouse pings every connection (ZeroMQ's own
+      heartbeats, answered by the peer's I/O thread whatever its Python is
+      doing) and closes one that stays silent this long. When a group's
+      heartbeat connection closes (its process died, stopped, or its host is
+      unreachable) the group is not live, and out of the attempt in flight.
     join_timeout: how long pending requests wait for live groups that have not
       asked yet; also the grace period after a (re)start.
     straggler_timeout: how long members of the previous quorum that are still
       live but have not asked again are waited for.
   """
   min_replicas: int = 1
-  heartbeat_timeout: timedelta = timedelta(milliseconds=750)
+  heartbeat_timeout: timedelta = timedelta(seconds=5)
   join_timeout: timedelta = timedelta(seconds=1)
   straggler_timeout: timedelta = timedelta(seconds=60)
+  connection_timeout: timedelta = timedelta(milliseconds=750)
 
   def __post_init__(self):
     if self.min_replicas < 1:
       raise errors.InvalidArgumentError(f"LighthouseOptions.min_replicas must be >= 1, got {self.min_replicas=}")
-    for name in ("heartbeat_timeout", "join_timeout", "straggler_timeout"):
+    for name in ("heartbeat_timeout", "join_timeout", "straggler_timeout", "connection_timeout"):
       value = getattr(self, name)
       if not isinstance(value, timedelta) or value <= timedelta(0):
         raise errors.InvalidArgumentError(f"LighthouseOptions.{name} must be a positive timedelta, got {value!r}")
@@ -154,21 +168,36 @@ class Lighthouse:
     self._ctx = zmq.Context()
     self._sock = _wire.socket(self._ctx, zmq.ROUTER)
     self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)   # (a larger one drops its connection)
-    if port == "0":
-      port = str(self._sock.bind_to_random_port(f"tcp://{host}"))
-    else:
-      self._sock.bind(f"tcp://{host}:{port}")
-    self.address = f"{host}:{port}"
     # The job's own door (see ft/_route.py): a CURVE handshake keyed by the secret keeps floods out.
     self._private, self.private_port = None, None
     if _route.HAS_CURVE and private_port is not None:
       self._private = _route.private_socket(self._ctx, self._key)
       self._private.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
-      if private_port == 0:
-        self.private_port = self._private.bind_to_random_port(f"tcp://{host}")
+    # Every connection is pinged, and its close reported, so a dead or stopped group is known
+    # at once whatever its Python is doing (a peer's I/O thread answers the pings). On the
+    # private port only, when there is one: a flood of the public port could hold the answers
+    # back there (a connection whose queue is full is not read) and close good ones. (Before
+    # binding: a listener's connections take the options it had when it was bound.)
+    ping_ms = int(1000 * self.options.connection_timeout.total_seconds())
+    pinged = self._private if self._private is not None else self._sock
+    pinged.setsockopt(zmq.HEARTBEAT_IVL, max(10, min(100, ping_ms // 4)))
+    pinged.setsockopt(zmq.HEARTBEAT_TIMEOUT, ping_ms)
+    self._monitors = [(pinged.get_monitor_socket(zmq.EVENT_DISCONNECTED), pinged)]
+    try:
+      if port == "0":
+        port = str(self._sock.bind_to_random_port(f"tcp://{host}"))
       else:
-        self._private.bind(f"tcp://{host}:{private_port}")
-        self.private_port = private_port
+        self._sock.bind(f"tcp://{host}:{port}")
+      if self._private is not None:
+        if private_port == 0:
+          self.private_port = self._private.bind_to_random_port(f"tcp://{host}")
+        else:
+          self._private.bind(f"tcp://{host}:{private_port}")
+          self.private_port = private_port
+    except zmq.ZMQError:
+      self._close_sockets()
+      raise
+    self.address = f"{host}:{port}"
     who = f"the lighthouse at {self.address}"
     self._refusals = _intake.Refusals(logger, who, "not sealed with the job's secret")
     # A group's heartbeats, quorum requests, readiness and failure reports each
@@ -199,8 +228,12 @@ class Lighthouse:
     # The attempt in flight's abort, once it is ended: (quorum id, why, blame, its reporter).
     self._aborted: tuple[str | None, str, tuple[str, ...], str | None] | None = None
     self._beat_peers: dict[str, Peer] = {}  # where each group's heartbeats come from (its notices go)
+    self._beat_conn: dict[str, tuple[zmq.Socket, int]] = {}   # each group's heartbeat connection
+    self._conn_group: dict[tuple[zmq.Socket, int], str] = {}  # and back
+    self._closing: dict[str, float] = {}   # groups whose heartbeat connection closed, and when
     self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
     self._checked_at = 0.0
+    self._flooded_at = -math.inf          # when the public port last had more queued than was read
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._started_at = time.monotonic()
@@ -227,6 +260,12 @@ class Lighthouse:
     self._stop.set()
     if self._thread.is_alive():
       self._thread.join(timeout=5)
+    self._close_sockets()
+
+  def _close_sockets(self) -> None:
+    for monitor, sock in self._monitors:
+      sock.disable_monitor()
+      monitor.close(linger=0)
     self._sock.close(linger=0)
     if self._private is not None:
       self._private.close(linger=0)
@@ -251,25 +290,70 @@ class Lighthouse:
     if self._private is not None:
       both.register(self._private, zmq.POLLIN)
       private_only.register(self._private, zmq.POLLIN)
+    for monitor, _ in self._monitors:
+      both.register(monitor, zmq.POLLIN)
+      private_only.register(monitor, zmq.POLLIN)
     quiet_until = 0.0                 # the public port is not read before (it was flooded)
     while not self._stop.is_set():
       now = time.monotonic()
       paused = self._private is not None and now < quiet_until
       ready = dict((private_only if paused else both).poll(
           1000 * (min(_POLL_SECS, quiet_until - now) if paused else _POLL_SECS)))
-      batch = [((self._private, f[0]), f) for f in self._read(self._private, ready, _BATCH)]
-      public = [((self._sock, f[0]), f) for f in self._read(self._sock, ready, _PUBLIC_BATCH)]
+      self._closed_connections(ready)             # (before reading: a closed fd may be reused)
+      batch = [((self._private, f[0], fd), f) for f, fd in self._read(self._private, ready, _BATCH)]
+      public = [((self._sock, f[0], fd), f) for f, fd in self._read(self._sock, ready, _PUBLIC_BATCH)]
       refused = self._refusals.count
       # Messages left unread (a full batch, or a flood's pause) may hold heartbeats: a member
       # is not declared dead for what the lighthouse has not read yet.
       lagging = paused or len(batch) >= _BATCH or len(public) >= _PUBLIC_BATCH
+      if paused or len(public) >= _PUBLIC_BATCH:
+        self._flooded_at = now
       self._serve(batch + public, lagging)
       if self._refusals.count - refused > _PUBLIC_BATCH // 2:
         quiet_until = time.monotonic() + _FLOOD_PAUSE_SECS   # (so a flood costs a bounded share of a core)
 
   @staticmethod
-  def _read(sock: zmq.Socket | None, ready: dict[Any, int], limit: int) -> list[list[bytes]]:
+  def _read(sock: zmq.Socket | None, ready: dict[Any, int], limit: int) -> list[tuple[list[bytes], int]]:
     return _intake.drain(sock, 0, limit) if sock is not None and sock in ready else []
+
+  def _closed_connections(self, ready: dict[Any, int]) -> None:
+    """A group whose heartbeat connection closed is not live, and out of the attempt in flight."""
+    for monitor, sock in self._monitors:
+      while monitor in ready and monitor.poll(0):
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+          with self._lock:
+            self._guarded(self._connection_closed, sock, event["value"], time.monotonic())
+
+  def _connection_closed(self, sock: zmq.Socket, fd: int, now: float) -> None:
+    gid = self._conn_group.pop((sock, fd), None)
+    if gid is None or self._beat_conn.get(gid) != (sock, fd):
+      return
+    del self._beat_conn[gid]
+    if sock is self._sock and now - self._flooded_at < 2 * self.options.connection_timeout.total_seconds():
+      return    # (a flood of the public port can hold its pings' answers back: not evidence)
+    self._closing[gid] = now        # (unless it left: its leave may be read just after the close)
+
+  def _gone(self, now: float) -> None:
+    """Groups whose heartbeat connection closed (and that did not leave): not live, and out of
+    the attempt in flight."""
+    for gid in [g for g, t in self._closing.items() if now - t >= _CLOSE_GRACE_SECS]:
+      del self._closing[gid]
+      self._connection_lost(gid)
+
+  def _connection_lost(self, gid: str) -> None:
+    self._last_seen[gid] = -math.inf
+    self._waiting = None
+    if self._pending.pop(gid, None) is not None and not self._pending:
+      self._first_pending = None
+    if gid in self._inflight:
+      del self._inflight[gid]
+      self._out[gid] = (f"group {gid}'s connection to the lighthouse closed during quorum {self._quorum_id}'s "
+                        f"attempt (its process ended, or stopped: no answer to pings for "
+                        f"{self.options.connection_timeout.total_seconds():g} s)")
+      logger.warning("lighthouse at %s: %s; the other members abort that attempt", self.address,
+                     self._out[gid], extra={"dropped_groups": [gid]})
+      self._abort_attempt(self._out[gid], (gid,))
 
   def _serve(self, batch: list[tuple[Peer, list[bytes]]], lagging: bool = False) -> None:
     """Handles the sealed messages of ``batch``, checks the attempt in flight (unless
@@ -278,6 +362,8 @@ class Lighthouse:
       for peer, frames in batch:
         if _intake.looks_sealed(frames):
           self._guarded(self._handle, peer, frames)
+      if self._closing:
+        self._guarded(self._gone, time.monotonic())
       if not lagging:
         self._guarded(self._check_in_flight, time.monotonic())
       self._guarded(self._maybe_form, time.monotonic())
@@ -346,6 +432,11 @@ class Lighthouse:
         self._waiting = None            # (a group not seen before: who is waited for changes)
       self._last_seen[gid] = now
       self._beat_peers[gid] = peer
+      conn = (peer[0], peer[2])
+      if peer[2] >= 0 and self._beat_conn.get(gid) != conn:
+        self._conn_group.pop(self._beat_conn.get(gid), None)
+        self._beat_conn[gid], self._conn_group[conn] = conn, gid
+        self._closing.pop(gid, None)             # (back on a new connection)
       if gid in self._out and self._notices.allow(gid, now):
         self._notify(gid, self._out[gid], ())    # (its attempt is stale: it learns at once)
       elif (self._aborted is not None and gid in self._inflight and gid != self._aborted[3]
@@ -360,6 +451,18 @@ class Lighthouse:
       self._waiting = None
     elif isinstance(request, _requests.Failed):
       self._failed(request)
+    elif isinstance(request, _requests.Leave):  # a group closing: not live, nobody waits for it
+      gid = request.group
+      self._closing.pop(gid, None)
+      self._conn_group.pop(self._beat_conn.pop(gid, None), None)
+      self._last_seen[gid] = -math.inf
+      self._inflight.pop(gid, None)
+      self._behind.discard(gid)
+      self._out.pop(gid, None)
+      if self._pending.pop(gid, None) is not None and not self._pending:
+        self._first_pending = None
+      self._waiting = None
+      logger.info("lighthouse at %s: group %s left", self.address, gid, extra={"group_id": gid})
     else:
       self._reply(peer, dict(self._status(now), op="status", request_id=request.request_id))
 
@@ -614,7 +717,7 @@ class LighthouseClient:
 def _sender_of(header: dict[str, Any]) -> Any:
   """(op, group) of a message that changes the lighthouse's state; None for the rest."""
   op = header.get("op")
-  if op in ("heartbeat", "ready", "failed"):
+  if op in ("heartbeat", "ready", "failed", "leave"):
     return (op, _hashable(header.get("group")))
   if op == "quorum":
     member = header.get("member")
@@ -632,21 +735,21 @@ Notice = Callable[[str, str, tuple[str, ...]], None]   # (quorum id, why, blamed
 class Heartbeat:
   """Sends ``{"op": "heartbeat"}`` every ``interval`` from a daemon thread, and hands
   the lighthouse's answers on that connection (``abort`` of an attempt, see the module
-  docstring) to ``on_abort(quorum_id, why, blame)``. ``private_port()`` (e.g. the
-  group's :attr:`LighthouseClient.private_port`) moves the heartbeats to the
-  lighthouse's private port once known, so a flood of its public address cannot
-  delay them into a false death."""
+  docstring) to ``on_abort(quorum_id, why, blame)``. The beats go to the lighthouse's
+  private port once ``private_port()`` (the group's :attr:`LighthouseClient.private_port`)
+  names it and its connection is up (there, the lighthouse pings the connection and
+  a stopped group is known in ``connection_timeout``), else to its public address."""
 
   def __init__(self, ctx: zmq.Context, address: str, group_id: str, interval: timedelta, *,
                secret: str | bytes | None = None, drop: Callable[[], bool] = lambda: False,
-               on_abort: Notice | None = None, private_port: Callable[[], int | None] | None = None):
+               on_abort: Notice | None = None, private_port: Callable[[], int | None] = lambda: None):
     self._secret = _wire.secret_bytes(secret, who="a lighthouse heartbeat")
-    self._route = _route.Route(ctx, address, self._secret)
+    self._route = _route.BeatRoute(ctx, address, self._secret)
+    self._private = private_port
     self._group_id = group_id
     self._interval = interval.total_seconds()
     self._drop = drop
     self._on_abort = on_abort
-    self._private = private_port
     self._stamp = _replay.Stamp()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name=f"heartbeat-{group_id}", daemon=True)
@@ -654,9 +757,7 @@ class Heartbeat:
 
   def _run(self) -> None:
     while not self._stop.is_set():
-      port = self._private() if self._private is not None else None
-      if port is not None and self._route.private != port:
-        self._route.learn({"private": port})
+      self._route.want(self._private())
       if not self._drop():
         self._route.send(_wire.seal(self._secret, self._stamp({"op": "heartbeat", "group": self._group_id})))
       until = time.monotonic() + self._interval
@@ -664,7 +765,8 @@ class Heartbeat:
         frames = self._route.recv(left)
         if frames is not None and not self._drop():
           self._heard(frames)
-    self._route.close()
+    leave = self._stamp({"op": "leave", "group": self._group_id})
+    self._route.close(None if self._drop() else _wire.seal(self._secret, leave))
 
   def _heard(self, frames: list[Any]) -> None:
     try:
@@ -678,5 +780,6 @@ class Heartbeat:
       self._on_abort(q, why, tuple(g for g in blame if isinstance(g, str)))
 
   def stop(self) -> None:
+    """Stops the beats; the lighthouse is told the group leaves (it waits for it no more)."""
     self._stop.set()
     self._thread.join(timeout=5)

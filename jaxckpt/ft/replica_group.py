@@ -92,7 +92,7 @@ class ReplicaGroupOptions:
       in ``start_step``, from the first request that got none), QuorumError.
   """
   host: str = "127.0.0.1"
-  heartbeat_interval: timedelta = timedelta(milliseconds=100)
+  heartbeat_interval: timedelta = timedelta(milliseconds=250)
   ring_size: int = 16
   max_groups: int = 64
   lighthouse_timeout: timedelta = timedelta(minutes=5)

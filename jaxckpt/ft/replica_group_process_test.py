@@ -174,12 +174,12 @@ def test_a_stopped_or_killed_group_costs_the_others_about_a_step_and_catches_up(
   first = caught_up()[0]
   steps_after = [r["step"] for r in g2 if r["t0"] >= first["t0"] and r["committed"]]
   assert steps_after == list(range(steps_after[0], steps + 1)), steps_after
-  detection = LIGHTHOUSE.heartbeat_timeout.total_seconds()
+  detection = LIGHTHOUSE.connection_timeout.total_seconds()
   for g in ("g0", "g2"):
     gaps = commit_gaps([r for r in job.records(g) if r["t1"] < killed_at])
     median = statistics.median(d for d, _ in gaps)
     worst = max(gaps)
-    # The stop: about the lighthouse's heartbeat timeout and a step (0.7 s slack for this
+    # The stop: about the lighthouse's connection timeout and a step (0.7 s slack for this
     # noisy 2-core machine), never the group timeout.
     assert worst[0] <= detection + 2 * median + 0.7, (g, worst, median)
     after = [d for d, _ in commit_gaps([r for r in job.records(g) if resumed_at < r["t1"] < killed_at], 0)]
