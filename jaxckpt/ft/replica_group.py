@@ -50,6 +50,7 @@ not consume it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from datetime import timedelta
@@ -475,6 +476,11 @@ class ReplicaGroup:
       if plan["snapshot"] is not None:
         attempt.snapshot_step = plan["step"]
         self.counters.snapshot_fetches += 1
+        # A group that needed a snapshot (a restarted process: JAX, its compiles) holds many
+        # new objects; Python's next full collection would pause it for a large fraction of
+        # a second in its first steps back, which the healthy groups would wait for. Now,
+        # while nobody waits for it, is the time.
+        gc.collect()
       if (step, digest) != (quorum.max_step, quorum.digest):
         raise errors.QuorumError(f"catch-up reached step {step} digest {digest:#x}, not the quorum's "
                                  f"step {quorum.max_step} digest {quorum.digest:#x}")
