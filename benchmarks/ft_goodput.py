@@ -408,11 +408,13 @@ def main() -> int:
   p.add_argument("--jobs", default="ft,sync")
   p.add_argument("--quick", action="store_true", help="25 s windows, one run")
   p.add_argument("--host", default=None, help="what to call this machine in the JSON")
+  p.add_argument("--keep", action="store_true", help="keep each run's logs (printed to stderr)")
   args = p.parse_args()
   if args.worker:
     return worker(args)
   if args.quick:
     args.window, args.runs = 25.0, 1
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # (so every process it started is stopped)
   secret = uuid.uuid4().hex
   result: dict[str, Any] = {"groups": args.groups, "step_secs": args.step_secs, "timeout_s": args.timeout,
                             "window_s": args.window, "host_cores": os.cpu_count(),
@@ -423,7 +425,10 @@ def main() -> int:
       run = {kind: run_job(kind, args, tmp, secret) for kind in args.jobs.split(",")}
     finally:
       _stop_agents(os.path.join(tmp, "agents"))
-      shutil.rmtree(tmp, ignore_errors=True)
+      if args.keep:
+        print(f"logs kept in {tmp}", file=sys.stderr)
+      else:
+        shutil.rmtree(tmp, ignore_errors=True)
     result["runs"].append(run)
     print(json.dumps(run), file=sys.stderr, flush=True)
   kinds = args.jobs.split(",")

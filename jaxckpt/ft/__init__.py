@@ -39,6 +39,10 @@ def __getattr__(name: str) -> Any:
   raise AttributeError(f"module 'jaxckpt.ft' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+  return sorted([*globals(), *_EXPORTS])
+
+
 if TYPE_CHECKING:
   from jaxckpt.ft._allreduce import reference_mean  # noqa: F401
   from jaxckpt.ft.agent_source import AgentSnapshotSource  # noqa: F401

@@ -57,7 +57,6 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import zmq
 
