@@ -6,7 +6,9 @@ devices training the toy MLP (:mod:`jaxckpt.ft._toy`, adam) with
 ``--step-secs`` of simulated compute per step, snapshotting every committed
 step into its own snapshot agent (``CheckpointManager`` with
 ``AgentOptions``), which is also the snapshot source a recovering group reads.
-Every ReplicaGroup and lighthouse option is its default unless given here.
+Every ReplicaGroup and lighthouse option is its default unless given here
+(``min_replicas`` is 1 for the replica groups, G for the synchronous job).
+Each group warms its save path before it joins, as examples/train_flax.py does.
 
 * ``ft``: the replica groups. A failed group is restarted at once and catches
   up from a healthy group's agent while the others train on.
@@ -21,8 +23,11 @@ the last group (and its restart), SIGSTOP of the second group for
 the same port ``--outage-secs`` later). Prints one JSON object: per job the
 fraction of wall time spent making steps (steps advanced x the fault-free mean
 step / wall time), steps lost per fault (window / mean step - steps advanced
-in it), and for ``ft`` the detection, quorum re-forming, catch-up and rejoin
-times that feed ``jaxckpt simulate --from-benchmarks`` (``goodput_inputs``).
+in it), the outage as measured (from the kill until the new lighthouse
+served: its process imports JAX) and what was lost beyond it, and for ``ft`` the
+detection, quorum re-forming, catch-up and rejoin times that feed ``jaxckpt
+simulate --from-benchmarks`` (``goodput_inputs``; write the output to
+``jaxckpt/measured/h100_host/ft_goodput.json`` to ship it).
 
   python benchmarks/ft_goodput.py [--runs 3] [--quick] [--jobs ft,sync]
 """
@@ -377,7 +382,8 @@ def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def goodput_inputs(ft: dict[str, Any]) -> dict[str, float]:
   """The goodput model's replica-group inputs from the ``ft`` job's medians (seconds)."""
   group_faults = [f for f in ft["faults"] if f["fault"].startswith("SIG")]
-  detect = statistics.median(f["detect_s"] for f in group_faults)
+  # (A fault whose stall outlasted its window has no detection of its own: the window's loss.)
+  detect = statistics.median(f.get("detect_s", f["lost_s"]) for f in group_faults)
   reform = statistics.median(f.get("reform_s", 0.0) for f in group_faults)
   rejoin = [f["rejoin_step_s"] - ft["fault_free_median_step_s"] for f in group_faults if "rejoin_step_s" in f]
   catch = [f["catch_up_s"] for f in group_faults if "catch_up_s" in f]
