@@ -26,16 +26,21 @@ import zmq
 MAC_BYTES = 32               # HMAC-SHA256 (jaxckpt.net._wire)
 
 
-def drain(sock: zmq.Socket, timeout_secs: float, limit: int) -> list[list[bytes]]:
-  """Up to ``limit`` messages queued on ``sock`` (waiting up to ``timeout_secs`` for the first)."""
+def drain(sock: zmq.Socket, timeout_secs: float, limit: int) -> list[tuple[list[bytes], int]]:
+  """Up to ``limit`` messages queued on ``sock`` (waiting up to ``timeout_secs`` for the first),
+  each with the file descriptor of the connection it came on (-1 if unknown)."""
   if not sock.poll(max(0, int(timeout_secs * 1000)), zmq.POLLIN):
     return []
   out = []
   while len(out) < limit:
     try:
-      out.append(sock.recv_multipart(zmq.NOBLOCK))
+      first = sock.recv(zmq.NOBLOCK, copy=False)
     except zmq.Again:
       break
+    frames = [first.bytes]
+    while sock.rcvmore:                      # (a multipart message arrives whole)
+      frames.append(sock.recv(zmq.NOBLOCK))
+    out.append((frames, first.get(zmq.SRCFD)))
   return out
 
 

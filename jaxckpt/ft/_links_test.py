@@ -279,3 +279,81 @@ def test_settle_returns_once_nothing_queued_is_read_any_more():
       a.send("b", b.address, _head(2), [data[:8]], _soon())
       a.settle("b", _soon())          # written: the stream stays
       assert b.recv("a", _expect(), 2, into[:8], _soon()) is None
+
+
+# ---- failures known at once (issue 33) ---------------------------------------------------------------
+
+
+def test_the_stream_of_the_neighbours_incarnation_closing_fails_the_attempt_at_once():
+  # A dead group's streams are closed by the kernel: that is a failure now, not a wait
+  # for a new stream until the timeout (the end of an older incarnation's stream still
+  # gives way to the newer one: test_a_restarted_neighbour_takes_over_from_its_old_stream).
+  with _links_of("b") as (b,):
+    a = _links.Links("127.0.0.1", SECRET, group_id="a", timeout_secs=LONG)
+    address = a.address
+    a.send("b", b.address, _head(0, q="q0"), [np.ones(4, np.uint8)], _soon())
+    assert b.recv("a", _expect(q="q0"), 0, np.empty(4, np.uint8), _soon(), address=address) is None
+    a.close()                                          # its process ended
+    start = time.monotonic()
+    why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon(), address=address)
+    assert time.monotonic() - start < 5
+    assert why == f"the stream from group a ({address}) closed: its process ended or left the ring"
+    assert why.blame == ("a",)
+
+
+def test_a_dead_groups_ring_port_is_named_as_such_and_blamed():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"           # nothing listens there once closed
+  with _links_of("a") as (a,):
+    why = a.send("b", dead, _head(0), [np.ones(4, np.uint8)], _soon())
+  assert why.startswith(f"could not open a ring stream to group b at {dead}: the ring port of group b did "
+                        "not take the connection ("), why
+  assert "its process is gone, or it is restarting" in why and "agent" not in why
+  assert why.blame == ("b",)
+
+
+def test_fail_from_another_thread_ends_a_receive_blocked_on_a_silent_stream_at_once():
+  # The lighthouse's word (a member stopped: no heartbeat) reaches a member waiting in the ring.
+  with _links_of("a", "b") as (a, b):
+    a.send("b", b.address, _head(0, q="q0"), [np.ones(4, np.uint8)], _soon())   # a stream, then silence
+    threading.Timer(0.3, b.fail, args=("q1", "the lighthouse: group c stopped", ("c",))).start()
+    start = time.monotonic()
+    why = b.recv("a", _expect(), 0, np.empty(4, np.uint8), _soon(), address=a.address)
+    assert time.monotonic() - start < 5
+    assert why == "the lighthouse: group c stopped" and why.blame == ("c",)
+    b.fail("q1", "a later word")                      # the first failure of an attempt is kept
+    assert b.failure("q1") == "the lighthouse: group c stopped"
+
+
+def test_an_abort_sent_after_the_attempts_deadline_reaches_a_neighbour_that_was_not_reading():
+  # The lost-abort race of issue 33, made deterministic: a member that failed by its own
+  # deadline queued its abort behind a piece its (stopped) neighbour had not read, and then
+  # waited for its queue with that passed deadline, so the stream was closed before the
+  # abort went out. An abort and its settle have a bound of their own now.
+  big = np.zeros(64 << 20, np.uint8)                   # more than loopback buffers hold
+  with _links_of("a", "b") as (a, b):
+    got: list = []
+
+    def stopped_then_resumed() -> None:
+      time.sleep(0.5)
+      got.append(b.recv("a", _expect(), 0, np.empty_like(big), _soon(), address=a.address))
+      got.append(b.recv("a", _expect(), 1, np.empty(4, np.uint8), _soon(), address=a.address))
+
+    reader = threading.Thread(target=stopped_then_resumed)
+    reader.start()
+    assert a.send("b", b.address, _head(0), [big], _soon()) is None
+    a.abort("b", b.address, _expect(), "a gave up: group c sent nothing", ("c",))
+    a.settle("b", time.monotonic() + 10.0)             # (the ring's grace, not its passed deadline)
+    reader.join(LONG)
+  assert got[0] is None
+  assert got[1] == "a gave up: group c sent nothing" and got[1].blame == ("c",)
+
+
+def test_prepare_opens_the_stream_to_a_new_neighbour_before_its_first_piece():
+  with _links_of("a", "b") as (a, b):
+    a.prepare("b", b.address)
+    _wait_for(lambda: b._incoming.get("a") is not None)   # pylint: disable=protected-access
+    a.send("b", b.address, _head(0), [np.full(4, 7, np.uint8)], _soon())
+    into = np.empty(4, np.uint8)
+    assert b.recv("a", _expect(), 0, into, _soon(), address=a.address) is None and (into == 7).all()

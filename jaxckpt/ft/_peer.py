@@ -7,6 +7,12 @@ all-reduce's bytes travel on their own streams: :mod:`jaxckpt.ft._links`.)
 
 Every message is sealed with the job's secret (:mod:`jaxckpt.net._wire`); one that
 is not is refused, logged, and never reaches the handler.
+
+A request may carry ``wait`` (seconds): a handler that cannot answer it yet
+returns :data:`LATER`, and the serving thread asks it again (every millisecond
+while one waits) until it answers or the wait is over, when it is asked once
+more with ``wait`` 0. So a recovering group waits for a step's entry with one
+request, not by polling.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import zmq
@@ -25,7 +31,10 @@ from jaxckpt.net import _wire
 logger = logging.getLogger(__name__)
 
 Message = tuple[_wire.Header, list[np.ndarray]]
-Handler = Callable[[_wire.Header], tuple[_wire.Header, Sequence[np.ndarray]]]
+LATER = None           # what a handler returns for a request it cannot answer yet (see ``wait``)
+Handler = Callable[[_wire.Header], "tuple[_wire.Header, Sequence[np.ndarray]] | None"]
+_MAX_WAIT_SECS = 60.0  # the longest a request may be held
+_MAX_HELD = 64         # requests held at once (more are answered at once)
 
 
 class PeerServer:
@@ -44,8 +53,13 @@ class PeerServer:
     self._thread.start()
 
   def _run(self) -> None:
+    held: list[tuple[bytes, _wire.Header, float]] = []     # (sender, request, until when)
     while not self._stop.is_set():
-      frames = _wire.recv(self._sock, 0.02)
+      frames = _wire.recv(self._sock, 0.001 if held else 0.02)
+      now = time.monotonic()
+      for sender, header, until in held:
+        if self._serve(sender, header, last=now >= until):
+          held.remove((sender, header, until))
       if frames is None or self._drop():
         continue
       try:
@@ -57,13 +71,33 @@ class PeerServer:
         continue
       try:
         _wire.arrays_of(header, raw)           # (requests carry none; checks the framing)
-        reply, out = self._handler(header)
       except Exception as e:  # pylint: disable=broad-except
-        logger.warning("peer %s failed to serve a message: %s", self.address, e, exc_info=True)
-        reply, out = {"op": "error", "error": f"{type(e).__name__}: {e}"}, ()
-      reply = dict(reply, request_id=header.get("request_id"))
-      _wire.send(self._sock, [frames[0]] + _wire.seal(self._secret, reply, out))
+        self._answer(frames[0], header, {"op": "error", "error": f"{type(e).__name__}: {e}"}, ())
+        continue
+      wait = header.get("wait")
+      wait = min(float(wait), _MAX_WAIT_SECS) if isinstance(wait, (int, float)) and wait > 0 else 0.0
+      if not self._serve(frames[0], header, last=not wait or len(held) >= _MAX_HELD):
+        held.append((frames[0], header, now + wait))
     self._sock.close(linger=0)
+
+  def _serve(self, sender: bytes, header: _wire.Header, *, last: bool) -> bool:
+    """Answers ``header`` unless its handler says LATER (and this is not the ``last`` try)."""
+    try:
+      got = self._handler(dict(header, wait=0) if last else header)
+      if got is LATER and last:
+        raise RuntimeError(f"the handler held {header.get('op')!r} with no wait left")
+    except Exception as e:  # pylint: disable=broad-except
+      logger.warning("peer %s failed to serve a message: %s", self.address, e, exc_info=True)
+      got = {"op": "error", "error": f"{type(e).__name__}: {e}"}, ()
+    if got is LATER:
+      return False
+    self._answer(sender, header, *got)
+    return True
+
+  def _answer(self, sender: bytes, header: _wire.Header, reply: _wire.Header,
+              out: Sequence[np.ndarray]) -> None:
+    reply = dict(reply, request_id=header.get("request_id"))
+    _wire.send(self._sock, [sender] + _wire.seal(self._secret, reply, out))
 
   def stop(self) -> None:
     self._stop.set()

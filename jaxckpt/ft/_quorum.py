@@ -210,6 +210,11 @@ class View:
     self._members: tuple[str, ...] = ()
     self._healthy: tuple[str, ...] = ()
 
+  @property
+  def members(self) -> tuple[str, ...]:
+    """The member ids of the view held (empty when none is)."""
+    return self._members
+
   def resolve(self, group_id: str, wire: dict[str, Any]) -> Quorum:
     """The quorum a reply stands for (``wire``: the reply, with its attachment
     as ``delta``); QuorumError if it does not fit the view held (then none is held,

@@ -27,6 +27,9 @@ _MAX_NAME = 256                 # group ids, addresses
 _MAX_VIEW = 64                  # a view key (see _quorum.view_key: 32 hex digits)
 _MAX_INT = (1 << 63) - 1        # steps and request ids
 _MAX_DIGEST = (1 << 64) - 1     # xxh3_64 digests
+_MAX_QUORUM_ID = 64             # "<epoch hex>-<counter>"
+_MAX_WHY = 1000                 # characters of a failure's reason
+_MAX_BLAME = 8                  # groups a failure report names
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,11 +43,28 @@ class Ready:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Leave:
+  """A group closing (on its heartbeat connection, just before that closes)."""
+  group: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class QuorumRequest:
   request_id: int
   member: Member
   view: str
   ask: int | None               # the first request id of the member's ask (its resends repeat it)
+  held: int | None = None       # how many members the view it holds has (None: not said)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+  """A member's report that its attempt in quorum ``q`` failed: why, and the groups
+  that failure shows to be out of the attempt (a closed stream, a refused connection)."""
+  group: str
+  q: str
+  why: str
+  blame: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,7 +72,7 @@ class Status:
   request_id: int | None
 
 
-Request = Union[Heartbeat, Ready, QuorumRequest, Status]
+Request = Union[Heartbeat, Ready, QuorumRequest, Status, Failed, Leave]
 
 
 def parse(header: Any) -> Request:
@@ -81,6 +101,10 @@ def _ready(h: dict[str, Any]) -> Ready:
   return Ready(_name(h, "ready", "group"))
 
 
+def _leave(h: dict[str, Any]) -> Leave:
+  return Leave(_name(h, "leave", "group"))
+
+
 def _status(h: dict[str, Any]) -> Status:
   rid = h.get("request_id")
   if rid is not None and not _is_int(rid, 0, _MAX_INT):
@@ -98,7 +122,22 @@ def _quorum(h: dict[str, Any]) -> QuorumRequest:
   ask = h.get("ask")
   if ask is not None and not _is_int(ask, 0, _MAX_INT):
     raise _bad("quorum", "ask", "absent or an int in [0, 2**63)", ask)
-  return QuorumRequest(rid, _member(h.get("member")), view, ask)
+  held = h.get("held")
+  if held is not None and not _is_int(held, 0, _MAX_INT):
+    raise _bad("quorum", "held", "absent or an int in [0, 2**63)", held)
+  return QuorumRequest(rid, _member(h.get("member")), view, ask, held)
+
+
+def _failed(h: dict[str, Any]) -> Failed:
+  q, why, blame = h.get("q"), h.get("why"), h.get("blame")
+  if not (isinstance(q, str) and 1 <= len(q) <= _MAX_QUORUM_ID):
+    raise _bad("failed", "q", f"a string of 1 to {_MAX_QUORUM_ID} characters", q)
+  if not (isinstance(why, str) and len(why) <= _MAX_WHY):
+    raise _bad("failed", "why", f"a string of at most {_MAX_WHY} characters", why)
+  if not (isinstance(blame, (list, tuple)) and len(blame) <= _MAX_BLAME
+          and all(isinstance(g, str) and 1 <= len(g) <= _MAX_NAME for g in blame)):
+    raise _bad("failed", "blame", f"a list of at most {_MAX_BLAME} group ids", blame)
+  return Failed(_name(h, "failed", "group"), q, why, tuple(blame))
 
 
 def _member(obj: Any) -> Member:
@@ -137,4 +176,5 @@ def _show(value: Any) -> str:
   return text if len(text) <= 80 else text[:77] + "..."
 
 
-_PARSERS = {"heartbeat": _heartbeat, "ready": _ready, "quorum": _quorum, "status": _status}
+_PARSERS = {"heartbeat": _heartbeat, "ready": _ready, "quorum": _quorum, "status": _status,
+            "failed": _failed, "leave": _leave}

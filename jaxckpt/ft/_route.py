@@ -115,9 +115,54 @@ class Route:
 
   def _open(self, port: int | None) -> zmq.Socket:
     self._connected_by, self._up = time.monotonic() + _CONNECT_SECS, False
-    sock = _wire.socket(self._ctx, zmq.DEALER, immediate=True)
-    if port is not None:
-      sock.curve_serverkey = curve_keys(self._key)[0]
-      sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-    sock.connect(f"tcp://{self.address if port is None else f'{self._host}:{port}'}")
-    return sock
+    return dealer(self._ctx, self.address, self._key, port)
+
+
+def dealer(ctx: zmq.Context, address: str, key: bytes, port: int | None) -> zmq.Socket:
+  """A DEALER socket connecting to the lighthouse at ``address``, or to its private ``port``."""
+  sock = _wire.socket(ctx, zmq.DEALER, immediate=True)
+  if port is not None:
+    sock.curve_serverkey = curve_keys(key)[0]
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+  host = address.rpartition(":")[0]
+  sock.connect(f"tcp://{address}" if port is None else f"tcp://{host}:{port}")
+  return sock
+
+
+class BeatRoute:
+  """A heartbeat's way to the lighthouse: the public address, and its private port once
+  known and connected. Never blocks: a heartbeat is not held up by a handshake, so the
+  beats keep coming while the private connection opens (and after a lighthouse restart,
+  through the public address until the new private port is known). The public socket
+  stays open, idle, once the private one carries the beats."""
+
+  def __init__(self, ctx: zmq.Context, address: str, key: bytes) -> None:
+    self._ctx, self._address, self._key = ctx, address, key
+    self._public = dealer(ctx, address, key, None)
+    self._private: zmq.Socket | None = None
+    self.private: int | None = None
+
+  def want(self, port: int | None) -> None:
+    """Opens a connection to the private ``port`` (a group's client learned it), unless open."""
+    if not HAS_CURVE or port is None or port == self.private:
+      return
+    if self._private is not None:
+      self._private.close(linger=0)
+    self._private, self.private = dealer(self._ctx, self._address, self._key, port), port
+
+  def send(self, frames: list[Any]) -> bool:
+    if self._private is not None and self._private.poll(0, zmq.POLLOUT) and _wire.send(self._private, frames):
+      return True
+    return _wire.send(self._public, frames)
+
+  def recv(self, timeout_secs: float) -> list[Any] | None:
+    socks = [s for s in (self._private, self._public) if s is not None]
+    ready = zmq.select(socks, [], [], timeout_secs)[0]
+    return ready[0].recv_multipart(copy=False) if ready else None
+
+  def close(self, last: list[Any] | None = None) -> None:
+    """Closes; ``last``, if given, is sent first (and given a moment to go out)."""
+    sent = self.send(last) if last is not None else False
+    for sock in (self._private, self._public):
+      if sock is not None:
+        sock.close(linger=200 if sent else 0)

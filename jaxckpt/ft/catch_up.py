@@ -135,11 +135,13 @@ class CatchUpServer:
   digests: DigestLog
   snapshots: Callable[[], SnapshotSource | None]
 
-  def __call__(self, header: _wire.Header) -> tuple[_wire.Header, Sequence[np.ndarray]]:
+  def __call__(self, header: _wire.Header) -> tuple[_wire.Header, Sequence[np.ndarray]] | None:
     op = header.get("op")
     if op == "ring_get":
       entry = self.ring.get(int(header["step"]))
       if entry is None:
+        if header.get("wait"):             # (committed soon: answered then, see ft/_peer.py)
+          return _peer.LATER
         return {"op": "missing", "held": list(self.ring.steps())}, ()
       return {"op": "ring_entry", "step": entry.step, "digest_before": entry.digest_before,
               "digest_after": entry.digest_after}, entry.leaves
@@ -188,11 +190,13 @@ class RemoteSnapshotSource:
 
 
 def fetch_ring(sender: _peer.PeerSender, address: str, start: int, digest: int, stop: int,
-               timeout_secs: float) -> list[RingEntry] | None:
-  """Ring entries ``start .. stop - 1`` from ``address`` chained on from ``digest``, or None."""
+               timeout_secs: float, *, wait_secs: float = 0.0) -> list[RingEntry] | None:
+  """Ring entries ``start .. stop - 1`` from ``address`` chained on from ``digest``, or None.
+  With ``wait_secs``, the peer holds each request until it has committed the step (up to then)."""
   entries = []
   for step in range(start, stop):
-    reply = sender.request(address, {"op": "ring_get", "step": step}, timeout_secs)
+    request = {"op": "ring_get", "step": step, **({"wait": wait_secs} if wait_secs > 0 else {})}
+    reply = sender.request(address, request, timeout_secs + wait_secs)
     if reply is None or reply[0].get("op") != "ring_entry" or reply[0]["digest_before"] != digest:
       return None
     header, arrays = reply

@@ -31,12 +31,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
                  help="address to serve on (port 0 picks a free port; the bound address is printed)")
   p.add_argument("--min-replicas", type=int, default=1, metavar="N",
                  help="fewest replica groups a quorum may have (default 1)")
-  p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECS",
-                 help="drop a group whose last heartbeat is older (default 5)")
-  p.add_argument("--join-timeout", type=float, default=1.0, metavar="SECS",
-                 help="wait this long for live groups that have not asked yet (default 1)")
-  p.add_argument("--straggler-timeout", type=float, default=60.0, metavar="SECS",
-                 help="wait this long for busy members of the previous quorum (default 60)")
+  defaults = LighthouseOptions()
+  p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout.total_seconds(),
+                 metavar="SECS", help="drop a group whose last heartbeat is older, and end the attempt "
+                 f"in flight for the others (default {defaults.heartbeat_timeout.total_seconds():g})")
+  p.add_argument("--connection-timeout", type=float, default=defaults.connection_timeout.total_seconds(),
+                 metavar="SECS", help="close a connection that does not answer the lighthouse's pings "
+                 "this long; a group whose heartbeat connection closes is dropped and out of the attempt "
+                 f"in flight (default {defaults.connection_timeout.total_seconds():g})")
+  p.add_argument("--join-timeout", type=float, default=defaults.join_timeout.total_seconds(), metavar="SECS",
+                 help="wait this long for live groups that have not asked yet "
+                      f"(default {defaults.join_timeout.total_seconds():g})")
+  p.add_argument("--straggler-timeout", type=float, default=defaults.straggler_timeout.total_seconds(),
+                 metavar="SECS", help="wait this long for busy members of the previous quorum "
+                 f"(default {defaults.straggler_timeout.total_seconds():g})")
   p.add_argument("--private-port", type=int, default=0, metavar="PORT",
                  help="port of the job's private door on the same interface (CURVE, keyed by the "
                       "secret; groups learn it from the lighthouse's replies); default 0: any free port")
@@ -49,6 +57,7 @@ def run_lighthouse(args: argparse.Namespace) -> int:
   """Serves until SIGINT or SIGTERM."""
   options = LighthouseOptions(min_replicas=args.min_replicas,
                               heartbeat_timeout=timedelta(seconds=args.heartbeat_timeout),
+                              connection_timeout=timedelta(seconds=args.connection_timeout),
                               join_timeout=timedelta(seconds=args.join_timeout),
                               straggler_timeout=timedelta(seconds=args.straggler_timeout))
   secret = _read_secret(args.secret_file) if args.secret_file else os.environ.get(_wire.SECRET_ENV)

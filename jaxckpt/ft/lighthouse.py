@@ -14,8 +14,26 @@ state, whatever the number of groups) when
 A group is live while its heartbeats arrive within ``heartbeat_timeout``; a dead
 group is simply not waited for. The state is soft: after a restart the
 lighthouse waits ``join_timeout`` for heartbeats to rebuild membership and
-carries on, so a lighthouse restart does not lose the job (groups resend their
-requests until a lighthouse answers).
+carries on, or forms at once when every member of the view the requests hold is
+asking again (each request says how many members its view has), so a
+lighthouse restart does not lose the job and costs it little more than the
+outage (groups resend their requests until a lighthouse answers).
+
+Failures end an attempt for every member at once. A member of the attempt in
+flight whose heartbeat connection closes (its process died, or stopped: the
+lighthouse pings every connection and closes one silent for
+``connection_timeout``, see :class:`LighthouseOptions`) or whose heartbeats stop
+for ``heartbeat_timeout`` is declared out of it, and a member that fails its
+attempt reports why and whom it blames (a closed stream, a refused connection:
+:mod:`jaxckpt.ft._links`).
+Either way the lighthouse tells every other member still in the attempt to
+abort it (a sealed ``abort`` on its heartbeat connection), so no member waits
+out its ring timeout for a piece that cannot come, and a failure reaches every
+live member whoever its ring neighbours are. A group out of the attempt is not
+waited for by the next quorum, and until it asks again each of its heartbeats
+is answered with an ``abort`` of its stale attempt: a stopped group that
+resumes learns at once that the job moved on, and catches up without holding
+a healthy quorum.
 
 Every message is sealed with the job's secret (:mod:`jaxckpt.net._wire`). One that
 cannot be (no mac of the right size) is dropped unread; one whose mac does not
@@ -44,17 +62,21 @@ import itertools
 import logging
 import math
 import os
-import secrets
 import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from jaxckpt import errors
-from jaxckpt.ft import _intake, _quorum, _requests, _route
+from jaxckpt.ft import _intake, _quorum, _replay, _requests, _route
+from jaxckpt.ft._clients import MAX_WHY, Heartbeat, LighthouseClient, Notice
 from jaxckpt.ft._quorum import Member, Quorum, View
+
+__all__ = ["Heartbeat", "Lighthouse", "LighthouseClient", "LighthouseOptions", "Member", "Notice", "Quorum",
+           "View"]
 from jaxckpt.net import _wire
 
 logger = logging.getLogger(__name__)
@@ -66,7 +88,10 @@ _FLOOD_PAUSE_SECS = 0.005          # after a public batch mostly refused: read o
 _MAX_MESSAGE_BYTES = 1 << 16       # every lighthouse message is far smaller
 _MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 _RESCAN_SECS = 0.01                # how stale the set of live groups not yet asking may be
-Peer = tuple  # (socket, ZeroMQ identity): where a message came from, and where its answer goes
+_CHECK_SECS = 0.05                 # how often the members of the attempt in flight are checked for heartbeats
+_NOTICE_SECS = 0.25                # a group out of the attempt is told so at most this often
+_CLOSE_GRACE_SECS = 0.05           # a closed heartbeat connection counts unless its group left in this time
+Peer = tuple  # (socket, ZeroMQ identity, connection fd): where a message came from, where its answer goes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,8 +99,21 @@ class LighthouseOptions:
   """Options of a :class:`Lighthouse`.
 
   Attributes:
-    min_replicas: fewest groups a quorum may have.
-    heartbeat_timeout: a group whose last heartbeat is older is dropped.
+    min_replicas: fewest groups a quorum may have. Below the number of groups,
+      the first quorums may form before every group has started: those steps
+      average fewer gradients (fewer batches) than the job's full width, and the
+      late groups catch up to them.
+    heartbeat_timeout: a group whose last heartbeat is older is dropped; a
+      member of the attempt in flight, also out of that attempt (every other
+      member is told to abort it at once). Long enough for a pause of the
+      group's Python (a garbage collection holds every thread for up to
+      seconds in a large process): the connection timeout catches a dead or
+      stopped process sooner.
+    connection_timeout: the lighthouse pings every connection (ZeroMQ's own
+      heartbeats, answered by the peer's I/O thread whatever its Python is
+      doing) and closes one that stays silent this long. When a group's
+      heartbeat connection closes (its process died, stopped, or its host is
+      unreachable) the group is not live, and out of the attempt in flight.
     join_timeout: how long pending requests wait for live groups that have not
       asked yet; also the grace period after a (re)start.
     straggler_timeout: how long members of the previous quorum that are still
@@ -85,11 +123,12 @@ class LighthouseOptions:
   heartbeat_timeout: timedelta = timedelta(seconds=5)
   join_timeout: timedelta = timedelta(seconds=1)
   straggler_timeout: timedelta = timedelta(seconds=60)
+  connection_timeout: timedelta = timedelta(milliseconds=750)
 
   def __post_init__(self):
     if self.min_replicas < 1:
       raise errors.InvalidArgumentError(f"LighthouseOptions.min_replicas must be >= 1, got {self.min_replicas=}")
-    for name in ("heartbeat_timeout", "join_timeout", "straggler_timeout"):
+    for name in ("heartbeat_timeout", "join_timeout", "straggler_timeout", "connection_timeout"):
       value = getattr(self, name)
       if not isinstance(value, timedelta) or value <= timedelta(0):
         raise errors.InvalidArgumentError(f"LighthouseOptions.{name} must be a positive timedelta, got {value!r}")
@@ -103,6 +142,7 @@ class _Pending:
   since: float
   view: str                             # the view key the member holds (see _quorum)
   ask: int | None                       # which ask of the member this is (its resends repeat it)
+  held: int | None = None               # how many members that view has
 
 
 class Lighthouse:
@@ -130,27 +170,43 @@ class Lighthouse:
     self._ctx = zmq.Context()
     self._sock = _wire.socket(self._ctx, zmq.ROUTER)
     self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)   # (a larger one drops its connection)
-    if port == "0":
-      port = str(self._sock.bind_to_random_port(f"tcp://{host}"))
-    else:
-      self._sock.bind(f"tcp://{host}:{port}")
-    self.address = f"{host}:{port}"
     # The job's own door (see ft/_route.py): a CURVE handshake keyed by the secret keeps floods out.
     self._private, self.private_port = None, None
     if _route.HAS_CURVE and private_port is not None:
       self._private = _route.private_socket(self._ctx, self._key)
       self._private.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE_BYTES)
-      if private_port == 0:
-        self.private_port = self._private.bind_to_random_port(f"tcp://{host}")
+    # Every connection is pinged, and its close reported, so a dead or stopped group is known
+    # at once whatever its Python is doing (a peer's I/O thread answers the pings). On the
+    # private port only, when there is one: a flood of the public port could hold the answers
+    # back there (a connection whose queue is full is not read) and close good ones. (Before
+    # binding: a listener's connections take the options it had when it was bound.)
+    ping_ms = int(1000 * self.options.connection_timeout.total_seconds())
+    pinged = self._private if self._private is not None else self._sock
+    pinged.setsockopt(zmq.HEARTBEAT_IVL, max(10, min(100, ping_ms // 4)))
+    pinged.setsockopt(zmq.HEARTBEAT_TIMEOUT, ping_ms)
+    self._monitors = [(pinged.get_monitor_socket(zmq.EVENT_DISCONNECTED), pinged)]
+    try:
+      if port == "0":
+        port = str(self._sock.bind_to_random_port(f"tcp://{host}"))
       else:
-        self._private.bind(f"tcp://{host}:{private_port}")
-        self.private_port = private_port
+        self._sock.bind(f"tcp://{host}:{port}")
+      if self._private is not None:
+        if private_port == 0:
+          self.private_port = self._private.bind_to_random_port(f"tcp://{host}")
+        else:
+          self._private.bind(f"tcp://{host}:{private_port}")
+          self.private_port = private_port
+    except zmq.ZMQError:
+      self._close_sockets()
+      raise
+    self.address = f"{host}:{port}"
     who = f"the lighthouse at {self.address}"
     self._refusals = _intake.Refusals(logger, who, "not sealed with the job's secret")
-    # A group's heartbeats, quorum requests and readiness each supersede its last
-    # one: a captured message replayed (or overtaken) is refused, in memory that
-    # grows with groups, not messages. Status requests change nothing.
-    self._replays = _wire.NewerPerSender(_sender_of)
+    # A group's heartbeats, quorum requests, readiness and failure reports each
+    # supersede its last one (by a sequence number per incarnation, see
+    # ft/_replay.py): a captured message replayed (or overtaken) is refused, in
+    # memory that grows with groups, not messages. Status requests change nothing.
+    self._replays = _replay.Incarnations(_sender_of)
     self._malformed = _intake.Refusals(logger, who, "sealed but malformed")
     self._answers = _intake.AnswerLimiter()
     self._epoch = os.urandom(4).hex()
@@ -169,6 +225,17 @@ class Lighthouse:
     self._first_pending: float | None = None    # when the oldest pending request came
     self._waiting: set[str] | None = None       # live groups that neither asked nor catch up (last scan)
     self._scanned_at = 0.0
+    self._quorum_id: str | None = None    # of the quorum formed last (its attempt is in flight)
+    self._out: dict[str, str] = {}        # groups out of that attempt (and why), until they ask
+    # The attempt in flight's abort, once it is ended: (quorum id, why, blame, its reporter).
+    self._aborted: tuple[str | None, str, tuple[str, ...], str | None] | None = None
+    self._beat_peers: dict[str, Peer] = {}  # where each group's heartbeats come from (its notices go)
+    self._beat_conn: dict[str, tuple[zmq.Socket, int]] = {}   # each group's heartbeat connection
+    self._conn_group: dict[tuple[zmq.Socket, int], str] = {}  # and back
+    self._closing: dict[str, float] = {}   # groups whose heartbeat connection closed, and when
+    self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
+    self._checked_at = 0.0
+    self._flooded_at = -math.inf          # when the public port last had more queued than was read
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._started_at = time.monotonic()
@@ -195,6 +262,12 @@ class Lighthouse:
     self._stop.set()
     if self._thread.is_alive():
       self._thread.join(timeout=5)
+    self._close_sockets()
+
+  def _close_sockets(self) -> None:
+    for monitor, sock in self._monitors:
+      sock.disable_monitor()
+      monitor.close(linger=0)
     self._sock.close(linger=0)
     if self._private is not None:
       self._private.close(linger=0)
@@ -219,29 +292,82 @@ class Lighthouse:
     if self._private is not None:
       both.register(self._private, zmq.POLLIN)
       private_only.register(self._private, zmq.POLLIN)
+    for monitor, _ in self._monitors:
+      both.register(monitor, zmq.POLLIN)
+      private_only.register(monitor, zmq.POLLIN)
     quiet_until = 0.0                 # the public port is not read before (it was flooded)
     while not self._stop.is_set():
       now = time.monotonic()
       paused = self._private is not None and now < quiet_until
       ready = dict((private_only if paused else both).poll(
           1000 * (min(_POLL_SECS, quiet_until - now) if paused else _POLL_SECS)))
-      batch = [((self._private, f[0]), f) for f in self._read(self._private, ready, _BATCH)]
-      public = [((self._sock, f[0]), f) for f in self._read(self._sock, ready, _PUBLIC_BATCH)]
+      self._closed_connections(ready)             # (before reading: a closed fd may be reused)
+      batch = [((self._private, f[0], fd), f) for f, fd in self._read(self._private, ready, _BATCH)]
+      public = [((self._sock, f[0], fd), f) for f, fd in self._read(self._sock, ready, _PUBLIC_BATCH)]
       refused = self._refusals.count
-      self._serve(batch + public)
+      # Messages left unread (a full batch, or a flood's pause) may hold heartbeats: a member
+      # is not declared dead for what the lighthouse has not read yet.
+      lagging = paused or len(batch) >= _BATCH or len(public) >= _PUBLIC_BATCH
+      if paused or len(public) >= _PUBLIC_BATCH:
+        self._flooded_at = now
+      self._serve(batch + public, lagging)
       if self._refusals.count - refused > _PUBLIC_BATCH // 2:
         quiet_until = time.monotonic() + _FLOOD_PAUSE_SECS   # (so a flood costs a bounded share of a core)
 
   @staticmethod
-  def _read(sock: zmq.Socket | None, ready: dict[Any, int], limit: int) -> list[list[bytes]]:
+  def _read(sock: zmq.Socket | None, ready: dict[Any, int], limit: int) -> list[tuple[list[bytes], int]]:
     return _intake.drain(sock, 0, limit) if sock is not None and sock in ready else []
 
-  def _serve(self, batch: list[tuple[Peer, list[bytes]]]) -> None:
-    """Handles the sealed messages of ``batch``, checks for a quorum, then refuses the rest."""
+  def _closed_connections(self, ready: dict[Any, int]) -> None:
+    """A group whose heartbeat connection closed is not live, and out of the attempt in flight."""
+    for monitor, sock in self._monitors:
+      while monitor in ready and monitor.poll(0):
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+          with self._lock:
+            self._guarded(self._connection_closed, sock, event["value"], time.monotonic())
+
+  def _connection_closed(self, sock: zmq.Socket, fd: int, now: float) -> None:
+    gid = self._conn_group.pop((sock, fd), None)
+    if gid is None or self._beat_conn.get(gid) != (sock, fd):
+      return
+    del self._beat_conn[gid]
+    if sock is self._sock and now - self._flooded_at < 2 * self.options.connection_timeout.total_seconds():
+      return    # (a flood of the public port can hold its pings' answers back: not evidence)
+    self._closing[gid] = now        # (unless it left: its leave may be read just after the close)
+
+  def _gone(self, now: float) -> None:
+    """Groups whose heartbeat connection closed (and that did not leave): not live, and out of
+    the attempt in flight."""
+    for gid in [g for g, t in self._closing.items() if now - t >= _CLOSE_GRACE_SECS]:
+      del self._closing[gid]
+      self._connection_lost(gid)
+
+  def _connection_lost(self, gid: str) -> None:
+    self._last_seen[gid] = -math.inf
+    self._waiting = None
+    if self._pending.pop(gid, None) is not None and not self._pending:
+      self._first_pending = None
+    if gid in self._inflight:
+      del self._inflight[gid]
+      self._out[gid] = (f"group {gid}'s connection to the lighthouse closed during quorum {self._quorum_id}'s "
+                        f"attempt (its process ended, or stopped: no answer to pings for "
+                        f"{self.options.connection_timeout.total_seconds():g} s)")
+      logger.warning("lighthouse at %s: %s; the other members abort that attempt", self.address,
+                     self._out[gid], extra={"dropped_groups": [gid]})
+      self._abort_attempt(self._out[gid], (gid,))
+
+  def _serve(self, batch: list[tuple[Peer, list[bytes]]], lagging: bool = False) -> None:
+    """Handles the sealed messages of ``batch``, checks the attempt in flight (unless
+    ``lagging``: more is queued than was read) and for a quorum, then refuses the rest."""
     with self._lock:
       for peer, frames in batch:
         if _intake.looks_sealed(frames):
           self._guarded(self._handle, peer, frames)
+      if self._closing:
+        self._guarded(self._gone, time.monotonic())
+      if not lagging:
+        self._guarded(self._check_in_flight, time.monotonic())
       self._guarded(self._maybe_form, time.monotonic())
       self._cpu_secs = time.thread_time()
     now = time.monotonic()
@@ -303,15 +429,42 @@ class Lighthouse:
 
   def _apply(self, peer: Peer, request: _requests.Request, now: float) -> None:
     if isinstance(request, _requests.Heartbeat):
-      if self._last_seen.setdefault(request.group, now) == now:
+      gid = request.group
+      if self._last_seen.setdefault(gid, now) == now:
         self._waiting = None            # (a group not seen before: who is waited for changes)
-      self._last_seen[request.group] = now
+      self._last_seen[gid] = now
+      self._beat_peers[gid] = peer
+      conn = (peer[0], peer[2])
+      if peer[2] >= 0 and self._beat_conn.get(gid) != conn:
+        self._conn_group.pop(self._beat_conn.get(gid), None)
+        self._beat_conn[gid], self._conn_group[conn] = conn, gid
+        self._closing.pop(gid, None)             # (back on a new connection)
+      if gid in self._out and self._notices.allow(gid, now):
+        self._notify(gid, self._out[gid], ())    # (its attempt is stale: it learns at once)
+      elif (self._aborted is not None and gid in self._inflight and gid != self._aborted[3]
+            and self._notices.allow(gid, now)):
+        self._notify(gid, *self._aborted[1:3])   # (again: a notice may have gone to an old socket)
     elif isinstance(request, _requests.QuorumRequest):
       self._ask(peer, request, now)
     elif isinstance(request, _requests.Ready):   # a member catching up is about to ask in sync
       self._behind.discard(request.group)
+      self._out.pop(request.group, None)
       self._last_seen[request.group] = now
       self._waiting = None
+    elif isinstance(request, _requests.Failed):
+      self._failed(request)
+    elif isinstance(request, _requests.Leave):  # a group closing: not live, nobody waits for it
+      gid = request.group
+      self._closing.pop(gid, None)
+      self._conn_group.pop(self._beat_conn.pop(gid, None), None)
+      self._last_seen[gid] = -math.inf
+      self._inflight.pop(gid, None)
+      self._behind.discard(gid)
+      self._out.pop(gid, None)
+      if self._pending.pop(gid, None) is not None and not self._pending:
+        self._first_pending = None
+      self._waiting = None
+      logger.info("lighthouse at %s: group %s left", self.address, gid, extra={"group_id": gid})
     else:
       self._reply(peer, dict(self._status(now), op="status", request_id=request.request_id))
 
@@ -337,17 +490,69 @@ class Lighthouse:
     self._last_seen[gid] = now
     self._inflight.pop(gid, None)
     self._behind.discard(gid)
+    self._out.pop(gid, None)
     old = self._pending.get(gid)
     if old is None and self._waiting is not None:
       self._waiting.discard(gid)
     if not self._pending:
       self._first_pending = now
     self._pending[gid] = _Pending(peer, request.request_id, member, old.since if old else now,
-                                  request.view, request.ask)
+                                  request.view, request.ask, request.held)
+
+  # ---- ending an attempt for every member --------------------------------------------------------------
+
+  def _check_in_flight(self, now: float) -> None:
+    """Members of the attempt in flight whose heartbeats stopped are out of it: the others abort it."""
+    if not self._inflight or now - self._checked_at < _CHECK_SECS:
+      return
+    self._checked_at = now
+    dead = sorted(g for g in self._inflight if not self._is_live(g, now))
+    if not dead:
+      return
+    secs = self.options.heartbeat_timeout.total_seconds()
+    for g in dead:
+      del self._inflight[g]
+      self._out[g] = (f"group {g} sent the lighthouse no heartbeat for {secs:g} s during quorum "
+                      f"{self._quorum_id}'s attempt (dead or stopped)")
+    self._waiting = None
+    logger.warning("lighthouse at %s: %s; the other members abort that attempt", self.address,
+                   "; ".join(self._out[g] for g in dead), extra={"dropped_groups": dead})
+    self._abort_attempt(self._out[dead[0]], dead)
+
+  def _failed(self, report: _requests.Failed) -> None:
+    """A member failed the attempt in flight: whom it blames is out of it, and the rest abort it."""
+    if report.q != self._quorum_id or report.group not in self._last_members:
+      return                              # (an older attempt's report: nothing left to end)
+    why = f"group {report.group} failed quorum {report.q}'s attempt: {report.why}"
+    for g in report.blame:
+      if g in self._inflight:
+        del self._inflight[g]
+        self._out[g] = why
+        self._waiting = None
+    self._abort_attempt(why, report.blame, skip=report.group)
+
+  def _abort_attempt(self, why: str, blame: Any, skip: str | None = None) -> None:
+    """Tells every member still in the attempt in flight to abort it (at once, and on each
+    of its heartbeats until it asks again)."""
+    if self._aborted is not None:
+      return
+    self._aborted = (self._quorum_id, why, tuple(blame), skip)
+    for g in self._inflight:
+      if g != skip:
+        self._notify(g, why, blame)
+
+  def _notify(self, gid: str, why: str, blame: Any) -> None:
+    """An ``abort`` of ``gid``'s last attempt, on its heartbeat connection."""
+    peer, answered = self._beat_peers.get(gid), self._answered.get(gid)
+    if peer is None or answered is None:
+      return
+    _wire.send(peer[0], [peer[1], *_wire.seal(self._key, {
+        "op": "abort", "q": answered[1]["quorum"]["id"], "why": why[:MAX_WHY], "blame": list(blame)[:8]})])
 
   def _status(self, now: float) -> dict[str, Any]:
     return {"live": sorted(self._live(now)), "pending": sorted(self._pending),
             "last_members": list(self._last_members), "quorums_formed": self._quorums_formed,
+            "out": sorted(self._out),
             "last_form_secs": self._last_form_secs, "cpu_secs": self._cpu_secs,
             "refused": self._refusals.count,
             "malformed": self._malformed.count}
@@ -366,7 +571,7 @@ class Lighthouse:
     at every group run only once the cheap ones pass."""
     opts = self.options
     join = opts.join_timeout.total_seconds()
-    if not self._pending or now - self._started_at < join:
+    if not self._pending or (now - self._started_at < join and not self._whole_view_asks()):
       return
     if len(self._pending) < opts.min_replicas:
       return
@@ -383,9 +588,16 @@ class Lighthouse:
     at most every _RESCAN_SECS and after membership changes; in between, each
     request only takes its group off the set the last scan found."""
     if self._waiting is None or now - self._scanned_at >= _RESCAN_SECS:
-      self._waiting = self._live(now) - self._pending.keys() - self._behind
+      self._waiting = self._live(now) - self._pending.keys() - self._behind - self._out.keys()
       self._scanned_at = now
     return bool(self._waiting)
+
+  def _whole_view_asks(self) -> bool:
+    """Whether the pending requests are every member of the one view they hold (after a
+    restart: the whole last quorum is back, so there is no membership left to wait for)."""
+    first = next(iter(self._pending.values()))
+    return (bool(first.view) and first.held == len(self._pending)
+            and all(p.view == first.view and p.held == first.held for p in self._pending.values()))
 
   def _form(self, now: float) -> None:
     t0 = time.perf_counter()
@@ -400,8 +612,13 @@ class Lighthouse:
       header = {"op": "quorum", "request_id": p.request_id, "quorum": reply}
       self._reply(p.peer, header, blob)
       self._answered[p.member.group_id] = (p.ask, header, blob)
+    for g in self._inflight:              # ring members of the last attempt that never came back
+      if g not in held:
+        self._out.setdefault(g, f"the job formed quorum {quorum_id} without group {g}, whose attempt "
+                                f"in quorum {self._quorum_id} had not ended")
     self._pending.clear()
     self._first_pending, self._waiting = None, None
+    self._quorum_id, self._aborted = quorum_id, None
     ids = tuple(m.group_id for m in members)
     self._inflight = {m.group_id: now for m in healthy}   # members that are behind catch up first:
     self._behind = set(ids) - self._inflight.keys()         # neither is waited for
@@ -416,81 +633,10 @@ class Lighthouse:
                        "dropped_groups": dropped})
 
 
-class LighthouseClient:
-  """A replica group's requests to the lighthouse (used from one thread only)."""
-
-  def __init__(self, ctx: zmq.Context, address: str, *, secret: str | bytes | None = None,
-               drop: Callable[[], bool] = lambda: False, resend_secs: float = 0.5):
-    self.address = address
-    self._secret = _wire.secret_bytes(secret, who="a lighthouse client")
-    self._ctx = ctx
-    self._drop = drop
-    self._resend_secs = resend_secs
-    # Request ids start at random: an ask is named by its first one, and a restarted
-    # group's asks must not look like resends of its previous life's.
-    self._ids = itertools.count(secrets.randbits(48) + 1)
-    self._route = _route.Route(ctx, address, self._secret)   # the public port, then the private one
-    self.view = View()
-
-  @property
-  def private_port(self) -> int | None:
-    """The lighthouse's private port this client sends through, once it learned it."""
-    return self._route.private
-
-  def quorum(self, member: Member, timeout: timedelta) -> Quorum | None:
-    """This member's view of the quorum of the next step attempt, or None if none formed within ``timeout``."""
-    wire = self.ask(member, timeout, self.view.key)
-    return None if wire is None else self.view.resolve(member.group_id, wire)
-
-  def ask(self, member: Member, timeout: timedelta, view: str = "") -> dict[str, Any] | None:
-    """The lighthouse's reply to a quorum request (for :meth:`View.resolve`, with the
-    view difference it attached as ``delta``), or None if none came within ``timeout``.
-    ``view`` is the key of the view the member holds."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    sent: set[int] = set()
-    next_send = 0.0
-    ask = None
-    while (now := time.monotonic()) < deadline:
-      if now >= next_send:
-        request_id = next(self._ids)
-        ask = request_id if ask is None else ask
-        sent.add(request_id)
-        if not self._drop():
-          self._route.send(_wire.seal(self._secret, {
-              "op": "quorum", "request_id": request_id, "member": member.to_wire(), "view": view,
-              "ask": ask}), deadline)
-        next_send = now + self._resend_secs
-      frames = self._route.recv(min(deadline, next_send) - now)
-      if frames is None or self._drop():
-        continue
-      try:
-        header, raw = _wire.open_(self._secret, frames)
-      except errors.PermissionDeniedError as e:
-        raise errors.PermissionDeniedError(
-            f"group {member.group_id!r}: {e}; give every group the lighthouse's secret "
-            f"(ReplicaGroup(secret=...) or ${_wire.SECRET_ENV})") from None
-      if self._route.learn(header):
-        next_send = 0.0                   # (asks again at once, through the private port)
-      if header.get("op") == "quorum" and header.get("request_id") in sent:
-        wire = dict(header["quorum"])
-        if raw:
-          wire["delta"] = raw[0].bytes if isinstance(raw[0], zmq.Frame) else bytes(raw[0])
-        return wire
-    return None
-
-  def ready(self, group_id: str) -> None:
-    """Tells the lighthouse that ``group_id`` (catching up) asks in sync next."""
-    if not self._drop():
-      self._route.send(_wire.seal(self._secret, {"op": "ready", "group": group_id}))
-
-  def close(self) -> None:
-    self._route.close()
-
-
 def _sender_of(header: dict[str, Any]) -> Any:
   """(op, group) of a message that changes the lighthouse's state; None for the rest."""
   op = header.get("op")
-  if op in ("heartbeat", "ready"):
+  if op in ("heartbeat", "ready", "failed", "leave"):
     return (op, _hashable(header.get("group")))
   if op == "quorum":
     member = header.get("member")
@@ -500,31 +646,3 @@ def _sender_of(header: dict[str, Any]) -> Any:
 
 def _hashable(x: Any) -> Any:
   return x if isinstance(x, (str, int, float, bool, type(None))) else repr(x)
-
-
-class Heartbeat:
-  """Sends ``{"op": "heartbeat"}`` every ``interval`` from a daemon thread."""
-
-  def __init__(self, ctx: zmq.Context, address: str, group_id: str, interval: timedelta, *,
-               secret: str | bytes | None = None, drop: Callable[[], bool] = lambda: False):
-    self._secret = _wire.secret_bytes(secret, who="a lighthouse heartbeat")
-    self._sock = _wire.socket(ctx, zmq.DEALER, immediate=True)
-    self._sock.connect(f"tcp://{address}")
-    self._group_id = group_id
-    self._interval = interval.total_seconds()
-    self._drop = drop
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name=f"heartbeat-{group_id}", daemon=True)
-    self._thread.start()
-
-  def _run(self) -> None:
-    while not self._stop.is_set():
-      if not self._drop():
-        _wire.send(self._sock, _wire.seal(self._secret, {"op": "heartbeat",
-                                                         "group": self._group_id}))
-      self._stop.wait(self._interval)
-    self._sock.close(linger=0)
-
-  def stop(self) -> None:
-    self._stop.set()
-    self._thread.join(timeout=5)

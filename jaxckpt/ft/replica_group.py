@@ -21,6 +21,15 @@ carries the gradient's layout (tree structure, shapes, dtypes:
 sender and what differs, and a member that fails an attempt tells its right
 neighbour why (an abort), so no member commits a mixed average and all of them
 know the first cause (``metrics.failure``) at once.
+
+A failed group costs the others about a step, not a timeout. Its streams
+closing (a process that died) or its ring port refusing a connection fail the
+attempt at once for its neighbours; a group that stops (no heartbeat for the
+lighthouse's ``heartbeat_timeout``) is declared out of the attempt by the
+lighthouse, which has every other member abort it; and every member that fails
+reports why to the lighthouse, which relays the abort to every live member, so
+it never depends on a dead neighbour passing it on (:mod:`jaxckpt.ft.lighthouse`).
+``timeout`` remains the bound for a member that is live but slow.
 A member that is behind does not hold the healthy ones up: it fetches the
 missed steps (or a snapshot and the steps after it) from a healthy peer's
 serving thread while they commit, replays them, also replays the step they are
@@ -41,13 +50,13 @@ not consume it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import zmq
 
@@ -65,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 ApplyFn = Callable[[Any, Any], Any]
 _CHASES = 4          # catch-ups in one start_step before the group sits the attempt out
+_SETTLE_SECS = 2.0   # after a failed attempt, the longest its queued sends (the abort) may take
 PeerSourceFactory = Callable[[Member], SnapshotSource]
 
 
@@ -74,13 +84,15 @@ class ReplicaGroupOptions:
 
   Attributes:
     host: interface the group's peer server binds (and advertises).
-    heartbeat_interval: period of heartbeats to the lighthouse.
+    heartbeat_interval: period of heartbeats to the lighthouse (keep it well
+      under the lighthouse's ``heartbeat_timeout``).
     ring_size: averaged gradients of this many recent steps are kept for peers.
     max_groups: batch slots per step (an upper bound on the quorum size).
-    lighthouse_timeout: after this long without any quorum, QuorumError.
+    lighthouse_timeout: after this long without any quorum (waiting for one
+      in ``start_step``, from the first request that got none), QuorumError.
   """
   host: str = "127.0.0.1"
-  heartbeat_interval: timedelta = timedelta(milliseconds=500)
+  heartbeat_interval: timedelta = timedelta(milliseconds=250)
   ring_size: int = 16
   max_groups: int = 64
   lighthouse_timeout: timedelta = timedelta(minutes=5)
@@ -171,7 +183,8 @@ class ReplicaGroup:
                                  timeout_secs=timeout.total_seconds())
       self._lighthouse = LighthouseClient(self._ctx, lighthouse, secret=key, drop=self._dropping)
       self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
-                                  secret=key, drop=self._dropping)
+                                  secret=key, drop=self._dropping, on_abort=self._aborted_by_lighthouse,
+                                  private_port=lambda: self._lighthouse.private_port)
     self.bytes_sent = 0          # gradient bytes this group sent in all-reduces
     # Flat all-reduce buffers, reused once no ring entry or result refers to them.
     self._buffers = _allreduce.BufferPool(self.options.ring_size + 2)
@@ -209,6 +222,8 @@ class ReplicaGroup:
         return state
       if self._in_sync(quorum):
         attempt.participating = True
+        if self._comm.is_talker and quorum.right is not None:   # (its handshake overlaps the compute)
+          self._links.prepare(quorum.right.group_id, quorum.right.ring_address)
         return state
       attempt.failure = (f"behind the quorum (step {self.step}, digest {self.digest:#x}; the quorum's "
                          f"step {quorum.max_step}, digest {quorum.digest:#x})")
@@ -296,28 +311,32 @@ class ReplicaGroup:
                   ring_address=self._links.address)
 
   def _join(self) -> Quorum | None:
-    wire = None
+    limit = self.options.lighthouse_timeout.total_seconds()
+    wire, waited = None, 0.0
     if self._comm.is_talker:
+      now = time.monotonic()
+      since = self._no_quorum_since if self._no_quorum_since is not None else now
       # The others may still be waiting out the last attempt's ring (up to
       # ``timeout``) before they ask: a shorter wait would keep a group that failed
-      # fast one attempt out of phase with them for good.
-      wire = self._lighthouse.ask(self._me(), 2 * self.timeout, self._view.key)
-    wire = self._comm.share(wire)         # (each process of the group holds the same view)
+      # fast one attempt out of phase with them for good. Never past lighthouse_timeout.
+      wait = min(2 * self.timeout.total_seconds(), max(1e-3, since + limit - now))
+      wire = self._lighthouse.ask(self._me(), timedelta(seconds=wait), self._view.key,
+                                  len(self._view.members) or None)
+      self._no_quorum_since = None if wire is not None else since
+      waited = time.monotonic() - since
+    wire, waited = self._comm.share([wire, waited])   # (each process of the group decides alike)
     quorum = None
     if wire is not None:
       try:
         quorum = self._view.resolve(self.group_id, wire)
       except errors.QuorumError as e:     # (the next request asks for the whole view)
         logger.warning("%s", e, extra=self._extra())
-    now = time.monotonic()
     if quorum is not None:
-      self._no_quorum_since = None
       return quorum
-    self._no_quorum_since = self._no_quorum_since or now
-    waited = now - self._no_quorum_since
-    logger.warning("group %s got no quorum from lighthouse %s within %s", self.group_id,
-                   self._lighthouse_address(), 2 * self.timeout, extra=self._extra())
-    if waited > self.options.lighthouse_timeout.total_seconds():
+    logger.warning("group %s got no quorum from lighthouse %s for %.1fs", self.group_id,
+                   self._lighthouse_address(), waited, extra=self._extra())
+    if waited >= limit:
+      self._no_quorum_since = None
       raise errors.QuorumError(
           f"group {self.group_id!r} got no quorum from the lighthouse at "
           f"{self._lighthouse_address()} for {waited:.1f}s (lighthouse_timeout="
@@ -357,8 +376,8 @@ class ReplicaGroup:
     deadline = time.monotonic() + self.timeout.total_seconds()
     expect = {"q": quorum.quorum_id, "step": self.step, "digest": self.digest, "layout": layout.to_wire()}
 
-    lost: list[str] = []                         # why a piece for the right neighbour was lost
-    failed: list[str] = []                       # why a piece from the left one was not taken
+    lost: list[_links.Failure] = []              # why a piece for the right neighbour was lost
+    failed: list[_links.Failure] = []            # why a piece from the left one was not taken
 
     def send(tag: int, segments: list[np.ndarray]) -> None:
       if not self._dropping() and not lost:
@@ -372,28 +391,43 @@ class ReplicaGroup:
     def recv(tag: int, into: np.ndarray) -> bool:
       if self._dropping():                       # cut off: hears nothing until the timeout
         time.sleep(max(0.0, deadline - time.monotonic()))
-        failed.append("cut off by the fault injector")
+        failed.append(_links.Failure("cut off by the fault injector"))
         return False
       if lost:                                   # the sum cannot complete without this group's piece
-        failed.append(f"step {self.step}'s piece for group {right.group_id} was lost ({lost[0]})")
+        failed.append(_links.Failure(f"step {self.step}'s piece for group {right.group_id} was lost "
+                                     f"({lost[0]})", lost[0].blame))
       else:
-        why = self._links.recv(left.group_id, expect, tag, into, deadline)
+        why = self._links.recv(left.group_id, expect, tag, into, deadline, address=left.ring_address)
         if why is None:
           return True
-        failed.append(f"piece {tag} from group {left.group_id}: {why}")
+        failed.append(why if str(why).startswith("the lighthouse") else
+                      _links.Failure(f"piece {tag} from group {left.group_id}: {why}", why.blame))
       logger.warning("group %s does not commit step %d: %s", self.group_id, self.step, failed[-1],
                      extra=self._extra())
       return False
 
     result = _allreduce.ring_mean(host, rank, size, send, recv, self._buffers)
     if result is None:
-      if not lost and not self._dropping():      # the right neighbour cannot complete either: tell it why
-        self._links.abort(right.group_id, right.ring_address, expect, failed[-1], deadline)
-      # The first hop goes out of the caller's own arrays: none may still be
-      # read once allreduce returns them (on success the ring itself proves it).
-      self._links.settle(right.group_id, deadline)
-      return failed[-1]
+      why = failed[-1]
+      if not self._dropping():
+        # The right neighbour cannot complete either: tell it why (unless it is the one
+        # out), and the lighthouse, which has every other member still in the attempt
+        # abort it too (so it never hangs on a dead neighbour passing it on).
+        if not lost and right.group_id not in why.blame:
+          self._links.abort(right.group_id, right.ring_address, expect, why, why.blame)
+        self._lighthouse.failed(self.group_id, quorum.quorum_id, why, why.blame)
+      # The first hop goes out of the caller's own arrays: none may still be read
+      # once allreduce returns them (on success the ring itself proves it). The
+      # abort gets a bound of its own (the attempt's deadline may have passed);
+      # a neighbour that is out gets none.
+      grace = 0.0 if right.group_id in why.blame else min(self.timeout.total_seconds(), _SETTLE_SECS)
+      self._links.settle(right.group_id, time.monotonic() + grace)
+      return str(why)
     return result, ids, chain_digest(self.digest, result)
+
+  def _aborted_by_lighthouse(self, quorum_id: str, why: str, blame: tuple[str, ...]) -> None:
+    """The lighthouse ended the attempt of ``quorum_id`` (a member is out, or the job moved on)."""
+    self._links.fail(quorum_id, f"the lighthouse ended quorum {quorum_id}'s attempt: {why}", blame)
 
   def _commit(self, entry: RingEntry) -> None:
     self.ring.put(entry)
@@ -441,6 +475,11 @@ class ReplicaGroup:
       if plan["snapshot"] is not None:
         attempt.snapshot_step = plan["step"]
         self.counters.snapshot_fetches += 1
+        # A group that needed a snapshot (a restarted process: JAX, its compiles) holds many
+        # new objects; Python's next full collection would pause it for a large fraction of
+        # a second in its first steps back, which the healthy groups would wait for. Now,
+        # while nobody waits for it, is the time.
+        gc.collect()
       if (step, digest) != (quorum.max_step, quorum.digest):
         raise errors.QuorumError(f"catch-up reached step {step} digest {digest:#x}, not the quorum's "
                                  f"step {quorum.max_step} digest {quorum.digest:#x}")
@@ -549,7 +588,7 @@ class ReplicaGroup:
     entries: list[RingEntry] = []
     while (left := deadline - time.monotonic()) > 0:
       got = fetch_ring(self._sender, peer.address, quorum.max_step, quorum.digest,
-                       quorum.max_step + 1, left)
+                       quorum.max_step + 1, min(left, 1.0), wait_secs=left)   # (held until committed)
       if got is not None:
         entries = got
         break

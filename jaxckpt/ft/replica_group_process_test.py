@@ -35,13 +35,14 @@ class Job:
     self.tmp, self.lighthouse = tmp, lighthouse
     self.procs: list[subprocess.Popen] = []
 
-  def spawn(self, group: str, injector: EventInjector | None = None) -> subprocess.Popen:
+  def spawn(self, group: str, injector: EventInjector | None = None,
+            timeout: float = TIMEOUT_SECS) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                JAXCKPT_JOB_SECRET=self.lighthouse_server.secret)
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", self.lighthouse,
            "--group", group, "--steps", str(FOREVER), "--steps-file", str(self.tmp / "steps"), "--out", str(self.tmp / f"{group}.jsonl"),
-           "--timeout", str(TIMEOUT_SECS), "--step-secs", str(STEP_SECS), "--ring-size", "8",
+           "--timeout", str(timeout), "--step-secs", str(STEP_SECS), "--ring-size", "8",
            "--injector", (injector or EventInjector()).to_json(),
            "--host", f"127.0.1.{int(group[1:]) + 1}"]     # each group on a machine of its own
     with open(self.tmp / f"{group}.stderr", "ab") as err:
@@ -138,37 +139,58 @@ def commit_gaps(records: list[dict[str, Any]], after: int = 3) -> list[tuple[flo
   return [(t1 - t0, s) for (t0, _), (t1, s) in zip(times, times[1:])]
 
 
-def test_sigkill_one_group_others_keep_training_and_it_catches_up(job: Job):
-  procs = {g: job.spawn(g) for g in ("g0", "g1", "g2")}
-  job.wait("g2 to reach step 15", lambda: job.max_step("g2") >= 15, 45)
+def test_a_stopped_or_killed_group_costs_the_others_about_a_step_and_catches_up(job: Job):
+  # Issue 33: with a 30 s group timeout, a stopped group (no heartbeats for the lighthouse's
+  # heartbeat_timeout) and a killed one (its streams close) each cost the healthy groups about a
+  # step, not the timeout; the stopped one resumes without holding anyone, and the killed one,
+  # restarted, catches up from a peer.
+  slow = 30.0
+  procs = {g: job.spawn(g, timeout=slow) for g in ("g0", "g1", "g2")}
+  job.wait("every group at step 15", lambda: min(job.max_step(g) for g in procs) >= 15, 60)
+  os.kill(procs["g1"].pid, signal.SIGSTOP)
+  at_stop = job.max_step("g0")
+  job.wait("g0 and g2 to train 5 steps without g1",
+           lambda: min(job.max_step("g0"), job.max_step("g2")) >= at_stop + 5, 20)
+  os.kill(procs["g1"].pid, signal.SIGCONT)
+  resumed_at = time.time()
+  job.wait("g1 to contribute again", lambda: any(
+      r["committed"] and "g1" in r["contributors"] and r["t0"] > resumed_at for r in job.records("g1")), 20)
   os.kill(procs["g2"].pid, signal.SIGKILL)
   killed_at = time.time()
   procs["g2"].wait(timeout=10)
   at_kill = job.max_step("g0")
-  job.wait("g0 and g1 to train 10 steps without g2",
-           lambda: min(job.max_step("g0"), job.max_step("g1")) >= at_kill + 10, 20)
-  restarted = job.spawn("g2")
+  job.wait("g0 and g1 to train 8 steps without g2",
+           lambda: min(job.max_step("g0"), job.max_step("g1")) >= at_kill + 8, 20)
+  restarted = job.spawn("g2", timeout=slow)
   caught_up = lambda: [r for r in job.records("g2")
                        if r["t0"] > killed_at and r["snapshot_step"] is not None]
   job.wait("the restarted g2 to catch up", lambda: bool(caught_up()), 40)
-  steps = job.finish_after(20)
+  steps = job.finish_after(10)
   job.join([procs["g0"], procs["g1"], restarted], 30)
 
   fps = assert_consistent(job, ["g0", "g1", "g2"])
   assert sorted(fps) == list(range(1, steps + 1))
   g2 = job.records("g2")
   first = caught_up()[0]
-  assert first["snapshot_step"] is not None, first  # a fresh process is far behind the ring
   steps_after = [r["step"] for r in g2 if r["t0"] >= first["t0"] and r["committed"]]
   assert steps_after == list(range(steps_after[0], steps + 1)), steps_after
-  assert steps_after[0] < steps - 5
-  for g in ("g0", "g1"):
-    gaps = commit_gaps(job.records(g))
+  detection = LIGHTHOUSE.connection_timeout.total_seconds()
+  for g in ("g0", "g2"):
+    gaps = commit_gaps([r for r in job.records(g) if r["t1"] < killed_at])
     median = statistics.median(d for d, _ in gaps)
     worst = max(gaps)
-    # A stall is bounded by the timeout plus one step (0.5 s slack for this noisy 2-core machine).
-    assert worst[0] <= TIMEOUT_SECS + median + 0.5, (g, worst, median)
-    without = [r for r in job.records(g) if r["committed"] and r["t0"] > killed_at + TIMEOUT_SECS
+    # The stop: about the lighthouse's connection timeout and a step (0.7 s slack for this
+    # noisy 2-core machine), never the group timeout.
+    assert worst[0] <= detection + 2 * median + 0.7, (g, worst, median)
+    after = [d for d, _ in commit_gaps([r for r in job.records(g) if resumed_at < r["t1"] < killed_at], 0)]
+    # The stopped group resumed in a stale attempt: it holds no quorum (each used to wait
+    # out the lighthouse's join timeout for it).
+    assert after and statistics.median(after) <= 2 * median, (g, after, median)
+  for g in ("g0", "g1"):
+    gaps = commit_gaps([r for r in job.records(g) if r["t1"] > killed_at - 1], 0)
+    median = statistics.median(d for d, _ in gaps)
+    assert max(gaps)[0] <= 3 * median + 0.7, (g, max(gaps), median)    # the kill: closed streams
+    without = [r for r in job.records(g) if r["committed"] and r["t0"] > killed_at + 1
                and r["t1"] < first["t0"]]
     assert without and all(r["contributors"] == ["g0", "g1"] for r in without), without[:3]
 

@@ -1,6 +1,8 @@
 """ReplicaGroup in-process: three groups as threads, each on its own 2 of the 8 CPU devices."""
 
 import dataclasses
+import re
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -12,6 +14,7 @@ import pytest
 
 from jaxckpt.ft import (GradientRing, InMemorySnapshotSource, Lighthouse, LighthouseOptions, ReplicaGroup,
                         ReplicaGroupOptions, RingEntry, _toy, batch_index, chain_digest, reference_mean)
+from jaxckpt.errors import QuorumError
 from jaxckpt.testing.fault_injection import EventInjector, InjectedFailure
 
 OPTS = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=50), ring_size=32, max_groups=4)
@@ -247,3 +250,53 @@ def test_one_odd_group_fails_the_whole_ring_at_once_with_its_name():
   assert "group g1 averages {'w': float32[6]} where group g2 averages {'w': bfloat16[6]}" in failures["g2"]
   assert "group g2 averages {'w': bfloat16[6]}" in failures["g1"], failures["g1"]
   assert all(out[g][0][1].allreduce_secs < 5 for g in out), {g: out[g][0][1].allreduce_secs for g in out}
+
+
+def test_lighthouse_timeout_is_the_time_without_a_quorum_and_its_message_says_so():
+  # It used to fire after lighthouse_timeout plus two to four waits of 2 x timeout, and to
+  # report the time since the first of those waits ended (issue 33).
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    nobody = f"127.0.0.1:{s.getsockname()[1]}"
+  opts = dataclasses.replace(OPTS, lighthouse_timeout=timedelta(seconds=1))
+  with ReplicaGroup(lighthouse=nobody, group_id="g0", timeout=timedelta(seconds=3), options=opts,
+                    secret="s") as ft:
+    start = time.monotonic()
+    with pytest.raises(QuorumError) as e:
+      for _ in range(5):
+        ft.start_step()
+        ft.allreduce({"a": np.ones(2, F32)})
+    took = time.monotonic() - start
+  assert 1.0 <= took < 2.5, took
+  reported = float(re.search(r"for (\d+\.\d)s", str(e.value)).group(1))
+  assert abs(reported - took) < 0.5 and f"at {nobody}" in str(e.value), (took, str(e.value))
+
+
+def test_a_failure_reaches_every_member_even_past_a_neighbour_that_is_not_reading():
+  # g0 fails (the odd layout of its left neighbour g3); its right neighbour g1 is stuck in its
+  # compute, so the ring cannot pass g0's abort on. The lighthouse relays it: g2 and g3 fail
+  # at once instead of waiting for g1 (or their 30 s timeout), and g1 at once when it resumes.
+  same, odd = {"w": np.full(6, 2.0, F32)}, {"w": np.full(6, 2.0, ml_dtypes.bfloat16)}
+  out: dict = {}
+
+  def member(lh, gid, grads, stall):
+    with ReplicaGroup(lighthouse=lh.address, group_id=gid, timeout=timedelta(seconds=30), options=OPTS,
+                      secret=lh.secret) as ft:
+      ft.start_step()
+      time.sleep(stall)
+      t0 = time.monotonic()
+      ft.allreduce(grads)
+      out[gid] = (ft.should_commit(), ft.metrics.failure, time.monotonic() - t0)
+
+  with Lighthouse("127.0.0.1:0", dataclasses.replace(LH, min_replicas=4)) as lh:
+    plans = {"g0": (same, 0.0), "g1": (same, 4.0), "g2": (same, 0.0), "g3": (odd, 0.0)}
+    threads = [threading.Thread(target=member, args=(lh, g, *plans[g])) for g in plans]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=60)
+  assert set(out) == set(plans) and not any(committed for committed, _, _ in out.values()), out
+  for g in ("g1", "g2", "g3"):
+    failure, secs = out[g][1], out[g][2]
+    assert secs < 2.0, (g, secs, failure)
+    assert "group g3 averages {'w': bfloat16[6]}" in failure, (g, failure)

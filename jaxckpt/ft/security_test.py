@@ -18,6 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 from jaxckpt import errors
 from jaxckpt.ft import Lighthouse, LighthouseOptions, ReplicaGroup, ReplicaGroupOptions
 from jaxckpt.ft import _peer, _route
+from jaxckpt.ft.replacement_check import replacement_on_skewed_clock
 from jaxckpt.net import _wire
 
 OPTS = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=50))
@@ -238,6 +239,35 @@ def test_a_captured_sealed_message_replayed_to_the_lighthouse_is_refused():
       _until(lambda: "gX" not in lh.status()["live"], "gX to be dropped")  # replays keep nobody live
       sock.send_multipart(_wire.seal(key, {"op": "heartbeat", "group": "gX"}))
       _until(lambda: "gX" in lh.status()["live"], "a fresh heartbeat")
+    finally:
+      sock.close()
+      ctx.term()
+
+
+def test_a_replacement_group_on_a_clock_45_s_behind_is_admitted_and_replays_are_still_refused():
+  # Issue 32 item 8: the replay check compared a group's messages with its dead predecessor's
+  # clock, so a replacement 45 s behind was refused (advised to check its secret) until the
+  # job stalled. It is ordered per incarnation now, and still refuses every replay.
+  counts = replacement_on_skewed_clock(skew_secs=-45.0, rounds=3)
+  assert counts == {"quorums": 6, "replacement_quorums": 3, "replays": 12, "replays_refused": 12,
+                    "replays_accepted": 0, "stalls": 0}
+  ahead = replacement_on_skewed_clock(skew_secs=+45.0, rounds=2)      # (and one ahead)
+  assert ahead["replacement_quorums"] == 2 and ahead["replays_accepted"] == 0 and ahead["stalls"] == 0
+
+
+def test_a_message_with_a_malformed_incarnation_is_refused_and_changes_nothing():
+  key = b"the-job"
+  with Lighthouse("127.0.0.1:0", LH, secret="the-job") as lh:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{lh.address}")
+    try:
+      sock.send_multipart(_wire.seal(key, {"op": "heartbeat", "group": "gX", "inc": b"short", "seq": 1}))
+      assert sock.poll(10000), "the message was not answered"
+      with pytest.raises(errors.PermissionDeniedError, match="malformed incarnation"):
+        _wire.open_(key, sock.recv_multipart())
+      assert "gX" not in lh.status()["live"] and lh.refused == 1
     finally:
       sock.close()
       ctx.term()

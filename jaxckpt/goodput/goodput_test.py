@@ -333,6 +333,26 @@ def test_from_benchmarks_derives_jaxckpts_inputs_and_cites_the_files(tmp_path):
     gp.from_benchmarks(tmp_path, state_gib_per_host=8)
 
 
+def test_from_benchmarks_takes_the_replica_group_inputs_from_ft_goodput_when_present(tmp_path):
+  # Issue 33: detection, re-forming and the rejoin stall come from real groups under faults.
+  from jaxckpt import goodput as gp  # pylint: disable=import-outside-toplevel
+  _write_benchmarks(tmp_path)
+  (tmp_path / "ft_goodput.json").write_text(json.dumps({"host": "2 cores", "runs": [{}, {}, {}], "goodput_inputs": {
+      "failure_detection_secs": 0.41, "quorum_reform_secs": 0.02, "rejoin_stall_secs": 0.015}}))
+  values, cites = gp.from_benchmarks(tmp_path, state_gib_per_host=8)
+  assert values["failure_detection_secs"] == 0.41 and values["quorum_reform_secs"] == 0.02
+  assert values["rejoin_stall_secs"] == 0.015          # (not catch_up_stall.json's 0.025)
+  assert "ft_goodput.json" in cites["failure_detection_secs"] and "3 run(s), 2 cores" in cites["failure_detection_secs"]
+  config = dataclasses.replace(SimulationConfig(simulated_days=2), **values)
+  measured = simulate(config, Mode.REPLICA_GROUPS, seed=0)
+  published = simulate(SimulationConfig(simulated_days=2), Mode.REPLICA_GROUPS, seed=0)
+  assert measured.stall_per_failure_secs < published.stall_per_failure_secs / 100
+  (tmp_path / "ft_goodput.json").write_text(json.dumps({"goodput_inputs": {"failure_detection_secs": 1}}))
+  with pytest.raises(errors.InvalidArgumentError, match=r"ft_goodput.json has no field "
+                     r"goodput_inputs.quorum_reform_secs"):
+    gp.from_benchmarks(tmp_path, state_gib_per_host=8)
+
+
 def test_sensitivity_plot_is_a_tornado_png(tmp_path):
   pytest.importorskip("matplotlib")
   report = sim.sensitivity(SimulationConfig(simulated_days=0.5), accelerators=[1024],

@@ -30,9 +30,12 @@ SOURCES: dict[str, str] = {
                                 "to persist a multi-TB state (our choice)",
     "checkpoint_save_stall_secs": "blocking part of an asynchronous save (orbax-style); jaxckpt's own: "
                                   "benchmarks/snapshot.py seconds.agent_blocking_s (--from-benchmarks)",
-    "failure_detection_secs": f"{_FTHSDP}: a collective timeout, our split of the 3 min",
-    "quorum_reform_secs": f"{_FTHSDP}: new quorum and communicators, our split of the 3 min",
-    "rejoin_stall_secs": f"{_FTHSDP}: our split of the 3 min; jaxckpt's own: benchmarks/catch_up.py "
+    "failure_detection_secs": f"{_FTHSDP}: a collective timeout, our split of the 3 min; jaxckpt's own: "
+                              "benchmarks/ft_goodput.py (a kill or a stop until every survivor gave up)",
+    "quorum_reform_secs": f"{_FTHSDP}: new quorum and communicators, our split of the 3 min; jaxckpt's "
+                          "own: benchmarks/ft_goodput.py (from then to the next commit, less a step)",
+    "rejoin_stall_secs": f"{_FTHSDP}: our split of the 3 min; jaxckpt's own: benchmarks/ft_goodput.py "
+                         "(the healthy step at a rejoin minus the median), else benchmarks/catch_up.py "
                          "--stall (healthy worst step minus median while a peer catches up)",
     "group_restart_secs": "a group relaunches as slowly as the whole job (job_restart_secs)",
     "peer_state_fetch_secs": "FT-HSDP: fetch a healthy peer's state over the network (~4 min for a "
@@ -49,11 +52,16 @@ BENCHMARK_FILES = {
     "snapshot.json": "python benchmarks/snapshot.py > DIR/snapshot.json",
     "catch_up.json": "python benchmarks/catch_up.py > DIR/catch_up.json",
     "catch_up_stall.json": "python benchmarks/catch_up.py --stall > DIR/catch_up_stall.json",
+    "ft_goodput.json": "python benchmarks/ft_goodput.py --runs 3 > DIR/ft_goodput.json",
 }
+#: Files of BENCHMARK_FILES that may be missing (their inputs then keep what the others give).
+OPTIONAL_FILES = ("ft_goodput.json",)
 
 
-#: jaxckpt's own figures, shipped: the three files measured on the 16-core host of one H100
-#: (JAX on its CPU; 1 GiB snapshot, 256 MiB catch-up, three processes for the stall), 2026-11-22.
+#: jaxckpt's own figures, shipped: three files measured on the 16-core host of one H100 (JAX on its
+#: CPU; 1 GiB snapshot, 256 MiB catch-up, three processes for the stall), 2026-11-22, and
+#: ft_goodput.json, measured on the 2-core development VM (three groups of 2 CPU devices and a
+#: lighthouse as processes, each group with its own agent; its ``host`` field says so).
 MEASURED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "measured",
                             "h100_host")
 
@@ -63,6 +71,11 @@ def from_benchmarks(directory: str | os.PathLike[str], *, state_gib_per_host: fl
   """The inputs jaxckpt measures, from its benchmarks' JSON in ``directory``:
   ({input: value}, {input: citation}). Host-side figures scale linearly with
   ``state_gib_per_host`` (every host of a group loads its own share at once).
+
+  The replica groups' failure detection, quorum re-forming and rejoin stall come
+  from ``ft_goodput.json`` when the directory has it (``goodput_inputs``: real
+  groups under kills, stops and a lighthouse outage), in seconds as measured:
+  heartbeats, aborts and a quorum cost the same whatever a group's size.
 
   Raises InvalidArgumentError naming a missing file (and the command that
   writes it) or a missing field.
@@ -101,6 +114,22 @@ def from_benchmarks(directory: str | os.PathLike[str], *, state_gib_per_host: fl
             "checkpoint_save_stall_secs": blocking,
             "rejoin_stall_secs": max(0.0, worst - median)}
   where = os.fspath(directory)
+  if os.path.exists(os.path.join(where, "ft_goodput.json")):
+    ft = load("ft_goodput.json")
+    detect = field(ft, "ft_goodput.json", "goodput_inputs", "failure_detection_secs")
+    reform = field(ft, "ft_goodput.json", "goodput_inputs", "quorum_reform_secs")
+    rejoin = field(ft, "ft_goodput.json", "goodput_inputs", "rejoin_stall_secs")
+    values.update(failure_detection_secs=detect, quorum_reform_secs=reform, rejoin_stall_secs=rejoin)
+    runs, host = len(ft.get("runs", [])), ft.get("host", "?")
+    ft_cites = {
+        "failure_detection_secs": f"{where}/ft_goodput.json: every survivor gave up {detect:.3f} s after "
+                                  f"a kill or a stop (median of {runs} run(s), {host})",
+        "quorum_reform_secs": f"{where}/ft_goodput.json: the next commit {reform:.3f} s after that, less "
+                              "a step",
+        "rejoin_stall_secs": f"{where}/ft_goodput.json: the healthy step at a rejoin {rejoin:.3f} s over "
+                             "the median"}
+  else:
+    ft_cites = {}
   cites = {
       "host_snapshot_load_secs": f"{where}/snapshot.json: agent restore {restore:.3f} s for {gib:.2f} GiB, "
                                  f"x {state_gib_per_host:g} GiB per host",
@@ -108,5 +137,6 @@ def from_benchmarks(directory: str | os.PathLike[str], *, state_gib_per_host: fl
                                f"x {state_gib_per_host:g} GiB per host",
       "checkpoint_save_stall_secs": f"{where}/snapshot.json: agent save() blocking {blocking:.4f} s",
       "rejoin_stall_secs": f"{where}/catch_up_stall.json: healthy worst step {worst:.3f} s - median "
-                           f"{median:.3f} s while a peer catches up"}
+                           f"{median:.3f} s while a peer catches up",
+      **ft_cites}
   return values, cites
