@@ -10,9 +10,8 @@ and the place where other checks join its run.
   before, bit for bit, and the job saves the damaged step's number again.
 
 :data:`CHECKS` holds checks that run once per soak, after its schedule, each
-returning counts for the soak's JSON (``checks``): the replica groups' check of
-a replacement group on a skewed clock registers there
-(``CHECKS["skewed_clock"] = fn``).
+returning counts for the soak's JSON (``checks``): ``skewed_clock``, a replacement
+replica group on a clock 45 s behind (its quorums form, replays are refused).
 """
 
 from __future__ import annotations
@@ -24,8 +23,15 @@ from typing import Any, Callable
 
 from jaxckpt.testing import processes
 
+def _skewed_clock() -> dict[str, Any]:
+  """A replacement replica group on a clock 45 s behind its dead predecessor's: each of
+  its rounds forms a quorum, and every replayed message is refused (jaxckpt.ft)."""
+  from jaxckpt.ft import replacement_check  # pylint: disable=import-outside-toplevel  (the replica groups: only this check)
+  return replacement_check.replacement_on_skewed_clock(skew_secs=-45.0, groups=3, rounds=3)
+
+
 #: name -> a check run once per soak after its schedule; it returns its counts (JSON).
-CHECKS: dict[str, Callable[[], dict[str, Any]]] = {}
+CHECKS: dict[str, Callable[[], dict[str, Any]]] = {"skewed_clock": _skewed_clock}
 
 
 def second_manager(soak: Any, info: dict[str, Any]) -> None:

@@ -58,3 +58,6 @@ def test_chaos_soak_short_form_loses_nothing_and_restores_exactly(tmp_path):
   # a relaunch (and its checked restore) after every fault but an S3 stop, a killed agent
   # and a second manager
   assert out["restores"] >= 5 and out["storage_steps_verified"] >= 1, report
+  clock = out["checks"]["skewed_clock"]       # a replacement group on a clock 45 s behind
+  assert clock.get("replacement_quorums") == 3 and clock["replays_accepted"] == 0, report
+  assert clock["stalls"] == 0 and clock["replays_refused"] == clock["replays"] >= 1, report
