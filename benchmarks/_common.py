@@ -104,13 +104,13 @@ def stop_agent(job: str, run_root: str) -> None:
 
 
 @contextlib.contextmanager
-def manager(store: str, *, max_snapshots: int = 2,
+def manager(store: str, *, max_snapshots: int = 2, directory: str | None = None,
             **options: Any) -> Iterator[jc.CheckpointManager]:
   """A CheckpointManager on the in-process store ("inproc") or a fresh agent ("agent");
-  ``options`` are further ``CheckpointOptions`` fields."""
+  ``options`` are further ``CheckpointOptions`` fields; ``directory``: persist there."""
   if store == "inproc":
-    with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=max_snapshots,
-                                                           **options)) as m:
+    with jc.CheckpointManager(directory, options=jc.CheckpointOptions(
+        max_snapshots=max_snapshots, **options)) as m:
       yield m
     return
   job = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -118,7 +118,7 @@ def manager(store: str, *, max_snapshots: int = 2,
   try:
     opts = jc.CheckpointOptions(max_snapshots=max_snapshots,
                                 agent=jc.AgentOptions(job_name=job, run_root=root), **options)
-    with jc.CheckpointManager(options=opts) as m:
+    with jc.CheckpointManager(directory, options=opts) as m:
       yield m
   finally:
     stop_agent(job, root)

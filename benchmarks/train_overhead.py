@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -107,6 +108,10 @@ def parse_args() -> argparse.Namespace:
   p.add_argument("--intervals", default="1",
                  help="comma-separated snapshot intervals to sweep, e.g. 1,2,4,8")
   p.add_argument("--stores", default="inproc,agent", help="store modes to time: inproc, agent")
+  p.add_argument("--directory", default=None,
+                 help="persist to a new directory under this one per mode, with the default "
+                      "options (no persist_interval_steps: the interval follows the measured "
+                      "persist time)")
   p.add_argument("--plot", default=None, metavar="PATH",
                  help="write overhead vs snapshot interval as a PNG")
   a = p.parse_args()
@@ -145,6 +150,8 @@ def mode_report(loop: Loop, base: Loop | None) -> dict[str, Any]:
                last_blocking_s=round(st.last_blocking_secs, 4),
                last_snapshot_s=round(st.last_snapshot_secs, 4),
                snapshot_bytes=st.last_nbytes)
+    if loop.mgr.directory is not None:
+      out["persisted_steps"] = len(c.jc.universal.all_steps(os.fspath(loop.mgr.directory)))
   return out
 
 
@@ -184,8 +191,10 @@ def main() -> None:
     first = Loop(a, mesh, None)
     loops = {"none": first}
     for name, store, interval in mode_names(a):
-      loops[name] = Loop(a, mesh, stack.enter_context(c.manager(store)), interval,
-                         first.train_step)
+      where = (None if a.directory is None
+               else stack.enter_context(tempfile.TemporaryDirectory(dir=a.directory)))
+      loops[name] = Loop(a, mesh, stack.enter_context(c.manager(store, directory=where)),
+                         interval, first.train_step)
     for loop in loops.values():
       loop.run(a.warmup_steps, record=False)
     order = list(loops.values())

@@ -139,9 +139,9 @@ class CheckpointManager(OrbaxVerbs):
         persist_interval=persist_interval, timeout_secs=self.options.timeout_secs,
         channel=None if self._process[1] == 1 else _kv.Channel(
             "schedule", timeout_secs=self.options.timeout_secs))
-    # due steps whose persist has not been seen to end -> (committed at, None while the
-    # snapshot is copied; its bytes)
-    self._due: dict[int, tuple[float | None, int]] = {}
+    # due steps whose persist has not been seen to end -> (the schedule's mark at its
+    # commit, None while the snapshot is copied; its bytes)
+    self._due: dict[int, tuple[Any, int]] = {}
     self._newest_step: int | None = None        # the newest step this manager committed
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
@@ -388,7 +388,7 @@ class CheckpointManager(OrbaxVerbs):
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest, persist_attempt=attempt)
       if attempt is not None:
-        self._due[step] = (time.monotonic(), plan.nbytes)
+        self._due[step] = (self._schedule.mark(), plan.nbytes)
     except BaseException as e:  # surfaced by the next save / wait
       self._due.pop(step, None)
       self._store.abort(slot)
@@ -419,19 +419,21 @@ class CheckpointManager(OrbaxVerbs):
   def _ended_persists(self, status: Any) -> None:
     """Forgets the due steps whose persist ended (persisted, failed or fenced), measuring
     how long each took (the job's plan reads it)."""
-    now = time.monotonic()
-    for s, (at, nbytes) in list(self._due.items()):
-      if at is not None and s not in status.pending:   # ended: persisted, failed or fenced
+    for s, (mark, nbytes) in list(self._due.items()):
+      if mark is not None and s not in status.pending:   # ended: persisted, failed or fenced
         if self._due.pop(s, None) is None:
           continue                       # (the other thread saw it end first)
-        self._schedule.measure.persist.append(now - at)
-        self._log_entry("persist", s, at, persisted=s in status.persisted,
-                        persist_secs=now - at, nbytes=nbytes,
-                        persist_GBps=nbytes / max(now - at, 1e-9) / 1e9)
+        # the loop's own time beside it: the plan's measure; one the loop mostly waited for
+        secs = self._schedule.clock() - mark[0]           # (wait_until_*) sets no pace
+        beside = self._schedule.loop_secs_since(mark)
+        self._schedule.measure.persist.append(beside if beside >= secs / 2 else 0.0)
+        self._log_entry("persist", s, mark[0], persisted=s in status.persisted,
+                        persist_secs=secs, nbytes=nbytes,
+                        persist_GBps=nbytes / max(secs, 1e-9) / 1e9)
         if s in status.persisted and self.options.agent is not None:   # (its agent's log has
           logger.info("step %d is on storage: %.1f MiB persisted by the snapshot agent within "
-                      "%.2f s of its snapshot (%.3g GB/s)", s, nbytes / 2**20, now - at,
-                      nbytes / max(now - at, 1e-9) / 1e9)                      # the details)
+                      "%.2f s of its snapshot (%.3g GB/s)", s, nbytes / 2**20, secs,
+                      nbytes / max(secs, 1e-9) / 1e9)                         # the details)
 
   def _refresh_persist_stats(self) -> None:
     """``stats``' persist lag as the store last said (a wait that returns leaves them current)."""
@@ -443,6 +445,13 @@ class CheckpointManager(OrbaxVerbs):
     committed and every step saved for storage is on storage (else its error is
     raised). :meth:`wait_until_snapshotted` waits for the host snapshot only."""
     timeout = timeout_secs or self.options.timeout_secs
+    t0 = time.perf_counter()
+    try:
+      self._wait_until_finished(timeout)
+    finally:
+      self._schedule.blocked(time.perf_counter() - t0)      # not the loop's own time
+
+  def _wait_until_finished(self, timeout: float) -> None:
     self.wait_until_snapshotted(timeout)
     if self._persist_config is not None and self.options.host_snapshots:
       self._persists.wait_ended(self._store, timeout, "wait_until_finished")
@@ -507,7 +516,11 @@ class CheckpointManager(OrbaxVerbs):
       return
     step = max(self._persists.by_step) if step is None else step
     timeout = timeout_secs or self.options.timeout_secs
-    self._persists.wait_stored(self._store, step, timeout)
+    t0 = time.perf_counter()
+    try:
+      self._persists.wait_stored(self._store, step, timeout)
+    finally:
+      self._schedule.blocked(time.perf_counter() - t0)      # not the loop's own time
     _wait.until(lambda: step not in self._store.persist_status().pending,   # its job's end
                 timeout_secs=timeout, late=lambda: (
                     f"step {step} is on {self._dir!r} but {self._persists.where} still "

@@ -18,7 +18,9 @@ sequence of save() calls:
   snapshots, with a margin (``PERSIST_MARGIN``), so that a persist has ended
   before the next one is due and the loop never waits for storage. The first
   snapshot is persisted at once; the next one waits for the first measured
-  persist.
+  persist. A persist is measured by the loop's own time it ran beside (not the
+  time the trainer waited for it in ``wait_until_finished``): storage that
+  the loop waits for anyway sets no pace.
 
 Calls are grouped into epochs of ``EPOCH_CALLS``. At the first call of an
 epoch each process publishes what it measured; process 0 reads them at the
@@ -32,8 +34,9 @@ plans sparser.
 
 A one-process job needs no agreement: it skips a snapshot while its previous
 copy runs (``on_busy="skip"``), and without ``persist_interval_steps`` it
-persists a snapshot whenever its previous persist has ended (what it knows at
-once, and the freshest storage that never makes a due save wait).
+persists a snapshot once its previous persist has ended (what it knows at once:
+a due save never waits) and the loop has run 1.5x as long as that persist ran
+beside it since (storage and its CPU busy at most two thirds of the loop).
 """
 
 from __future__ import annotations
@@ -167,6 +170,8 @@ class Schedule:
     self.plan = Plan()
     self._last_call_at: float | None = None
     self._blocked = 0.0              # time save() spent since the last call (waits excluded)
+    self.blocked_total = 0.0         # all the time spent inside the manager's saves and waits
+    self._due_at: tuple[float, float] | None = None   # (clock, blocked_total) at the last due
 
   @property
   def agreed(self) -> bool:
@@ -201,10 +206,20 @@ class Schedule:
       self.snapshots_since_due += 1
     if d.due:
       self.snapshots_since_due = 0
+      self._due_at = self.mark()
 
   def blocked(self, secs: float) -> None:
-    """save() waited ``secs`` (for a copy or a slot): not the loop's own time."""
+    """The manager held the loop ``secs`` (a save, or a wait): not the loop's own time."""
     self._blocked += secs
+    self.blocked_total += secs
+
+  def mark(self) -> tuple[float, float]:
+    """Now, for :meth:`loop_secs_since`."""
+    return self.clock(), self.blocked_total
+
+  def loop_secs_since(self, mark: tuple[float, float]) -> float:
+    """The loop's own time since ``mark``: the time not spent inside the manager."""
+    return max(0.0, self.clock() - mark[0] - (self.blocked_total - mark[1]))
 
   def _decide(self, step: int, force: bool, plan: Plan, persisting: bool) -> Decision:
     fixed_due = bool(self.persist_interval) and step % self.persist_interval == 0
@@ -215,8 +230,11 @@ class Schedule:
       return Decision(snapshot, snapshot and fixed_due)
     if force or self.snapshots_since_due is None:   # forced, or the first: persisted at once
       return Decision(True, True)
-    if not self.agreed:                  # one process: whenever the last persist has ended
-      return Decision(True, not persisting)
+    if not self.agreed:    # one process: once the last persist has ended, and the loop ran
+      p = self.measure.report().persist_secs     # 1.5x as long as a persist ran beside it
+      rested = (p is None or self._due_at is None
+                or self.loop_secs_since(self._due_at) >= PERSIST_MARGIN * p)
+      return Decision(True, not persisting and rested)
     m = plan.persist_every
     return Decision(True, m is not None and self.snapshots_since_due + 1 >= m)
 
