@@ -29,8 +29,13 @@ def main(argv=None) -> int:
   p.add_argument("--ballast-mib", type=int, default=16)
   p.add_argument("--sleep", type=float, default=0.0)
   p.add_argument("--gated", action="store_true")
+  p.add_argument("--prepare", action="store_true", help="mgr.prepare(state) before the loop")
   p.add_argument("--run-root", default=None)
   p.add_argument("--job", default=None)
+  p.add_argument("--bad-metadata-after", type=int, default=None,
+                 help="process 1 saves metadata that cannot be stored (a numpy float) "
+                 "after this step, until a save takes it; the error its next save raises "
+                 "is printed (RAISED step) and the loop goes on")
   a = p.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_num_cpu_devices", 2)
@@ -48,15 +53,23 @@ def main(argv=None) -> int:
   agent = (None if a.run_root is None else
            jc.AgentOptions(job_name=a.job, run_root=a.run_root))
   with jc.CheckpointManager(options=jc.CheckpointOptions(agent=agent)) as mgr:
-    taken = []
+    if a.prepare:
+      mgr.prepare({"ballast": ballast, "step": 0})
+    taken, bad = [], a.bad_metadata_after is not None and a.process_id == 1
     for step in range(1, a.steps + 1):
       state = {"ballast": ballast, "step": step}
-      if a.gated:
-        if mgr.should_save(step):
-          assert mgr.save(step, state), f"should_save({step}) said True, save() did not save"
+      meta = {"loss": np.float32(step)} if bad and step > a.bad_metadata_after else None
+      try:
+        if a.gated:
+          if mgr.should_save(step):
+            assert mgr.save(step, state, metadata=meta), (
+                f"should_save({step}) said True, save() did not save")
+            taken.append(step)
+        elif mgr.save(step, state, metadata=meta):
           taken.append(step)
-      elif mgr.save(step, state):
-        taken.append(step)
+          bad = bad and meta is None
+      except Exception as e:  # pylint: disable=broad-except  (the loop goes on, as a user's)
+        print("RAISED", step, type(e).__name__, flush=True)
       time.sleep(a.sleep)
     mgr.wait_until_finished()
     print("STEPS", taken, flush=True)
