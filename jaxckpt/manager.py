@@ -210,9 +210,9 @@ class CheckpointManager:
       state, metadata = _items.to_tree(args, metadata)
       args = None
     state = _orbax_item(state, args, "save", "state", "StandardSave")
-    self._raise_background_error(ask_agent=False)
     step = check_step(step, "save")
     if not force and step % self.options.save_interval_steps:
+      self._raise_background_error(ask_agent=False)
       self.stats.skipped_interval += 1
       return False
     try:
@@ -224,6 +224,9 @@ class CheckpointManager:
                 t0: float) -> bool:
     d = self._schedule.decide(step, force=force, persisting=self._persisting())
     self._note_plan()
+    # Raised after the decision: this call counts in the job's plan like every other
+    # process's, so a loop that goes on after the error takes the job's steps.
+    self._raise_background_error(ask_agent=False)
     if not d.snapshot:
       self.stats.skipped_plan += 1
       return False
