@@ -198,6 +198,38 @@ class TargetLeaf:
   numpy_scalar: bool = False
 
 
+def check_metadata(metadata: Any) -> None:
+  """Raises InvalidArgumentError unless ``metadata`` (a ``save()``'s) is a dict JSON
+  stores as it is, naming the first value it cannot (a snapshot records it as JSON).
+
+  >>> check_metadata({"lr": 0.1, "sched": [1, 2], "name": None})
+  """
+  if metadata is None:
+    return
+  if not isinstance(metadata, dict):
+    raise errors.InvalidArgumentError(
+        f"save(metadata={type(metadata).__name__}): metadata is a dict of JSON values "
+        "(str keys; str, int, float, bool, None, and lists and dicts of them)")
+  todo: list[tuple[str, Any]] = [("metadata", metadata)]
+  while todo:
+    where, x = todo.pop()
+    if isinstance(x, dict):
+      for k, v in x.items():
+        if not isinstance(k, str):
+          raise errors.InvalidArgumentError(
+              f"save(metadata=...): {where} has the key {k!r}, a {type(k).__name__}; JSON "
+              "keys are str (a number key would come back as a str): use str keys")
+        todo.append((f"{where}[{k!r}]", v))
+    elif isinstance(x, (list, tuple)):
+      todo.extend((f"{where}[{i}]", v) for i, v in enumerate(x))
+    elif x is not None and not isinstance(x, (str, int, float)):   # (bool is an int)
+      kind = f"{type(x).__module__}.{type(x).__qualname__}"
+      raise errors.InvalidArgumentError(
+          f"save(metadata=...): {where} is a {kind} ({str(x)[:40]}), which JSON cannot "
+          "store; pass plain Python values (float(x), int(x), str(x), and lists and dicts "
+          "of them)")
+
+
 def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int, *,
                  partial: bool = False) -> tuple[list[TargetLeaf], Any, list[int]]:
   """Checks ``target`` against the saved leaves; returns per-leaf targets, the
