@@ -163,7 +163,8 @@ class AgentStore(HostStore):
     self.info = info
     self._client = Client(info["ipc"], who=f"snapshot agent pid {self.pid} of job "
                           f"{self.opts.job_name!r} host {self.host}",
-                          timeout_secs=self.opts.request_timeout_secs, secret=self.secret)
+                          timeout_secs=self.opts.request_timeout_secs, secret=self.secret,
+                          host=self.host, pid=self.pid)
     try:
       self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
                         limit_bytes=self._limit, persist=self._persist, parity=self._parity,
