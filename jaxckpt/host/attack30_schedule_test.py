@@ -92,20 +92,24 @@ def test_two_processes_asking_should_save_first_take_the_same_steps_to_the_end()
 
 @pytest.mark.timeout(300)
 def test_a_process_whose_save_raised_a_background_error_goes_on_with_the_jobs_steps():
-  # Process 1's snapshot fails in the background (metadata its agent cannot store); its
-  # next save() raises that error and the loop goes on (the error was caught). That save
-  # is one of the job's calls like any other: the processes must go on taking the same steps.
+  # Process 1's agent is killed while a snapshot is copied into it: the commit fails in
+  # the background, the next save() raises that error, and the loop goes on (the error
+  # was caught; that save starts a new agent). That save is one of the job's calls like
+  # any other: the processes must go on taking the same steps.
   with processes.agent_sandbox() as (root, job):
     port = processes.free_port()
     procs = [processes.Proc(["-m", "jaxckpt.testing.plan_worker", "--port", str(port),
                              "--num-processes", "2", "--process-id", str(i), "--run-root", root,
-                             "--job", job, "--steps", "64", "--sleep", "0.002", "--prepare",
-                             "--bad-metadata-after", "8"], cwd=REPO) for i in range(2)]
+                             "--job", job, "--steps", "120", "--sleep", "0.002", "--prepare",
+                             "--kill-agent-after", "8"], cwd=REPO) for i in range(2)]
     try:
       out = [p.finish(240) for p in procs]
     finally:
       for p in procs:
         p.__exit__(None, None, None)
-  assert "RAISED" in out[1]
+  assert "RAISED" in out[1] and "AgentUnavailableError" in out[1], out[1][-2000:]
+  raised = int(out[1].split("RAISED", 1)[1].split()[0])
   taken = [o.split("STEPS", 1)[1].splitlines()[0].strip() for o in out]
   assert taken[0] == taken[1], taken
+  assert int(taken[0].strip("[]").split(",")[-1]) > raised, (
+      f"no snapshot after step {raised}, where process 1 raised: nothing was compared", taken)

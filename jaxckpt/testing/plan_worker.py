@@ -16,6 +16,8 @@ the in-process store.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 
@@ -32,10 +34,13 @@ def main(argv=None) -> int:
   p.add_argument("--prepare", action="store_true", help="mgr.prepare(state) before the loop")
   p.add_argument("--run-root", default=None)
   p.add_argument("--job", default=None)
-  p.add_argument("--bad-metadata-after", type=int, default=None,
-                 help="process 1 saves metadata that cannot be stored (a numpy float) "
-                 "after this step, until a save takes it; the error its next save raises "
-                 "is printed (RAISED step) and the loop goes on")
+  p.add_argument("--kill-agent-after", type=int, default=None,
+                 help="process 1 kills its snapshot agent (SIGKILL) while the copy of its "
+                 "first snapshot after this step runs, then sleeps 1 s: its commit fails, "
+                 "and the next save() raises that error (printed: RAISED step) while the "
+                 "loop goes on")
+  p.add_argument("--request-timeout", type=float, default=60.0,
+                 help="AgentOptions.request_timeout_secs")
   a = p.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_num_cpu_devices", 2)
@@ -51,23 +56,25 @@ def main(argv=None) -> int:
   ballast = jax.make_array_from_callback((rows, 256), NamedSharding(mesh, P("x")),
                                          lambda i: np.ones((rows, 256), np.float32)[i])
   agent = (None if a.run_root is None else
-           jc.AgentOptions(job_name=a.job, run_root=a.run_root))
+           jc.AgentOptions(job_name=a.job, run_root=a.run_root,
+                           request_timeout_secs=a.request_timeout))
   with jc.CheckpointManager(options=jc.CheckpointOptions(agent=agent)) as mgr:
     if a.prepare:
       mgr.prepare({"ballast": ballast, "step": 0})
-    taken, bad = [], a.bad_metadata_after is not None and a.process_id == 1
+    taken, kill = [], a.kill_agent_after is not None and a.process_id == 1
     for step in range(1, a.steps + 1):
       state = {"ballast": ballast, "step": step}
-      meta = {"loss": np.float32(step)} if bad and step > a.bad_metadata_after else None
       try:
         if a.gated:
           if mgr.should_save(step):
-            assert mgr.save(step, state, metadata=meta), (
-                f"should_save({step}) said True, save() did not save")
+            assert mgr.save(step, state), f"should_save({step}) said True, save() did not save"
             taken.append(step)
-        elif mgr.save(step, state, metadata=meta):
+        elif mgr.save(step, state):
           taken.append(step)
-          bad = bad and meta is None
+          if kill and step > a.kill_agent_after:
+            os.kill(mgr._store.pid, signal.SIGKILL)   # pylint: disable=protected-access
+            kill = False
+            time.sleep(1.0)             # a slow step: the failed commit is known by the next
       except Exception as e:  # pylint: disable=broad-except  (the loop goes on, as a user's)
         print("RAISED", step, type(e).__name__, flush=True)
       time.sleep(a.sleep)
