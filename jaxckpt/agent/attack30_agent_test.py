@@ -40,3 +40,40 @@ def test_an_agent_killed_during_a_snapshot_is_named_at_once_not_after_the_reques
     assert m.save(2, {"w": big})          # a new agent takes the next save
     m.wait_until_finished()
     assert m.all_steps() == [2] and m.stats.agent_restarts == 1
+
+
+def _free_mib(path):
+  st = os.statvfs(path)
+  return st.f_bavail * st.f_frsize / 2**20
+
+
+@pytest.mark.timeout(180)
+def test_a_lent_slot_gives_its_memory_back_once_the_restored_arrays_are_gone(tmp_path):
+  # A restore lends a slot (its arrays view the agent's memory); that slot's next save
+  # gets a new file. The trainer's map of the old file must not keep its memory once the
+  # restored arrays are gone: on a run root with room for 3 slots, it did, and every
+  # save into that slot failed in the background (HostMemoryBudgetError), for good.
+  with processes.tmpfs(str(tmp_path / "shm"), "size=72m,mode=0700") as shm:
+    root, job = os.path.join(shm, "run"), "lend"
+    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
+                                                                        run_root=root))
+    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+    n = (20 << 20) // 4                                     # 20 MiB: 3 slots of 72 MiB
+    state = lambda v: {"w": jax.device_put(np.full(n, v, np.float32), s)}
+    try:
+      with jc.CheckpointManager(options=opts) as m:
+        for step in (1, 2, 3):
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        out = m.restore(target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state(0)))
+        assert m.last_restore.step == 3 and float(np.asarray(out["w"])[0]) == 3.0
+        del out
+        for step in range(4, 9):                  # every slot is written again
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        assert m.all_steps() == [7, 8]
+        assert _free_mib(shm) > 8                 # 3 slots of 20 MiB, nothing else
+    finally:
+      for pid in processes.agent_pids(root):
+        os.kill(pid, signal.SIGKILL)
