@@ -446,8 +446,14 @@ class AgentStore(HostStore):
       return np.empty(0, np.uint8)
     with self._maps_lock:
       cached = self._maps.get(index)
-    if cached is not None and cached[:2] == (path, size) and not allocate:
+      if cached is not None and cached[:2] != (path, size):
+        # The slot has another file now: forget the old one's map first, so that its
+        # memory goes back (once no restored array views it) before the new one takes any.
+        del self._maps[index]
+        cached = None
+    if cached is not None and not allocate:
       return cached[2]
+    del cached
     if allocate:      # memory that exists now: a full /dev/shm must not SIGBUS our copy
       _paths.allocate(path, size, host=self.host)
     buf = _map_file(path, size)
