@@ -77,3 +77,40 @@ def test_a_lent_slot_gives_its_memory_back_once_the_restored_arrays_are_gone(tmp
     finally:
       for pid in processes.agent_pids(root):
         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(180)
+def test_a_save_that_cannot_have_its_slots_memory_is_refused_by_save_itself(tmp_path):
+  # While restored arrays keep a lent slot's memory, the run root has no room for a new
+  # file of that slot. The agent counted the new file's size as memory it holds (it is
+  # sparse: the trainer allocates it in the background copy), so save() said True and
+  # the snapshot failed later, at the next save.
+  with processes.tmpfs(str(tmp_path / "shm"), "size=72m,mode=0700") as shm:
+    root, job = os.path.join(shm, "run"), "tight"
+    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
+                                                                        run_root=root))
+    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+    n = (20 << 20) // 4
+    state = lambda v: {"w": jax.device_put(np.full(n, v, np.float32), s)}
+    try:
+      with jc.CheckpointManager(options=opts) as m:
+        for step in (1, 2, 3):
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        out = m.restore(target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state(0)))
+        for step in (4, 5):                     # the slots not lent
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        with pytest.raises(errors.HostMemoryBudgetError, match=r"do not fit in .*restored"):
+          m.save(6, state(6))                   # the lent slot's turn: no room for its file
+        m.wait_until_finished()
+        assert m.all_steps() == [4, 5]
+        assert float(np.asarray(out["w"])[0]) == 3.0
+        del out                                 # the lent memory goes back
+        assert m.save(7, state(7))
+        m.wait_until_finished()
+        assert m.all_steps() == [5, 7]
+    finally:
+      for pid in processes.agent_pids(root):
+        os.kill(pid, signal.SIGKILL)
