@@ -102,7 +102,7 @@ def test_a_save_that_cannot_have_its_slots_memory_is_refused_by_save_itself(tmp_
         for step in (4, 5):                     # the slots not lent
           assert m.save(step, state(step))
           m.wait_until_finished()
-        with pytest.raises(errors.HostMemoryBudgetError, match=r"do not fit in .*restored"):
+        with pytest.raises(errors.HostMemoryBudgetError, match=r"does not fit in .*restored"):
           m.save(6, state(6))                   # the lent slot's turn: no room for its file
         m.wait_until_finished()
         assert m.all_steps() == [4, 5]

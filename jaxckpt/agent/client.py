@@ -606,6 +606,10 @@ class AgentStore(HostStore):
       yield manifest, self._read_map(r, manifest)
     finally:
       self._lending.pop(step, None)
+      if lent:      # the map is the restored arrays' now: its memory goes with the last of
+        with self._maps_lock:             # them, not with this slot's next file
+          if self._maps.get(r.index, ("",))[0] == r.path:
+            del self._maps[r.index]
       with contextlib.suppress(errors.AgentUnavailableError):
         self.call("close", pid=os.getpid(), step=step, index=r.index, lend=bool(lent))
 
