@@ -134,6 +134,7 @@ class CheckpointManager:
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
         threads, thread_name_prefix="jaxckpt-copy")
     self._pending: concurrent.futures.Future | None = None
+    self._pending_due = False           # whether the copy in flight is of a due step
     self._error: BaseException | None = None
     self._lock = threading.Lock()
     self._closed = False
@@ -256,6 +257,7 @@ class CheckpointManager:
       raise
     self._schedule.took(d)
     attempt = self._new_attempt(step) if d.due else None
+    self._pending_due = attempt is not None
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
                                       metadata, t0, attempt)
     self._last_save_at = t0
@@ -264,9 +266,13 @@ class CheckpointManager:
     return True
 
   def _persisting(self) -> bool:
-    """Whether a persist this manager started has not ended, as last heard (no request)."""
+    """Whether a persist this manager started has not ended, as last heard (no request);
+    a due snapshot still being copied counts (its persist starts at its commit)."""
     if not self._attempts:
       return False
+    pending = self._pending
+    if self._pending_due and pending is not None and not pending.done():
+      return True
     return any(s in self._attempts and s not in self._on_storage    # (seen committed)
                for s in self._store.persist_status(ask=False).pending)
 
