@@ -39,6 +39,10 @@ def main(argv=None) -> int:
                  "first snapshot after this step runs, then sleeps 1 s: its commit fails, "
                  "and the next save() raises that error (printed: RAISED step) while the "
                  "loop goes on")
+  p.add_argument("--preempt", action="store_true",
+                 help="a loop that runs a collective each step and asks reached_preemption "
+                 "(default options): prints READY, then PREEMPTED step once told, takes that "
+                 "snapshot and exits (NEVER if no notice came within --steps)")
   p.add_argument("--request-timeout", type=float, default=60.0,
                  help="AgentOptions.request_timeout_secs")
   a = p.parse_args(argv)
@@ -58,6 +62,20 @@ def main(argv=None) -> int:
   agent = (None if a.run_root is None else
            jc.AgentOptions(job_name=a.job, run_root=a.run_root,
                            request_timeout_secs=a.request_timeout))
+  if a.preempt:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    with jc.CheckpointManager(options=jc.CheckpointOptions(agent=agent)) as mgr:
+      print("READY", flush=True)
+      for step in range(1, a.steps + 1):
+        multihost_utils.sync_global_devices(f"step {step}")    # a training step's collective
+        if mgr.reached_preemption(step):
+          print("PREEMPTED", step, mgr.save(step, {"ballast": ballast}, force=True), flush=True)
+          mgr.wait_until_finished()
+          return 0
+        mgr.save(step, {"ballast": ballast, "step": step})
+        time.sleep(a.sleep)
+    print("NEVER", flush=True)
+    return 0
   with jc.CheckpointManager(options=jc.CheckpointOptions(agent=agent)) as mgr:
     if a.prepare:
       mgr.prepare({"ballast": ballast, "step": 0})
