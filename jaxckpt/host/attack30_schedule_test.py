@@ -113,3 +113,27 @@ def test_a_process_whose_save_raised_a_background_error_goes_on_with_the_jobs_st
   assert taken[0] == taken[1], taken
   assert int(taken[0].strip("[]").split(",")[-1]) > raised, (
       f"no snapshot after step {raised}, where process 1 raised: nothing was compared", taken)
+
+
+def test_a_plan_that_does_not_come_names_the_process_process_0_waits_for():
+  # Process 2 stopped calling save(). Process 0 waits for its report; process 1 waits for
+  # process 0's plan, and its timeout blamed process 0 ("that far behind, or gone").
+  ch = DictChannel()
+  s = [sch.Schedule(process=(i, 3), on_busy="skip", persist_interval=None, timeout_secs=0.5,
+                    channel=ch, clock=Clock(0.1)) for i in range(3)]
+  s[2].decide(1)                             # it reported for calls 0-3, then stopped
+  raised = {}
+
+  def loop(i):
+    try:
+      for step in range(1, 13):
+        s[i].decide(step)
+    except Exception as e:  # pylint: disable=broad-except
+      raised[i] = e
+  threads = [threading.Thread(target=loop, args=(i,)) for i in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  assert "processes [2]" in str(raised[0])
+  assert "process 2" in str(raised[1]) or "processes [2]" in str(raised[1]), str(raised[1])
