@@ -270,10 +270,16 @@ class Schedule:
     if epoch not in self.plans:
       text = self.channel.get(f"p/{epoch}", self.timeout_secs)
       if text is None:
+        # Process 0 publishes it once every process reported for the epoch before:
+        # name those it still waits for, if any (else process 0 itself is late).
+        missing = self.channel.gather(f"r/{epoch - 1}", self.count, timeout_secs=0)
+        missing = missing if isinstance(missing, list) else []
+        why = (f"it waits for the reports of processes {missing} (they are behind, or gone)"
+               if missing and 0 not in missing else "it is that far behind, or gone")
         raise errors.SnapshotTimeoutError(
             f"process {self.index}: process 0 did not publish the job's save plan for calls "
             f"{epoch * EPOCH_CALLS}-{epoch * EPOCH_CALLS + EPOCH_CALLS - 1} within "
-            f"{self.timeout_secs} s (it is that far behind, or gone)")
+            f"{self.timeout_secs} s: {why}")
       self.plans[epoch] = Plan.from_json(text)
       self.plans.pop(epoch - 4, None)
     return self.plans[epoch]
