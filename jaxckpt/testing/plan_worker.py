@@ -10,7 +10,10 @@ as orbax loops do: ``if mgr.should_save(step): mgr.save(step, state)``; else it
 calls ``save()`` every step. It prints ``STEPS [...]`` (the steps its save()
 took) and ``PLAN n m`` (the job's last plan), and exits. With ``--run-root`` the
 snapshots go to a snapshot agent of job ``--job`` under that run root; else to
-the in-process store.
+the in-process store. ``--kill-agent-after`` makes process 1's snapshot fail in the
+background (its agent killed during a copy) and its loop go on past the error;
+``--preempt`` runs a loop with a collective per step that asks
+``reached_preemption`` (the test sends SIGTERM to one process).
 """
 
 from __future__ import annotations
