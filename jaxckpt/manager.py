@@ -193,12 +193,13 @@ class CheckpointManager(OrbaxVerbs):
     t0 = time.perf_counter()
     self._check_open("save")
     state, metadata = self._forms.save(state, args, _merged(metadata, custom_metadata))
-    self._raise_background_error(ask_agent=False)
     step = check_step(step, "save")
     if self._rules.orbax:
       if not self._orbax_may_save(step, force):
+        self._raise_background_error(ask_agent=False)
         return False
     elif not force and step % self.options.save_interval_steps:
+      self._raise_background_error(ask_agent=False)
       self.stats.skipped_interval += 1
       return False
     try:
@@ -210,6 +211,14 @@ class CheckpointManager(OrbaxVerbs):
                 force: bool, t0: float) -> bool:
     d = self._schedule.decide(step, force=force, persisting=self._persisting())
     self._note_plan()
+    # Raised after the decision: this call counts in the job's plan like every other
+    # process's, so a loop that goes on after the error takes the job's steps.
+    self._raise_background_error(ask_agent=False)
+    tree.check_metadata(metadata)          # here, not in the background copy
+    # Raised after the decision: this call counts in the job's plan like every other
+    # process's, so a loop that goes on after the error takes the job's steps.
+    self._raise_background_error(ask_agent=False)
+    tree.check_metadata(metadata)          # here, not in the background copy
     if not d.snapshot:
       self.stats.skipped_plan += 1
       return False

@@ -85,7 +85,9 @@ class CheckpointOptions:
     handle_sigterm: turn SIGTERM into a preemption notice that
       ``reached_preemption(step)`` reports, so the loop can take a last
       snapshot and exit cleanly. Installed only from the main thread, and only
-      if no other handler (e.g. JAX's preemption service) owns SIGTERM.
+      if no other handler owns SIGTERM: under ``jax.distributed`` JAX's
+      preemption service does (installed in C), and reached_preemption is its
+      agreed sync point, the same step on every process.
     sigterm_grace_secs: the longest the process lives after SIGTERM when its
       loop never asks ``reached_preemption``: it may ask until
       ``min(10 s, half of this)`` before the end; then the manager commits its

@@ -205,6 +205,46 @@ class FlatTarget(dict):
   A target leaf is what a tree's leaf would be (``None`` for a scalar)."""
 
 
+def check_metadata(metadata: Any) -> None:
+  """Raises InvalidArgumentError unless ``metadata`` (a ``save()``'s) is a dict JSON
+  stores as it is, naming the first value it cannot (a snapshot records it as JSON).
+
+  >>> check_metadata({"lr": 0.1, "sched": [1, 2], "name": None})
+  >>> check_metadata({"loss": np.float32(1)})
+  Traceback (most recent call last):
+  ...
+  jaxckpt.errors.InvalidArgumentError: save(metadata=...): metadata['loss'] is a numpy.float32 (1.0), which JSON cannot store; pass plain Python values (float(x), int(x), str(x), and lists and dicts of them)
+  """
+  if metadata is None:
+    return
+  if not isinstance(metadata, dict):
+    raise errors.InvalidArgumentError(
+        f"save(metadata={type(metadata).__name__}): metadata is a dict of JSON values "
+        "(str keys; str, int, float, bool, None, and lists and dicts of them)")
+  _check_json("metadata", metadata, set())
+
+
+def _check_json(where: str, x: Any, above: set[int]) -> None:
+  if isinstance(x, (dict, list, tuple)):
+    if id(x) in above:
+      raise errors.InvalidArgumentError(
+          f"save(metadata=...): {where} is a container it lies in (a cycle); JSON stores "
+          "a tree: pass a copy without the cycle")
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    for k, v in items:
+      if isinstance(x, dict) and not isinstance(k, str):
+        raise errors.InvalidArgumentError(
+            f"save(metadata=...): {where} has the key {k!r}, a {type(k).__name__}; JSON "
+            "keys are str (a number key would come back as a str): use str keys")
+      _check_json(f"{where}[{k!r}]", v, above | {id(x)})
+  elif x is not None and not isinstance(x, (str, int, float)):   # (bool is an int)
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    raise errors.InvalidArgumentError(
+        f"save(metadata=...): {where} is a {kind} ({str(x)[:40]}), which JSON cannot "
+        "store; pass plain Python values (float(x), int(x), str(x), and lists and dicts "
+        "of them)")
+
+
 def match_target(target: PyTree, saved: tuple[LeafRecord, ...], step: int, *,
                  partial: bool = False) -> tuple[list[TargetLeaf], Any, list[int]]:
   """Checks ``target`` against the saved leaves; returns per-leaf targets, the

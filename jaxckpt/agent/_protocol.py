@@ -14,16 +14,21 @@ fetches), never inside msgpack.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.agent import _requests
+from jaxckpt.agent import _paths, _requests
 from jaxckpt.host.snapshot import aligned_empty
 from jaxckpt.net import _bulk, _wire
 from jaxckpt.net._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
+
+
+# How often a request to an agent on this machine checks that its pid still runs.
+_PID_POLL_SECS = 0.25
 
 
 def request(secret: bytes, op: str, args: dict[str, Any],
@@ -44,7 +49,9 @@ def verify(secret: bytes, frames: list[Any], replays: _wire.Replays | None = Non
 
 class Client:
   """A thread-safe request/reply client of one agent (a fresh REQ socket per
-  failure, so a timed-out request never leaves the socket stuck)."""
+  failure, so a timed-out request never leaves the socket stuck). An agent on
+  this machine (an ipc endpoint, its ``pid`` known) that exits before it answers
+  is named at once, not at the request's timeout."""
 
   def __init__(self, endpoint: str, *, who: str, timeout_secs: float, secret: bytes,
                host: int | None = None, pid: int | None = None, bulk: str | None = None) -> None:
@@ -84,10 +91,7 @@ class Client:
       sock = self._socket()
       try:
         sock.send_multipart([*sealed, *frames], copy=False)
-        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-          raise errors.AgentUnavailableError(
-              f"{self.who} did not answer {op!r} within {timeout} s at {self.endpoint}; "
-              "is it alive? (`jaxckpt agent status`)")
+        self._await(sock, op, timeout)
         parts = sock.recv_multipart(copy=False)
       except BaseException:
         self._reset()
@@ -96,6 +100,25 @@ class Client:
     if not reply["ok"]:
       raise _wire.remote_error(reply, self.who, op)
     return _requests.decode_reply(_requests.REQUESTS[op], reply, self.who, self.endpoint), parts[1:]
+
+  def _await(self, sock: zmq.Socket, op: str, timeout: float) -> None:
+    """Waits for the reply to ``op``; AgentUnavailableError after ``timeout``, or as
+    soon as a local agent's pid has gone."""
+    local = self.pid is not None and self.endpoint.startswith("ipc://")
+    deadline = time.monotonic() + timeout
+    while True:
+      left = deadline - time.monotonic()
+      if sock.poll(int(max(0.0, min(left, _PID_POLL_SECS if local else left)) * 1000),
+                   zmq.POLLIN):
+        return
+      if local and not _paths.pid_alive(self.pid):
+        raise errors.AgentUnavailableError(
+            f"{self.who} exited before it answered {op!r} (pid {self.pid} is gone; the "
+            "snapshots it held are lost)")
+      if time.monotonic() >= deadline:
+        raise errors.AgentUnavailableError(
+            f"{self.who} did not answer {op!r} within {timeout} s at {self.endpoint}; "
+            "is it alive? (`jaxckpt agent status`)")
 
   def read(self, what: str, step: int, ranges: Sequence[tuple[int, int]], *,
            on_done: Callable[[int, np.ndarray], None] | None = None,

@@ -274,9 +274,29 @@ class Agent:
     slot = self.slots[r.index]
     if r.grow:                     # too small, or lent to a restore: a new file
       slot.renew(nbytes)
+    self._check_file_room(r.index)
     return _requests.Reserve.Reply(index=r.index, path=slot.path,
                                    size=self.table.slots[r.index].size,
                                    fresh=not slot.allocated)
+
+  def _check_file_room(self, index: int) -> None:
+    """The memory slot ``index``'s file lacks (a new file is sparse: the trainer
+    allocates it in the background copy) must be free now, or the reservation is
+    given up with HostMemoryBudgetError: said by this save, not by a failed copy."""
+    size = self.table.slots[index].size
+    try:
+      lacking = size - os.stat(self.slots[index].path).st_blocks * 512
+    except FileNotFoundError:
+      lacking = size
+    free = shutil.disk_usage(self.dir).free
+    if lacking > free:
+      self._dropped([self.table.abort(index)])
+      raise errors.HostMemoryBudgetError(
+          f"host {self.host}: a snapshot slot of {size / 2**20:.1f} MiB does not fit in "
+          f"{self.dir}: {free / 2**20:.1f} MiB free there. Arrays restored from this agent "
+          "keep the memory of the slot they were read from while they live (its next save "
+          "needs a new file): drop or copy them, free shared memory, lower max_snapshots, "
+          "or point AgentOptions.run_root at a larger filesystem")
 
   def op_preallocate(self, nbytes: int) -> _requests.Preallocate.Reply:
     """Sizes every free slot for snapshots of ``nbytes`` now (``prepare()``): the

@@ -164,7 +164,8 @@ class AgentStore(HostStore):
     self.info = info
     self._client = Client(info["ipc"], who=f"snapshot agent pid {self.pid} of job "
                           f"{self.opts.job_name!r} host {self.host}",
-                          timeout_secs=self.opts.request_timeout_secs, secret=self.secret)
+                          timeout_secs=self.opts.request_timeout_secs, secret=self.secret,
+                          host=self.host, pid=self.pid)
     try:
       self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
                         limit_bytes=self._limit, persist=self._persist, parity=self._parity,
@@ -446,8 +447,14 @@ class AgentStore(HostStore):
       return np.empty(0, np.uint8)
     with self._maps_lock:
       cached = self._maps.get(index)
-    if cached is not None and cached[:2] == (path, size) and not allocate:
+      if cached is not None and cached[:2] != (path, size):
+        # The slot has another file now: forget the old one's map first, so that its
+        # memory goes back (once no restored array views it) before the new one takes any.
+        del self._maps[index]
+        cached = None
+    if cached is not None and not allocate:
       return cached[2]
+    del cached
     if allocate:      # memory that exists now: a full /dev/shm must not SIGBUS our copy
       _paths.allocate(path, size, host=self.host)
     buf = _map_file(path, size)
@@ -600,6 +607,10 @@ class AgentStore(HostStore):
       yield manifest, self._read_map(r, manifest)
     finally:
       self._lending.pop(step, None)
+      if lent:      # the map is the restored arrays' now: its memory goes with the last of
+        with self._maps_lock:             # them, not with this slot's next file
+          if self._maps.get(r.index, ("",))[0] == r.path:
+            del self._maps[r.index]
       with contextlib.suppress(errors.AgentUnavailableError):
         self.call("close", pid=os.getpid(), step=step, index=r.index, lend=bool(lent))
 

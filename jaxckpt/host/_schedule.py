@@ -30,7 +30,11 @@ epoch behind (in a job whose steps run collectives, processes are never more
 than a step apart), and the key-value store sees two requests per process per
 epoch. A process that finds its previous copy still running at a planned
 snapshot waits for it (it may not skip alone); its measurements make the next
-plans sparser.
+plans sparser. What a process decides depends only on the calls it made, never
+on whether its snapshots succeeded: a planned snapshot counts as taken even
+where its save raised. ``should_save(step)`` decides its step's call (the call
+counts, and ``save(step)`` next takes that decision), so a loop that saves only
+when told makes the same plan as one that calls ``save()`` every step.
 
 A one-process job needs no agreement: it skips a snapshot while its previous
 copy runs (``on_busy="skip"``), and without ``persist_interval_steps`` it
@@ -172,6 +176,8 @@ class Schedule:
     self._blocked = 0.0              # time save() spent since the last call (waits excluded)
     self.blocked_total = 0.0         # all the time spent inside the manager's saves and waits
     self._due_at: tuple[float, float] | None = None   # (clock, blocked_total) at the last due
+    self._asked: tuple[int, int, Decision] | None = None   # (step, call, decision) of peek
+    self._decided = 0                # the call index of the last decide
 
   @property
   def agreed(self) -> bool:
@@ -180,28 +186,63 @@ class Schedule:
 
   # -- the decision -----------------------------------------------------------
 
-  def peek(self, step: int, *, force: bool = False, persisting: bool = False) -> Decision:
-    """What the next candidate call, of ``step``, will decide (``should_save``);
-    nothing is consumed. With agreement the plan of its epoch may be waited for."""
-    return self._decide(step, force, self._plan_for(self.calls, publish=False), persisting)
+  def peek(self, step: int, *, persisting: bool = False) -> Decision:
+    """The decision of the next candidate call, of ``step`` (``should_save``). It is
+    that call's decision: it counts the call, and a ``decide`` of the same step next
+    returns it, so a loop that asks first and saves only when told (``if
+    should_save(step): save(step)``) makes the same plan as one that saves every
+    step. With agreement the plan of its epoch may be waited for."""
+    if self._asked is None or self._asked[0] != step:
+      self._asked = (step, *self._count(step, False, persisting))
+    return self._asked[2]
 
   def decide(self, step: int, *, force: bool = False, persisting: bool = False) -> Decision:
-    """The decision of the next candidate call, of ``step``; counts the call.
-    ``persisting``: a persist this manager started has not ended (a one-process
-    job then persists nothing new). Call :meth:`took` once its snapshot has started."""
+    """The decision of the next candidate call, of ``step`` (the one ``peek`` gave, if
+    it was asked of this step last; ``force`` still applies); counts the call.
+    ``persisting``: a persist this manager started has not ended (a one-process job
+    then persists nothing new). In a job of several processes the decision is the
+    job's: a planned snapshot counts as taken whether or not this process managed to
+    start it (its save raised), so that every process goes on deciding alike; a
+    one-process job calls :meth:`took` once its snapshot has started."""
+    asked, self._asked = self._asked, None
+    if asked is None or asked[0] != step:
+      k, d = self._count(step, force, persisting)
+    else:
+      _, k, d = asked
+      if force and not (d.snapshot and d.due):
+        forced = self._decide(step, True, self.plan, persisting, k)
+        if self.agreed and not d.snapshot:    # (peek's snapshot was counted already)
+          self._record(k, forced)
+        elif self.agreed and forced.due:
+          self.snapshots_since_due = 0
+        d = forced
+    self._decided = k
+    return d
+
+  def _count(self, step: int, force: bool, persisting: bool) -> tuple[int, Decision]:
+    """Decides the next candidate call (``step``) and counts it: (its index, decision).
+    With agreement a snapshot decided is the job's from here on (see ``decide``)."""
     now = self.clock()
     if self._last_call_at is not None:
       self.measure.gap.append(max(1e-6, now - self._last_call_at - self._blocked))
     self._last_call_at, self._blocked = now, 0.0
-    self.plan = self._plan_for(self.calls, publish=True)
-    d = self._decide(step, force, self.plan, persisting)
+    k = self.calls
+    self.plan = self._plan_for(k, publish=True)
+    d = self._decide(step, force, self.plan, persisting, k)
     self.calls += 1
-    return d
+    if self.agreed and d.snapshot:
+      self._record(k, d)
+    return k, d
 
   def took(self, d: Decision) -> None:
-    """The snapshot the last call decided started (a one-process job may skip one
-    that is not due while its previous copy runs; a job of several never does)."""
-    self.last_snapshot = self.calls - 1
+    """The snapshot the last ``decide`` decided started: a one-process job counts it
+    (it may skip one that is not due while its previous copy runs); in a job of
+    several, the decision counted it already."""
+    if not self.agreed:
+      self._record(self._decided, d)
+
+  def _record(self, k: int, d: Decision) -> None:
+    self.last_snapshot = k
     if self.snapshots_since_due is not None:
       self.snapshots_since_due += 1
     if d.due:
@@ -221,9 +262,8 @@ class Schedule:
     """The loop's own time since ``mark``: the time not spent inside the manager."""
     return max(0.0, self.clock() - mark[0] - (self.blocked_total - mark[1]))
 
-  def _decide(self, step: int, force: bool, plan: Plan, persisting: bool) -> Decision:
+  def _decide(self, step: int, force: bool, plan: Plan, persisting: bool, k: int) -> Decision:
     fixed_due = bool(self.persist_interval) and step % self.persist_interval == 0
-    k = self.calls
     snapshot = (force or fixed_due or self.last_snapshot is None
                 or k - self.last_snapshot >= plan.snapshot_every)
     if not self.auto_persist or not snapshot:
@@ -253,10 +293,16 @@ class Schedule:
     if epoch not in self.plans:
       text = self.channel.get(f"p/{epoch}", self.timeout_secs)
       if text is None:
+        # Process 0 publishes it once every process reported for the epoch before:
+        # name those it still waits for, if any (else process 0 itself is late).
+        missing = self.channel.gather(f"r/{epoch - 1}", self.count, timeout_secs=0)
+        missing = missing if isinstance(missing, list) else []
+        why = (f"it waits for the reports of processes {missing} (they are behind, or gone)"
+               if missing and 0 not in missing else "it is that far behind, or gone")
         raise errors.SnapshotTimeoutError(
             f"process {self.index}: process 0 did not publish the job's save plan for calls "
             f"{epoch * EPOCH_CALLS}-{epoch * EPOCH_CALLS + EPOCH_CALLS - 1} within "
-            f"{self.timeout_secs} s (it is that far behind, or gone)")
+            f"{self.timeout_secs} s: {why}")
       self.plans[epoch] = Plan.from_json(text)
       self.plans.pop(epoch - 4, None)
     return self.plans[epoch]

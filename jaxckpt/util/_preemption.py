@@ -81,7 +81,13 @@ class Notice:
     self._wakeup: tuple[int, int] | None = None
     if install and threading.current_thread() is threading.main_thread():
       current = signal.getsignal(signal.SIGTERM)
-      if current in (signal.SIG_DFL, None):
+      if current in (signal.SIG_DFL, None) and _c_handler(signal.SIGTERM) not in (0, None):
+        # A handler installed below Python (JAX's preemption service, by
+        # jax.distributed.initialize): Python does not see it, and replacing it would
+        # leave the job's other processes deaf to this one's notice.
+        logger.info("SIGTERM already handled in C (JAX's preemption service?); relying on "
+                    "it for preemption")
+      elif current in (signal.SIG_DFL, None):
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True
         _INSTALLED.add(self)
@@ -254,6 +260,20 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _c_handler(signum: int) -> int | None:
+  """The C library's handler of ``signum``: 0 for the default action, 1 for ignored,
+  else its address; None where the C library cannot be asked."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    old = ctypes.create_string_buffer(512)   # a struct sigaction (its handler first), and room
+    if libc.sigaction(signum, None, old) != 0:
+      return None
+    return ctypes.c_void_p.from_buffer(old).value or 0
+  except (OSError, AttributeError):
+    return None
 
 
 _TERMINATING = threading.Lock()    # held by the one thread that ends the process (said once)

@@ -1,0 +1,116 @@
+"""The snapshot agent under a careless user and a hostile peer (issue 30, adversarial review)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt as jc
+from jaxckpt import errors
+from jaxckpt.testing import processes
+
+
+@pytest.fixture
+def sandbox():
+  with processes.agent_sandbox() as (root, job):
+    yield root, job
+
+
+@pytest.mark.timeout(180)
+def test_an_agent_killed_during_a_snapshot_is_named_at_once_not_after_the_request_timeout(
+    sandbox):
+  # The trainer's commit waited the whole request_timeout_secs (60 s by default) for the
+  # reply of an agent whose pid had gone; a due save waits on that copy meanwhile.
+  root, job = sandbox
+  opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root))
+  s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  big = jax.device_put(np.ones((64 << 20) // 4, np.float32), s)
+  with jc.CheckpointManager(options=opts) as m:
+    m.prepare({"w": big})
+    pid = m._store.pid    # pylint: disable=protected-access  (the agent to kill)
+    assert m.save(1, {"w": big})
+    os.kill(pid, signal.SIGKILL)          # while step 1 is copied into its slot
+    with pytest.raises(errors.AgentUnavailableError, match=rf"pid {pid}.*exited"):
+      m.wait_until_snapshotted(timeout_secs=30)
+    assert m.save(2, {"w": big})          # a new agent takes the next save
+    m.wait_until_finished()
+    assert m.all_steps() == [2] and m.stats.agent_restarts == 1
+
+
+def _free_mib(path):
+  st = os.statvfs(path)
+  return st.f_bavail * st.f_frsize / 2**20
+
+
+@pytest.mark.timeout(180)
+def test_a_lent_slot_gives_its_memory_back_once_the_restored_arrays_are_gone(tmp_path):
+  # A restore lends a slot (its arrays view the agent's memory); that slot's next save
+  # gets a new file. The trainer's map of the old file must not keep its memory once the
+  # restored arrays are gone: on a run root with room for 3 slots, it did, and every
+  # save into that slot failed in the background (HostMemoryBudgetError), for good.
+  with processes.tmpfs(str(tmp_path / "shm"), "size=72m,mode=0700") as shm:
+    root, job = os.path.join(shm, "run"), "lend"
+    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
+                                                                        run_root=root))
+    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+    n = (20 << 20) // 4                                     # 20 MiB: 3 slots of 72 MiB
+    state = lambda v: {"w": jax.device_put(np.full(n, v, np.float32), s)}
+    try:
+      with jc.CheckpointManager(options=opts) as m:
+        for step in (1, 2, 3):
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        out = m.restore(target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state(0)))
+        assert m.last_restore.step == 3 and float(np.asarray(out["w"])[0]) == 3.0
+        del out
+        for step in range(4, 9):                  # every slot is written again
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        assert m.all_steps() == [7, 8]
+        assert _free_mib(shm) > 8                 # 3 slots of 20 MiB, nothing else
+    finally:
+      for pid in processes.agent_pids(root):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(180)
+def test_a_save_that_cannot_have_its_slots_memory_is_refused_by_save_itself(tmp_path):
+  # While restored arrays keep a lent slot's memory, the run root has no room for a new
+  # file of that slot. The agent counted the new file's size as memory it holds (it is
+  # sparse: the trainer allocates it in the background copy), so save() said True and
+  # the snapshot failed later, at the next save.
+  with processes.tmpfs(str(tmp_path / "shm"), "size=72m,mode=0700") as shm:
+    root, job = os.path.join(shm, "run"), "tight"
+    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
+                                                                        run_root=root))
+    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+    n = (20 << 20) // 4
+    state = lambda v: {"w": jax.device_put(np.full(n, v, np.float32), s)}
+    try:
+      with jc.CheckpointManager(options=opts) as m:
+        for step in (1, 2, 3):
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        out = m.restore(target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state(0)))
+        for step in (4, 5):                     # the slots not lent
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        with pytest.raises(errors.HostMemoryBudgetError, match=r"does not fit in .*restored"):
+          m.save(6, state(6))                   # the lent slot's turn: no room for its file
+        m.wait_until_finished()
+        assert m.all_steps() == [4, 5]
+        assert float(np.asarray(out["w"])[0]) == 3.0
+        del out                                 # the lent memory goes back
+        assert m.save(7, state(7))
+        m.wait_until_finished()
+        assert m.all_steps() == [5, 7]
+    finally:
+      for pid in processes.agent_pids(root):
+        os.kill(pid, signal.SIGKILL)
