@@ -19,7 +19,7 @@ from jaxckpt.orbax import _verbs
 from jaxckpt.orbax._verbs import OrbaxVerbs
 from jaxckpt.util import _preemption, _wait
 from jaxckpt.agent import _factory
-from jaxckpt.host import _persist, _schedule
+from jaxckpt.host import _flow, _persist, _schedule
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
 from jaxckpt.options import check_step, default_copy_threads
@@ -27,10 +27,6 @@ from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
 
-# on_busy="skip" waits this fraction of the loop's time since the last save (at most
-# SKIP_GRACE_MAX_SECS) for a copy that is nearly done before it skips a save.
-SKIP_GRACE_FRACTION = 0.1
-SKIP_GRACE_MAX_SECS = 0.05
 
 
 @dataclasses.dataclass
@@ -139,10 +135,6 @@ class CheckpointManager(OrbaxVerbs):
         persist_interval=persist_interval, timeout_secs=self.options.timeout_secs,
         channel=None if self._process[1] == 1 else _kv.Channel(
             "schedule", timeout_secs=self.options.timeout_secs))
-    # due steps whose persist has not been seen to end -> (the schedule's mark at its
-    # commit, None while the snapshot is copied; its bytes)
-    self._due: dict[int, tuple[Any, int]] = {}
-    self._newest_step: int | None = None        # the newest step this manager committed
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     threads = self.options.copy_threads or default_copy_threads()
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
@@ -153,7 +145,10 @@ class CheckpointManager(OrbaxVerbs):
     self._lock = threading.Lock()
     self._closed = False
     self.stats = SaveStats()
-    self._last_save_at = time.perf_counter()
+    self._flow = _flow.SaveFlow(
+        self._schedule, self._store, self.stats, self._persists.on_storage,
+        None if self._persist_config is None else self._dir,
+        options=self.options, where=self._persists.where, log_entry=self._log_entry)
     self.last_restore: _read.RestoreInfo | None = None
     self._preemption = _preemption.Notice(install=self.options.handle_sigterm,
                                           grace_secs=self.options.sigterm_grace_secs,
@@ -209,8 +204,7 @@ class CheckpointManager(OrbaxVerbs):
 
   def _snapshot(self, step: int, state: Any, metadata: dict[str, Any] | None, metrics: Any,
                 force: bool, t0: float) -> bool:
-    d = self._schedule.decide(step, force=force, persisting=self._persisting())
-    self._note_plan()
+    d = self._flow.decide(step, force)
     # Raised after the decision: this call counts in the job's plan like every other
     # process's, so a loop that goes on after the error takes the job's steps.
     self._raise_background_error(ask_agent=False)
@@ -230,66 +224,29 @@ class CheckpointManager(OrbaxVerbs):
       self._schedule.took(d)
       return self._saved(step, self._save_to_storage(step, state, metadata, t0), t0)
     # May this save skip? Only in a one-process job, and not a due or a waiting one.
-    must = self._never_skipped(d)
+    must = self._flow.never_skipped(d)
     if not self._wait_for_previous(step, must):   # before any per-leaf work: skips stay cheap
       return self._saved(step, False, t0)
     leaves, _ = tree.flatten(state)
     plan = self._planner.plan(leaves)
-    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._reserve_timeout(must))
+    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._flow.reserve_timeout(must))
     self.stats.agent_restarts = self._store.restarts
     if slot is None:
-      self._no_slot(step, must)
+      self._flow.no_slot(step, must)
       return self._saved(step, False, t0)
     try:
       sources = capture.start(leaves, plan)
     except BaseException:
       self._store.abort(slot)
       raise
-    self._schedule.took(d)
+    self._flow.started(step, d, plan.nbytes, t0)
     attempt = self._persists.new(step) if d.due else None
-    if attempt is not None:
-      self._due[step] = (None, plan.nbytes)
     self._pending_step = step
     self._pending = self._pool.submit(self._complete, step, plan, sources, slot,
                                       metadata, t0, attempt)
-    self._last_save_at = t0
     self.stats.started += 1
     self.stats.last_blocking_secs = time.perf_counter() - t0
     return self._saved(step, True, t0)
-
-  def _persisting(self) -> bool:
-    """Whether a persist this manager started has not ended, as the store last said (no
-    request; a due save whose commit is not answered yet counts as persisting)."""
-    if self._due and self._persist_config is not None:
-      self._ended_persists(self._store.persist_status(ask=False))
-    return any(s not in self._persists.on_storage for s in self._due)
-
-  def _never_skipped(self, d: _schedule.Decision) -> str | None:
-    """Why a save that was decided may not be skipped (None: it may)."""
-    if d.due:
-      return "due for storage"
-    if self._schedule.agreed:
-      return "in the job's save plan: every process snapshots it"
-    return "on_busy='wait'" if self.options.on_busy == "wait" else None
-
-  def _no_slot(self, step: int, must: str | None) -> None:
-    """A save found no free slot: skipped if it may be, else raises."""
-    status = self._store.persist_status()
-    if status.pending:
-      age = time.time() - status.oldest_since if status.oldest_since else 0.0
-      held = (f"every slot is held: persists of steps {list(status.pending)} to "
-              f"{self._dir!r} have not ended (the oldest was committed {age:.1f} s ago)")
-    else:
-      held = ("every slot is held by a committed step: one a restore still reads, or the "
-              "newest step protected by parity, kept until a newer one is protected")
-    if must:
-      raise errors.SnapshotTimeoutError(
-          f"save(step={step}) ({must}: never skipped): no slot of "
-          f"{self._persists.where} freed up within {self._reserve_timeout(must)} s: {held}; "
-          "storage is slower than the loop: persist less often (persist_interval_steps), keep "
-          "more snapshots (max_snapshots) or wait longer (timeout_secs)")
-    self._skip_busy(step, "no snapshot slot is free (persists in flight)" if status.pending
-                    else "no snapshot slot is free", detail=held)
 
   def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
                        t0: float) -> bool:
@@ -315,56 +272,19 @@ class CheckpointManager(OrbaxVerbs):
     capture.warm_up(leaves, plan)
     self._store.preallocate(plan.nbytes)
 
-  def _reserve_timeout(self, must: str | None) -> float:
-    """How long a save waits for the previous copy and a slot: 0 if it may skip."""
-    if not must:
-      return 0.0
-    return (self.options.busy_timeout_secs if self.options.on_busy == "wait"
-            else self.options.timeout_secs)
-
   def _wait_for_previous(self, step: int, must: str | None) -> bool:
     pending = self._pending
     if pending is None or pending.done():
       return True
     if not must:
-      if self._done_within_grace(pending):
+      if self._flow.done_within_grace(pending):
         self._raise_background_error(ask_agent=False)
         return True
-      self._skip_busy(step, "the previous snapshot is still being copied")
+      self._flow.skip_busy(step, "the previous snapshot is still being copied")
       return False
-    self._wait(pending, self._reserve_timeout(must), f"save of step {step} ({must}: never skipped)")
+    self._wait(pending, self._flow.reserve_timeout(must), f"save of step {step} ({must}: never skipped)")
     self._raise_background_error(ask_agent=False)
     return True
-
-  def _done_within_grace(self, pending: concurrent.futures.Future) -> bool:
-    """Waits for a copy that is nearly done, at most a tenth of the time the loop
-    took since the last save (a loaded machine's jitter, not a stall)."""
-    grace = min(SKIP_GRACE_FRACTION * (time.perf_counter() - self._last_save_at),
-                SKIP_GRACE_MAX_SECS)
-    done, _ = concurrent.futures.wait([pending], timeout=max(grace, 0.0))
-    return bool(done)
-
-  def _note_plan(self) -> None:
-    """Keeps ``stats`` current with the job's plan (several processes); says when it
-    changes."""
-    if not self._schedule.agreed:
-      return
-    p, st = self._schedule.plan, self.stats
-    if (p.snapshot_every, p.persist_every) != (st.snapshot_every, st.persist_every):
-      logger.info("the job now snapshots every %d save calls%s", p.snapshot_every,
-                  "" if not self._schedule.auto_persist else
-                  " and persists no more snapshots until a persist is measured"
-                  if p.persist_every is None else
-                  f" and persists every {p.persist_every} snapshots")
-      st.snapshot_every, st.persist_every = p.snapshot_every, p.persist_every
-
-  def _skip_busy(self, step: int, why: str, detail: str = "") -> None:
-    self.stats.skipped_busy += 1
-    self.stats.skip_reasons[why] = self.stats.skip_reasons.get(why, 0) + 1
-    n = self.stats.skipped_busy      # said at the 1st, 2nd, 4th, 8th... skip, not each
-    logger.log(logging.WARNING if n & (n - 1) == 0 else logging.DEBUG,
-               "step %d: save skipped: %s (%d skipped so far; saves due for storage wait "
-               "instead; on_busy='wait' waits)", step, detail or why, n)
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` now would save, exactly: the manager is open, ``step`` is
@@ -379,13 +299,13 @@ class CheckpointManager(OrbaxVerbs):
       return not self._closed and self._orbax_should_save(step)
     if self._closed or step % self.options.save_interval_steps:
       return False
-    d = self._schedule.peek(step, persisting=self._persisting())
+    d = self._flow.peek(step)
     if not d.snapshot or not self.options.host_snapshots:
       return d.snapshot and d.due
-    if self._never_skipped(d):
+    if self._flow.never_skipped(d):
       return True
     pending = self._pending
-    if pending is not None and not pending.done() and not self._done_within_grace(pending):
+    if pending is not None and not pending.done() and not self._flow.done_within_grace(pending):
       return False
     return self._store.has_free_slot()
 
@@ -396,10 +316,8 @@ class CheckpointManager(OrbaxVerbs):
           process_count=self._process[1], metadata=metadata, pool=self._copy_pool)
       del sources                     # release the device-buffer views at once
       self._store.commit(slot, manifest, persist_attempt=attempt)
-      if attempt is not None:
-        self._due[step] = (self._schedule.mark(), plan.nbytes)
     except BaseException as e:  # surfaced by the next save / wait
-      self._due.pop(step, None)
+      self._flow.forget(step)
       self._store.abort(slot)
       logger.exception("step %d: snapshot failed", step)
       with self._lock:
@@ -407,47 +325,11 @@ class CheckpointManager(OrbaxVerbs):
       return
     self.stats.committed += 1
     self.stats.last_snapshot_secs = secs = time.perf_counter() - t0
-    self._schedule.measure.copy.append(secs)
+    self.stats.last_nbytes = plan.nbytes
     self._log_entry("snapshot", step, t0, snapshot_secs=secs, nbytes=plan.nbytes,
                     snapshot_GBps=plan.nbytes / max(secs, 1e-9) / 1e9)
-    self.stats.last_nbytes = plan.nbytes
-    self._newest_step = step
-    self._note_persist_lag(step)
+    self._flow.committed(step, attempt is not None, plan.nbytes, secs)
     logger.debug("step %d: snapshot committed (%d bytes)", step, plan.nbytes)
-
-  def _note_persist_lag(self, step: int) -> None:
-    """Measures the persists that ended (for the job's plan; a trainer with an agent
-    says when its step is on storage) and updates ``stats``' persist lag as of
-    ``step`` (the newest committed), as the store last said."""
-    if self._persist_config is None:
-      return
-    status = self._store.persist_status(ask=False)
-    self._ended_persists(status)
-    self.stats.note_persist_lag(status, step, self._dir)
-
-  def _ended_persists(self, status: Any) -> None:
-    """Forgets the due steps whose persist ended (persisted, failed or fenced), measuring
-    how long each took (the job's plan reads it)."""
-    for s, (mark, nbytes) in list(self._due.items()):
-      if mark is not None and s not in status.pending:   # ended: persisted, failed or fenced
-        if self._due.pop(s, None) is None:
-          continue                       # (the other thread saw it end first)
-        # the loop's own time beside it: the plan's measure; one the loop mostly waited for
-        secs = self._schedule.clock() - mark[0]           # (wait_until_*) sets no pace
-        beside = self._schedule.loop_secs_since(mark)
-        self._schedule.measure.persist.append(beside if beside >= secs / 2 else 0.0)
-        self._log_entry("persist", s, mark[0], persisted=s in status.persisted,
-                        persist_secs=secs, nbytes=nbytes,
-                        persist_GBps=nbytes / max(secs, 1e-9) / 1e9)
-        if s in status.persisted and self.options.agent is not None:   # (its agent's log has
-          logger.info("step %d is on storage: %.1f MiB persisted by the snapshot agent within "
-                      "%.2f s of its snapshot (%.3g GB/s)", s, nbytes / 2**20, secs,
-                      nbytes / max(secs, 1e-9) / 1e9)                         # the details)
-
-  def _refresh_persist_stats(self) -> None:
-    """``stats``' persist lag as the store last said (a wait that returns leaves them current)."""
-    if self._newest_step is not None:
-      self._note_persist_lag(self._newest_step)
 
   def wait_until_finished(self, timeout_secs: float | None = None) -> None:
     """Blocks until every save so far has finished, as orbax's: the snapshot is
@@ -464,7 +346,7 @@ class CheckpointManager(OrbaxVerbs):
     self.wait_until_snapshotted(timeout)
     if self._persist_config is not None and self.options.host_snapshots:
       self._persists.wait_ended(self._store, timeout, "wait_until_finished")
-      self._refresh_persist_stats()
+      self._flow.note_lag()
     self._finalized()
 
   def wait_until_snapshotted(self, timeout_secs: float | None = None) -> None:
@@ -534,7 +416,7 @@ class CheckpointManager(OrbaxVerbs):
                 timeout_secs=timeout, late=lambda: (
                     f"step {step} is on {self._dir!r} but {self._persists.where} still "
                     f"reports its persist as running after {timeout} s"))
-    self._refresh_persist_stats()
+    self._flow.note_lag()
 
   def protected_steps(self) -> list[int]:
     """Steps whose parity every host's agent holds in full (parity on), oldest first:
@@ -598,7 +480,7 @@ class CheckpointManager(OrbaxVerbs):
     fenced = attempt is not None
     if fenced:
       self._persists.told.add(attempt)        # its persist's failure is moot now
-    self._due.pop(step, None)
+    self._flow.forget(step)
     stored = self._dir is not None and step in _tiers.storage_steps(self._dir)
     if stored and (self._process[0] == 0 or self._store.fences_job):
       universal.discard_step(self._dir, step, todelete_subdir=self._rules.todelete_subdir)

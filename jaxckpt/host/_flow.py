@@ -1,0 +1,185 @@
+"""A manager's flow of saves: the job's decision per call, and the persists it waits on.
+
+:class:`SaveFlow` is what the manager asks at each save (:mod:`jaxckpt.host._schedule`
+decides; this keeps what the decision needs): whether a persist this manager
+started has not ended, which saves may not be skipped and why, the persists
+that ended (measured by the loop's own time they ran beside: the plan's input),
+and ``stats`` kept current with the plan and the persist lag.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any, Callable
+
+from jaxckpt import errors
+from jaxckpt.host import _schedule
+
+# on_busy="skip" in a one-process job waits this fraction of the loop's time since the last
+# save (at most SKIP_GRACE_MAX_SECS) for a copy that is nearly done before it skips a save.
+SKIP_GRACE_FRACTION = 0.1
+SKIP_GRACE_MAX_SECS = 0.05
+
+logger = logging.getLogger("jaxckpt.manager")
+
+
+class SaveFlow:
+  """One manager's saves against its store.
+
+  Args:
+    schedule: the job's plan (:class:`jaxckpt.host._schedule.Schedule`).
+    store: the manager's HostStore (its persist status is read, never asked).
+    stats: the manager's ``SaveStats``.
+    on_storage: the steps known to be committed on storage (the manager's set).
+    directory: where it persists (None: nowhere).
+    options: the manager's ``CheckpointOptions``.
+    where: the store, as messages name it.
+    log_entry: the manager's ``logger=`` sink, ``(event, step, t0, **figures)``.
+  """
+
+  def __init__(self, schedule: _schedule.Schedule, store: Any, stats: Any,
+               on_storage: set[int], directory: str | None, *, options: Any, where: str,
+               log_entry: Callable[..., None]) -> None:
+    self.schedule, self.store, self.stats = schedule, store, stats
+    self.on_storage, self.directory, self.where = on_storage, directory, where
+    self.options, self.log_entry = options, log_entry
+    self.on_busy, self.agent = options.on_busy, options.agent is not None
+    self.last_save_at = time.perf_counter()
+    # due steps whose persist has not been seen to end -> (the schedule's mark at its
+    # commit, None while the snapshot is copied; its bytes)
+    self.due: dict[int, tuple[Any, int]] = {}
+    self.newest: int | None = None        # the newest step this manager committed
+
+  # -- the decision -----------------------------------------------------------
+
+  def decide(self, step: int, force: bool) -> _schedule.Decision:
+    d = self.schedule.decide(step, force=force, persisting=self.persisting())
+    self._note_plan()
+    return d
+
+  def peek(self, step: int) -> _schedule.Decision:
+    return self.schedule.peek(step, persisting=self.persisting())
+
+  def persisting(self) -> bool:
+    """Whether a persist this manager started has not ended, as the store last said (no
+    request; a due save whose commit is not answered yet counts as persisting)."""
+    if self.due and self.directory is not None:
+      self.ended(self.store.persist_status(ask=False))
+    return any(s not in self.on_storage for s in self.due)
+
+  def never_skipped(self, d: _schedule.Decision) -> str | None:
+    """Why a save that was decided may not be skipped (None: it may)."""
+    if d.due:
+      return "due for storage"
+    if self.schedule.agreed:
+      return "in the job's save plan: every process snapshots it"
+    return "on_busy='wait'" if self.on_busy == "wait" else None
+
+  def reserve_timeout(self, must: str | None) -> float:
+    """How long a save waits for the previous copy and a slot: 0 if it may skip."""
+    if not must:
+      return 0.0
+    o = self.options
+    return o.busy_timeout_secs if o.on_busy == "wait" else o.timeout_secs
+
+  def done_within_grace(self, pending: concurrent.futures.Future) -> bool:
+    """Waits for a copy that is nearly done, at most a tenth of the time the loop
+    took since the last save (a loaded machine's jitter, not a stall)."""
+    grace = min(SKIP_GRACE_FRACTION * (time.perf_counter() - self.last_save_at),
+                SKIP_GRACE_MAX_SECS)
+    done, _ = concurrent.futures.wait([pending], timeout=max(grace, 0.0))
+    return bool(done)
+
+  def skip_busy(self, step: int, why: str, detail: str = "") -> None:
+    st = self.stats
+    st.skipped_busy += 1
+    st.skip_reasons[why] = st.skip_reasons.get(why, 0) + 1
+    n = st.skipped_busy              # said at the 1st, 2nd, 4th, 8th... skip, not each
+    logger.log(logging.WARNING if n & (n - 1) == 0 else logging.DEBUG,
+               "step %d: save skipped: %s (%d skipped so far; saves due for storage wait "
+               "instead; on_busy='wait' waits)", step, detail or why, n)
+
+  def no_slot(self, step: int, must: str | None) -> None:
+    """A save found no free slot: skipped if it may be, else raises."""
+    status = self.store.persist_status()
+    if status.pending:
+      age = time.time() - status.oldest_since if status.oldest_since else 0.0
+      held = (f"every slot is held: persists of steps {list(status.pending)} to "
+              f"{self.directory!r} have not ended (the oldest was committed {age:.1f} s ago)")
+    else:
+      held = ("every slot is held by a committed step: one a restore still reads, or the "
+              "newest step protected by parity, kept until a newer one is protected")
+    if must:
+      raise errors.SnapshotTimeoutError(
+          f"save(step={step}) ({must}: never skipped): no slot of {self.where} freed up "
+          f"within {self.reserve_timeout(must)} s: {held}; storage is slower than the loop: "
+          "persist less often (persist_interval_steps), keep more snapshots (max_snapshots) "
+          "or wait longer (timeout_secs)")
+    self.skip_busy(step, "no snapshot slot is free (persists in flight)" if status.pending
+                   else "no snapshot slot is free", detail=held)
+
+  def _note_plan(self) -> None:
+    """Keeps ``stats`` current with the job's plan (several processes); says when it
+    changes."""
+    if not self.schedule.agreed:
+      return
+    p, st = self.schedule.plan, self.stats
+    if (p.snapshot_every, p.persist_every) != (st.snapshot_every, st.persist_every):
+      logger.info("the job now snapshots every %d save calls%s", p.snapshot_every,
+                  "" if not self.schedule.auto_persist else
+                  " and persists no more snapshots until a persist is measured"
+                  if p.persist_every is None else
+                  f" and persists every {p.persist_every} snapshots")
+      st.snapshot_every, st.persist_every = p.snapshot_every, p.persist_every
+
+  # -- the snapshot and its persist --------------------------------------------
+
+  def started(self, step: int, d: _schedule.Decision, nbytes: int, t0: float) -> None:
+    """``step``'s snapshot started at ``t0`` (``d.due``: its persist follows its commit)."""
+    self.last_save_at = t0
+    self.schedule.took(d)
+    if d.due:
+      self.due[step] = (None, nbytes)
+
+  def committed(self, step: int, due: bool, nbytes: int, copy_secs: float) -> None:
+    """``step``'s snapshot committed after ``copy_secs`` (the background thread)."""
+    if due:
+      self.due[step] = (self.schedule.mark(), nbytes)
+    self.schedule.measure.copy.append(copy_secs)
+    self.newest = step
+    self.note_lag()
+
+  def forget(self, step: int) -> None:
+    """``step``'s snapshot failed, or the step was deleted."""
+    self.due.pop(step, None)
+
+  def note_lag(self) -> None:
+    """Measures the persists that ended and updates ``stats``' persist lag as of the
+    newest committed step, as the store last said (a wait that returns calls it too)."""
+    if self.directory is None or self.newest is None:
+      return
+    status = self.store.persist_status(ask=False)
+    self.ended(status)
+    self.stats.note_persist_lag(status, self.newest, self.directory)
+
+  def ended(self, status: Any) -> None:
+    """Forgets the due steps whose persist ended (persisted, failed or fenced), measuring
+    each by the loop's own time it ran beside (a persist the loop mostly waited for,
+    in ``wait_until_*``, sets no pace); a trainer with an agent says when its step is
+    on storage (the agent's log has the details)."""
+    sch = self.schedule
+    for s, (mark, nbytes) in list(self.due.items()):
+      if mark is None or s in status.pending:
+        continue
+      if self.due.pop(s, None) is None:
+        continue                         # (the other thread saw it end first)
+      secs, beside = sch.clock() - mark[0], sch.loop_secs_since(mark)
+      sch.measure.persist.append(beside if beside >= secs / 2 else 0.0)
+      rate = nbytes / max(secs, 1e-9) / 1e9
+      self.log_entry("persist", s, mark[0], persisted=s in status.persisted,
+                     persist_secs=secs, nbytes=nbytes, persist_GBps=rate)
+      if s in status.persisted and self.agent:
+        logger.info("step %d is on storage: %.1f MiB persisted by the snapshot agent within "
+                    "%.2f s of its snapshot (%.3g GB/s)", s, nbytes / 2**20, secs, rate)
