@@ -12,7 +12,8 @@ from jaxckpt import errors
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent._server import Agent, serve
-from jaxckpt.agent.client import job_agents, start_agent, wait_exited
+from jaxckpt.agent._remote import job_agents
+from jaxckpt.agent.client import start_agent, wait_exited
 from jaxckpt.options import default_host_memory_limit_bytes
 
 

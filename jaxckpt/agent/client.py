@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -34,10 +34,11 @@ from jaxckpt.agent import _parity, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client
 from jaxckpt.host import _persist
-from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
-                              verify_shard)
+from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.host.store import HostStore, PersistError, PersistStatus, Slot
 from jaxckpt.options import AgentOptions
+from jaxckpt.agent._remote import (clients_of, complete_steps_of, job_agents,
+                                   open_remote_piece, _rebuilt_pieces)
 
 logger = logging.getLogger(__name__)
 
@@ -677,169 +678,3 @@ def _populate(buf: np.ndarray) -> None:
   except (OSError, AttributeError, ValueError):     # an older kernel: touch each page
     page = mmap.PAGESIZE
     buf[::page] = buf[::page]
-
-
-class RemotePiece:
-  """Another host's snapshot of a step, read from its agent over the bulk path.
-
-  ``fetch`` reads many shards at once (several streams, each shard verified
-  as soon as it has arrived); ``shard_array`` returns a verified shard,
-  reading it if no ``fetch`` did.
-  """
-
-  remote = True
-
-  def __init__(self, client: Client, manifest: SnapshotManifest) -> None:
-    self.client = client
-    self.manifest = manifest
-    self.bytes_read = 0
-    self._cache: dict[int, np.ndarray] = {}
-    self._lock = threading.Lock()            # parity rebuilds read spans from several threads
-
-  def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None:
-    """Reads and verifies the shards in ``wanted`` not read yet."""
-    with self._lock:
-      self._fetch(wanted)
-
-  def _fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None:
-    todo = list({s.offset: (leaf, s) for leaf, s in wanted if s.offset not in self._cache}.values())
-    if not todo:
-      return
-    step = self.manifest.step
-
-    def verify(i: int, data: np.ndarray) -> None:
-      leaf, shard = todo[i]
-      verify_shard(data, ShardRecord(shard.index, 0, shard.nbytes, shard.checksum),
-                   path=leaf.path, step=step)
-    got = self.client.read("snapshot", step, [(s.offset, s.nbytes) for _, s in todo],
-                           on_done=verify)
-    for (_, shard), data in zip(todo, got):
-      self._cache[shard.offset] = data
-      self.bytes_read += shard.nbytes
-
-  def span(self, start: int, nbytes: int) -> np.ndarray | None:
-    """Bytes ``[start, start + nbytes)`` of the snapshot, read through the shard
-    cache (so the shards a restore reads next are not read twice); None if
-    shards do not cover the range (the gaps between them are not kept)."""
-    end = start + nbytes
-    over = sorted(((leaf, s) for leaf in self.manifest.leaves for s in leaf.shards
-                   if s.offset < end and s.offset + s.nbytes > start), key=lambda x: x[1].offset)
-    pos = start
-    for _, s in over:
-      if s.offset > pos:
-        return None
-      pos = max(pos, s.offset + s.nbytes)
-    if pos < end:
-      return None
-    self.fetch(over)
-    if len(over) == 1:
-      s = over[0][1]
-      return self._cache[s.offset][start - s.offset:end - s.offset]
-    out = np.empty(nbytes, np.uint8)
-    for _, s in over:
-      lo, hi = max(start, s.offset), min(end, s.offset + s.nbytes)
-      out[lo - start:hi - start] = self._cache[s.offset][lo - s.offset:hi - s.offset]
-    return out
-
-  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
-    if shard.offset not in self._cache:
-      self.fetch([(leaf, shard)])
-    return self._cache[shard.offset].view(leaf.numpy_dtype).reshape(box_shape(shard.index))
-
-  def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray:
-    """A fetched shard is a fresh array of its own: private already."""
-    return self.shard_array(leaf, shard)
-
-
-def job_agents(run_root: str, job: str) -> dict[int, dict[str, Any]]:
-  """The live agents of ``job`` under ``run_root``, by host id."""
-  base = os.path.join(run_root, _paths.check_job_name(job))
-  out = {}
-  if os.path.isdir(base):
-    for name in os.listdir(base):
-      if name.startswith("host") and name[4:].isdigit():
-        info = read_address(os.path.join(base, name))
-        if info is not None:
-          out[int(name[4:])] = info
-  return out
-
-
-@contextlib.contextmanager
-def clients_of(agents: list[dict[str, Any]], job: str, *, timeout_secs: float, secret: bytes,
-               local_pid: int | None = None) -> Iterator[dict[int, Client]]:
-  """Clients of ``agents`` (address records), closed on exit, keyed 0, 1, ...
-  (two agents may share a host id: an old one on another machine after a
-  restart); each client knows its agent's ``host`` and ``pid``. The agent with
-  ``local_pid`` is reached through its ipc socket, the others over tcp."""
-  clients = {}
-  for i, info in enumerate(sorted(agents, key=lambda a: (a["host"], a["tcp"]))):
-    clients[i] = Client.of(info, who=f"snapshot agent of job {job!r} host {info['host']} "
-                           f"(pid {info['pid']}, {info['tcp']})", timeout_secs=timeout_secs,
-                           secret=secret, endpoint=info["ipc"] if info["pid"] == local_pid else None)
-  try:
-    yield clients
-  finally:
-    for c in clients.values():
-      c.close()
-
-
-@contextlib.contextmanager
-def job_clients(run_root: str, job: str, *, timeout_secs: float,
-                secret: bytes | None = None) -> Iterator[dict[int, Client]]:
-  """Clients of every live agent of ``job`` under ``run_root`` (see :func:`clients_of`)."""
-  with clients_of(list(job_agents(run_root, job).values()), job, timeout_secs=timeout_secs,
-                  secret=secret or _paths.job_secret(run_root, job)) as clients:
-    yield clients
-
-
-def complete_steps_of(clients: dict[int, Client]) -> list[int]:
-  """Steps for which the agents together hold every saving process's snapshot.
-
-  An agent that does not answer is left out (with a warning): its pieces count as lost.
-  """
-  seen: dict[int, tuple[int, set[int]]] = {}
-  for c in clients.values():
-    try:
-      held = c.call("held")[0].held
-    except errors.AgentUnavailableError as e:
-      logger.warning("skipping %s: %s", c.who, e)
-      continue
-    for step, index, count in held:
-      seen.setdefault(step, (count, set()))[1].add(index)
-  return sorted(s for s, (count, idx) in seen.items() if idx == set(range(count)))
-
-
-# How long another agent keeps this reader's pin on a step without a read of it (a
-# dead reader's pin ends then; each read renews it).
-READ_LEASE_SECS = 60.0
-
-
-def open_remote_piece(client: Client, step: int,
-                      stack: contextlib.ExitStack) -> RemotePiece | None:
-  """The agent's snapshot of ``step``, pinned until ``stack`` closes; None if it holds none."""
-  if step not in {s for s, _, _ in client.call("held")[0].held}:
-    return None
-  r = client.call("open", pid=os.getpid(), step=step, lease_secs=READ_LEASE_SECS)[0]
-  stack.callback(_unpin, client, step, r.index, r.reader)
-  manifest = SnapshotManifest.from_json(r.manifest)
-  return RemotePiece(client, manifest)
-
-
-def _rebuilt_pieces(clients: dict[int, Client], step: int, pieces: list[Any]) -> list[Any]:
-  """The snapshots of the saving processes that no live agent holds, from parity."""
-  if not pieces:
-    raise errors.UnrecoverableLossError(f"step {step}: no host holds any piece of it")
-  count = pieces[0].manifest.process_count
-  lost = sorted(set(range(count)) - {p.manifest.process_index for p in pieces})
-  if not lost:
-    return []
-  from jaxckpt.restore._read import BufferPiece  # pylint: disable=import-outside-toplevel  (JAX: trainer side only; the agent process imports this module)
-  have = {p.manifest.process_index: p for p in pieces}   # their bytes are not read twice
-  rebuilt = _parity.recover(clients, step, lost, have=have)
-  logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)
-  return [BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]
-
-
-def _unpin(client: Client, step: int, index: int, reader: int | None = None) -> None:
-  with contextlib.suppress(OSError):
-    client.call("close", pid=os.getpid(), step=step, index=index, reader=reader)

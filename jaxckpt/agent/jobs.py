@@ -22,7 +22,7 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
-from jaxckpt.agent.client import job_agents
+from jaxckpt.agent._remote import job_agents
 
 
 @dataclasses.dataclass

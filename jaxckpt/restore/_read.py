@@ -53,7 +53,7 @@ class RestoreInfo:
 
 class Piece(Protocol):
   """One saving process's snapshot of a step, as a restore reads it: held here
-  (:class:`BufferPiece`) or by another host's agent (``agent.client.RemotePiece``,
+  (:class:`BufferPiece`) or by another host's agent (``agent._remote.RemotePiece``,
   ``remote``: read ahead over the network by ``fetch``)."""
 
   manifest: SnapshotManifest
