@@ -37,8 +37,8 @@ from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
 
-TIME_KEY = "jaxckpt.time"          # a step's save time (seconds since the epoch), orbax managers
-METRICS_KEY = "jaxckpt.metrics"    # the metrics given to save(metrics=)
+TIME_KEY = _items.TIME_KEY          # a step's save time (seconds since the epoch), orbax managers
+METRICS_KEY = _items.METRICS_KEY    # the metrics given to save(metrics=)
 ROOT_METADATA = "root_metadata.json"   # CheckpointManager(metadata=...), beside the steps
 _EPOCH = datetime.datetime.fromtimestamp(0, tz=datetime.timezone.utc)
 
