@@ -90,8 +90,13 @@ class CheckpointOptions:
     agent: keep snapshots in a per-host snapshot agent process (they survive a
       trainer crash); None keeps them in this process.
     persist_interval_steps: with a ``directory``, every snapshot whose step is
-      a multiple of this is also written to storage in the universal format
-      (None: every snapshot).
+      a multiple of this is also written to storage in the universal format.
+      None: the first snapshot, then as storage keeps up (a one-process job
+      persists a snapshot whenever its previous persist has ended, a job of
+      several processes every m-th, m from the measured persist time:
+      docs/planning.md), so snapshots between persists, the newest ones of a
+      run included, stay in host memory only; ``save(step, force=True)``
+      persists ``step``.
     max_to_keep: persisted steps kept on storage (None: all).
     parity: Reed-Solomon parity across the hosts' agents
       (``jaxckpt.ParityOptions``): after each committed snapshot the agents
