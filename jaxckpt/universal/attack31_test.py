@@ -1,6 +1,7 @@
 """import-orbax as an orbax user runs it: a best_fn run's steps, and the paths a user mistypes."""
 
 import datetime
+import logging
 import os
 
 import jax.numpy as jnp
@@ -81,3 +82,15 @@ def test_import_orbax_of_an_orbax_step_or_item_directory_names_the_root(tmp_path
     err = capsys.readouterr().err
     assert want in err, err
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_importing_a_composite_step_logs_no_warning(tmp_path, caplog):
+  """orbax's checkpointer warns that an item directory has no step metadata: nothing a user
+  can act on, so the import reads each item with orbax's handler instead."""
+  src = str(tmp_path / "orbax")
+  with ocp.CheckpointManager(src) as m:
+    m.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": jnp.ones(3)}),
+                                      cfg=ocp.args.JsonSave({"a": 1})))
+  with caplog.at_level(logging.WARNING):
+    assert ox.import_orbax(src, str(tmp_path / "ck")) == 7
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
