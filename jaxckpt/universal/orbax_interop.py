@@ -246,8 +246,10 @@ def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool, key_impl: str
 
 
 def orbax_tree(item_dir: str) -> tuple[Any, bool]:
-  """Orbax's metadata tree of one saved item, and whether it used zarr v3."""
-  meta = ocp.StandardCheckpointer().metadata(item_dir)
+  """Orbax's metadata tree of one saved item, and whether it used zarr v3 (read by orbax's
+  handler: its checkpointer warns of an item directory's missing step metadata)."""
+  from etils import epath  # pylint: disable=import-outside-toplevel  (orbax's path type)
+  meta = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir))
   meta = getattr(meta, "item_metadata", meta)
   return getattr(meta, "tree", meta), bool(getattr(meta, "use_zarr3", False))
 
