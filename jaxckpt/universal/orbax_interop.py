@@ -82,7 +82,8 @@ def _not_importable(orbax_dir: str) -> str | None:
     return None                      # a pytree save: imported as it is
   def step_dir(d: str) -> int | None:
     m = _STEP_NAME.fullmatch(os.path.basename(d))
-    return int(m.group(1)) if m and os.path.exists(os.path.join(d, "_CHECKPOINT_METADATA")) else None
+    finalized = os.path.exists(os.path.join(d, "_CHECKPOINT_METADATA"))
+    return int(m.group(1)) if m and finalized else None
   parent = os.path.dirname(orbax_dir)
   if (n := step_dir(orbax_dir)) is not None:
     root, extra = parent, f"--step {n}"
