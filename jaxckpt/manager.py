@@ -100,7 +100,7 @@ class CheckpointManager(OrbaxVerbs):
 
   ``logger=`` takes orbax's loggers, any object with ``log_entry(dict)``, or a
   callable taking the dict: one entry per event, each with ``event_type``,
-  ``step``, ``directory`` and ``start_time``: ``"save"`` (``blocking_secs``,
+  ``step``, ``directory`` and ``start_time`` (wall-clock seconds): ``"save"`` (``blocking_secs``,
   ``skipped_busy``, ``skipped_plan``, ``persist_lag_steps``,
   ``persist_lag_secs``), ``"snapshot"`` (``snapshot_secs``, ``nbytes``,
   ``snapshot_GBps``), ``"persist"`` (``persisted``, ``persist_secs``,
@@ -425,7 +425,7 @@ class CheckpointManager(OrbaxVerbs):
         if self._due.pop(s, None) is None:
           continue                       # (the other thread saw it end first)
         self._schedule.measure.persist.append(now - at)
-        self._log_entry("persist", s, at, persisted=s in status.persisted,
+        self._log_entry("persist", s, at, clock=time.monotonic, persisted=s in status.persisted,
                         persist_secs=now - at, nbytes=nbytes,
                         persist_GBps=nbytes / max(now - at, 1e-9) / 1e9)
         if s in status.persisted and self.options.agent is not None:   # (its agent's log has

@@ -23,7 +23,7 @@ import logging
 import time
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -357,15 +357,17 @@ class OrbaxVerbs:
       return tree.nest(out) if t is None else out
     return self._forms.restore(args, target, partial, leaves, dict(source.reader_.metadata), read)
 
-  def _log_entry(self, event: str, step: int, t0: float, **figures: Any) -> None:
+  def _log_entry(self, event: str, step: int, t0: float, *,
+                 clock: Callable[[], float] = time.perf_counter, **figures: Any) -> None:
     """Hands ``logger=`` (orbax's ``AbstractLogger``: anything with ``log_entry(dict)``,
     or a plain callable taking the dict) one entry: orbax's fields, and jaxckpt's
-    figures of the event (see :func:`jaxckpt.manager.CheckpointManager`)."""
+    figures of the event (see :func:`jaxckpt.manager.CheckpointManager`). ``t0``, read
+    from ``clock``, becomes ``start_time`` in wall-clock seconds, as orbax's."""
     sink = self._orbax_logger
     if sink is None:
       return
-    entry = {"event_type": event, "step": step, "directory": str(self._dir), "start_time": t0,
-             **figures}
+    entry = {"event_type": event, "step": step, "directory": str(self._dir),
+             "start_time": time.time() - (clock() - t0), **figures}
     try:
       (sink.log_entry if hasattr(sink, "log_entry") else sink)(entry)
     except Exception as e:  # pylint: disable=broad-except  (a metrics sink never fails a save)
