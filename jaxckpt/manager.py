@@ -96,7 +96,7 @@ class CheckpointManager(OrbaxVerbs):
 
   ``logger=`` takes orbax's loggers, any object with ``log_entry(dict)``, or a
   callable taking the dict: one entry per event, each with ``event_type``,
-  ``step``, ``directory`` and ``start_time``: ``"save"`` (``blocking_secs``,
+  ``step``, ``directory`` and ``start_time`` (wall-clock seconds): ``"save"`` (``blocking_secs``,
   ``skipped_busy``, ``skipped_plan``, ``persist_lag_steps``,
   ``persist_lag_secs``), ``"snapshot"`` (``snapshot_secs``, ``nbytes``,
   ``snapshot_GBps``), ``"persist"`` (``persisted``, ``persist_secs``,

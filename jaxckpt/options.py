@@ -26,20 +26,35 @@ def check_job_name(job: str) -> str:
 
 
 def check_step(step: Any, where: str) -> int:
-  """``step`` as an int if it is a Python or numpy integer in [0, 2**63); else raises.
+  """``step`` as an int if it is a Python or numpy integer, or a 0-d integer array (as
+  orbax takes ``optimizer.step.value``), in [0, 2**63); else raises.
 
   >>> check_step(np.int64(3), "save")
   3
+  >>> check_step(np.asarray(4, np.uint32), "save")
+  4
   """
+  if _integer_scalar_array(step):
+    step = int(step)
   if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
     raise errors.InvalidArgumentError(
-        f"{where}(step={step!r}): a step is a non-negative int (Python or numpy integer), "
-        f"not a {type(step).__name__}")
+        f"{where}(step={step!r}): a step is a non-negative int (Python or numpy integer, or a "
+        f"0-d integer array), not a {type(step).__name__}")
   value = int(step)
   if not 0 <= value < 2**63:
     raise errors.InvalidArgumentError(
         f"{where}(step={step!r}): a step must be in [0, 2**63)")
   return value
+
+
+def _integer_scalar_array(x: Any) -> bool:
+  """Whether ``x`` is a 0-d array (numpy or jax) of an integer dtype."""
+  if isinstance(x, (int, np.generic)) or getattr(x, "shape", None) != ():
+    return False
+  try:
+    return np.issubdtype(x.dtype, np.integer)
+  except TypeError:                 # a dtype numpy does not know (a PRNG key's)
+    return False
 
 
 def default_copy_threads() -> int:
@@ -75,8 +90,13 @@ class CheckpointOptions:
     agent: keep snapshots in a per-host snapshot agent process (they survive a
       trainer crash); None keeps them in this process.
     persist_interval_steps: with a ``directory``, every snapshot whose step is
-      a multiple of this is also written to storage in the universal format
-      (None: every snapshot).
+      a multiple of this is also written to storage in the universal format.
+      None: the first snapshot, then as storage keeps up (a one-process job
+      persists a snapshot whenever its previous persist has ended, a job of
+      several processes every m-th, m from the measured persist time:
+      docs/planning.md), so snapshots between persists, the newest ones of a
+      run included, stay in host memory only; ``save(step, force=True)``
+      persists ``step``.
     max_to_keep: persisted steps kept on storage (None: all).
     parity: Reed-Solomon parity across the hosts' agents
       (``jaxckpt.ParityOptions``): after each committed snapshot the agents

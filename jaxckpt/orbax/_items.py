@@ -34,6 +34,8 @@ from jaxckpt.orbax import _targets
 
 ITEMS_KEY = "jaxckpt.items"       # {name: kind} of a Composite step
 ITEM_KEY = "jaxckpt.item"         # the kind of a single item saved through args=
+TIME_KEY = "jaxckpt.time"         # a step's save time (seconds since the epoch), orbax managers
+METRICS_KEY = "jaxckpt.metrics"   # the metrics given to save(metrics=)
 DEFAULT = "default"               # orbax's name of the single item
 ROW_BYTES = 1 << 16               # a Grain iterator's state is a few hundred bytes of JSON
 _LEN_BYTES = 8

@@ -23,7 +23,7 @@ import logging
 import time
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -37,8 +37,8 @@ from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
 
-TIME_KEY = "jaxckpt.time"          # a step's save time (seconds since the epoch), orbax managers
-METRICS_KEY = "jaxckpt.metrics"    # the metrics given to save(metrics=)
+TIME_KEY = _items.TIME_KEY          # a step's save time (seconds since the epoch), orbax managers
+METRICS_KEY = _items.METRICS_KEY    # the metrics given to save(metrics=)
 ROOT_METADATA = "root_metadata.json"   # CheckpointManager(metadata=...), beside the steps
 _EPOCH = datetime.datetime.fromtimestamp(0, tz=datetime.timezone.utc)
 
@@ -357,15 +357,17 @@ class OrbaxVerbs:
       return tree.nest(out) if t is None else out
     return self._forms.restore(args, target, partial, leaves, dict(source.reader_.metadata), read)
 
-  def _log_entry(self, event: str, step: int, t0: float, **figures: Any) -> None:
+  def _log_entry(self, event: str, step: int, t0: float, *,
+                 clock: Callable[[], float] = time.perf_counter, **figures: Any) -> None:
     """Hands ``logger=`` (orbax's ``AbstractLogger``: anything with ``log_entry(dict)``,
     or a plain callable taking the dict) one entry: orbax's fields, and jaxckpt's
-    figures of the event (see :func:`jaxckpt.manager.CheckpointManager`)."""
+    figures of the event (see :func:`jaxckpt.manager.CheckpointManager`). ``t0``, read
+    from ``clock``, becomes ``start_time`` in wall-clock seconds, as orbax's."""
     sink = self._orbax_logger
     if sink is None:
       return
-    entry = {"event_type": event, "step": step, "directory": str(self._dir), "start_time": t0,
-             **figures}
+    entry = {"event_type": event, "step": step, "directory": str(self._dir),
+             "start_time": time.time() - (clock() - t0), **figures}
     try:
       (sink.log_entry if hasattr(sink, "log_entry") else sink)(entry)
     except Exception as e:  # pylint: disable=broad-except  (a metrics sink never fails a save)

@@ -26,6 +26,9 @@ import numpy as np
 from jaxckpt import errors
 
 ITEMS_KEY = "jaxckpt.items"
+TIME_KEY = "jaxckpt.time"          # a manager's record of the step's save time (epoch seconds)
+METRICS_KEY = "jaxckpt.metrics"    # save(metrics=...)
+OWN_PREFIX = "jaxckpt."            # jaxckpt's records; the rest is the user's metadata
 PYTREE, JSON, GRAIN = "pytree", "json", "grain"
 _LEN_BYTES = 8
 

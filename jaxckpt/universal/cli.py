@@ -7,6 +7,7 @@ runs the two commands on their own.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -243,7 +244,13 @@ def inspect_command(args: argparse.Namespace) -> int:
   print(f"{args.directory}: step {reader.step} (committed steps: {steps})")
   print(f"written by {reader.process_count} process(es); {len(reader.leaves)} leaves, "
         f"{human_bytes(total)}")
-  meta = {k: v for k, v in reader.metadata.items() if k != items.ITEMS_KEY}
+  own = reader.metadata
+  if isinstance(own.get(items.TIME_KEY), (int, float)):
+    when = datetime.datetime.fromtimestamp(own[items.TIME_KEY], tz=datetime.timezone.utc)
+    print(f"saved at {when:%Y-%m-%d %H:%M:%S} UTC")
+  if own.get(items.METRICS_KEY) is not None:
+    print(f"metrics: {json.dumps(own[items.METRICS_KEY], sort_keys=True)}")
+  meta = {k: v for k, v in own.items() if not k.startswith(items.OWN_PREFIX)}
   if meta:
     print(f"metadata: {json.dumps(meta, sort_keys=True)}")
   row_items = {items.path_of(n): k for n, k in items.kinds(reader.metadata).items()

@@ -49,13 +49,63 @@ READ_TIMEOUT_SECS = 600.0
 
 
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
+METRICS_ITEM = "metrics"     # orbax's manager saves save(metrics=...) as this JSON item
+_STEP_NAME = re.compile(r"(?:.*_)?(\d+)")
 
 
-def _step_items(orbax_dir: str, step: int | None) -> tuple[int | None, dict[str, tuple]]:
-  """The step (None for a bare checkpointer save) and its items: ``{name: (kind, dir,
-  handler)}``, kind None for an item import_orbax cannot read."""
+@dataclasses.dataclass
+class _Source:
+  """What an import reads: the orbax step (None for a bare checkpointer save), its items
+  (``{name: (kind, dir, handler)}``, kind None for one import_orbax cannot read), whether
+  they are one item or a Composite, the step's ``_CHECKPOINT_METADATA`` and the directory
+  of orbax's ``metrics`` item (the step's metrics, not an item of the user's)."""
+
+  step: int | None
+  items: dict[str, tuple]
+  single: bool
+  step_meta: dict[str, Any]
+  metrics_dir: str | None = None
+
+
+def _not_importable(orbax_dir: str) -> str | None:
+  """Why ``orbax_dir`` is not a directory import_orbax reads (a jaxckpt checkpoint, or a step or
+  item directory inside an orbax CheckpointManager directory), naming what to pass; or None."""
+  up = orbax_dir
+  for _ in range(4):                 # a jaxckpt checkpoint, or a directory inside one
+    if os.path.isdir(os.path.join(up, lay.COMMITS_PREFIX)):
+      where = "" if up == orbax_dir else f" (inside the jaxckpt checkpoint {up!r})"
+      return (f"{orbax_dir!r} is a jaxckpt checkpoint (universal format){where}, not an orbax "
+              f"one: no import is needed; restore it with jaxckpt.CheckpointManager({up!r}) or "
+              f"look at it with: jaxckpt inspect {up}")
+    up = os.path.dirname(up)
   if os.path.exists(os.path.join(orbax_dir, "_METADATA")):
-    return None, {"": ("pytree", orbax_dir, None)}
+    return None                      # a pytree save: imported as it is
+  def step_dir(d: str) -> int | None:
+    m = _STEP_NAME.fullmatch(os.path.basename(d))
+    finalized = os.path.exists(os.path.join(d, "_CHECKPOINT_METADATA"))
+    return int(m.group(1)) if m and finalized else None
+  parent = os.path.dirname(orbax_dir)
+  if (n := step_dir(orbax_dir)) is not None:
+    root, extra = parent, f"--step {n}"
+    what = f"step {n}'s directory of the orbax CheckpointManager directory {root!r}"
+  elif (n := step_dir(parent)) is not None:
+    root, name = os.path.dirname(parent), os.path.basename(orbax_dir)
+    extra = f"--step {n} --item {name}"
+    what = f"item {name!r} of step {n} of the orbax CheckpointManager directory {root!r}"
+  else:
+    return None
+  return (f"{orbax_dir!r} is {what}, not its root; pass the root: "
+          f"jaxckpt import-orbax {root} DST {extra}")
+
+
+def _step_items(orbax_dir: str, step: int | None
+                ) -> tuple[int | None, dict[str, tuple], dict[str, Any]]:
+  """The step (None for a bare checkpointer save), its items (``{name: (kind, dir,
+  handler)}``, kind None for an item import_orbax cannot read) and its metadata."""
+  if (why := _not_importable(orbax_dir)):
+    raise errors.InvalidArgumentError(why)
+  if os.path.exists(os.path.join(orbax_dir, "_METADATA")):
+    return None, {"": ("pytree", orbax_dir, None)}, {}
   steps = sorted(ocp.path.step.checkpoint_steps(orbax_dir))
   if not steps:
     raise errors.StepNotFoundError(
@@ -69,16 +119,18 @@ def _step_items(orbax_dir: str, step: int | None) -> tuple[int | None, dict[str,
                                               step=step))
   try:
     with open(os.path.join(step_dir, "_CHECKPOINT_METADATA"), encoding="utf-8") as f:
-      handlers = json.load(f).get("item_handlers") or {}
+      step_meta = json.load(f)
   except (OSError, ValueError):
-    handlers = {}
+    step_meta = {}
+  step_meta = step_meta if isinstance(step_meta, dict) else {}
+  handlers = step_meta.get("item_handlers") or {}
   items = {}
   for name in sorted(os.listdir(step_dir)):
     where = os.path.join(step_dir, name)
     if os.path.isdir(where) and "orbax-checkpoint-tmp" not in name:
       handler = handlers.get(name) if isinstance(handlers, dict) else None
       items[name] = (_item_kind(where, handler), where, handler)
-  return step, items
+  return step, items, step_meta
 
 
 def _item_kind(item_dir: str, handler: str | None) -> str | None:
@@ -96,11 +148,14 @@ def _item_kind(item_dir: str, handler: str | None) -> str | None:
   return None
 
 
-def _selected(orbax_dir: str, step: int | None, item: str | None
-              ) -> tuple[int | None, dict[str, tuple], bool]:
+def _selected(orbax_dir: str, step: int | None, item: str | None) -> _Source:
   """The items to import and whether they are one (the step's only item, orbax's
-  ``default``, or ``item``) or a Composite."""
-  found, items = _step_items(orbax_dir, step)
+  ``default``, or ``item``) or a Composite. Without ``item``, orbax's ``metrics`` item
+  beside others is the step's metrics (orbax's manager reads it so), not an item."""
+  found, items, step_meta = _step_items(orbax_dir, step)
+  metrics_dir = None
+  if item is None and len(items) > 1 and items.get(METRICS_ITEM, (None,))[0] == "json":
+    metrics_dir = items.pop(METRICS_ITEM)[1]
   if item is not None:
     if item not in items:
       raise errors.StepNotFoundError(
@@ -117,7 +172,7 @@ def _selected(orbax_dir: str, step: int | None, item: str | None
   if not items:
     raise errors.ManifestError(f"orbax step {found} in {orbax_dir!r} holds no items")
   single = item is not None or list(items) in ([""], ["default"])
-  return found, items, single
+  return _Source(found, items, single, step_meta, metrics_dir)
 
 
 def _open_orbax_array(item_dir: str, name: str, use_zarr3: bool) -> ts.TensorStore:
@@ -192,8 +247,10 @@ def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool, key_impl: str
 
 
 def orbax_tree(item_dir: str) -> tuple[Any, bool]:
-  """Orbax's metadata tree of one saved item, and whether it used zarr v3."""
-  meta = ocp.StandardCheckpointer().metadata(item_dir)
+  """Orbax's metadata tree of one saved item, and whether it used zarr v3 (read by orbax's
+  handler: its checkpointer warns of an item directory's missing step metadata)."""
+  from etils import epath  # pylint: disable=import-outside-toplevel  (orbax's path type)
+  meta = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir))
   meta = getattr(meta, "item_metadata", meta)
   return getattr(meta, "tree", meta), bool(getattr(meta, "use_zarr3", False))
 
@@ -201,9 +258,8 @@ def orbax_tree(item_dir: str) -> tuple[Any, bool]:
 def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = None) -> int:
   """Bytes of array data :func:`import_orbax` would copy (for progress bars)."""
   import jax  # pylint: disable=import-outside-toplevel
-  _, items, _ = _selected(os.path.abspath(orbax_dir), step, item)
   total = 0
-  for kind, item_dir, _ in items.values():
+  for kind, item_dir, _ in _selected(os.path.abspath(orbax_dir), step, item).items.values():
     if kind == "array":
       total += sum(i.nbytes for i in _array_item(item_dir, "", None, "plain")[0].values())
     if kind == "pytree":
@@ -312,7 +368,8 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
   if layout not in LAYOUTS:
     raise errors.InvalidArgumentError(f"import_orbax layout={layout!r}: expected one of {LAYOUTS}")
   orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
-  found, items, single = _selected(orbax_dir, step, item)
+  source = _selected(orbax_dir, step, item)
+  found, items, single = source.step, source.items, source.single
   dst_step = (found or 0) if dst_step is None else dst_step
   if dst_step in _commit.all_steps(dst_dir):
     raise errors.StepAlreadyExistsError(
@@ -331,9 +388,10 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
         "metadata gives an empty tree); point it at a StandardSave / StandardCheckpointer "
         "save (the directory with _METADATA, or the CheckpointManager directory)")
   kinds = {n: kind for n, (kind, _, _) in items.items()}
-  metadata: dict[str, Any] = {"imported_from": {
+  metadata = _step_metadata(source)
+  metadata["imported_from"] = {
       "orbax": orbax_dir, "step": found,
-      "item": None if found is None else (next(iter(kinds)) if single else sorted(kinds))}}
+      "item": None if found is None else (next(iter(kinds)) if single else sorted(kinds))}
   if single:
     if (kind := next(iter(kinds.values()))) != "pytree":
       metadata[_items.ITEM_KEY] = kind
@@ -343,6 +401,20 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
   log.info("imported %d leaves of %s (items %s) into step %d of %s", len(leaves), orbax_dir,
            sorted(kinds), dst_step, dst_dir)
   return dst_step
+
+
+def _step_metadata(source: _Source) -> dict[str, Any]:
+  """What orbax's manager kept of the step, as a jaxckpt manager keeps it: the
+  ``custom_metadata`` given to ``save()``, its time and its metrics (``best_fn`` ranks by
+  them; a time-based preservation policy reads the time)."""
+  meta = source.step_meta
+  out = dict(meta.get("custom_metadata") or {})
+  nsecs = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs")
+  if nsecs:
+    out[_items.TIME_KEY] = nsecs / 1e9
+  if source.metrics_dir is not None:
+    out[_items.METRICS_KEY] = _json_value(source.metrics_dir)
+  return out
 
 
 def _pytree_item(item_dir: str, prefix: str, progress: Any, layout: str
@@ -373,14 +445,19 @@ def _json_item(item_dir: str, prefix: str, progress: Any, layout: str
                ) -> tuple[dict[str, man.LeafInfo], dict[str, Any]]:
   """A JsonSave item: its JSON text, one string leaf."""
   del progress, layout
+  text = json.dumps(_json_value(item_dir))
+  return {prefix: man.LeafInfo(path=prefix, kind="scalar", value=text)}, {}
+
+
+def _json_value(item_dir: str) -> Any:
+  """The value a JsonSave item holds (its one JSON file)."""
   files = [n for n in os.listdir(item_dir) if not n.startswith(".") and n != "commit_success.txt"
            and os.path.isfile(os.path.join(item_dir, n))]
   if len(files) != 1:
     raise errors.ManifestError(f"orbax JSON item {item_dir!r} holds files {sorted(files)}, "
                                "not one JSON file")
   with open(os.path.join(item_dir, files[0]), encoding="utf-8") as f:
-    text = json.dumps(json.load(f))
-  return {prefix: man.LeafInfo(path=prefix, kind="scalar", value=text)}, {}
+    return json.load(f)
 
 
 def _array_item(item_dir: str, prefix: str, progress: Any, layout: str
