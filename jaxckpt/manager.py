@@ -524,11 +524,12 @@ class CheckpointManager(OrbaxVerbs):
                     skipped_steps=[s for s, _ in r.skipped])
     return out
 
-  def _read(self, step: int | None, target: Any, partial: bool) -> Any:
+  def _read(self, step: int | None, target: Any, partial: bool, onto: Any = None) -> Any:
     out, self.last_restore = _tiers.restore(self._store, self._dir, step, target,
                                             partial=partial,
-                                            timeout_secs=self.options.timeout_secs)
-    return tree.nest(out) if target is None else out
+                                            timeout_secs=self.options.timeout_secs,
+                                            writes=not self._rules.read_only, onto=onto)
+    return tree.nest(out) if target is None and onto is None else out
 
   # -- preemption -----------------------------------------------------------
 

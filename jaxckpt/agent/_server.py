@@ -614,8 +614,12 @@ REMOTE_LEASE_SECS = 60.0
 _WATCHING = (_requests.Status, _requests.JobView)
 
 
-def handle(agent: Agent, frames: list[Any], *, remote: bool = False) -> list[bytes]:
-  """One request's reply frames; ``remote``: it came over tcp (a pin it takes is leased)."""
+def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
+           peer_pid: int | None = None) -> list[bytes]:
+  """One request's reply frames; ``remote``: it came over tcp (a pin it takes is leased).
+  ``peer_pid``: the caller's pid as the kernel gives it for a local (ipc) connection, in
+  this agent's pid namespace: a request's ``pid`` (the caller's own, in its namespace:
+  a containerised trainer is pid 1 there, each time it restarts) stands for it."""
   try:
     req = _protocol.verify(agent.secret, frames, agent.replays)
   except Exception as e:  # pylint: disable=broad-except  (refused, logged, never run)
@@ -630,6 +634,8 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False) -> list[byt
                             "error": f"{op!r} arrived after its deadline; not applied"})]
   try:
     request = _requests.decode(req)
+    if peer_pid and getattr(request, "pid", None) not in (None, peer_pid):
+      request = dataclasses.replace(request, pid=peer_pid)
     if remote and isinstance(request, _requests.Open) and request.lease_secs is None:
       request = dataclasses.replace(request, lease_secs=REMOTE_LEASE_SECS)
     handler = HANDLERS[type(request)]
@@ -676,7 +682,9 @@ def serve(agent: Agent) -> None:
           break
         continue
       ident, empty, *frames = sock.recv_multipart(copy=False)
-      sock.send_multipart([ident, empty, *handle(agent, frames, remote=_over_tcp(empty))],
+      remote = _over_tcp(empty)
+      sock.send_multipart([ident, empty, *handle(agent, frames, remote=remote,
+                                                 peer_pid=None if remote else _ipc_pid(empty))],
                           copy=False)  # no 2nd copy
   finally:
     sock.close(linger=1000)
@@ -698,6 +706,17 @@ def _over_tcp(frame: Any) -> bool:
     return not str(frame.get("Peer-Address")).startswith("localhost:")
   except (zmq.ZMQError, AttributeError):
     return True
+
+
+def _ipc_pid(frame: Any) -> int | None:
+  """The pid of an ipc peer in this process's pid namespace (from the socket's
+  credentials: ``localhost:uid:gid:pid``); None where unknown, or not visible here
+  (0: a sibling namespace, whose pids mean nothing here either)."""
+  try:
+    pid = int(str(frame.get("Peer-Address")).rsplit(":", 1)[1])
+  except (zmq.ZMQError, AttributeError, IndexError, ValueError):
+    return None
+  return pid if pid > 0 else None
 
 
 def _checked(ranges: list[list[int]], size: int, what: str) -> list[tuple[int, int]]:

@@ -6,7 +6,9 @@ a handler, so a healthy trainer never pauses to serve a recovering peer. (The
 all-reduce's bytes travel on their own streams: :mod:`jaxckpt.ft._links`.)
 
 Every message is sealed with the job's secret (:mod:`jaxckpt.net._wire`); one that
-is not is refused, logged, and never reaches the handler.
+is not, or that was accepted before (a captured request replayed: each could make a
+healthy group read and send its whole state again), is refused, logged, and never
+reaches the handler.
 
 A request may carry ``wait`` (seconds): a handler that cannot answer it yet
 returns :data:`LATER`, and the serving thread asks it again (every millisecond
@@ -43,7 +45,8 @@ class PeerServer:
   def __init__(self, ctx: zmq.Context, host: str, handler: Handler, *, secret: bytes,
                drop: Callable[[], bool] = lambda: False):
     self._secret = secret
-    self.refused = 0            # messages not sealed with the job's secret
+    self.refused = 0            # messages not sealed with the job's secret, or replayed
+    self._replays = _wire.Replays()   # each request is served at most once
     self._sock = _wire.socket(ctx, zmq.ROUTER)
     self.address = f"{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
     self._handler = handler
@@ -63,7 +66,7 @@ class PeerServer:
       if frames is None or self._drop():
         continue
       try:
-        header, raw = _wire.open_(self._secret, frames[1:])
+        header, raw = _wire.open_(self._secret, frames[1:], replays=self._replays)
       except errors.PermissionDeniedError as e:
         self.refused += 1
         logger.warning("peer %s refused a message: %s", self.address, e)

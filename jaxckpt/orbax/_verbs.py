@@ -329,12 +329,16 @@ class OrbaxVerbs:
     return ocp.metadata.RootMetadata(custom_metadata=dict(given or {}))
 
   def _restore_forms(self, step: int | None, target: Any, args: Any, partial: bool) -> Any:
-    """A restore of orbax's ``args`` (or as saved): the step's items read onto their targets."""
+    """A restore of orbax's ``args`` (or as saved): the step's items read onto their targets
+    (step None: the newest that can be restored, a damaged one skipped as ``_read`` does)."""
+    def onto(chosen: int, read: Any) -> Any:
+      _, leaves, meta = self._core_metadata(chosen)
+      return self._forms.restore(args, target, partial, leaves, meta, read)
+    if step is None:
+      return self._read(None, target, partial, onto=onto)
     step, _ = _tiers.choose_step(self._store, self._dir, step,   # the job's, on its tiers
                                  timeout_secs=self.options.timeout_secs)
-    _, leaves, meta = self._core_metadata(step)
-    return self._forms.restore(args, target, partial, leaves, meta,
-                               lambda t, p: self._read(step, t, p))
+    return onto(step, lambda t, p: self._read(step, t, p))
 
   # -- another directory ------------------------------------------------------
 

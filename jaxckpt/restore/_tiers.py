@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 
@@ -106,7 +106,9 @@ DAMAGE = (errors.CorruptSnapshotError, errors.ManifestError, errors.Unrecoverabl
 
 
 def restore(store: HostStore, directory: str | None, step: int | None, target: Any, *,
-            partial: bool, timeout_secs: float) -> tuple[Any, _read.RestoreInfo]:
+            partial: bool, timeout_secs: float, writes: bool = True,
+            onto: Callable[[int, Callable[[Any, bool], Any]], Any] | None = None
+            ) -> tuple[Any, _read.RestoreInfo]:
   """Chooses the step and its fastest tier, reads it onto ``target``, and says
   what it did: the one place a restore's tiers are chosen and read, top to
   bottom. A host or parity read that finds a damaged or lost snapshot falls
@@ -117,9 +119,16 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
   skipped with a WARNING naming it and the damage, recorded in the returned
   ``RestoreInfo.skipped``, and, if it is on storage, set aside there by process 0
   (``universal.quarantine_step``) so the job can save that step again; an
-  explicit ``restore(step=...)`` of it still raises CorruptSnapshotError."""
+  explicit ``restore(step=...)`` of it still raises CorruptSnapshotError. Only proven
+  damage is set aside, and only when the manager may write (``writes``: not orbax's
+  ``read_only``): a manifest this version cannot read (ManifestError: another jaxckpt
+  version wrote it, its checksum intact) is skipped, never set aside.
+
+  ``onto(step, read)``, if given, makes what the restore returns from the chosen step,
+  through ``read(target, partial)`` (orbax's forms build their target from the step's
+  metadata first); else the step is read onto ``target``."""
   t0 = time.perf_counter()
-  if step is not None and jax.process_count() == 1:     # a step this store holds whole:
+  if step is not None and onto is None and jax.process_count() == 1:   # held here whole:
     local = _read_local(store, step, target, partial)    # nothing else to ask
     if local is not None:
       out, source = local
@@ -132,7 +141,16 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
     chosen, tier = choose_step(store, directory, step, timeout_secs=timeout_secs,
                                skip={s for s, _ in skipped})
     try:
-      out, tier, source = _read_step(store, directory, chosen, tier, target, partial)
+      if onto is None:
+        out, tier, source = _read_step(store, directory, chosen, tier, target, partial)
+      else:
+        got: list[tuple[Any, _read.Tier, Any]] = []
+
+        def read(t: Any, p: bool, s: int = chosen, tr: _read.Tier = tier) -> Any:
+          got.append(_read_step(store, directory, s, tr, t, p))
+          return got[-1][0]
+        out = onto(chosen, read)
+        _, tier, source = got[-1]
       damage = None
     except DAMAGE as e:
       if step is not None or (jax.process_count() == 1 and not _older(store, directory, chosen)):
@@ -147,7 +165,8 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
         skipped.append((chosen, why))
         logger.warning("restore(): step %d cannot be restored (%s); skipping it for the newest "
                        "older step", chosen, why)
-        _set_aside(directory, chosen, why)
+        if writes and not isinstance(damage, errors.ManifestError):
+          _set_aside(directory, chosen, why)
         continue
     break
   info = _read.RestoreInfo(chosen, tier, time.perf_counter() - t0, source.bytes_read,

@@ -44,7 +44,10 @@ _SAME_FIELDS = ("kind", "shape", "dtype", "storage_dtype", "array", "chunk_shape
 
 def read_marker(kv: ts.KvStore, directory: str, step: int) -> dict[str, Any] | None:
   """The commit marker of ``step`` (None if the step is not committed)."""
-  marker = lay.read_json(kv, lay.commit_key(step))
+  try:
+    marker = lay.read_json(kv, lay.commit_key(step))
+  except errors.ManifestError as e:           # not JSON: damaged (a flipped byte)
+    marker = f"not JSON: {e}"
   if marker is not None and (not isinstance(marker, dict) or marker.get("step") != step):
     raise errors.CorruptSnapshotError(
         f"the commit marker of step {step} in {directory!r} is damaged ({marker!r}); "
