@@ -677,7 +677,7 @@ def serve(agent: Agent) -> None:
     logger.info("agent of job %s host %d serving (pid %d)", agent.job, agent.host, os.getpid())
     while not stop and not agent.stopping:
       if not sock.poll(1000):
-        if agent.idle():
+        if _idle(agent):
           logger.info("idle for %.0f s with no trainer; exiting", agent.idle_timeout_secs)
           break
         continue
@@ -697,6 +697,16 @@ def serve(agent: Agent) -> None:
       agent.parity.close()
     agent.cleanup()
     logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
+
+
+def _idle(agent: Agent) -> bool:
+  """Whether the agent is idle; an error asking it (EMFILE: connections took the
+  process's files) is logged and counts as busy: what it holds outlives it."""
+  try:
+    return agent.idle()
+  except OSError as e:
+    logger.warning("could not check for dead trainers (%s); serving on", e)
+    return False
 
 
 def _over_tcp(frame: Any) -> bool:

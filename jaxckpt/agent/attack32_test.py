@@ -1,16 +1,24 @@
 """Adversarial checks of the snapshot agent (issue 32, round 5): a sidecar agent serves
 the restarted trainer of a container (its own pid namespace: the trainer is pid 1
-there, each time), which the lease must not take for the dead one."""
+there, each time), which the lease must not take for the dead one; and connections
+from anyone who reaches its ports never end it."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
+import jaxckpt as jc
+from jaxckpt.agent import _paths, _protocol
 from jaxckpt.testing import processes
+
+W = np.arange(512, dtype=np.float32).reshape(64, 8)
 
 TRAINER = r"""
 import os, sys
@@ -55,3 +63,52 @@ def test_a_containerised_trainer_restarted_by_its_sidecar_agent_takes_the_lease_
     again = _in_own_pid_namespace(str(script), root, job, "restore")   # pid 1 again
     assert again.returncode == 0, again.stderr[-3000:]
     assert "restored 3 host 3.0" in again.stdout, again.stdout
+
+
+def _start_agent(root: str, job: str, *, nofile: int) -> dict:
+  """A sidecar agent whose process may open at most ``nofile`` files (a host's soft
+  limit is often 1024); its address record."""
+  limited = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({nofile}, "
+             f"{nofile})); os.execv(sys.executable, [sys.executable, '-m', 'jaxckpt', 'agent', "
+             f"'start', '--job-name', {job!r}, '--run-root', {root!r}])")
+  start = subprocess.run([sys.executable, "-c", limited], capture_output=True, text=True,
+                         timeout=120, check=False)
+  assert start.returncode == 0, start.stdout + start.stderr
+  return json.loads(start.stdout.strip().splitlines()[-1])
+
+
+def test_idle_connections_without_the_secret_do_not_end_the_agent_or_its_snapshots():
+  # Anyone who reaches the bulk port can open connections and send nothing. Each held
+  # a thread and a file descriptor for a minute: a few hundred made the agent's idle
+  # check fail (EMFILE), and the agent exited, freeing every snapshot it held; its
+  # accept loop had stopped for good too.
+  with processes.agent_sandbox("ja") as (root, job):
+    info = _start_agent(root, job, nofile=256)
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root, spawn=False),
+                                handle_sigterm=False)
+    with jc.CheckpointManager(options=opts) as m:
+      assert m.save(1, {"w": W})
+      m.wait_until_finished()
+      host, port = info["bulk"].rsplit(":", 1)
+      idle = []
+      try:
+        for _ in range(400):
+          try:
+            idle.append(socket.create_connection((host, int(port)), timeout=2))
+          except OSError:
+            break                               # (its backlog is full: enough)
+        time.sleep(2.5)                         # two of the agent's idle checks
+        assert _paths.pid_alive(info["pid"]), "the agent exited"
+      finally:
+        for c in idle:
+          c.close()
+      secret = _paths.job_secret(root, job)
+      remote = _protocol.Client.of(info, who="a remote reader", timeout_secs=20, secret=secret)
+      try:
+        data, = remote.read("snapshot", 1, [(0, W.nbytes)])   # the bulk port serves again
+      finally:
+        remote.close()
+      np.testing.assert_array_equal(data.view(np.float32).reshape(W.shape), W)
+      out = m.restore(target={"w": np.zeros_like(W)})
+      assert (m.last_restore.step, m.last_restore.tier) == (1, "host")
+      np.testing.assert_array_equal(out["w"], W)

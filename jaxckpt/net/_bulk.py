@@ -29,9 +29,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable, ContextManager, Sequence
 
 from jaxckpt import errors
@@ -43,35 +45,86 @@ STREAMS = 8               # connections of one fetch, at most (and at most one p
 PIECE_BYTES = 4 << 20     # one more connection for each PIECE_BYTES fetched, up to STREAMS
 _LEN = struct.Struct("!I")
 _MAX_HEADER = 1 << 20
+MAX_OPEN = 512            # connections a listener handles at once, at most
+HELLO_SECS = 10.0         # a connection sends its request's header within this, or is closed
 
 
 class Listener:
   """A TCP port on ``host`` (ephemeral; see ``address``) whose connections are
-  each handed to ``handle`` on a thread of their own, until :meth:`close`."""
+  each handed to ``handle`` on a thread of their own, until :meth:`close`.
 
-  def __init__(self, host: str, handle: Callable[[socket.socket], None], *, name: str) -> None:
+  Anyone who reaches the port may connect: at most ``max_open`` connections are
+  handled at once (default: a quarter of the files this process may open, at most
+  :data:`MAX_OPEN`); more wait in the kernel's backlog until one ends, so idle
+  connections never take the process's last file descriptors. Running out of them
+  (EMFILE) pauses accepting; it never ends it.
+  """
+
+  def __init__(self, host: str, handle: Callable[[socket.socket], None], *, name: str,
+               max_open: int | None = None) -> None:
     self._handle, self._name = handle, name
     self._sock = socket.create_server((host, 0), backlog=64)
+    self._sock.settimeout(0.5)                   # (to see close() while waiting)
     self.address = f"{host}:{self._sock.getsockname()[1]}"
     self._closed = False
+    self.max_open = max_open or _max_open()
+    self._open = threading.BoundedSemaphore(self.max_open)
     self._thread = threading.Thread(target=self._accept, name=name, daemon=True)
     self._thread.start()
 
   def _accept(self) -> None:
+    starved = 0.0
     while not self._closed:
+      if not self._open.acquire(timeout=0.5):    # max_open being handled: the rest wait
+        continue
       try:
         conn, _ = self._sock.accept()
-      except OSError:
-        return                                   # closed
+      except socket.timeout:
+        self._open.release()
+        continue
+      except OSError as e:
+        self._open.release()
+        if self._closed:
+          return
+        if time.monotonic() - starved > 60:      # (EMFILE, ENFILE, ENOBUFS: said once a minute)
+          logger.warning("%s: cannot accept a connection (%s); retrying", self._name, e)
+          starved = time.monotonic()
+        time.sleep(0.1)
+        continue
+      conn.settimeout(None)
       conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      threading.Thread(target=self._handle, args=(conn,), name=f"{self._name}-conn",
-                       daemon=True).start()
+      try:
+        threading.Thread(target=self._run, args=(conn,), name=f"{self._name}-conn",
+                         daemon=True).start()
+      except RuntimeError as e:                  # (no thread to be had: as EMFILE)
+        self._open.release()
+        conn.close()
+        logger.warning("%s: cannot serve a connection (%s)", self._name, e)
+        time.sleep(0.1)
+
+  def _run(self, conn: socket.socket) -> None:
+    try:
+      self._handle(conn)
+    finally:
+      self._open.release()
 
   def close(self) -> None:
     self._closed = True
     shutdown(self._sock)                         # wakes accept()
     self._sock.close()
     self._thread.join(timeout=5)
+
+
+def _max_open() -> int:
+  """Connections a listener handles at once by default: a quarter of this process's
+  file limit, within [8, MAX_OPEN]."""
+  try:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+  except (OSError, ValueError):
+    soft = 1024
+  if soft == resource.RLIM_INFINITY:
+    return MAX_OPEN
+  return max(8, min(MAX_OPEN, soft // 4))
 
 
 class Server:
@@ -94,10 +147,11 @@ class Server:
 
   def _serve(self, conn: socket.socket) -> None:
     with conn, contextlib.ExitStack() as stack:
-      conn.settimeout(self._timeout)             # a stalled client does not hold a thread forever
-      try:
+      conn.settimeout(min(HELLO_SECS, self._timeout))   # a silent connection is closed soon,
+      try:                                              # a stalled reader within the timeout
         header, _ = _wire.open_(self._secret, [recv_frame(conn, 64), recv_frame(conn, _MAX_HEADER)],
                                 replays=self._replays)
+        conn.settimeout(self._timeout)
         if header.get("op") != "bulk":
           raise errors.PermissionDeniedError(f"op {header.get('op')!r} is not a bulk request")
         if _wire.expired(header):
