@@ -96,10 +96,13 @@ class SaveFlow:
     st = self.stats
     st.skipped_busy += 1
     st.skip_reasons[why] = st.skip_reasons.get(why, 0) + 1
-    n = st.skipped_busy              # said at the 1st, 2nd, 4th, 8th... skip, not each
-    logger.log(logging.WARNING if n & (n - 1) == 0 else logging.DEBUG,
-               "step %d: save skipped: %s (%d skipped so far; saves due for storage wait "
-               "instead; on_busy='wait' waits)", step, detail or why, n)
+    n = st.skipped_busy              # said at the 1st, 2nd, 4th, 8th... skip, not each: a
+    said = n & (n - 1) == 0          # warning where a quarter or more of the saves skipped,
+    loud = said and 4 * n >= st.started + n   # (a loaded machine's odd skip is not one)
+    logger.log(logging.WARNING if loud else logging.INFO if said else logging.DEBUG,
+               "step %d: save skipped: %s (%d of %d saves skipped so far; saves due for "
+               "storage wait instead; on_busy='wait' waits)", step, detail or why, n,
+               st.started + n)
 
   def no_slot(self, step: int, must: str | None) -> None:
     """A save found no free slot: skipped if it may be, else raises."""
