@@ -14,7 +14,8 @@ The compiled loop is used once it has loaded in the background (the first
 call starts that) and only when the extension exports the symbol and a
 self-check against ``xxhash`` passes; until then, and otherwise (another build
 of xxhash, numba unusable), each span is hashed by its own call, with the same
-results. ``JAXCKPT_SPAN_HASH=python`` forces that fallback.
+results. Spans of 64 KiB or more on average are hashed a call each, and never
+start the load (a restore of large shards does not share the cores with it). ``JAXCKPT_SPAN_HASH=python`` forces that fallback.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jaxckpt.host.snapshot import checksum
 
 logger = logging.getLogger(__name__)
 
+_LARGE_SPAN_BYTES = 64 << 10     # spans this long on average are hashed a call each
 _lock = threading.Lock()
 _kernel: list[Callable[..., None] | None] = []     # [] until loaded; [None]: unavailable
 _loader: list[threading.Thread] = []
@@ -132,7 +134,10 @@ def span_checksums(buffer: Any, spans: Spans) -> list[str]:
     raise ValueError("span_checksums needs a C-contiguous buffer; pass np.ascontiguousarray(x)")
   if spans.end > arr.nbytes:
     raise ValueError(f"spans reach byte {spans.end} of a {arr.nbytes}-byte buffer")
-  kernel = _load(block=False)
+  # Large spans gain nothing from the kernel (one call per span costs ~1 us of a
+  # hash of 64 KiB or more); loading it (~1 s of a core: numba) waits for small ones.
+  large = len(spans) and int(spans.lengths.sum()) >= _LARGE_SPAN_BYTES * len(spans)
+  kernel = None if large else _load(block=False)
   if kernel is None:
     with memoryview(arr) as mv, mv.cast("B") as raw:
       return [checksum(raw[o:o + n])

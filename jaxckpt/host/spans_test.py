@@ -77,3 +77,17 @@ def test_the_python_fallback_gives_the_same_digests():
                        timeout=120, check=True).stdout.split()
   b = np.arange(100000, dtype=np.uint8)
   assert out == ["False", checksum(b[:5]), checksum(b[5:999]), checksum(b[999:])]
+
+
+def test_large_spans_are_hashed_without_starting_the_compiled_loop():
+  # A restore verifying shards of megabytes gains nothing from the kernel; its load
+  # (~1 s of a core) would share the cores with that restore. Small spans start it.
+  code = ("import numpy as np; from jaxckpt.host import _spans; "
+          "b = np.arange(1 << 20, dtype=np.uint8); "
+          "big = _spans.span_checksums(b, _spans.Spans([0, 1 << 19], [1 << 19, 1 << 19])); "
+          "print(len(_spans._loader), *big); "
+          "_spans.span_checksums(b, _spans.Spans([0, 64], [64, 64])); print(len(_spans._loader))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=True).stdout.split()
+  b = np.arange(1 << 20, dtype=np.uint8)
+  assert out == ["0", checksum(b[:1 << 19]), checksum(b[1 << 19:]), "1"], out
