@@ -64,6 +64,7 @@ class Client:
     self._ctx = zmq.Context.instance()
     self._lock = threading.Lock()
     self._sock: zmq.Socket | None = None
+    self._posted: tuple[str, float] | None = None    # a posted request's op and timeout
 
   @classmethod
   def of(cls, info: dict[str, Any], *, who: str, timeout_secs: float, secret: bytes,
@@ -90,6 +91,7 @@ class Client:
     with self._lock:
       sock = self._socket()
       try:
+        self._settle(sock)
         sock.send_multipart([*sealed, *frames], copy=False)
         self._await(sock, op, timeout)
         parts = sock.recv_multipart(copy=False)
@@ -100,6 +102,33 @@ class Client:
     if not reply["ok"]:
       raise _wire.remote_error(reply, self.who, op)
     return _requests.decode_reply(_requests.REQUESTS[op], reply, self.who, self.endpoint), parts[1:]
+
+  def post(self, op: str, **args: Any) -> None:
+    """Sends request ``op`` without waiting for its reply: the next request on this
+    client (or :meth:`close`) takes it first and raises its error, if any. For a
+    request whose effect no caller waits on (a restore's unpin of its slot): the
+    agent applies it before any later request of this client."""
+    sealed = request(self._secret, op, args, self.timeout_secs)
+    with self._lock:
+      sock = self._socket()
+      try:
+        self._settle(sock)
+        sock.send_multipart(sealed, copy=False)
+        self._posted = (op, self.timeout_secs)
+      except BaseException:
+        self._reset()
+        raise
+
+  def _settle(self, sock: zmq.Socket) -> None:
+    """Takes the reply of the request :meth:`post` sent, if any; raises its error."""
+    if self._posted is None:
+      return
+    op, timeout = self._posted
+    self._posted = None
+    self._await(sock, op, timeout)
+    reply = _wire.reply_of(sock.recv_multipart(copy=False)[0].bytes, self.who, self.endpoint)
+    if not reply["ok"]:
+      raise _wire.remote_error(reply, self.who, op)
 
   def _await(self, sock: zmq.Socket, op: str, timeout: float) -> None:
     """Waits for the reply to ``op``; AgentUnavailableError after ``timeout``, or as
@@ -137,10 +166,17 @@ class Client:
     return into
 
   def _reset(self) -> None:
+    self._posted = None
     if self._sock is not None:
       self._sock.close(linger=0)
       self._sock = None
 
   def close(self) -> None:
+    """Takes a posted request's reply (at most its timeout; its error is raised),
+    then closes the connection."""
     with self._lock:
-      self._reset()
+      try:
+        if self._sock is not None:
+          self._settle(self._sock)
+      finally:
+        self._reset()

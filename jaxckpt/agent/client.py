@@ -126,6 +126,10 @@ class AgentStore(HostStore):
     self._parity = parity
     self._maps: dict[int, tuple[str, int, np.ndarray]] = {}   # slot -> (path, size, map)
     self._maps_lock = threading.Lock()
+    # Maps of slot files lent to restores (never written again): a later restore of the
+    # same step reads them without a page fault a page; dropped at this trainer's next
+    # reservation, so their memory goes with the restored arrays.
+    self._lent: dict[int, tuple[str, int, np.ndarray]] = {}
     self._lending: dict[int, tuple[int, list[bool]]] = {}   # step read -> (slot, lent?)
     self._allocated: dict[int, str] = {}    # slot -> the file this trainer allocated
     self._committed: dict[int, tuple[str, SnapshotManifest]] = {}   # step -> what it sent
@@ -175,6 +179,7 @@ class AgentStore(HostStore):
       self._client.close()            # refused (another manager holds the lease): nothing kept
       raise
     self._maps.clear()
+    self._lent.clear()
     self._allocated.clear()
 
   def ensure_alive(self) -> None:
@@ -440,6 +445,12 @@ class AgentStore(HostStore):
     self._peers = {str(e["own"]["host"]): e["own"] for e in everyone}
     self.call("peers", peers=self._peers)
 
+  def _drop_lent(self) -> None:
+    """Forgets the maps of lent slot files before a reservation (one of them may be
+    renewed: its old file's memory must go back once no restored array views it)."""
+    with self._maps_lock:
+      self._lent.clear()
+
   def _map(self, index: int, path: str, size: int, *, allocate: bool = False) -> np.ndarray:
     """Slot ``index``'s file, mapped once and kept across saves and restores (a
     fresh map of tmpfs pays a page fault per page; a kept one none); ``allocate``
@@ -467,6 +478,7 @@ class AgentStore(HostStore):
 
   def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
     self.ensure_alive()
+    self._drop_lent()
 
     def reserved() -> dict[str, Any] | None:
       r = self.call("reserve", pid=os.getpid(), step=step, nbytes=nbytes)
@@ -491,6 +503,7 @@ class AgentStore(HostStore):
     """Sizes the agent's free slots for ``nbytes`` and allocates, maps and touches
     their memory here, so that no save pays for it."""
     self.ensure_alive()
+    self._drop_lent()
     for index, path, size, fresh in self.call("preallocate", nbytes=nbytes).slots:
       _populate(self._map(index, path, size, allocate=fresh))
 
@@ -609,11 +622,12 @@ class AgentStore(HostStore):
     finally:
       self._lending.pop(step, None)
       if lent:      # the map is the restored arrays' now: its memory goes with the last of
-        with self._maps_lock:             # them, not with this slot's next file
-          if self._maps.get(r.index, ("",))[0] == r.path:
-            del self._maps[r.index]
-      with contextlib.suppress(errors.AgentUnavailableError):
-        self.call("close", pid=os.getpid(), step=step, index=r.index, lend=bool(lent))
+        with self._maps_lock:             # them (and the next reservation), not with this
+          if self._maps.get(r.index, ("",))[0] == r.path:       # slot's next file
+            self._lent[r.index] = self._maps.pop(r.index)
+      with contextlib.suppress(errors.AgentUnavailableError):   # (its reply is taken by the
+        self._client.post("close", pid=os.getpid(), step=step,   # next request: a restore
+                          index=r.index, lend=bool(lent))          # does not wait for it)
 
   def _read_map(self, r: _requests.Open.Reply, manifest: SnapshotManifest) -> np.ndarray:
     """The pinned slot's memory, through the map kept for it; a missing or short
@@ -625,6 +639,10 @@ class AgentStore(HostStore):
       raise errors.CorruptSnapshotError(
           f"{where} has {r.size} bytes, its manifest needs {manifest.nbytes}; it was "
           "truncated (restore another tier)")
+    with self._maps_lock:
+      lent = self._lent.get(r.index)
+    if lent is not None and lent[:2] == (r.path, r.size):
+      return lent[2]                   # (the agent never writes a lent file again)
     try:
       return self._map(r.index, r.path, r.size)
     except (OSError, ValueError) as e:
@@ -638,7 +656,8 @@ class AgentStore(HostStore):
     the end of ``read`` tells it (until then the pin keeps every writer out)."""
     with self._maps_lock:
       mapped = self._lending.get(step)
-      if mapped is None or self._maps.get(mapped[0], (None, None, None))[2] is not buffer:
+      if mapped is None or all(m.get(mapped[0], (None, None, None))[2] is not buffer
+                               for m in (self._maps, self._lent)):
         return False                   # the caller copies instead
     mapped[1].append(True)
     return True
@@ -653,6 +672,7 @@ class AgentStore(HostStore):
       logger.warning("%s: could not give up the lease at close: %s", self.who, e)
     finally:
       self._maps.clear()
+      self._lent.clear()
       self._client.close()
 
 

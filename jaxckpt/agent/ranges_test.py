@@ -149,3 +149,23 @@ def test_a_relaunch_with_fewer_snapshots_gets_them_and_their_memory_back(held):
   assert status.bytes <= 2 * W.nbytes, status.slots          # the retired slots' memory is back
   files = [n for n in os.listdir(_paths.agent_dir(root, job, 0)) if n.startswith("slot")]
   assert len(files) <= 2, files
+
+
+def test_a_posted_request_is_applied_before_the_next_and_its_error_raised_by_it(held):
+  # A restore posts the unpin of its slot (it does not wait for the reply): the agent
+  # applies it before this client's next request, and a posted request that failed is
+  # raised by the next request, naming it, never dropped.
+  _, root, job, info = held
+  client = _protocol.Client(info["ipc"], who="test", timeout_secs=20,
+                            secret=_paths.job_secret(root, job))
+  try:
+    opened = client.call("open", pid=os.getpid(), step=1)[0]
+    assert client.call("status")[0].slots[opened.index]["readers"] == 1
+    client.post("close", pid=os.getpid(), step=1, index=opened.index)
+    assert client.call("status")[0].slots[opened.index]["readers"] == 0
+    client.post("open", pid=os.getpid(), step=99)
+    with pytest.raises(errors.StepNotFoundError, match=r"test refused 'open': .*step 99"):
+      client.call("status")
+    assert client.call("status")[0].steps == [1]          # the client goes on
+  finally:
+    client.close()
