@@ -6,7 +6,9 @@ small). One Adam-like float32 tree (params, mu, nu: 16 leaves each) sharded
 over a 1-D mesh of all devices; side by side in one run:
 
   host:      copy + hash throughput of this host against threads (the host-side
-             limit of a snapshot: numpy copy and xxh3 both release the GIL);
+             limit of a snapshot: numpy copy and xxh3 both release the GIL), of
+             the tree's own shards (the limit the ratio uses) and of one
+             contiguous allocation (the best case);
   snapshot:  ``save()`` blocking (first save of a fresh manager, cold and after
              ``prepare()``, and warm),
              save -> committed snapshot in GB/s, restore onto the devices in
@@ -62,24 +64,35 @@ TARGETS = {"save_blocking_max_s": 0.020, "inproc_snapshot_min_GBps": 20.0,
            "agent_over_inproc_min": 0.8, "inproc_over_host_limit_min": 0.8}
 
 
-def host_pipeline(nbytes: int, reps: int) -> dict[str, Any]:
-  """Copy + hash GB/s of ``nbytes`` split into 32 pieces, against threads."""
+def host_pipeline(nbytes: int, reps: int, tree: Any) -> dict[str, Any]:
+  """Copy + hash GB/s against threads, into one destination buffer: of the snapshot
+  tree's own shards as host arrays (the limit of a snapshot of this tree: separately
+  allocated buffers, as the device's are), and of ``nbytes`` in 32 contiguous pieces
+  of one allocation (the machine's best case: one mapping, huge pages)."""
+  shards = [np.asarray(s.data).reshape(-1).view(np.uint8)
+            for x in jax.tree.leaves(tree) for s in x.addressable_shards]
   src = np.ones(nbytes, np.uint8)
-  dst = np.zeros(nbytes, np.uint8)
-  pieces = np.array_split(np.arange(nbytes, dtype=np.int64)[::max(1, nbytes // 32)], 32)
-  bounds = [(int(p[0]), int(p[-1]) + max(1, nbytes // 32)) for p in pieces if p.size]
-  bounds = [(lo, min(hi, nbytes)) for lo, hi in bounds]
-  out = {}
+  step = -(-nbytes // 32)
+  pieces = [src[lo:lo + step] for lo in range(0, nbytes, step)]
   threads = sorted({1, 2, 4, 8, os.cpu_count() or 1} & set(range(1, (os.cpu_count() or 1) + 1)))
-  for n in threads:
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-      secs = []
-      for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        list(pool.map(lambda b: copy_and_hash(src[b[0]:b[1]], dst[b[0]:b[1]]), bounds))
-        secs.append(time.perf_counter() - t0)
-    out[str(n)] = round(nbytes / statistics.median(secs[1:]) / 1e9, 2)
-  return {"copy_and_hash_GBps_by_threads": out, "bytes": nbytes}
+  out: dict[str, Any] = {}
+  for name, sources in (("copy_and_hash_GBps_by_threads", shards),
+                        ("contiguous_copy_and_hash_GBps_by_threads", pieces)):
+    total = sum(p.nbytes for p in sources)
+    offsets = np.cumsum([0] + [p.nbytes for p in sources]).tolist()
+    dst = np.zeros(total, np.uint8)
+    out[name] = {}
+    for n in threads:
+      with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        secs = []
+        for _ in range(reps + 1):
+          t0 = time.perf_counter()
+          list(pool.map(lambda i: copy_and_hash(sources[i], dst[offsets[i]:offsets[i + 1]]),
+                        range(len(sources))))
+          secs.append(time.perf_counter() - t0)
+      out[name][str(n)] = round(total / statistics.median(secs[1:]) / 1e9, 2)
+  out.update(shards=len(shards), bytes=nbytes)
+  return out
 
 
 def job_figures(processes: int, steps: int, ballast_mib: int) -> dict[str, Any]:
@@ -267,10 +280,11 @@ def main() -> None:
   args.repeats = args.repeats or (2 if args.quick else 5)
   args.loop_steps = args.loop_steps or (8 if args.quick else 25)
   loop_mib = args.loop_size_mib or args.size_mib / 2
-  host = host_pipeline((args.host_mib or (64 if args.quick else 1024)) << 20, args.repeats)
   abstract = make_abstract(args.size_mib)
   make = c.make_tree_fn(abstract)
   nbytes = c.tree_nbytes(make(0))
+  host = host_pipeline((args.host_mib or (64 if args.quick else 1024)) << 20, args.repeats,
+                       make(0))
   raw, first = snapshot_figures(args, abstract, make)
   med = {k: statistics.median(v) for k, v in raw.items()}
   gbps = {f"{s}_snapshot_GBps": nbytes / med[f"{s}_snapshot_s"] / 1e9 for s in STORES}

@@ -143,3 +143,26 @@ def test_a_second_restore_of_a_step_reads_the_memory_the_first_one_lent():
       assert m.save(2, state)                 # a reservation lets the lent map go
       m.wait_until_finished()
       assert not m._store._lent
+
+
+def test_prepare_maps_every_slot_for_writing_so_no_save_faults_a_page():
+  # prepare() allocates the agent's slots and maps their pages for writing. It asked the
+  # kernel through an attribute numpy's view does not have, fell back to assigning each
+  # page to itself (which numpy skips), and each slot's first save took a page fault per
+  # 4 KiB: 0.25 s of a 512 MiB snapshot's 0.33 s on this machine.
+  nbytes = 64 << 20
+  s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  state = lambda v: {"w": jax.device_put(np.full(nbytes // 4, v, np.float32), s)}
+  with processes.agent_sandbox() as (root, job):
+    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
+                                                                        run_root=root))
+    with jc.CheckpointManager(options=opts) as m:
+      m.prepare(state(0))
+      faults = []
+      for step in (1, 2, 3):                    # one save into each of the 3 slots
+        x = jax.block_until_ready(state(step))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        assert m.save(step, x)
+        m.wait_until_finished()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+      assert max(faults) < nbytes // 4096 // 8, faults

@@ -690,11 +690,12 @@ def _map_file(path: str, size: int) -> np.ndarray:
 
 
 def _populate(buf: np.ndarray) -> None:
-  """Faults in every page of a slot map for writing, now (``prepare()``)."""
+  """Maps every page of a slot map for writing, now (``prepare()``): the first save
+  into the slot then pays no page fault a page (~4 us each: 0.25 s for 256 MiB)."""
   if not buf.size:
     return
   try:
-    buf.base.madvise(_MADV_POPULATE_WRITE)
-  except (OSError, AttributeError, ValueError):     # an older kernel: touch each page
-    page = mmap.PAGESIZE
-    buf[::page] = buf[::page]
+    buf.base.obj.madvise(_MADV_POPULATE_WRITE)    # (frombuffer's base: a view of the mmap)
+  except (OSError, AttributeError, ValueError):   # an older kernel: write each page
+    view = buf[::mmap.PAGESIZE]
+    np.bitwise_or(view, 0, out=view)
