@@ -1,11 +1,14 @@
 """Bad input gets a JaxckptError (and the fitting builtin) naming the value, before anything is saved."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
+from jaxckpt.options import default_copy_threads
 
 
 @pytest.fixture
@@ -68,3 +71,11 @@ def test_option_errors_are_jaxckpt_errors_naming_the_field(kw, field):
     jc.AgentOptions(job_name="bad name/")
   with pytest.raises(errors.InvalidArgumentError, match="group_size"):
     jc.ParityOptions(group_size=0, parity=1)
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 2), (4, 2), (8, 2), (16, 4), (64, 8),
+                                            (None, 1)])
+def test_the_default_copy_threads_leave_most_cores_to_the_loop_but_never_one_of_two(
+    monkeypatch, cores, threads):
+  monkeypatch.setattr(os, "cpu_count", lambda: cores)
+  assert default_copy_threads() == threads
