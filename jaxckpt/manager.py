@@ -110,9 +110,10 @@ class CheckpointManager(OrbaxVerbs):
                store: HostStore | None = None, metadata: Any = None, item_names: Any = None,
                item_handlers: Any = None, logger: Any = None,  # pylint: disable=redefined-outer-name
                handler_registry: Any = None) -> None:
-    del handler_registry          # orbax's handlers: jaxckpt saves every item kind itself
     self._dir = None if directory is None else os.fspath(directory)
-    self.options, self._rules = _orbax_options.translate(options, self._dir)
+    orbax_form = any(x is not None for x in (item_names, item_handlers, handler_registry))
+    self.options, self._rules = _orbax_options.translate(options, self._dir,
+                                                         orbax_form=orbax_form)
     self._persist_config, self._run_id = _factory.persistence(
         self._dir, self.options, writes=not self._rules.read_only, create=self._rules.create)
     self._process = (jax.process_index(), jax.process_count())

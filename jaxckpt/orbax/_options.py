@@ -96,16 +96,26 @@ def is_orbax_options(options: Any) -> bool:
   return t.__name__ == "CheckpointManagerOptions" and t.__module__.startswith("orbax.")
 
 
-def translate(options: Any, directory: str | None = "") -> tuple[CheckpointOptions, Rules]:
+def translate(options: Any, directory: str | None = "", *,
+              orbax_form: bool = False) -> tuple[CheckpointOptions, Rules]:
   """jaxckpt's options and the manager's rules for ``options``: a
   ``jaxckpt.CheckpointOptions`` (or None) as it is, or orbax's
   ``CheckpointManagerOptions`` with orbax's meaning (which needs a ``directory``).
+  ``orbax_form``: the manager was made as orbax's (``item_names=``,
+  ``item_handlers=``): no options means orbax's defaults (every saved step
+  written to storage), as orbax's own manager.
 
   Raises:
     InvalidArgumentError (a ValueError): anything else, or orbax options that
       orbax itself refuses (a ``preservation_policy`` beside ``max_to_keep``,
       ``keep_period`` or ``keep_time_interval``), or orbax's without a directory.
   """
+  if options is None and orbax_form and directory:
+    try:
+      from orbax.checkpoint import CheckpointManagerOptions  # pylint: disable=import-outside-toplevel
+    except ImportError:                 # (orbax's names without orbax: its defaults' meaning)
+      return CheckpointOptions(persist_interval_steps=1, on_busy="wait"), Rules()
+    options = CheckpointManagerOptions()
   if options is None:
     return CheckpointOptions(), Rules()
   if isinstance(options, CheckpointOptions):

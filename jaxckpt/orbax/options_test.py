@@ -251,3 +251,21 @@ def test_a_jaxckpt_manager_never_holds_two_versions_of_a_step(tmp_path):
       m.save(1, {"w": x * 3}, force=True)
     assert float(m.restore(1, {"w": x})["w"][0, 0]) == 1.0
     np.testing.assert_array_equal(u.open_step(str(tmp_path), 1).read("['w']"), np.ones((256, 256)))
+
+
+def test_a_manager_made_with_item_names_writes_every_saved_step_as_orbax_does(tmp_path):
+  # orbax's test_all_steps_reload: a manager made as orbax's (item_names=, no options)
+  # has orbax's defaults, so a second manager on the directory sees every saved step.
+  # jaxckpt's own defaults write the newest steps to storage as it keeps up (step 1
+  # stayed in host memory, and the second manager saw [0]).
+  with jc.CheckpointManager(str(tmp_path), item_names=("params",)) as m:
+    for step in (0, 1):
+      assert m.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(_tree(step))))
+    m.wait_until_finished()
+    assert m.options.persist_interval_steps == 1
+  with jc.CheckpointManager(str(tmp_path), item_names=("params",)) as again:
+    assert again.all_steps() == [0, 1]
+    out = again.restore(1, args=ocp.args.Composite(params=ocp.args.StandardRestore(_tree(0))))
+  np.testing.assert_array_equal(np.asarray(out.params["w"]), np.asarray(_tree(1)["w"]))
+  with jc.CheckpointManager(str(tmp_path)) as native:      # jaxckpt's own form: its defaults
+    assert native.options.persist_interval_steps is None
