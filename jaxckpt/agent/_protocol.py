@@ -107,8 +107,10 @@ class Client:
     """Sends request ``op`` without waiting for its reply: the next request on this
     client (or :meth:`close`) takes it first and raises its error, if any. For a
     request whose effect no caller waits on (a restore's unpin of its slot): the
-    agent applies it before any later request of this client."""
-    sealed = request(self._secret, op, args, self.timeout_secs)
+    agent applies it before any later request of this client. It carries no
+    deadline: its caller never gives up on it (an unpin that reaches a paused
+    agent late is still applied, never left pinning its slot)."""
+    sealed = request(self._secret, op, args)
     with self._lock:
       sock = self._socket()
       try:

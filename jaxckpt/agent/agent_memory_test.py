@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
 from jaxckpt import errors
+from jaxckpt.agent.client import wait_exited
 from jaxckpt.testing import processes
 
 
@@ -166,3 +167,32 @@ def test_prepare_maps_every_slot_for_writing_so_no_save_faults_a_page():
         m.wait_until_finished()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
       assert max(faults) < nbytes // 4096 // 8, faults
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_that_dies_before_answering_a_posted_unpin_is_replaced_by_the_next_save():
+  # A restore posts its unpin and does not wait for the reply. The agent died before it
+  # answered: the next save's liveness check closed the old connection, which raised the
+  # posted unpin's "exited before it answered 'close'" instead of starting a new agent,
+  # and so did the manager's close() (the dead agent's pins went with it: nothing to say).
+  W = np.arange(512, dtype=np.float32).reshape(64, 8)
+  with processes.agent_sandbox() as (root, job):
+    opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root),
+                                handle_sigterm=False)
+    for then in ("save", "close"):
+      m = jc.CheckpointManager(options=opts)
+      try:
+        assert m.save(1, {"w": W})
+        m.wait_until_finished()
+        store = m._store      # pylint: disable=protected-access  (its agent, to stop mid-unpin)
+        pid = store.pid
+        with store.read(1):
+          os.kill(pid, signal.SIGSTOP)      # the unpin is posted to an agent that never answers
+        os.kill(pid, signal.SIGKILL)
+        assert wait_exited(pid, 30)
+        if then == "save":
+          assert m.save(2, {"w": W + 1})
+          m.wait_until_finished()
+          assert m.all_steps() == [2] and m.stats.agent_restarts == 1
+      finally:
+        m.close()

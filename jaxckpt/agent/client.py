@@ -187,7 +187,8 @@ class AgentStore(HostStore):
     if pid_alive(self.pid):
       return
     logger.warning("%s died; starting a new agent (the snapshots it held are lost)", self.who)
-    self._client.close()
+    with contextlib.suppress(errors.AgentUnavailableError):   # a posted unpin's reply: the
+      self._client.close()                                    # dead agent's pins went with it
     self.restarts += 1
     lost = [(s, self._attempts[s]) for s in self._status.pending if s in self._attempts]
     self._status = PersistStatus(persisted=self._status.persisted)
@@ -673,7 +674,8 @@ class AgentStore(HostStore):
     finally:
       self._maps.clear()
       self._lent.clear()
-      self._client.close()
+      with contextlib.suppress(errors.AgentUnavailableError):   # a dead agent's posted unpin
+        self._client.close()
 
 
 _MADV_POPULATE_WRITE = 23       # Linux 5.14+ (Python's mmap module names it from 3.13)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 
 import msgpack
 import numpy as np
@@ -167,5 +169,27 @@ def test_a_posted_request_is_applied_before_the_next_and_its_error_raised_by_it(
     with pytest.raises(errors.StepNotFoundError, match=r"test refused 'open': .*step 99"):
       client.call("status")
     assert client.call("status")[0].steps == [1]          # the client goes on
+  finally:
+    client.close()
+
+
+def test_a_posted_unpin_that_reaches_the_agent_late_is_still_applied(held):
+  # A posted request's caller never waits for it, so it never gives up on it: it carried
+  # the client's request deadline all the same, and an agent paused past it (a stopped or
+  # swapped-out process) refused the restore's unpin. The slot stayed pinned for good and
+  # the next request (the next restore's open) failed with "'close' arrived after its
+  # deadline".
+  _, root, job, info = held
+  client = _protocol.Client(info["ipc"], who="test", timeout_secs=1.0,
+                            secret=_paths.job_secret(root, job))
+  try:
+    opened = client.call("open", pid=os.getpid(), step=1)[0]
+    os.kill(info["pid"], signal.SIGSTOP)
+    try:
+      client.post("close", pid=os.getpid(), step=1, index=opened.index)
+      time.sleep(1.5)                           # past the 1 s request deadline
+    finally:
+      os.kill(info["pid"], signal.SIGCONT)
+    assert client.call("status")[0].slots[opened.index]["readers"] == 0
   finally:
     client.close()
