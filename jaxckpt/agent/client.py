@@ -129,7 +129,7 @@ class AgentStore(HostStore):
     # Maps of slot files lent to restores (never written again): a later restore of the
     # same step reads them without a page fault a page; dropped at this trainer's next
     # reservation, so their memory goes with the restored arrays.
-    self._lent: dict[int, tuple[str, int, np.ndarray]] = {}
+    self._lent: dict[int, tuple[str, int, np.ndarray, int | None]] = {}   # + the file's inode
     self._lending: dict[int, tuple[int, list[bool]]] = {}   # step read -> (slot, lent?)
     self._allocated: dict[int, str] = {}    # slot -> the file this trainer allocated
     self._committed: dict[int, tuple[str, SnapshotManifest]] = {}   # step -> what it sent
@@ -625,7 +625,7 @@ class AgentStore(HostStore):
       if lent:      # the map is the restored arrays' now: its memory goes with the last of
         with self._maps_lock:             # them (and the next reservation), not with this
           if self._maps.get(r.index, ("",))[0] == r.path:       # slot's next file
-            self._lent[r.index] = self._maps.pop(r.index)
+            self._lent[r.index] = (*self._maps.pop(r.index), _inode(r.path))
       with contextlib.suppress(errors.AgentUnavailableError):   # (its reply is taken by the
         self._client.post("close", pid=os.getpid(), step=step,   # next request: a restore
                           index=r.index, lend=bool(lent))          # does not wait for it)
@@ -642,7 +642,8 @@ class AgentStore(HostStore):
           "truncated (restore another tier)")
     with self._maps_lock:
       lent = self._lent.get(r.index)
-    if lent is not None and lent[:2] == (r.path, r.size):
+    if (lent is not None and lent[:2] == (r.path, r.size) and lent[3] is not None
+        and lent[3] == _inode(r.path)):  # (the same file: not a new agent's of that name)
       return lent[2]                   # (the agent never writes a lent file again)
     try:
       return self._map(r.index, r.path, r.size)
@@ -676,6 +677,13 @@ class AgentStore(HostStore):
       self._lent.clear()
       with contextlib.suppress(errors.AgentUnavailableError):   # a dead agent's posted unpin
         self._client.close()
+
+
+def _inode(path: str) -> int | None:
+  try:
+    return os.stat(path).st_ino
+  except OSError:
+    return None
 
 
 _MADV_POPULATE_WRITE = 23       # Linux 5.14+ (Python's mmap module names it from 3.13)
