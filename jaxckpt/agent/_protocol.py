@@ -98,10 +98,15 @@ class Client:
       except BaseException:
         self._reset()
         raise
-    reply = _wire.reply_of(parts[0].bytes, self.who, self.endpoint)
+    reply = self._reply(parts[0].bytes, op)
+    return _requests.decode_reply(_requests.REQUESTS[op], reply, self.who, self.endpoint), parts[1:]
+
+  def _reply(self, frame: bytes, op: str) -> dict[str, Any]:
+    """The reply header in ``frame`` to ``op``; the agent's error, typed, if it refused."""
+    reply = _wire.reply_of(frame, self.who, self.endpoint)
     if not reply["ok"]:
       raise _wire.remote_error(reply, self.who, op)
-    return _requests.decode_reply(_requests.REQUESTS[op], reply, self.who, self.endpoint), parts[1:]
+    return reply
 
   def post(self, op: str, **args: Any) -> None:
     """Sends request ``op`` without waiting for its reply: the next request on this
@@ -128,9 +133,7 @@ class Client:
     op, timeout = self._posted
     self._posted = None
     self._await(sock, op, timeout)
-    reply = _wire.reply_of(sock.recv_multipart(copy=False)[0].bytes, self.who, self.endpoint)
-    if not reply["ok"]:
-      raise _wire.remote_error(reply, self.who, op)
+    self._reply(sock.recv_multipart(copy=False)[0].bytes, op)
 
   def _await(self, sock: zmq.Socket, op: str, timeout: float) -> None:
     """Waits for the reply to ``op``; AgentUnavailableError after ``timeout``, or as
@@ -174,11 +177,14 @@ class Client:
       self._sock = None
 
   def close(self) -> None:
-    """Takes a posted request's reply (at most its timeout; its error is raised),
-    then closes the connection."""
+    """Takes a posted request's reply (at most its timeout; the agent's refusal is
+    raised), then closes the connection. An agent that is gone or silent has nothing
+    left to answer: its pins went with it, or go when this process does."""
     with self._lock:
       try:
         if self._sock is not None:
           self._settle(self._sock)
+      except errors.AgentUnavailableError:
+        pass
       finally:
         self._reset()

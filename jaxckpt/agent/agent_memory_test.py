@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -49,36 +50,45 @@ def _free_mib(path):
   return st.f_bavail * st.f_frsize / 2**20
 
 
+@contextlib.contextmanager
+def _three_steps_on_a_small_run_root(tmp_path, job: str):
+  """A manager whose agent's run root is a 72 MiB tmpfs (room for 3 slots of a 20 MiB
+  state) holding steps 1-3; yields (manager, the tmpfs, state(v), its restore target).
+  The agent is killed at the end."""
+  with processes.tmpfs(str(tmp_path / "shm"), "size=72m,mode=0700") as shm:
+    root = os.path.join(shm, "run")
+    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
+                                                                        run_root=root))
+    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+    n = (20 << 20) // 4
+    state = lambda v: {"w": jax.device_put(np.full(n, v, np.float32), s)}
+    target = {"w": jax.ShapeDtypeStruct((n,), np.float32, sharding=s)}
+    try:
+      with jc.CheckpointManager(options=opts) as m:
+        for step in (1, 2, 3):
+          assert m.save(step, state(step))
+          m.wait_until_finished()
+        yield m, shm, state, target
+    finally:
+      for pid in processes.agent_pids(root):
+        os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(180)
 def test_a_lent_slot_gives_its_memory_back_once_the_restored_arrays_are_gone(tmp_path):
   # A restore lends a slot (its arrays view the agent's memory); that slot's next save
   # gets a new file. The trainer's map of the old file must not keep its memory once the
   # restored arrays are gone: on a run root with room for 3 slots, it did, and every
   # save into that slot failed in the background (HostMemoryBudgetError), for good.
-  with processes.tmpfs(str(tmp_path / "shm"), "size=72m,mode=0700") as shm:
-    root, job = os.path.join(shm, "run"), "lend"
-    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
-                                                                        run_root=root))
-    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
-    n = (20 << 20) // 4                                     # 20 MiB: 3 slots of 72 MiB
-    state = lambda v: {"w": jax.device_put(np.full(n, v, np.float32), s)}
-    try:
-      with jc.CheckpointManager(options=opts) as m:
-        for step in (1, 2, 3):
-          assert m.save(step, state(step))
-          m.wait_until_finished()
-        out = m.restore(target=jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state(0)))
-        assert m.last_restore.step == 3 and float(np.asarray(out["w"])[0]) == 3.0
-        del out
-        for step in range(4, 9):                  # every slot is written again
-          assert m.save(step, state(step))
-          m.wait_until_finished()
-        assert m.all_steps() == [7, 8]
-        assert _free_mib(shm) > 8                 # 3 slots of 20 MiB, nothing else
-    finally:
-      for pid in processes.agent_pids(root):
-        os.kill(pid, signal.SIGKILL)
+  with _three_steps_on_a_small_run_root(tmp_path, "lend") as (m, shm, state, target):
+    out = m.restore(target=target)
+    assert m.last_restore.step == 3 and float(np.asarray(out["w"])[0]) == 3.0
+    del out
+    for step in range(4, 9):                  # every slot is written again
+      assert m.save(step, state(step))
+      m.wait_until_finished()
+    assert m.all_steps() == [7, 8]
+    assert _free_mib(shm) > 8                 # 3 slots of 20 MiB, nothing else
 
 
 @pytest.mark.timeout(180)
@@ -87,35 +97,20 @@ def test_a_save_that_cannot_have_its_slots_memory_is_refused_by_save_itself(tmp_
   # file of that slot. The agent counted the new file's size as memory it holds (it is
   # sparse: the trainer allocates it in the background copy), so save() said True and
   # the snapshot failed later, at the next save.
-  with processes.tmpfs(str(tmp_path / "shm"), "size=72m,mode=0700") as shm:
-    root, job = os.path.join(shm, "run"), "tight"
-    opts = jc.CheckpointOptions(max_snapshots=2, agent=jc.AgentOptions(job_name=job,
-                                                                        run_root=root))
-    s = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
-    n = (20 << 20) // 4
-    state = lambda v: {"w": jax.device_put(np.full(n, v, np.float32), s)}
-    try:
-      with jc.CheckpointManager(options=opts) as m:
-        for step in (1, 2, 3):
-          assert m.save(step, state(step))
-          m.wait_until_finished()
-        out = m.restore(target=jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state(0)))
-        for step in (4, 5):                     # the slots not lent
-          assert m.save(step, state(step))
-          m.wait_until_finished()
-        with pytest.raises(errors.HostMemoryBudgetError, match=r"does not fit in .*restored"):
-          m.save(6, state(6))                   # the lent slot's turn: no room for its file
-        m.wait_until_finished()
-        assert m.all_steps() == [4, 5]
-        assert float(np.asarray(out["w"])[0]) == 3.0
-        del out                                 # the lent memory goes back
-        assert m.save(7, state(7))
-        m.wait_until_finished()
-        assert m.all_steps() == [5, 7]
-    finally:
-      for pid in processes.agent_pids(root):
-        os.kill(pid, signal.SIGKILL)
+  with _three_steps_on_a_small_run_root(tmp_path, "tight") as (m, shm, state, target):
+    out = m.restore(target=target)
+    for step in (4, 5):                     # the slots not lent
+      assert m.save(step, state(step))
+      m.wait_until_finished()
+    with pytest.raises(errors.HostMemoryBudgetError, match=r"does not fit in .*restored"):
+      m.save(6, state(6))                   # the lent slot's turn: no room for its file
+    m.wait_until_finished()
+    assert m.all_steps() == [4, 5]
+    assert float(np.asarray(out["w"])[0]) == 3.0
+    del out                                 # the lent memory goes back
+    assert m.save(7, state(7))
+    m.wait_until_finished()
+    assert m.all_steps() == [5, 7]
 
 
 def test_a_second_restore_of_a_step_reads_the_memory_the_first_one_lent():

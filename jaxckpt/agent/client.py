@@ -187,8 +187,7 @@ class AgentStore(HostStore):
     if pid_alive(self.pid):
       return
     logger.warning("%s died; starting a new agent (the snapshots it held are lost)", self.who)
-    with contextlib.suppress(errors.AgentUnavailableError):   # a posted unpin's reply: the
-      self._client.close()                                    # dead agent's pins went with it
+    self._client.close()
     self.restarts += 1
     lost = [(s, self._attempts[s]) for s in self._status.pending if s in self._attempts]
     self._status = PersistStatus(persisted=self._status.persisted)
@@ -675,8 +674,7 @@ class AgentStore(HostStore):
     finally:
       self._maps.clear()
       self._lent.clear()
-      with contextlib.suppress(errors.AgentUnavailableError):   # a dead agent's posted unpin
-        self._client.close()
+      self._client.close()
 
 
 def _inode(path: str) -> int | None:

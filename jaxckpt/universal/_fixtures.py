@@ -6,12 +6,15 @@ can split the shards over several simulated processes.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 
+from jaxckpt import cli
 from jaxckpt.host import snapshot as snap
+from jaxckpt.universal import _commit, _write
 
 
 def _pieces(value: Any) -> tuple[str, list[tuple[snap.Box, np.ndarray]], Any]:
@@ -62,3 +65,21 @@ def host_snapshots(step: int, leaves: Mapping[str, Any], *, process_count: int =
                                       process_index=p, process_count=process_count,
                                       metadata=dict(metadata or {})), buf))
   return out
+
+
+def stored_steps(directory: str, *steps: int) -> str:
+  """Commits ``steps`` to ``directory`` (one process, one leaf ``['w']`` of
+  ``arange(8.0) * step``); returns ``directory``."""
+  for step in steps:
+    for manifest, buf in host_snapshots(step, {"['w']": np.arange(8.0) * step}):
+      _write.write_process_shards(directory, manifest, buf, attempt=f"t{step}")
+    _commit.commit_step(directory, step, process_count=1, timeout_secs=10, attempt=f"t{step}")
+  return directory
+
+
+def run_cli(capsys: Any, *argv: str) -> types.SimpleNamespace:
+  """``jaxckpt ARGV`` in this process (pytest's ``capsys`` takes its output): its
+  ``returncode``, ``stdout`` and ``stderr``."""
+  code = cli.main(list(argv))
+  out = capsys.readouterr()
+  return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)

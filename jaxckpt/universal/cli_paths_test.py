@@ -7,14 +7,10 @@ import os
 import shlex
 import subprocess
 import sys
-import types
 
-import numpy as np
 import pytest
 
-import jaxckpt.universal as u
-from jaxckpt import cli
-from jaxckpt.universal import _fixtures
+from jaxckpt.universal._fixtures import run_cli, stored_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYOUT = "(it holds commits/ and step_NNNNNNNNNN/ directories)"
@@ -26,24 +22,9 @@ def jaxckpt(*argv):
                         timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
 
 
-def here(capsys, *argv):
-  """The same, in this process (quicker)."""
-  code = cli.main(list(argv))
-  out = capsys.readouterr()
-  return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-
-def make(d: str, *steps: int) -> str:
-  for step in steps:
-    for manifest, buf in _fixtures.host_snapshots(step, {"['w']": np.arange(8.0) * step}):
-      u.write_process_shards(d, manifest, buf, attempt=f"t{step}")
-    u.commit_step(d, step, process_count=1, timeout_secs=10, attempt=f"t{step}")
-  return d
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-  return make(str(tmp_path_factory.mktemp("paths") / "run1"), 3, 70)
+  return stored_steps(str(tmp_path_factory.mktemp("paths") / "run1"), 3, 70)
 
 
 @pytest.mark.parametrize("verb", ["inspect", "verify"])
@@ -62,7 +43,7 @@ def test_a_step_directory_names_the_root_and_the_command_that_works(ckpt, verb):
 def test_a_file_inside_a_step_names_the_root(ckpt, capsys):
   inside = os.path.join(ckpt, "step_0000000003", "attempts", "t3", "manifest.json")
   assert os.path.isfile(inside)
-  out = here(capsys, "inspect", inside)
+  out = run_cli(capsys, "inspect", inside)
   assert out.returncode == 2
   assert out.stderr.strip() == (
       f"jaxckpt inspect: {inside!r} is a file inside the checkpoint {ckpt!r}, not its root "
@@ -72,7 +53,7 @@ def test_a_file_inside_a_step_names_the_root(ckpt, capsys):
 def test_a_plain_file_is_told_the_true_layout(tmp_path, capsys):
   f = tmp_path / "notes.txt"
   f.write_text("x")
-  out = here(capsys, "verify", str(f))
+  out = run_cli(capsys, "verify", str(f))
   assert out.returncode == 2 and out.stderr.strip() == (
       f"jaxckpt verify: {str(f)!r} is a file, not a checkpoint directory; pass the directory the "
       f"manager or `jaxckpt convert` wrote {LAYOUT}")
@@ -82,15 +63,15 @@ def test_convert_and_export_take_the_root_too(ckpt, tmp_path, capsys):
   spec = tmp_path / "r.json"
   spec.write_text('{"rules": [{"op": "rename", "src": "[\'w\']", "dst": "[\'v\']"}]}')
   given = os.path.join(ckpt, "step_0000000003")
-  out = here(capsys, "convert", given, str(tmp_path / "dst"), "--spec", str(spec))
+  out = run_cli(capsys, "convert", given, str(tmp_path / "dst"), "--spec", str(spec))
   assert out.returncode == 2
   assert out.stderr.strip().endswith(f"pass the root ({ckpt} with --step 3)")
-  out = here(capsys, "export-orbax", "file://" + given, str(tmp_path / "ob"))
+  out = run_cli(capsys, "export-orbax", "file://" + given, str(tmp_path / "ob"))
   assert out.returncode == 2 and f"in the checkpoint {ckpt!r}, not its root" in out.stderr
 
 
 def test_an_object_store_step_directory_is_told_by_its_name(capsys):
-  out = here(capsys, "inspect", "s3://bucket/run1/step_0000000070/")
+  out = run_cli(capsys, "inspect", "s3://bucket/run1/step_0000000070/")
   assert out.returncode == 2 and out.stderr.strip() == (
       "jaxckpt inspect: 's3://bucket/run1/step_0000000070/' is step 70's directory in the "
       f"checkpoint 's3://bucket/run1', not its root {LAYOUT}; pass the root: jaxckpt inspect "
