@@ -4,7 +4,6 @@ that may not write, and every form of restore skips it."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -14,9 +13,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.host import snapshot as snap
 from jaxckpt.testing import damage
-from jaxckpt.universal import _layout as lay
 
 
 def state(step: int) -> dict:
@@ -37,19 +34,7 @@ def _saved(directory: str, steps=(10, 20)) -> None:
 def _as_newer_version(directory: str, step: int) -> None:
   """Rewrites ``step`` as a newer jaxckpt would have written it: its manifest says
   version 2, and its commit marker carries that manifest's checksum (nothing damaged)."""
-  key = os.path.join(directory, lay.commit_key(step))
-  with open(key) as f:
-    marker = json.load(f)
-  path = os.path.join(directory, lay.manifest_key(step, marker.get("attempt")))
-  with open(path) as f:
-    doc = json.load(f)
-  doc["version"] = 2
-  body = json.dumps(doc).encode()
-  with open(path, "wb") as f:
-    f.write(body)
-  marker["manifest_xxh3"] = snap.checksum(body)
-  with open(key, "w") as f:
-    json.dump(marker, f)
+  damage.reseal_manifest(directory, step, lambda doc, marker: doc.update(version=2))
 
 
 def test_a_step_written_by_another_version_is_skipped_but_never_set_aside(tmp_path, caplog):

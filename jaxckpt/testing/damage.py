@@ -1,13 +1,18 @@
 """Damage a committed step on storage on purpose (tests, the chaos soak): one
-byte of one stored element flipped, as a failing disk or a bad write would."""
+byte of one stored element flipped, as a failing disk or a bad write would; or
+its manifest rewritten and resealed, as a writer holding the storage's
+credentials (or another jaxckpt version) would."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+import os
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays, _read
 from jaxckpt.universal import _layout as lay
 
@@ -25,3 +30,33 @@ def flip_stored_byte(directory: str, step: int, leaf: str, index: Sequence[int])
   value = np.array(store[where].read().result(timeout=lay.REQUEST_TIMEOUT_SECS))
   value.reshape(-1).view(np.uint8)[0] ^= 0xFF
   store[where].write(value).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+
+
+def _committed(directory: str, step: int) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
+  """Committed ``step``'s commit marker path, manifest path, marker and manifest."""
+  key = os.path.join(directory, lay.commit_key(step))
+  with open(key) as f:
+    marker = json.load(f)
+  path = os.path.join(directory, lay.manifest_key(step, marker.get("attempt")))
+  with open(path) as f:
+    return key, path, marker, json.load(f)
+
+
+def stored_manifest(directory: str, step: int) -> dict[str, Any]:
+  """Committed ``step``'s manifest, as JSON."""
+  return _committed(directory, step)[3]
+
+
+def reseal_manifest(directory: str, step: int,
+                    edit: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+  """Rewrites committed ``step``'s manifest and commit marker as ``edit(manifest,
+  marker)`` leaves them (JSON, edited in place), the marker carrying the new
+  manifest's checksum: only what the manifest says can refuse it."""
+  key, path, marker, doc = _committed(directory, step)
+  edit(doc, marker)
+  body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+  with open(path, "wb") as f:
+    f.write(body)
+  marker["manifest_xxh3"] = snap.checksum(body)
+  with open(key, "w") as f:
+    json.dump(marker, f)

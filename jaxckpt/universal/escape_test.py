@@ -15,7 +15,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.host import snapshot as snap
+from jaxckpt.testing import damage
 from jaxckpt.universal import _layout as lay
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,32 +29,19 @@ def _save(directory: str, state: dict) -> None:
     m.wait_until_finished()
 
 
-def _paths(directory: str) -> tuple[str, str, dict, dict]:
-  with open(os.path.join(directory, lay.commit_key(1))) as f:
-    marker = json.load(f)
-  manifest = os.path.join(directory, lay.manifest_key(1, marker["attempt"]))
-  with open(manifest) as f:
-    return os.path.join(directory, lay.commit_key(1)), manifest, marker, json.load(f)
-
-
 def _forge(ours: str, theirs: str, how: str) -> None:
   """Points our step 1's leaf at their data (their checksums copied), or names a
   climbing attempt in our marker; the marker's checksum fixed up either way."""
-  marker_path, manifest_path, marker, doc = _paths(ours)
-  *_, their = _paths(theirs)
-  leaf, = [leaf for leaf in doc["leaves"] if leaf["path"] == "['w']"]
-  src, = [leaf for leaf in their["leaves"] if leaf["path"] == "['w']"]
-  if how == "array":
-    leaf["array"] = f"../../../{os.path.basename(theirs)}/{lay.step_dir(1)}arrays/{src['array']}"
-    leaf["chunks"] = src["chunks"]
-  else:
-    marker["attempt"] = f"../../{os.path.basename(theirs)}/{lay.step_dir(1)}attempts/x"
-  body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-  with open(manifest_path, "wb") as f:
-    f.write(body)
-  marker["manifest_xxh3"] = snap.checksum(body)
-  with open(marker_path, "w") as f:
-    json.dump(marker, f)
+  src, = [leaf for leaf in damage.stored_manifest(theirs, 1)["leaves"] if leaf["path"] == "['w']"]
+
+  def edit(doc, marker):
+    leaf, = [leaf for leaf in doc["leaves"] if leaf["path"] == "['w']"]
+    if how == "array":
+      leaf["array"] = f"../../../{os.path.basename(theirs)}/{lay.step_dir(1)}arrays/{src['array']}"
+      leaf["chunks"] = src["chunks"]
+    else:
+      marker["attempt"] = f"../../{os.path.basename(theirs)}/{lay.step_dir(1)}attempts/x"
+  damage.reseal_manifest(ours, 1, edit)
 
 
 @pytest.mark.parametrize("how", ["array", "marker attempt"])
@@ -94,15 +81,12 @@ def test_a_manifest_whose_shape_disagrees_with_its_chunk_table_is_refused(tmp_pa
   # A forged shape (2**40 rows) would have sized the restore's buffers: refused first.
   d = str(tmp_path / "ckpt")
   _save(d, OURS)
-  marker_path, manifest_path, marker, doc = _paths(d)
-  leaf, = [leaf for leaf in doc["leaves"] if leaf["path"] == "['w']"]
-  leaf["shape"] = [2**40, 8]
-  body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-  with open(manifest_path, "wb") as f:
-    f.write(body)
-  marker["manifest_xxh3"] = snap.checksum(body)
-  with open(marker_path, "w") as f:
-    json.dump(marker, f)
+
+  def edit(doc, marker):
+    del marker
+    leaf, = [leaf for leaf in doc["leaves"] if leaf["path"] == "['w']"]
+    leaf["shape"] = [2**40, 8]
+  damage.reseal_manifest(d, 1, edit)
   with jc.CheckpointManager(d, jc.CheckpointOptions(handle_sigterm=False)) as m:
     for target in (None, {"w": np.zeros((8, 8), np.float32)}):
       with pytest.raises(errors.CorruptSnapshotError, match="chunk checksums disagree"):
