@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxckpt.testing import processes
+
 SCENARIOS: dict[str, Callable[..., None]] = {}
 
 
@@ -201,9 +203,7 @@ def damaged_newest(job: Job) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
-  p.add_argument("--port", type=int, required=True)
-  p.add_argument("--num-processes", type=int, required=True)
-  p.add_argument("--process-id", type=int, required=True)
+  processes.add_job_arguments(p)
   p.add_argument("--run-root", required=True)
   p.add_argument("--tcp-host", required=True)
   p.add_argument("--job", required=True)
@@ -212,11 +212,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--variant", default="")
   a = p.parse_args(argv)
   try:
+    processes.join_job(a)
     import jax  # pylint: disable=import-outside-toplevel
-    jax.config.update("jax_num_cpu_devices", 2)
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
-                               num_processes=a.num_processes, process_id=a.process_id,
-                               initialization_timeout=120)
     SCENARIOS[a.scenario](Job(a))
     say("DONE")
     jax.distributed.shutdown()

@@ -24,6 +24,8 @@ import argparse
 import sys
 import time
 
+from jaxckpt.testing import processes
+
 
 def expected(step: int):
   """The same global values whatever the number of processes (so restarts may differ)."""
@@ -34,9 +36,7 @@ def expected(step: int):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser()
-  p.add_argument("--port", type=int, required=True)
-  p.add_argument("--num-processes", type=int, required=True)
-  p.add_argument("--process-id", type=int, required=True)
+  processes.add_job_arguments(p)
   p.add_argument("--run-root", required=True, help="this machine's own run root")
   p.add_argument("--tcp-host", default="127.0.0.1", help="this machine's address (127.0.1.M)")
   p.add_argument("--job", required=True)
@@ -48,11 +48,8 @@ def main(argv=None) -> int:
   p.add_argument("--persist-interval", type=int, default=None)
   p.add_argument("--ballast-mib", type=int, default=0, help="per process (loop mode)")
   a = p.parse_args(argv)
+  processes.join_job(a)
   import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_num_cpu_devices", 2)
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
-                             num_processes=a.num_processes, process_id=a.process_id,
-                             initialization_timeout=120)
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel

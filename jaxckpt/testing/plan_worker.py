@@ -24,12 +24,12 @@ import signal
 import sys
 import time
 
+from jaxckpt.testing import processes
+
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser()
-  p.add_argument("--port", type=int, required=True)
-  p.add_argument("--num-processes", type=int, required=True)
-  p.add_argument("--process-id", type=int, required=True)
+  processes.add_job_arguments(p)
   p.add_argument("--steps", type=int, default=40)
   p.add_argument("--ballast-mib", type=int, default=16)
   p.add_argument("--sleep", type=float, default=0.0)
@@ -49,11 +49,8 @@ def main(argv=None) -> int:
   p.add_argument("--request-timeout", type=float, default=60.0,
                  help="AgentOptions.request_timeout_secs")
   a = p.parse_args(argv)
+  processes.join_job(a)
   import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_num_cpu_devices", 2)
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
-                             num_processes=a.num_processes, process_id=a.process_id,
-                             initialization_timeout=120)
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel

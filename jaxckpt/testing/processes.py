@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 
 from jaxckpt.agent._paths import pid_alive
@@ -28,6 +28,24 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def add_job_arguments(parser: Any) -> None:
+  """A test job's worker process arguments: ``--port`` (jax.distributed's coordinator
+  on loopback), ``--num-processes`` and ``--process-id``."""
+  parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--num-processes", type=int, required=True)
+  parser.add_argument("--process-id", type=int, required=True)
+
+
+def join_job(args: Any, *, devices: int = 2, timeout_secs: int = 120) -> None:
+  """Gives this process ``devices`` CPU devices and joins the job of ``args``
+  (:func:`add_job_arguments`) through jax.distributed."""
+  import jax  # pylint: disable=import-outside-toplevel  (after the caller's own setup)
+  jax.config.update("jax_num_cpu_devices", devices)
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                             num_processes=args.num_processes, process_id=args.process_id,
+                             initialization_timeout=timeout_secs)
 
 
 @contextlib.contextmanager

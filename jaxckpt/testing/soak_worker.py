@@ -49,6 +49,8 @@ import traceback
 
 import numpy as np
 
+from jaxckpt.testing import processes
+
 # The state: w (uint32, rows sharded over every device of the job), f (float32,
 # derived from w, columns sharded), rep (uint32, replicated), a typed PRNG key
 # (replicated) and a non-array position.
@@ -123,9 +125,7 @@ def say(*words: object) -> None:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser()
-  p.add_argument("--port", type=int, required=True)
-  p.add_argument("--num-processes", type=int, required=True)
-  p.add_argument("--process-id", type=int, required=True)
+  processes.add_job_arguments(p)
   p.add_argument("--run-root", required=True)
   p.add_argument("--tcp-host", required=True)
   p.add_argument("--job", required=True)
@@ -155,11 +155,8 @@ def _run(a: argparse.Namespace) -> int:
                       format=f"[p{a.process_id} %(asctime)s %(name)s %(levelname)s] %(message)s")
   t_start = time.perf_counter()
   import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_num_cpu_devices", 2)
   t_import = time.perf_counter()
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
-                             num_processes=a.num_processes, process_id=a.process_id,
-                             initialization_timeout=180)
+  processes.join_job(a, timeout_secs=180)
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel
