@@ -210,10 +210,6 @@ class CheckpointManager(OrbaxVerbs):
     # process's, so a loop that goes on after the error takes the job's steps.
     self._raise_background_error(ask_agent=False)
     tree.check_metadata(metadata)          # here, not in the background copy
-    # Raised after the decision: this call counts in the job's plan like every other
-    # process's, so a loop that goes on after the error takes the job's steps.
-    self._raise_background_error(ask_agent=False)
-    tree.check_metadata(metadata)          # here, not in the background copy
     if not d.snapshot:
       self.stats.skipped_plan += 1
       return False
