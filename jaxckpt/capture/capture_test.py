@@ -282,7 +282,7 @@ def test_a_first_save_never_waits_for_the_compiler_and_the_next_manager_starts_w
   """The packed gather compiles on its own thread: the first plan of a new layout
   copies shard by shard (bytes exact); once compiled, every planner of the
   process (a second manager) gets the packed plan at once."""
-  state = _many_small(200, seed=1)                  # over SYNC_PACK_LEAVES: compiled aside
+  state = _many_small(200, seed=1)                  # compiled aside
   leaves, _ = tree.flatten(state)
   first = capture.Planner().plan(leaves)
   assert first.pack is None                         # not waiting for XLA
