@@ -137,6 +137,7 @@ class CheckpointManager(OrbaxVerbs):
         channel=None if self._process[1] == 1 else _kv.Channel(
             "schedule", timeout_secs=self.options.timeout_secs))
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
+    self._pool.submit(int)        # its thread starts here, not in the first save (~8 ms)
     threads = self.options.copy_threads or default_copy_threads()
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
         threads, thread_name_prefix="jaxckpt-copy")
