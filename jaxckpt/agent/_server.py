@@ -110,7 +110,6 @@ class Agent:
     self.stopping = False
     self.lock = threading.RLock()      # the persist and parity threads use it too
     self.persister = None
-    self.retired: list[Any] = []       # persisters replaced by a new configuration
     self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
     self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
@@ -201,11 +200,13 @@ class Agent:
                owner: str | None = None) -> _requests.Hello.Reply:
     self.reap()
     self._take_lease(int(pid), owner)
-    if persist and (self.persister is None or self.persister.config.to_obj() != persist):
-      if self.persister is not None:      # its queue runs out on its own thread
-        self.retired.append(self.persister)
+    if persist and self.persister is None:
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned,
                                           self._release_held)
+    elif persist and self.persister.config.to_obj() != persist:
+      # A trainer relaunched with other options: the persists queued and running keep
+      # theirs, in the same queue (its status, fences and errors cover them all).
+      self.persister.configure(_persist.PersistConfig(**persist))
     if parity:
       self._configure_parity(parity)
     self.trainers.add(pid)
@@ -690,9 +691,8 @@ def serve(agent: Agent) -> None:
     sock.close(linger=1000)
     if bulk is not None:
       bulk.close()
-    for p in [*agent.retired, agent.persister]:
-      if p is not None:
-        p.close(p.config.timeout_secs)
+    if agent.persister is not None:
+      agent.persister.close(agent.persister.config.timeout_secs)
     if agent.parity is not None:
       agent.parity.close()
     agent.cleanup()

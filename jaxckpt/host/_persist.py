@@ -179,6 +179,7 @@ class _Job:
   step: int
   attempt: str
   since: float
+  config: PersistConfig                # the configuration it was submitted under
   running: bool = False
   cancelled: bool = False
   process_index: int | None = None     # the manifest's, once the step was opened
@@ -216,10 +217,18 @@ class Persister:
   def due(self, step: int) -> bool:
     return step % self.config.interval_steps == 0
 
+  def configure(self, config: PersistConfig) -> None:
+    """Persists submitted from now on follow ``config`` (a trainer relaunched with
+    other options); those submitted before keep theirs, and stay in this
+    persister's status, fences and errors: one queue per store, whatever its
+    configurations."""
+    with self._lock:
+      self.config = config
+
   def submit(self, step: int, attempt: str) -> None:
     """Schedules ``step``'s persist as ``attempt`` (its slot is held); returns at once."""
     with self._lock:
-      self._jobs[attempt] = _Job(step, attempt, time.time())
+      self._jobs[attempt] = _Job(step, attempt, time.time(), self.config)
     self._pool.submit(self._run, attempt)
 
   def fence(self, step: int) -> bool:
@@ -263,7 +272,7 @@ class Persister:
       raise Cancelled(job.step)
 
   def _persist(self, job: _Job) -> None:
-    directory, step, attempt = self.config.directory, job.step, job.attempt
+    directory, step, attempt = job.config.directory, job.step, job.attempt
     t0 = time.monotonic()
     try:
       nbytes = self._write_and_commit(job)
@@ -294,15 +303,16 @@ class Persister:
     bytes. A storage that does not
     answer or refuses for a while is tried again, with backoff, for up to the
     persist's ``timeout_secs`` (writes of one attempt are idempotent)."""
-    directory, step, attempt = self.config.directory, job.step, job.attempt
-    deadline = time.monotonic() + self.config.timeout_secs
+    config = job.config
+    directory, step, attempt = config.directory, job.step, job.attempt
+    deadline = time.monotonic() + config.timeout_secs
     pause = 0.5
     while True:
       self._check(job)
       try:
         with self._open_step(step) as (manifest, buffer):
           job.process_index = manifest.process_index
-          persist_part(self.config, manifest, buffer, attempt, lambda: self._check(job))
+          persist_part(config, manifest, buffer, attempt, lambda: self._check(job))
           return manifest.nbytes
       except errors.StorageError as e:
         if e.errno not in _TRANSIENT or time.monotonic() + pause > deadline or job.cancelled:
@@ -334,10 +344,10 @@ class Persister:
     try:
       if not self.wait_idle(timeout_secs):
         with self._lock:
-          late = sorted(j.step for j in self._jobs.values())
+          late = sorted((j.step, j.config.directory) for j in self._jobs.values())
         raise errors.SnapshotTimeoutError(
-            f"persists of steps {late} to {self.config.directory!r} did not finish within "
-            f"{timeout_secs} s")
+            "persists of " + ", ".join(f"step {s} to {d!r}" for s, d in late)
+            + f" did not finish within {timeout_secs} s")
     finally:
       self._pool.shutdown(wait=True, cancel_futures=True)
 
