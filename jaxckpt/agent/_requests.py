@@ -374,6 +374,7 @@ class JobView(Request):
     peers: dict                  # host id (str) -> address record
     persist: dict | None         # the PersistConfig a trainer gave (directory, interval_steps)
     lag_secs: float | None       # since the oldest pending persist's step was committed
+    directories: list = dataclasses.field(default_factory=list)   # every one it persists to
 
 
 # Every request class above, by op: a new request is taken once it is declared.

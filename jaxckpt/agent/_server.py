@@ -602,6 +602,7 @@ class Agent:
     return _requests.JobView.Reply(
         peers={str(h): dict(info) for h, info in self.peers.items()},
         persist=None if p is None else p.config.to_obj(),
+        directories=[] if p is None else p.directories(),
         lag_secs=None if since is None else max(0.0, time.time() - since))
 
 
@@ -692,7 +693,11 @@ def serve(agent: Agent) -> None:
     if bulk is not None:
       bulk.close()
     if agent.persister is not None:
-      agent.persister.close(agent.persister.config.timeout_secs)
+      try:
+        agent.persister.close()
+      except errors.JaxckptError as e:      # what is left goes with the agent; its memory must
+        logger.error("stopping: %s", e)       # still be freed below
+
     if agent.parity is not None:
       agent.parity.close()
     agent.cleanup()

@@ -33,6 +33,7 @@ from jaxckpt.util import _wait
 from jaxckpt.agent import _parity, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client
+from jaxckpt.agent.jobs import same_directory
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.host.store import HostStore, PersistError, PersistStatus, Slot
@@ -218,35 +219,36 @@ class AgentStore(HostStore):
     waited ``PersistConfig.timeout_secs``), since only storage then knows the
     attempt, and an attempt found there cannot be told from an abandoned one;
     nor an attempt of this run (``run_id``): a peer that ran ahead of this
-    process is persisting its own new save, which this process saves too."""
+    process is persisting its own new save, which this process saves too; nor
+    an attempt to another directory than this trainer's (of an earlier run's
+    persist options: this trainer knows neither its timeout nor its hold)."""
     if not (self._parity and self._persist) or self.steps():
       return
     universal = _persist._universal()   # pylint: disable=protected-access
-    directory, interval = self._persist["directory"], int(self._persist["interval_steps"])
+    directory = self._persist["directory"]
     pending: dict[int, set[str]] = {}
-    held: set[int] = set()
     with self.job_clients() as clients:
       for c in clients.values():
         if c.pid == self.pid:
           continue
         try:
           status = PersistStatus.from_obj(c.call("persisted", errors=False)[0].persist)
-          held.update(int(s) for s, _, _ in c.call("held")[0].held)
         except errors.AgentUnavailableError as e:
           logger.warning("recovering persists: %s", e)
           continue
-        for s, a in status.attempts:
-          if not _persist.of_run(a, run_id):
+        for s, a, where in status.attempts:
+          if not same_directory(where, directory):
+            logger.warning("step %d: not recovering its persist to %s (attempt %s, an earlier "
+                           "run's options): this trainer persists to %s", s, where, a, directory)
+          elif not _persist.of_run(a, run_id):
             pending.setdefault(s, set()).add(a)
     lost = []
-    for step in sorted(held | set(pending)):
-      if step % interval or universal.committed_by(directory, step) is not None:
+    for step, attempts in sorted(pending.items()):
+      if universal.committed_by(directory, step) is not None:
         continue
-      attempts = pending.get(step, set())
       if len(attempts) != 1:
-        if attempts:
-          logger.warning("step %d: not recovering its persist: attempts %s disagree", step,
-                         sorted(attempts))
+        logger.warning("step %d: not recovering its persist: attempts %s disagree", step,
+                       sorted(attempts))
         continue
       attempt, = attempts
       if process_index == 0 or universal.missing_parts(directory, step, attempt,

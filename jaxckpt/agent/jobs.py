@@ -39,6 +39,8 @@ class AgentView:
     lag_secs: how long the oldest pending step has waited.
     bytes, limit_bytes: host memory its slots and parity take, against its budget.
     directory: where it persists (None: no trainer asked it to).
+    directories: that and where the persists still running under a trainer's earlier
+      options write (a delete in any of them must reach this agent).
     trainers: pids of the trainers using it.
   """
   host: int
@@ -56,6 +58,7 @@ class AgentView:
   bytes: int = 0
   limit_bytes: int = 0
   directory: str | None = None
+  directories: list[str] = dataclasses.field(default_factory=list)
   trainers: list[int] = dataclasses.field(default_factory=list)
   peers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict, repr=False)
   record: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # its address
@@ -131,6 +134,7 @@ def _ask(info: dict[str, Any], job: str, local: bool, secret: bytes,
       jv = c.call("job_view")[0]
       view.peers, view.lag_secs = jv.peers, jv.lag_secs
       view.directory = (jv.persist or {}).get("directory")
+      view.directories = list(jv.directories) or ([view.directory] if view.directory else [])
     except errors.JaxckptError as e:          # an agent of an older jaxckpt
       view.error = f"no job view ({e})"
   except errors.JaxckptError as e:
@@ -188,7 +192,7 @@ def fence_step(run_root: str, directory: str, step: int, *, job: str | None = No
   out = []
   for name in (local_jobs(run_root) if job is None else [job]):
     st = job_status(run_root, name, timeout_secs=min(timeout_secs, 10.0))
-    if not any(a.directory and same_directory(a.directory, directory) for a in st.agents):
+    if not any(same_directory(d, directory) for a in st.agents for d in a.directories):
       continue
     silent = [a for a in st.agents if not a.alive]
     if silent and not ignore_unreachable:

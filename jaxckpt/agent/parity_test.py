@@ -285,7 +285,7 @@ def test_a_lost_process_0_is_rebuilt_and_commits_while_its_peers_hold_the_step(
     _wait.until(lambda: u.missing_parts(d, 5, attempt, of=[1, 2, 3]) == [], timeout_secs=60,
                 late=lambda: f"parts {u.missing_parts(d, 5, attempt, of=[1, 2, 3])} not written")
     for h in (1, 2, 3):             # written, and still held: nothing committed it yet
-      assert c.stores[h].persist_status().attempts == ((5, attempt),), h
+      assert c.stores[h].persist_status().attempts == ((5, attempt, d),), h
     c.stores[0].recover_persists(0)
     _wait.until(lambda: 5 in u.all_steps(d), timeout_secs=60,
                 late=lambda: f"step 5 was not committed: parts missing "
@@ -311,6 +311,29 @@ def test_an_agent_that_outlived_its_run_recovers_nothing_it_dropped(sandbox, tmp
     c.stores[3].recover_persists(3)
     assert not any(t.name == "jaxckpt-repersist" for t in threading.enumerate())
     assert u.missing_parts(d, 5, "run1-s5-0", of=[3]) == [3]
+
+
+def test_a_relaunch_that_persists_elsewhere_leaves_an_earlier_runs_persist_alone(
+    sandbox, tmp_path):
+  # Host 0's commit of step 5 to d1 waits for host 3, which was lost before its save.
+  # Host 3's relaunched trainer persists to d2: it must not rebuild the earlier run's
+  # attempt into d2 (a part there commits nothing, and d1's commit would still wait).
+  d1, d2 = str(tmp_path / "d1"), str(tmp_path / "d2")
+  persist = {"directory": d1, "interval_steps": 5, "max_to_keep": None, "timeout_secs": 60.0}
+  with Cluster(*sandbox, 1, persist=persist) as c:
+    c.save(5, hosts=[0, 1, 2], attempt="run1-s5-0")
+    _wait.until(lambda: c.stores[0].persist_status().pending == (5,)
+                and u.missing_parts(d1, 5, "run1-s5-0", HOSTS) == [3], timeout_secs=60,
+                late=lambda: f"hosts 0-2 did not write their parts: {c.stores[0].persist_status()}")
+    c.lose([3])
+    c.stores[3].close()
+    c.stores[3] = AgentStore(jc.AgentOptions(job_name=c.job, run_root=c.root), host=3,
+                             max_snapshots=2, limit_bytes=1 << 30, parity=c.config,
+                             persist=dict(persist, directory=d2))
+    c.stores[3].recover_persists(3)
+    assert not any(t.name == "jaxckpt-repersist" for t in threading.enumerate())
+    assert c.stores[3].persist_errors() == []
+    assert not os.path.exists(d2) or u.all_steps(d2) == []
 
 
 def test_a_rollback_or_a_delete_fences_a_persist_rebuilt_after_a_lost_agent(sandbox):

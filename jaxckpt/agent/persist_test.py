@@ -5,6 +5,7 @@ before stay in the agent's one queue (its status, its fences, its errors)."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -12,10 +13,12 @@ import pytest
 import jaxckpt as jc
 from jaxckpt import errors
 from jaxckpt import universal as u
+from jaxckpt.agent import _paths
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes
+from jaxckpt.universal._fixtures import run_cli
 from jaxckpt.util import _wait
 
 N = 1024
@@ -71,7 +74,7 @@ def test_a_relaunch_with_other_persist_options_still_fences_the_running_persist(
   relaunched = dict(first, timeout_secs=60.0, hold_until_committed=True)
   with _store(root, job, relaunched) as store:
     status = store.persist_status()
-    assert status.pending == (5,) and status.attempts == ((5, ATTEMPT),), status
+    assert status.pending == (5,) and status.attempts == ((5, ATTEMPT, d),), status
     assert store.discard(5, timeout_secs=60)
     assert store.persist_status().pending == ()
     manifest, data = _piece(1, 5)                       # host 1's part arrives late
@@ -100,3 +103,41 @@ def test_a_persist_from_before_a_relaunch_reports_its_failure_to_the_new_trainer
     assert 5 not in u.all_steps(d)
     with pytest.raises(errors.StepNotFoundError):
       u.open_step(d, 5)
+
+
+def test_jaxckpt_delete_of_the_earlier_directory_reaches_its_running_persist(
+    sandbox, tmp_path, capsys):
+  # The relaunched trainer persists to d2; `jaxckpt delete d1 --step 5` must still find
+  # and stop the persist of step 5 to d1 (the agent names every directory it writes to).
+  root, job = sandbox
+  d1, d2 = str(tmp_path / "d1"), str(tmp_path / "d2")
+  first = PersistConfig(directory=d1, interval_steps=5, timeout_secs=120).to_obj()
+  with _store(root, job, first) as store:
+    _persist_step_5_on_host_0(store, d1)
+  with _store(root, job, dict(first, directory=d2)) as store:
+    out = run_cli(capsys, "delete", d1, "--step", "5", "--run-root", root)
+    assert out.returncode == 0, out.stderr
+    assert f"deleted step 5 of {d1}" in out.stdout, out.stdout
+    assert store.persist_status().pending == ()
+    manifest, data = _piece(1, 5)                       # host 1's part arrives late
+    u.write_process_shards(d1, manifest, data, attempt=ATTEMPT)
+    assert store.persist_status().pending == ()
+    assert 5 not in u.all_steps(d1)
+
+
+def test_an_agent_stopped_during_an_earlier_runs_persist_still_frees_its_memory(
+    sandbox, tmp_path):
+  # The earlier run's persist (8 s timeout) outlasts the relaunch's 0.5 s: the agent's
+  # stop waits for it, reports it, and still removes its slots and files.
+  root, job = sandbox
+  d = str(tmp_path / "ckpt")
+  first = PersistConfig(directory=d, interval_steps=5, timeout_secs=8.0).to_obj()
+  with _store(root, job, first) as store:
+    _persist_step_5_on_host_0(store, d)
+  with _store(root, job, dict(first, timeout_secs=0.5)) as store:
+    pid = store.pid
+    store.call("stop")
+  processes.wait_gone(pid, 60, "the stopped agent")
+  agent_dir = _paths.agent_dir(root, job, 0)
+  assert not os.path.exists(agent_dir), os.listdir(agent_dir)
+  assert 5 not in u.all_steps(d)

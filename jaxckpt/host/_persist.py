@@ -114,7 +114,9 @@ class PersistStatus:
   pending: tuple[int, ...] = ()
   oldest_since: float | None = None      # time.time() the oldest pending step was committed
   persisted: tuple[int, ...] = ()
-  attempts: tuple[tuple[int, str], ...] = ()   # (step, attempt) of each pending persist
+  # (step, attempt, directory) of each pending persist (an agent's may be of a trainer's
+  # earlier persist options: another directory than the present one)
+  attempts: tuple[tuple[int, str, str], ...] = ()
 
   def to_obj(self) -> dict[str, Any]:
     return {"pending": list(self.pending), "oldest_since": self.oldest_since,
@@ -125,7 +127,7 @@ class PersistStatus:
     return cls(tuple(int(s) for s in o.get("pending", ())),
                None if o.get("oldest_since") is None else float(o["oldest_since"]),
                tuple(int(s) for s in o.get("persisted", ())),
-               tuple((int(s), str(a)) for s, a in o.get("attempts", ())))
+               tuple((int(s), str(a), str(d)) for s, a, d in o.get("attempts", ())))
 
 
 # A storage error with no errno (a timeout, an object store's HTTP failure) or one
@@ -214,9 +216,6 @@ class Persister:
     self.cancelled = 0
     self._errors: list[PersistError] = []
 
-  def due(self, step: int) -> bool:
-    return step % self.config.interval_steps == 0
-
   def configure(self, config: PersistConfig) -> None:
     """Persists submitted from now on follow ``config`` (a trainer relaunched with
     other options); those submitted before keep theirs, and stay in this
@@ -249,7 +248,14 @@ class Persister:
       jobs = sorted((j for j in self._jobs.values() if not j.cancelled), key=lambda j: j.since)
       return PersistStatus(tuple(sorted(j.step for j in jobs)),
                            jobs[0].since if jobs else None, tuple(self.persisted),
-                           tuple(sorted((j.step, j.attempt) for j in jobs)))
+                           tuple(sorted((j.step, j.attempt, j.config.directory) for j in jobs)))
+
+  def directories(self) -> list[str]:
+    """Where this persister writes: its present directory and those of the persists
+    still queued or running under earlier options (a delete of a step in any of
+    them must reach it)."""
+    with self._lock:
+      return sorted({self.config.directory, *(j.config.directory for j in self._jobs.values())})
 
   def _run(self, attempt: str) -> None:
     with self._lock:
@@ -339,8 +345,14 @@ class Persister:
         self._ended.wait(left)
     return True
 
-  def close(self, timeout_secs: float) -> None:
-    """Waits up to ``timeout_secs`` for the queued persists, then stops the thread."""
+  def close(self, timeout_secs: float | None = None) -> None:
+    """Waits up to ``timeout_secs`` (default: the longest timeout of the persists
+    queued or running, and of the present options) for the queued persists, then
+    stops the thread."""
+    if timeout_secs is None:
+      with self._lock:
+        timeout_secs = max([self.config.timeout_secs,
+                            *(j.config.timeout_secs for j in self._jobs.values())])
     try:
       if not self.wait_idle(timeout_secs):
         with self._lock:
