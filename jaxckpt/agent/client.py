@@ -237,7 +237,7 @@ class AgentStore(HostStore):
           logger.warning("recovering persists: %s", e)
           continue
         for s, a, where in status.attempts:
-          if not same_directory(where, directory):
+          if where and not same_directory(where, directory):
             logger.warning("step %d: not recovering its persist to %s (attempt %s, an earlier "
                            "run's options): this trainer persists to %s", s, where, a, directory)
           elif not _persist.of_run(a, run_id):

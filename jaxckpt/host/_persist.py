@@ -127,7 +127,10 @@ class PersistStatus:
     return cls(tuple(int(s) for s in o.get("pending", ())),
                None if o.get("oldest_since") is None else float(o["oldest_since"]),
                tuple(int(s) for s in o.get("persisted", ())),
-               tuple((int(s), str(a), str(d)) for s, a, d in o.get("attempts", ())))
+               # (an agent of an older jaxckpt, still holding a job's snapshots, sends no
+               # directory: "" is the asking trainer's own, as it then meant)
+               tuple((int(x[0]), str(x[1]), str(x[2]) if len(x) > 2 else "")
+                     for x in o.get("attempts", ())))
 
 
 # A storage error with no errno (a timeout, an object store's HTTP failure) or one

@@ -297,3 +297,12 @@ def test_an_earlier_runs_failed_persist_is_logged_not_raised_to_the_next_run(tmp
     finally:
       with contextlib.suppress(errors.JaxckptError):
         a.close()
+
+
+def test_a_persist_status_names_each_attempts_directory_and_reads_an_older_agents():
+  st = _persist.PersistStatus((5,), 1.5, (4,), ((5, "r1-s5-1", "s3://b/run"),))
+  assert _persist.PersistStatus.from_obj(st.to_obj()) == st
+  # An agent of an older jaxckpt (still holding a job's snapshots) sends (step, attempt):
+  # its directory is unknown, which recover_persists reads as the asking trainer's own.
+  old = _persist.PersistStatus.from_obj({"pending": [5], "attempts": [[5, "r1-s5-1"]]})
+  assert old.attempts == ((5, "r1-s5-1", ""),)
