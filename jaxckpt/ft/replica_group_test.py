@@ -245,9 +245,13 @@ def test_one_odd_group_fails_the_whole_ring_at_once_with_its_name():
   failures = {g: out[g][0][1].failure for g in out}
   assert not any(out[g][0][0] for g in out), failures
   # g0 and g2 each see the other's pieces; g1 (left neighbour g0, same layout) learns it from
-  # g0's abort, not by waiting out its timeout, and names the odd group all the same.
+  # g0's abort, not by waiting out its timeout, and names the odd group all the same. g2 may
+  # hear g0's abort (relayed by the lighthouse) before g1's piece reaches it: either way its
+  # failure names its own odd layout against the others'.
   assert "group g2 averages {'w': bfloat16[6]} where group g0 averages {'w': float32[6]}" in failures["g0"]
-  assert "group g1 averages {'w': float32[6]} where group g2 averages {'w': bfloat16[6]}" in failures["g2"]
+  assert re.search(r"group g1 averages \{'w': float32\[6\]\} where group g2 averages \{'w': "
+                   r"bfloat16\[6\]\}|group g2 averages \{'w': bfloat16\[6\]\} where group g0 "
+                   r"averages \{'w': float32\[6\]\}", failures["g2"]), failures["g2"]
   assert "group g2 averages {'w': bfloat16[6]}" in failures["g1"], failures["g1"]
   assert all(out[g][0][1].allreduce_secs < 5 for g in out), {g: out[g][0][1].allreduce_secs for g in out}
 
