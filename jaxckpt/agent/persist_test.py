@@ -55,6 +55,17 @@ def _persist_step_5_on_host_0(store: AgentStore, directory: str) -> None:
               late=lambda: "host 0's agent did not write its part of step 5")
 
 
+@contextlib.contextmanager
+def _relaunched(sandbox, first: dict, **changes):
+  """A trainer with persist options ``first`` persists step 5 on host 0 (its commit then
+  waits for host 1) and closes; yields the store of a trainer relaunched with ``changes``."""
+  root, job = sandbox
+  with _store(root, job, first) as store:
+    _persist_step_5_on_host_0(store, first["directory"])
+  with _store(root, job, dict(first, **changes)) as store:
+    yield store
+
+
 @pytest.fixture
 def sandbox():
   with processes.agent_sandbox("jpc") as (root, job):
@@ -66,13 +77,9 @@ def test_a_relaunch_with_other_persist_options_still_fences_the_running_persist(
   # The first trainer's persist of step 5 waits for host 1. A relaunched trainer with
   # other options (what a manager with parity asks for) must still see it, and its
   # delete must stop it: host 1's part, written afterwards, never commits the step.
-  root, job = sandbox
   d = str(tmp_path / "ckpt")
   first = PersistConfig(directory=d, interval_steps=5, timeout_secs=120).to_obj()
-  with _store(root, job, first) as store:
-    _persist_step_5_on_host_0(store, d)
-  relaunched = dict(first, timeout_secs=60.0, hold_until_committed=True)
-  with _store(root, job, relaunched) as store:
+  with _relaunched(sandbox, first, timeout_secs=60.0, hold_until_committed=True) as store:
     status = store.persist_status()
     assert status.pending == (5,) and status.attempts == ((5, ATTEMPT, d),), status
     assert store.discard(5, timeout_secs=60)
@@ -88,12 +95,9 @@ def test_a_persist_from_before_a_relaunch_reports_its_failure_to_the_new_trainer
     sandbox, tmp_path):
   # The first trainer's persist of step 5 gives up on host 1 after its own 2 s; the
   # relaunched trainer (60 s) hears of it.
-  root, job = sandbox
   d = str(tmp_path / "ckpt")
   first = PersistConfig(directory=d, interval_steps=5, timeout_secs=2.0).to_obj()
-  with _store(root, job, first) as store:
-    _persist_step_5_on_host_0(store, d)
-  with _store(root, job, dict(first, timeout_secs=60.0)) as store:
+  with _relaunched(sandbox, first, timeout_secs=60.0) as store:
     failed = _wait.until(store.persist_errors, timeout_secs=60,
                          late=lambda: "the persist of step 5 neither failed nor committed")
     assert [(e.step, e.attempt) for e in failed] == [(5, ATTEMPT)], failed
@@ -109,12 +113,10 @@ def test_jaxckpt_delete_of_the_earlier_directory_reaches_its_running_persist(
     sandbox, tmp_path, capsys):
   # The relaunched trainer persists to d2; `jaxckpt delete d1 --step 5` must still find
   # and stop the persist of step 5 to d1 (the agent names every directory it writes to).
-  root, job = sandbox
+  root, _ = sandbox
   d1, d2 = str(tmp_path / "d1"), str(tmp_path / "d2")
   first = PersistConfig(directory=d1, interval_steps=5, timeout_secs=120).to_obj()
-  with _store(root, job, first) as store:
-    _persist_step_5_on_host_0(store, d1)
-  with _store(root, job, dict(first, directory=d2)) as store:
+  with _relaunched(sandbox, first, directory=d2) as store:
     out = run_cli(capsys, "delete", d1, "--step", "5", "--run-root", root)
     assert out.returncode == 0, out.stderr
     assert f"deleted step 5 of {d1}" in out.stdout, out.stdout
@@ -132,9 +134,7 @@ def test_an_agent_stopped_during_an_earlier_runs_persist_still_frees_its_memory(
   root, job = sandbox
   d = str(tmp_path / "ckpt")
   first = PersistConfig(directory=d, interval_steps=5, timeout_secs=8.0).to_obj()
-  with _store(root, job, first) as store:
-    _persist_step_5_on_host_0(store, d)
-  with _store(root, job, dict(first, timeout_secs=0.5)) as store:
+  with _relaunched(sandbox, first, timeout_secs=0.5) as store:
     pid = store.pid
     store.call("stop")
   processes.wait_gone(pid, 60, "the stopped agent")

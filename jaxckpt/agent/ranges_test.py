@@ -8,6 +8,7 @@ the agent by mistake either.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -106,16 +107,23 @@ def test_an_out_of_range_value_is_refused_and_the_agent_stays_healthy(held, head
   np.testing.assert_array_equal(out["w"], W + 1)
 
 
-def test_the_client_refuses_an_out_of_range_value_before_sending_it(held):
-  _, root, job, info = held
-  client = _protocol.Client(info["ipc"], who="test", timeout_secs=20,
+@contextlib.contextmanager
+def _client(root: str, job: str, info: dict, timeout_secs: float = 20.0):
+  """A client of the held agent (closed after the body, whatever its outcome)."""
+  client = _protocol.Client(info["ipc"], who="test", timeout_secs=timeout_secs,
                             secret=_paths.job_secret(root, job))
   try:
+    yield client
+  finally:
+    client.close()
+
+
+def test_the_client_refuses_an_out_of_range_value_before_sending_it(held):
+  _, root, job, info = held
+  with _client(root, job, info) as client:
     with pytest.raises(errors.InvalidArgumentError, match=r"max_snapshots=200000 is out of "
                        r"range \[1, 1024\]; nothing was applied"):
       client.call("hello", pid=PID, max_snapshots=200000)
-  finally:
-    client.close()
 
 
 def test_a_relaunch_with_fewer_snapshots_gets_them_and_their_memory_back(held):
@@ -141,12 +149,8 @@ def test_a_relaunch_with_fewer_snapshots_gets_them_and_their_memory_back(held):
     assert m.all_steps() == [9]
     out = m.restore(target={"w": np.zeros_like(W)})
     np.testing.assert_array_equal(out["w"], W + 9)
-  client = _protocol.Client(info["ipc"], who="test", timeout_secs=20,
-                            secret=_paths.job_secret(root, job))
-  try:
+  with _client(root, job, info) as client:
     status = client.call("status")[0]
-  finally:
-    client.close()
   assert status.max_snapshots == 1
   assert status.bytes <= 2 * W.nbytes, status.slots          # the retired slots' memory is back
   files = [n for n in os.listdir(_paths.agent_dir(root, job, 0)) if n.startswith("slot")]
@@ -158,9 +162,7 @@ def test_a_posted_request_is_applied_before_the_next_and_its_error_raised_by_it(
   # applies it before this client's next request, and a posted request that failed is
   # raised by the next request, naming it, never dropped.
   _, root, job, info = held
-  client = _protocol.Client(info["ipc"], who="test", timeout_secs=20,
-                            secret=_paths.job_secret(root, job))
-  try:
+  with _client(root, job, info) as client:
     opened = client.call("open", pid=os.getpid(), step=1)[0]
     assert client.call("status")[0].slots[opened.index]["readers"] == 1
     client.post("close", pid=os.getpid(), step=1, index=opened.index)
@@ -169,8 +171,6 @@ def test_a_posted_request_is_applied_before_the_next_and_its_error_raised_by_it(
     with pytest.raises(errors.StepNotFoundError, match=r"test refused 'open': .*step 99"):
       client.call("status")
     assert client.call("status")[0].steps == [1]          # the client goes on
-  finally:
-    client.close()
 
 
 def test_a_posted_unpin_that_reaches_the_agent_late_is_still_applied(held):
@@ -180,9 +180,7 @@ def test_a_posted_unpin_that_reaches_the_agent_late_is_still_applied(held):
   # the next request (the next restore's open) failed with "'close' arrived after its
   # deadline".
   _, root, job, info = held
-  client = _protocol.Client(info["ipc"], who="test", timeout_secs=1.0,
-                            secret=_paths.job_secret(root, job))
-  try:
+  with _client(root, job, info, timeout_secs=1.0) as client:
     opened = client.call("open", pid=os.getpid(), step=1)[0]
     os.kill(info["pid"], signal.SIGSTOP)
     try:
@@ -191,5 +189,3 @@ def test_a_posted_unpin_that_reaches_the_agent_late_is_still_applied(held):
     finally:
       os.kill(info["pid"], signal.SIGCONT)
     assert client.call("status")[0].slots[opened.index]["readers"] == 0
-  finally:
-    client.close()
