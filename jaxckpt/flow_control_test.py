@@ -8,6 +8,8 @@ the same cases with the default options.
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import threading
 import uuid
 
@@ -58,29 +60,30 @@ def _check(out: dict, step: int) -> None:
   assert out["step"] == step
 
 
-def test_no_due_step_is_lost_while_storage_stops_answering(s3_server, make_opts):
+def test_no_due_step_is_lost_and_no_save_skipped_while_storage_stops_answering(s3_server,
+                                                                               make_opts):
   """Saves every step, persists every 5th (default max_snapshots=2, on_busy='skip')
-  while the S3 server is stopped: saves not due never block, the held slots make
-  later saves skip (counted, with the reason), and once storage answers again
-  every due step is on it, bit-exact."""
+  while the S3 server is stopped: the steps held for their persists take slots of
+  their own, so the loop goes on snapshotting every step (nothing is skipped, the
+  newest two steps stay restorable), and once storage answers again every due step
+  is on it, bit-exact."""
   d = s3_server.url(uuid.uuid4().hex[:12])
   opts = make_opts(persist_interval_steps=5, timeout_secs=120)
-  saved = []
   with jc.CheckpointManager(d, opts) as m:
     with s3_server.paused():
       for step in range(1, 15):                    # due: 5 and 10, neither can be written
-        if m.save(step, _state(step)):
-          saved.append(step)
+        assert m.save(step, _state(step)), (step, m.stats)
         m.wait_until_snapshotted()
       # the loop ran to its end while storage was stopped: no save waited for it
       assert processes.pid_alive(s3_server.pid)
-      assert {5, 10} <= set(saved)
       assert m.stats.persists_pending == 2 and m.stats.oldest_unpersisted_step == 5
-      assert m.stats.persist_lag_steps >= 5
-      assert m.stats.skip_reasons.get("no snapshot slot is free (persists in flight)", 0) >= 1
-    for step in range(15, 21):                     # 15 waits for a slot: storage answers again
-      if m.save(step, _state(step)):
-        saved.append(step)
+      assert m.stats.persist_lag_steps == 9 and m.stats.skipped_busy == 0
+    assert {5, 10, 13, 14} <= set(m.all_steps())   # the newest two kept: a crash loses none
+    _check(m.restore(13, _target()), 13)
+    assert m.last_restore.tier == "host"
+    for step in range(15, 21):
+      assert m.save(step, _state(step))
+      m.wait_until_snapshotted()
     m.wait_until_finished()                        # orbax's meaning: on storage
     assert jc.universal.all_steps(d) == [5, 10, 15, 20]
   with jc.CheckpointManager(d, jc.CheckpointOptions()) as fresh:
@@ -89,20 +92,56 @@ def test_no_due_step_is_lost_while_storage_stops_answering(s3_server, make_opts)
       assert fresh.last_restore.tier == "storage"
 
 
+def test_where_host_memory_is_too_small_a_warning_says_so_and_a_due_save_names_it(
+    s3_server, make_opts, caplog):
+  """Room for the loop's two slots only: steps held for their persists take them, which
+  a WARNING says (why, and what to change) and a due save that finds both held names
+  (the persists and the memory)."""
+  d = s3_server.url(uuid.uuid4().hex[:12])
+  nbytes = 512 * 512 * 4 + 1000 * 4
+  limit = 2 * nbytes + nbytes // 2
+  opts = make_opts(persist_interval_steps=1, max_snapshots=1, timeout_secs=3,
+                   host_memory_limit_bytes=limit)
+  with jc.CheckpointManager(d, opts) as m:
+    with s3_server.paused():
+      with caplog.at_level(logging.WARNING):
+        assert m.save(1, _state(1)) and m.save(2, _state(2))   # two slots, both held
+        m.wait_until_snapshotted()
+        assert not caplog.records                # nothing taken from the loop yet
+        with pytest.raises(errors.SnapshotTimeoutError,
+                           match=r"save\(step=3\) \(due for storage: never skipped\): no slot "
+                                 r"of the (in-process store|snapshot agent) freed up within 3 s: "
+                                 r"every slot is held: persists of steps \[1, 2\] .*host memory "
+                                 r"has room for no snapshot slot beside the loop's 2"):
+          m.save(3, _state(3))
+      said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+              and "host memory has room for" in r.getMessage()]
+      m_ = re.search(
+          r"host memory has room for no snapshot slot beside the loop's 2 \(1\.0 MiB each; "
+          rf"host_memory_limit_bytes={limit}[;)].*a crash then loses more than one step; "
+          r"raise host_memory_limit_bytes to at least (\d+) ", said[0] if said else "")
+      assert len(said) == 1 and m_ and 3 * nbytes <= int(m_.group(1)) < 3 * nbytes + 4096, said
+    m.wait_until_finished()
+    assert jc.universal.all_steps(d) == [1, 2]
+
+
 def test_a_due_save_that_finds_every_slot_held_names_the_persists(s3_server, make_opts):
+  """Memory has room: a slot more per held step, up to as many as the loop's (2 + 2
+  here), and then no more."""
   d = s3_server.url(uuid.uuid4().hex[:12])
   opts = make_opts(persist_interval_steps=1, max_snapshots=1, timeout_secs=3)
   with jc.CheckpointManager(d, opts) as m:
     with s3_server.paused():
-      assert m.save(1, _state(1)) and m.save(2, _state(2))   # two slots, both held
-      m.wait_until_snapshotted()
+      for step in range(1, 5):
+        assert m.save(step, _state(step))
+        m.wait_until_snapshotted()
       with pytest.raises(errors.SnapshotTimeoutError,
-                         match=r"save\(step=3\) \(due for storage: never skipped\): no slot of "
+                         match=r"save\(step=5\) \(due for storage: never skipped\): no slot of "
                                r"the (in-process store|snapshot agent) freed up within 3 s: every "
-                               r"slot is held: persists of steps \[1, 2\]"):
-        m.save(3, _state(3))
+                               r"slot is held: persists of steps \[1, 2, 3, 4\]"):
+        m.save(5, _state(5))
     m.wait_until_finished()
-    assert jc.universal.all_steps(d) == [1, 2]
+    assert jc.universal.all_steps(d) == [1, 2, 3, 4]
 
 
 def test_a_step_deleted_while_its_persist_runs_never_comes_back(s3_server, make_opts):

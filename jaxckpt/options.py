@@ -79,7 +79,11 @@ class CheckpointOptions:
 
   Attributes:
     max_snapshots: committed host-memory snapshots kept (the newest is never
-      dropped). Host memory holds ``max_snapshots + 1`` slots.
+      dropped). Host memory holds ``max_snapshots + 1`` slots, and a slot more
+      for each older step held for its persist while that persist runs (at
+      most ``max_snapshots + 1`` more, as ``host_memory_limit_bytes`` and the
+      run root allow; a WARNING says when they do not), so storage slower
+      than the loop takes no snapshot from it.
     save_interval_steps: ``save(step)`` snapshots only steps divisible by this
       (``force=True`` overrides).
     on_busy: what ``save()`` does while the previous snapshot is still being

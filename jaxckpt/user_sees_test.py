@@ -61,11 +61,15 @@ def test_persist_and_restore_say_bytes_seconds_and_rate_at_info(tmp_path, caplog
 
 def test_a_small_loop_with_default_options_and_a_directory_logs_no_warning(tmp_path, caplog,
                                                                              agent):
+  """Nothing to warn of (host memory has room for the persists' slots, no lag); a save
+  skipped because a loaded machine held its copy up is the one warning it may say."""
   with caplog.at_level(logging.WARNING, logger="jaxckpt"):
     with jc.CheckpointManager(str(tmp_path), jc.CheckpointOptions(agent=agent)) as m:
       for step in range(1, 21):
         m.save(step, _state(step))
         time.sleep(0.02)                  # the loop's own step
       m.wait_until_finished()
-  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert not [w for w in said if "save skipped: the previous snapshot is still being" not in w]
+  assert len(said) <= m.stats.skipped_busy
   assert 1 in jc.universal.all_steps(str(tmp_path))

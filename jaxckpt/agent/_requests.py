@@ -18,7 +18,7 @@ it does not know: a newer agent's).
 >>> decode(encode(Reserve(pid=7, step=3, nbytes=64)))
 Reserve(pid=7, step=3, nbytes=64)
 >>> decode_reply(Reserve, {"ok": True, "index": 2, "path": "/dev/shm/s2", "size": 64}, "agent", "ipc://a")
-Reserve.Reply(index=2, path='/dev/shm/s2', size=64, fresh=False)
+Reserve.Reply(index=2, path='/dev/shm/s2', size=64, fresh=False, note=None)
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class Hello(Request):
 @_request("reserve")
 class Reserve(Request):
   """A free slot of ``nbytes`` for ``step`` (``index`` None in the reply: none free;
-  ``fresh``: its file is new and sparse, the trainer allocates its memory)."""
+  ``fresh``: its file is new and sparse, the trainer allocates its memory; ``note``:
+  why steps held for their persists may take the loop's slots, for the trainer's log)."""
   pid: int
   step: int
   nbytes: int
@@ -134,6 +135,7 @@ class Reserve(Request):
     path: str | None = None
     size: int | None = None
     fresh: bool = False
+    note: str | None = None
 
 
 @_request("preallocate")

@@ -116,6 +116,7 @@ class Agent:
     self.replays = _wire.Replays()     # requests are applied at most once
     self.leases: dict[int, tuple[float, float]] = {}   # remote reader -> (expiry, lease secs)
     self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
+    self.crowded = 0                   # reserves that found held steps in the loop's slots
 
   # -- helpers --------------------------------------------------------------
 
@@ -131,15 +132,15 @@ class Agent:
     return self.table.steps()
 
   def _ensure_slots(self) -> None:
-    """``max_snapshots + 1`` slots in use; those beyond (a trainer asked for fewer)
-    are retired: pinned by ``_RETIRED`` (never handed out again) and their memory
-    freed once they are free."""
-    usable = self.max_snapshots + 1
+    """The loop's ``max_snapshots + 1`` slots, and up to ``table.spare`` more for steps
+    held for their persists, in use; those beyond (a trainer asked for fewer, or host
+    memory has no room for them now) are retired: pinned by ``_RETIRED`` (never handed
+    out again) and their memory freed once they are free."""
     self.table.keep = self.max_snapshots
-    self.table.grow_to(usable)
-    while len(self.slots) < len(self.table):
-      i = len(self.slots)
-      self.slots.append(_Slot(i, self.dir))
+    self.table.base = self.max_snapshots + 1
+    self.table.grow_to(self.table.base)
+    self._fit_slots()
+    usable = self.table.usable()
     for st in self.table.slots:
       retired = _RETIRED in st.pins
       if st.index >= usable and not retired:
@@ -147,6 +148,11 @@ class Agent:
         self._free_retired(st)
       elif st.index < usable and retired:
         del st.pins[_RETIRED]
+
+  def _fit_slots(self) -> None:
+    """A file record for every slot of the table (it adds slots for held steps)."""
+    while len(self.slots) < len(self.table):
+      self.slots.append(_Slot(len(self.slots), self.dir))
 
   def _free_retired(self, st: _slots.SlotState) -> None:
     """Gives back the memory of retired slot ``st`` once it is free (the file is
@@ -260,7 +266,17 @@ class Agent:
     self.parity = _parity.ParityWorker(self, config)
 
   def op_reserve(self, pid: int, step: int, nbytes: int) -> _requests.Reserve.Reply:
-    self._check_room(nbytes)
+    room = self._check_room(nbytes)
+    note = None
+    if self.persister is not None and self.table.crowded():
+      note = _slots.short_of_room(keep=self.max_snapshots, spare=self.table.spare,
+                                  nbytes=room[0], limit_bytes=self.limit_bytes,
+                                  room_bytes=room[1], run_root=os.path.dirname(
+                                      os.path.dirname(self.dir)),
+                                  where=f"the snapshot agent of job {self.job!r} host {self.host}")
+      self.crowded += 1
+      logger.log(logging.WARNING if self.crowded & (self.crowded - 1) == 0 else logging.DEBUG,
+                 "%s", note)
     stale = self.table.abandon(pid)
     for d in stale:
       logger.warning("slot %d: trainer pid %d moved on from step %s; freeing it",
@@ -271,14 +287,15 @@ class Agent:
       self.reap()
       r = self.table.reserve(step, nbytes, pid)
       if r is None:
-        return _requests.Reserve.Reply(index=None)
+        return _requests.Reserve.Reply(index=None, note=note)
+    self._fit_slots()
     slot = self.slots[r.index]
     if r.grow:                     # too small, or lent to a restore: a new file
       slot.renew(nbytes)
     self._check_file_room(r.index)
     return _requests.Reserve.Reply(index=r.index, path=slot.path,
                                    size=self.table.slots[r.index].size,
-                                   fresh=not slot.allocated)
+                                   fresh=not slot.allocated, note=note)
 
   def _check_file_room(self, index: int) -> None:
     """The memory slot ``index``'s file lacks (a new file is sparse: the trainer
@@ -301,8 +318,12 @@ class Agent:
 
   def op_preallocate(self, nbytes: int) -> _requests.Preallocate.Reply:
     """Sizes every free slot for snapshots of ``nbytes`` now (``prepare()``): the
-    trainer allocates and maps their memory before its first save."""
+    trainer allocates and maps their memory before its first save; one slot more
+    when it persists (a held step's), as host memory allows."""
     self._check_room(nbytes)
+    if self.persister is not None and self.table.spare:
+      self.table.grow_to(max(len(self.table), self.table.base + 1))
+      self._fit_slots()
     for i in self.table.grow_free(nbytes):
       self.slots[i].renew(nbytes)
     free = [s.index for s in self.table.slots
@@ -311,16 +332,22 @@ class Agent:
         [i, self.slots[i].path, self.table.slots[i].size, not self.slots[i].allocated]
         for i in free])
 
-  def _check_room(self, nbytes: int) -> None:
+  def _check_room(self, nbytes: int) -> tuple[int, int]:
     """Raises HostMemoryBudgetError, at the first save of a state (not a later one),
-    if ``nbytes`` snapshots do not fit the budget or the run root's free memory."""
+    if the loop's ``max_snapshots + 1`` slots of ``nbytes`` do not fit the budget
+    or the run root's free memory. Sets how many slots more steps held for their
+    persists may take (``table.spare``: what both have room for, counting what this
+    agent holds already); returns the bytes of a slot (with its parity) and what
+    the run root could hold."""
     self._ensure_slots()
-    usable = self.max_snapshots + 1          # (slots beyond it are retired)
+    usable = self.max_snapshots + 1          # the loop's slots
     need = usable * nbytes
+    per_slot = nbytes
     what = f"{usable} snapshot slots x {nbytes / 2**20:.1f} MiB"
     if self.parity is not None:
       pbytes = self.parity.estimate_bytes(nbytes)
       need += usable * pbytes
+      per_slot += pbytes
       what += f" + {usable} parity slots x {pbytes / 2**20:.1f} MiB"
     if need > self.limit_bytes:
       raise errors.HostMemoryBudgetError(
@@ -336,6 +363,10 @@ class Agent:
           f"{free / 2**20:.1f} MiB free there (+ {held / 2**20:.1f} MiB this agent holds); "
           "free shared memory, lower max_snapshots, or point AgentOptions.run_root at a "
           "larger filesystem")
+    self.table.spare = _slots.spare_slots(keep=self.max_snapshots, nbytes=per_slot,
+                                          limit_bytes=self.limit_bytes, room_bytes=free + held)
+    self._ensure_slots()                     # (retires what no longer fits)
+    return per_slot, free + held
 
   def op_commit(self, index: int, manifest: str, step: int, nbytes: int,
                 process: list[int], persist_attempt: str | None = None) -> _requests.Commit.Reply:
@@ -446,7 +477,7 @@ class Agent:
     return _requests.Discard.Reply(discarded=d is not None, persisting=busy, deleted_by=before)
 
   def op_steps(self) -> _requests.Steps.Reply:
-    return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.free_slots(),
+    return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.room(),
                                  protected=self.table.protected_step())
 
   def op_bye(self, pid: int, owner: str | None = None) -> _requests.Done:

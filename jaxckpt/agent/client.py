@@ -138,6 +138,8 @@ class AgentStore(HostStore):
     self._errors_lock = threading.Lock()
     self._status = PersistStatus()          # as the agent's last reply said
     self._attempts: dict[int, str] = {}     # due steps sent to this agent -> their attempts
+    self._note: str | None = None           # the agent's room note, as its last reserve said
+    self._crowded = 0                       # how often it said one
     self.restarts = 0
     self.directory: list[dict[str, Any]] = []     # the job's agents on other machines
     self._peers: dict[str, dict[str, Any]] = {}   # host id -> its current agent (discover)
@@ -482,8 +484,11 @@ class AgentStore(HostStore):
     self.ensure_alive()
     self._drop_lent()
 
+    notes: list[str] = []
+
     def reserved() -> dict[str, Any] | None:
       r = self.call("reserve", pid=os.getpid(), step=step, nbytes=nbytes)
+      notes.append(r.note)
       return r if r.index is not None else None
 
     try:
@@ -491,6 +496,8 @@ class AgentStore(HostStore):
                       late=lambda: f"no slot of {self.who} freed up for step {step}")
     except errors.SnapshotTimeoutError:
       return None                           # HostStore.reserve's contract: None, not an error
+    finally:
+      self._said(next((n for n in notes if n), None))
     with self._maps_lock:
       cached = self._maps.get(r.index)
     fresh = r.fresh and self._allocated.get(r.index) != r.path    # not allocated by us
@@ -558,6 +565,18 @@ class AgentStore(HostStore):
   def has_free_slot(self) -> bool:
     self.ensure_alive()
     return bool(self.call("steps").free_slots)
+
+  def room_note(self) -> str | None:
+    return self._note
+
+  def _said(self, note: str | None) -> None:
+    """The agent's room note of a reserve, in this trainer's log too (a WARNING at the
+    1st, 2nd, 4th... reserve that had one)."""
+    self._note = note
+    if note:
+      self._crowded += 1
+      logger.log(logging.WARNING if self._crowded & (self._crowded - 1) == 0 else logging.DEBUG,
+                 "%s", note)
 
   def abort(self, slot: Slot) -> None:
     with contextlib.suppress(errors.AgentUnavailableError):

@@ -29,7 +29,7 @@ def test_a_reply_reads_as_a_record_and_as_a_mapping():
   r = _requests.Reserve.Reply(index=3, path="/dev/shm/x", size=64)
   assert (r.index, r["path"], {**r}) == (3, "/dev/shm/x",
                                          {"index": 3, "path": "/dev/shm/x", "size": 64,
-                                          "fresh": False})
+                                          "fresh": False, "note": None})
   with pytest.raises(KeyError):
     r["nope"]                                     # pylint: disable=pointless-statement
 

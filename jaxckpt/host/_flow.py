@@ -96,10 +96,8 @@ class SaveFlow:
     st = self.stats
     st.skipped_busy += 1
     st.skip_reasons[why] = st.skip_reasons.get(why, 0) + 1
-    n = st.skipped_busy              # said at the 1st, 2nd, 4th, 8th... skip, not each: a
-    said = n & (n - 1) == 0          # warning where a quarter or more of the saves skipped,
-    loud = said and 4 * n >= st.started + n   # (a loaded machine's odd skip is not one)
-    logger.log(logging.WARNING if loud else logging.INFO if said else logging.DEBUG,
+    n = st.skipped_busy              # a WARNING at the 1st, 2nd, 4th, 8th... skip, not each
+    logger.log(logging.WARNING if n & (n - 1) == 0 else logging.DEBUG,
                "step %d: save skipped: %s (%d of %d saves skipped so far; saves due for "
                "storage wait instead; on_busy='wait' waits)", step, detail or why, n,
                st.started + n)
@@ -111,6 +109,9 @@ class SaveFlow:
       age = time.time() - status.oldest_since if status.oldest_since else 0.0
       held = (f"every slot is held: persists of steps {list(status.pending)} to "
               f"{self.directory!r} have not ended (the oldest was committed {age:.1f} s ago)")
+      note = self.store.room_note()
+      if note:                       # (their slots are the loop's: memory has no room)
+        held += f"; {note}"
     else:
       held = ("every slot is held by a committed step: one a restore still reads, or the "
               "newest step protected by parity, kept until a newer one is protected")

@@ -9,15 +9,24 @@ bytes; the table decides:
   ``committed`` (the readable snapshot of one step);
 - a pinned slot (a reader holds it) is never handed out for writing;
 - committing step S drops every committed step >= S first (a rolled-back
-  timeline: the newer steps are stale), then the oldest beyond ``keep``, never
-  the newest, never one *held* for its persist, and never the newest step
-  *protected* by parity (``protect``: the one a lost host can still be rebuilt
-  to while the newer ones wait for their parity);
+  timeline: the newer steps are stale), then every step older than the newest
+  ``keep``, except one *held* for its persist and the newest step *protected*
+  by parity (``protect``: the one a lost host can still be rebuilt to while the
+  newer ones wait for their parity; it counts as one of the ``keep``, and is
+  kept beside them only while a slot stays free);
 - a step due for storage is held from its commit until its persist has ended
   (``commit(..., hold=True)``, then ``release``): held steps stay readable and
   their slots are never handed out, so a later save cannot recycle a slot a
-  queued persist still has to read (when every slot is held, ``reserve`` finds
-  none free: the store's flow control then skips or waits);
+  queued persist still has to read. Held steps are counted apart from
+  ``keep``: the table adds a slot for each held step older than the newest
+  ``keep`` (up to ``spare`` of them, as host memory allows: the store sets
+  it), so a persist, however slow, takes no slot from the loop;
+- a slot for the next save comes first: where none is free and none may be
+  added (``spare`` used up), the oldest of the newest ``keep`` steps, then
+  the protected step go (never the newest, never a held one), so the loop
+  keeps snapshotting with only the newest step and the held ones kept; when
+  even then no slot is free (every other slot held), ``reserve`` finds none:
+  the store's flow control then skips or waits;
 - a lent slot (restored arrays keep views of its buffer) is never written
   again: the store gives it a new buffer on its next reserve;
 - an owner's earlier ``writing`` slot is stale once it reserves again (a trainer
@@ -90,16 +99,55 @@ def check_budget(*, slots: int, nbytes: int, limit_bytes: int, where: str,
         "shard the state over more hosts, or raise host_memory_limit_bytes")
 
 
+def spare_slots(*, keep: int, nbytes: int, limit_bytes: int,
+                room_bytes: int | None = None) -> int:
+  """How many slots beyond ``keep + 1`` host memory has room for, at ``nbytes``
+  each (a slot and what goes with it), within ``limit_bytes`` and, where given,
+  ``room_bytes`` (what the run root could hold: its free space and what the
+  slots hold already): at most ``keep + 1`` (a held step per slot of the loop's).
+
+  >>> spare_slots(keep=2, nbytes=10, limit_bytes=45)
+  1
+  >>> spare_slots(keep=2, nbytes=10, limit_bytes=1000, room_bytes=35)
+  0
+  """
+  base = keep + 1
+  fits = min(limit_bytes, limit_bytes if room_bytes is None else room_bytes) // max(nbytes, 1)
+  return max(0, min(base, fits - base))
+
+
+def short_of_room(*, keep: int, spare: int, nbytes: int, limit_bytes: int, where: str,
+                  room_bytes: int | None = None, run_root: str | None = None) -> str:
+  """Why steps held for their persists take the loop's slots: host memory has
+  room for ``spare`` slots of their own, not more; what to change (a WARNING's
+  text)."""
+  need = (keep + 2 + spare) * nbytes
+  room = "" if room_bytes is None or room_bytes >= limit_bytes else (
+      f"; {run_root} can hold {room_bytes / 2**20:.1f} MiB of them")
+  beside = "no snapshot slot" if not spare else f"only {spare} snapshot slots"
+  return (f"{where}: host memory has room for {beside} beside the loop's {keep + 1} "
+          f"({nbytes / 2**20:.1f} MiB each; host_memory_limit_bytes={limit_bytes}{room}), so "
+          "steps held for their persists take the loop's: while those persists run, fewer steps "
+          "are kept and saves may be skipped, and a crash then loses more than one step; raise "
+          f"host_memory_limit_bytes to at least {need} ({need / 2**20:.1f} MiB), free memory"
+          f"{' in ' + run_root if run_root else ''}, persist less often (persist_interval_steps) "
+          "or lower max_snapshots")
+
+
 class SlotTable:
   """``keep`` committed snapshots at most, in ``count`` slots (``keep + 1``: one
-  more for the snapshot being written)."""
+  more for the snapshot being written), and up to ``spare`` slots more for
+  steps held for their persist (the store sets ``spare`` from host memory)."""
 
   def __init__(self, keep: int, count: int | None = None) -> None:
     if keep < 1:
       raise errors.InvalidArgumentError(f"keep={keep!r}: a slot table keeps at least 1 step")
     self.keep = keep
+    self.base = keep + 1 if count is None else count    # the loop's slots
+    self.spare = 0
+    self._squeezed = False     # a kept step went to free a slot a held one took (crowded)
     self.slots: list[SlotState] = []
-    self.grow_to(keep + 1 if count is None else count)
+    self.grow_to(self.base)
 
   # -- shape -----------------------------------------------------------------
 
@@ -125,6 +173,46 @@ class SlotTable:
     """The slot holding committed ``step``, or None."""
     return next((s for s in self.slots if s.state == COMMITTED and s.step == step), None)
 
+  def held_apart(self) -> int:
+    """Held steps older than the newest ``keep``: each may take a slot of its own."""
+    committed = self.steps()
+    newest = set(committed[-self.keep:])
+    return sum(1 for s in self.held_steps() if s not in newest)
+
+  def capacity(self) -> int:
+    """The slots the table may have now: the loop's (``keep + 1``), and one per step
+    held apart (at most ``spare``)."""
+    return self.base + min(self.spare, self.held_apart())
+
+  def crowded(self) -> bool:
+    """Whether steps held for their persists take the loop's slots for lack of
+    memory (``spare`` short of ``base``): a kept step went to free a slot since the
+    last call, or none is free now. Each call starts afresh."""
+    squeezed, self._squeezed = self._squeezed, False
+    return (self.spare < self.base and bool(self.held_steps())
+            and (squeezed or not self.room()))
+
+  def usable(self) -> int:
+    """How many slots (the first ones) may be handed out: the loop's and ``spare``; those
+    beyond (memory no longer has room for them) are never written again, and the
+    store may give back their memory once they are free (:meth:`idle_beyond`)."""
+    return self.base + self.spare
+
+  def idle_beyond(self) -> list[int]:
+    """Free, unpinned slots beyond :meth:`usable` that still have memory: forgotten
+    here (size 0), for the store to release."""
+    out = []
+    for s in self.slots[self.usable():]:
+      if s.state == FREE and not s.pinned and s.size:
+        s.size, s.lent = 0, False
+        out.append(s.index)
+    return out
+
+  def room(self) -> int:
+    """Slots a ``reserve`` could hand out now: free and unpinned ones, and those it
+    may add for the held steps."""
+    return self.free_slots() + max(0, self.capacity() - len(self.slots))
+
   def owners(self) -> set[int]:
     """Every writer and reader the table knows of."""
     return ({s.owner for s in self.slots if s.owner is not None}
@@ -134,8 +222,12 @@ class SlotTable:
 
   def reserve(self, step: int, nbytes: int, owner: int) -> Reservation | None:
     """A free, unpinned slot for ``owner`` to write ``step`` into (None if none
-    is free). Prefers a slot already big enough and not lent."""
-    free = [s for s in self.slots if s.state == FREE and not s.pinned]
+    is free, nor may be added for held steps). Prefers a slot already big enough
+    and not lent."""
+    free = self._free()
+    if not free and len(self.slots) < self.capacity():
+      self.grow_to(len(self.slots) + 1)       # a held step's: the loop's slots stay free
+      free = [self.slots[-1]]
     if not free:
       return None
     s = max(free, key=lambda s: (s.size >= nbytes and not s.lent, -s.index))
@@ -151,11 +243,11 @@ class SlotTable:
     return [self._drop(s) for s in self.slots if s.state == WRITING and s.owner == owner]
 
   def grow_free(self, nbytes: int) -> list[int]:
-    """Free, unpinned slots smaller than ``nbytes`` or lent: sized to ``nbytes``
-    now (the store gives each new memory) and returned."""
+    """Free, unpinned, usable slots smaller than ``nbytes`` or lent: sized to
+    ``nbytes`` now (the store gives each new memory) and returned."""
     out = []
-    for s in self.slots:
-      if s.state == FREE and not s.pinned and (s.size < nbytes or s.lent):
+    for s in self._free():
+      if s.size < nbytes or s.lent:
         s.size, s.lent = nbytes, False
         out.append(s.index)
     return out
@@ -173,7 +265,7 @@ class SlotTable:
     """Makes slot ``index`` (writing ``step``) the committed snapshot of ``step``,
     held for its persist if ``hold``. Returns the steps dropped: newer or equal
     ones (a rollback, held ones included: their persists belong to the abandoned
-    timeline), then the oldest beyond ``keep`` that are not held."""
+    timeline), then those the keep rule drops (:meth:`_trim`)."""
     s = self.writing(index, step)
     dropped = [self._drop(o) for o in self.slots if o.state == COMMITTED and o.step >= step]
     s.state, s.owner, s.held, s.protected = COMMITTED, None, hold, False
@@ -204,29 +296,38 @@ class SlotTable:
     return self._trim()
 
   def _trim(self) -> list[Dropped]:
-    """Drops the oldest committed steps beyond ``keep``: never the newest or a held
-    one, and not the newest protected one while a slot stays free for the next
-    save without it (it must not stall saves until a newer step is protected,
-    which may never happen: a peer skipped it, or its parity failed)."""
+    """Keeps the newest ``keep`` committed steps (the newest one protected by parity
+    takes the place of the oldest of them) and every held step; drops the others,
+    except the protected one, kept beside them while a slot stays free for the next
+    save. Then, while no slot is free for it nor may be added, drops the oldest
+    kept ones and, last, the protected one (it must not stall saves until a newer
+    one is protected, which may never happen: a peer skipped it, or its parity
+    failed): never the newest, a held one or one a reader pins (that frees no
+    slot)."""
     committed = sorted((o for o in self.slots if o.state == COMMITTED), key=lambda o: o.step)
-    extra = len(committed) - self.keep
+    if not committed:
+      return []
     guard = self.protected_step()
-    out = []
-    for o in committed[:-1]:
-      if extra <= 0:
+    keepers = committed[-self.keep:]
+    if self.keep > 1 and guard is not None and guard < keepers[0].step:
+      keepers = committed[-(self.keep - 1):]
+    kept = {o.step for o in keepers}
+    out = [self._drop(o) for o in committed[:-1]
+           if o.step not in kept and not o.held and o.step != guard]
+    for o in [o for o in keepers if o.step != guard] + [o for o in committed if o.step == guard]:
+      if self.room():
         break
-      if not o.held and o.step != guard:
+      if o is not committed[-1] and o.state == COMMITTED and not o.held and not o.pinned:
         out.append(self._drop(o))
-        extra -= 1
-    if guard is not None and not self.free_slots():
-      g = self.committed(guard)
-      if g is not committed[-1] and not g.held and len(committed) - len(out) > self.keep:
-        out.append(self._drop(g))
+        self._squeezed |= bool(self.held_steps())
     return out
 
   def free_slots(self) -> int:
-    """Slots a ``reserve`` could hand out now (free and not pinned)."""
-    return sum(s.state == FREE and not s.pinned for s in self.slots)
+    """Slots a ``reserve`` could hand out now (free, not pinned, and usable)."""
+    return len(self._free())
+
+  def _free(self) -> list[SlotState]:
+    return [s for s in self.slots[:self.usable()] if s.state == FREE and not s.pinned]
 
   def abort(self, index: int) -> Dropped | None:
     """Frees slot ``index`` if it is being written (a no-op otherwise)."""

@@ -32,14 +32,37 @@ class SlotTableMachine(RuleBasedStateMachine):
     self.lent: set[int] = set()
     self.held: set[int] = set()                  # steps held for their persist
     self.sizes: dict[int, int] = collections.defaultdict(int)
+    self.spare = 0                               # slots memory allows beyond keep + 1
+    self.most_spare = 0
 
   def _free(self) -> list[int]:
     busy = set(self.committed.values()) | set(self.writing)
-    return [i for i in range(len(self.table)) if i not in busy and not +self.pins[i]]
+    usable = min(len(self.table), self.keep + 1 + self.spare)
+    return [i for i in range(usable) if i not in busy and not +self.pins[i]]
+
+  def _capacity(self) -> int:
+    newest = set(sorted(self.committed)[-self.keep:])
+    return self.keep + 1 + min(self.spare, len(self.held - newest))
+
+  def _room(self) -> int:
+    return len(self._free()) + max(0, self._capacity() - len(self.table))
+
+  @rule(n=st.integers(0, 3))
+  def host_memory_allows(self, n: int):
+    self.table.spare = self.spare = n
+    self.most_spare = max(self.most_spare, n)
+    idle = self.table.idle_beyond()         # beyond the usable slots: memory given back
+    busy = set(self.committed.values()) | set(self.writing)
+    assert idle == [i for i in range(self.keep + 1 + n, len(self.table))
+                    if i not in busy and not +self.pins[i] and self.sizes[i]]
+    for i in idle:
+      self.sizes[i] = 0
 
   @rule(target=reservations, step=STEPS, nbytes=st.integers(0, 64), owner=OWNERS)
   def reserve(self, step: int, nbytes: int, owner: int):
     free = self._free()
+    if not free and len(self.table) < self._capacity():
+      free = [len(self.table)]                   # a slot added for a held step
     r = self.table.reserve(step, nbytes, owner)
     if not free:
       assert r is None
@@ -74,13 +97,22 @@ class SlotTableMachine(RuleBasedStateMachine):
     assert {d.step for d in dropped if d.held} == was_held, "a held step was trimmed"
     assert all(d.state == _slots.COMMITTED for d in dropped)
     assert step in self.table.steps(), "the newest step was dropped"
+    if not self.table.room():       # no slot for the next save: every other step must stay
+      assert all(s == step or s in self.held or +self.pins[i]
+                 for s, i in self.committed.items()), "a step kept at the loop's expense"
 
   def _trim(self) -> set[int]:
-    out = set()
-    for s in sorted(self.committed)[:-1]:
-      if len(self.committed) <= self.keep:
+    """The model of the keep rule: the newest ``keep`` and the held steps stay; then,
+    while no slot is free or may be added, the oldest kept ones go (not the newest, a
+    held one or a pinned one)."""
+    steps = sorted(self.committed)
+    out = {s for s in steps[:-self.keep] if s not in self.held}
+    for s in out:
+      del self.committed[s]
+    for s in steps[-self.keep:]:
+      if self._room():
         break
-      if s not in self.held:
+      if s != steps[-1] and s not in self.held and not +self.pins[self.committed[s]]:
         del self.committed[s]
         out.add(s)
     return out
@@ -155,7 +187,8 @@ class SlotTableMachine(RuleBasedStateMachine):
   def agrees_with_the_model(self):
     assert self.table.steps() == sorted(self.committed)
     assert self.table.held_steps() == sorted(self.held)
-    assert len(self.committed) <= max(self.keep, len(self.held) + 1)
+    assert len(self.committed) <= self.keep + len(self.held)
+    assert len(self.table) <= self.keep + 1 + self.most_spare
     for s in self.table.slots:
       if s.index in self.writing:
         assert (s.state, s.step, s.owner) == (_slots.WRITING, *self.writing[s.index])
@@ -194,6 +227,49 @@ def test_a_held_step_outlives_the_keep_rule_until_released():
   assert t.reserve(7, 8, owner=1) is None       # every slot is held or newest: none free
   assert [d.step for d in t.release(5)] == [5]  # its persist ended: the keep rule applies
   assert t.reserve(7, 8, owner=1).index == a.index
+
+
+def _commit(t, step, hold=False):
+  return [d.step for d in t.commit(t.reserve(step, 8, owner=1).index, step, hold=hold)]
+
+
+def test_a_step_held_for_its_persist_takes_a_slot_of_its_own_not_the_loops():
+  t = _slots.SlotTable(2)                       # the loop's 3 slots
+  t.spare = 1                                   # host memory has room for one more
+  assert _commit(t, 10, hold=True) == [] and _commit(t, 11) == [] and _commit(t, 12) == []
+  assert t.steps() == [10, 11, 12]              # the newest 2, and 10 held for its persist
+  for step in range(13, 20):                    # the loop goes on while 10 is persisted
+    assert _commit(t, step) == [step - 2]
+    assert t.steps() == [10, step - 1, step] and len(t) == 4
+  assert [d.step for d in t.release(10)] == [10]
+  assert t.steps() == [18, 19] and t.room() == 2
+
+
+def test_without_room_for_a_held_steps_slot_the_loop_keeps_its_newest_step_and_one_free():
+  t = _slots.SlotTable(2)                       # spare=0: host memory is too small
+  _commit(t, 10, hold=True)
+  _commit(t, 11)
+  assert _commit(t, 12) == [11]                 # not 12: a slot stays free for 13
+  assert t.steps() == [10, 12] and t.room() == 1 and len(t) == 3
+  assert _commit(t, 15, hold=True) == [12]      # a second persist while the first runs
+  assert _commit(t, 16) == []                   # both held: no slot left for the loop
+  assert t.steps() == [10, 15, 16] and t.room() == 0
+  assert t.reserve(17, 8, owner=1) is None
+
+
+def test_slots_beyond_what_memory_allows_now_are_not_handed_out_and_give_back_memory():
+  t = _slots.SlotTable(1)
+  t.spare = 1
+  _commit(t, 1, hold=True)
+  _commit(t, 2)
+  _commit(t, 3)                                 # the held step's own slot, index 2
+  assert len(t) == 3 and t.committed(3).index == 2
+  assert t.release(1) == [_slots.Dropped(0, 1, _slots.COMMITTED)]
+  t.spare = 0                                   # a bigger state: no room for it now
+  assert t.idle_beyond() == [] and t.usable() == 2   # (slot 2 holds step 3)
+  assert _commit(t, 4) == [3] and t.committed(4).index != 2
+  assert t.idle_beyond() == [2] and t.slots[2].size == 0
+  assert _commit(t, 5) == [4] and t.committed(5).index != 2
 
 
 def test_the_newest_protected_step_outlives_the_keep_rule_until_a_newer_one_is_protected():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -23,6 +24,8 @@ from jaxckpt import errors
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host._persist import PersistConfig, PersistError, PersistStatus  # noqa: F401  (the store's names)
 from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +104,12 @@ class HostStore(abc.ABC):
   def has_free_slot(self) -> bool:
     """Whether a ``reserve`` now would find a slot without waiting."""
     return True
+
+  def room_note(self) -> str | None:
+    """Why steps held for their persists may take the loop's slots (host memory has
+    no room for slots of their own) and what to change, as the last ``reserve``
+    found; None when they have room (or nothing is persisted)."""
+    return None
 
   def persist_to(self, config: PersistConfig) -> None:
     """From now on, persists the steps committed with a ``persist_attempt`` as
@@ -183,7 +192,10 @@ class InProcessStore(HostStore):
   """Snapshots held in this process's memory (lost if the process dies).
 
   Holds ``max_snapshots + 1`` slots: the committed snapshots plus one being
-  written. Slots are allocated on first use at the snapshot's size and reused.
+  written, and a slot more for each step held for its persist while it runs
+  (at most ``max_snapshots + 1`` more, as ``host_memory_limit_bytes`` allows;
+  ``prepare()`` allocates one of them when it persists). Slots are allocated on
+  first use at the snapshot's size and reused.
   A slot lent to a restore (:meth:`lend`) keeps its step readable but is never
   written again: when it frees up, its buffer is released (the restored arrays
   hold it while they live) and the next save allocates a new one. While a
@@ -202,6 +214,8 @@ class InProcessStore(HostStore):
     self._manifests: dict[int, SnapshotManifest] = {}
     self._cv = threading.Condition()
     self._persister = None
+    self._note: str | None = None      # why held steps take the loop's slots (room_note)
+    self._crowded = 0                  # how often they did
     if persist is not None:
       self.persist_to(persist)
 
@@ -215,26 +229,58 @@ class InProcessStore(HostStore):
     self._persister = _persist.Persister(config, self.read, self._release)
 
   def _check_budget(self, nbytes: int) -> None:
-    _slots.check_budget(slots=len(self._table), nbytes=nbytes, limit_bytes=self._limit,
+    """Raises HostMemoryBudgetError if the loop's ``max_snapshots + 1`` slots do not
+    fit; sets how many more the held steps may take. Called holding the lock."""
+    keep = self._table.keep
+    _slots.check_budget(slots=keep + 1, nbytes=nbytes, limit_bytes=self._limit,
                         where="in-process snapshot store")
+    self._table.spare = _slots.spare_slots(keep=keep, nbytes=nbytes, limit_bytes=self._limit)
+    self._fit_buffers()
+    for i in self._table.idle_beyond():      # (no longer within the budget at this size)
+      self._buffers[i] = None
+
+  def _check_crowded(self, nbytes: int) -> None:
+    """Says (a WARNING at the 1st, 2nd, 4th... time) when steps held for their persists
+    took the loop's slots for lack of memory. Called holding the lock."""
+    self._note = None
+    if self._persister is None or not self._table.crowded():
+      return
+    self._note = _slots.short_of_room(keep=self._table.keep, spare=self._table.spare,
+                                      nbytes=nbytes, limit_bytes=self._limit,
+                                      where="in-process snapshot store")
+    self._crowded += 1
+    logger.log(logging.WARNING if self._crowded & (self._crowded - 1) == 0 else logging.DEBUG,
+               "%s", self._note)
+
+  def room_note(self) -> str | None:
+    with self._cv:
+      return self._note
+
+  def _fit_buffers(self) -> None:
+    self._buffers += [None] * (len(self._table) - len(self._buffers))
 
   def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
-    self._check_budget(nbytes)
     deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
     with self._cv:
+      self._check_budget(nbytes)
+      self._check_crowded(nbytes)
       while (r := self._table.reserve(step, nbytes, self._OWNER)) is None:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
           return None
         self._cv.wait(left)
+      self._fit_buffers()
     buf = self._buffers[r.index]
     if r.grow or buf is None:
       buf = self._buffers[r.index] = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
     return Slot(r.index, step, buf, nbytes)
 
   def preallocate(self, nbytes: int) -> None:
-    self._check_budget(nbytes)
     with self._cv:
+      self._check_budget(nbytes)
+      if self._persister is not None and self._table.spare:   # a persist's slot too
+        self._table.grow_to(max(len(self._table), self._table.keep + 2))
+        self._fit_buffers()
       for i in self._table.grow_free(nbytes):
         buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)
         buf.fill(0)                # first touch here, not in a save (~4 s/GiB on some VMs)
@@ -263,7 +309,7 @@ class InProcessStore(HostStore):
 
   def has_free_slot(self) -> bool:
     with self._cv:
-      return bool(self._table.free_slots())
+      return bool(self._table.room())
 
   def persist_status(self, *, ask: bool = True) -> PersistStatus:
     del ask

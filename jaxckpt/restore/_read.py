@@ -304,12 +304,12 @@ def restore_tree(source: Source, target: Any, *, partial: bool = False) -> Any:
   needed = {i: _needed_boxes(saved[i], t) for i, t in zip(index, targets)
             if saved[i].kind != "scalar"}
   total = sum(_leaf_bytes(saved[i]) for i in needed)
-  progress = LogProgress(logger, f"restoring step {source.step}", total)
-  source.prefetch(needed)
   values = []
-  for i, t in zip(index, targets):    # (leaf by leaf: two threads faulting in fresh memory
-    values.append(_leaf_value(source, i, saved[i], t, needed.get(i)))     # took twice as long)
-    progress.update(_leaf_bytes(saved[i]) if i in needed else 0)
+  with LogProgress(logger, f"restoring step {source.step}", total, verb="read") as progress:
+    source.prefetch(needed)
+    for i, t in zip(index, targets):  # (leaf by leaf: two threads faulting in fresh memory
+      values.append(_leaf_value(source, i, saved[i], t, needed.get(i)))   # took twice as long)
+      progress.update(_leaf_bytes(saved[i]) if i in needed else 0)
   if treedef is None:
     return {saved[i].path: v for i, v in zip(index, values)}
   return jax.tree_util.tree_unflatten(treedef, values)

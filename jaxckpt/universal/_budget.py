@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from jaxckpt import errors
 
@@ -26,12 +26,13 @@ class ByteBudget:
   0
   """
 
-  def __init__(self, max_bytes: int, *, what: str,
-               timeout_secs: float = TIMEOUT_SECS) -> None:
+  def __init__(self, max_bytes: int, *, what: str, timeout_secs: float = TIMEOUT_SECS,
+               on_done: Callable[[int], None] | None = None) -> None:
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
       raise errors.InvalidArgumentError(
           f"max_inflight_bytes must be a positive int, got {max_bytes!r}")
     self._max, self._what, self._timeout = max_bytes, what, timeout_secs
+    self._on_done = on_done
     self._used = 0
     self._error: BaseException | None = None
     self._cv = threading.Condition()
@@ -66,6 +67,8 @@ class ByteBudget:
     def done(f: Any) -> None:
       try:
         f.result()
+        if self._on_done is not None:
+          self._on_done(n)
       except BaseException as e:  # pylint: disable=broad-except  (raised by drain)
         with self._cv:
           if self._error is None:

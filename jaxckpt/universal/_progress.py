@@ -14,11 +14,12 @@ rate at the end.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import tqdm
 
@@ -120,22 +121,96 @@ def _is_terminal(stream: TextIO) -> bool:
 class LogProgress:
   """Progress of the library's own long work (a persist, a restore) as INFO lines of
   ``logger``: none for work that ends within ``every_secs``, then one each
-  ``every_secs`` with bytes done, of how many, and the rate so far. Thread-safe."""
+  ``every_secs`` while it runs, whether or not bytes were done meanwhile (a persist
+  draining its last writes, storage that stopped answering): bytes done, of how
+  many, the time and the rate so far, and (``in_flight``) the bytes handed to
+  storage and not yet on it. A context manager (or call :meth:`close`);
+  ``update`` is thread-safe.
 
-  def __init__(self, logger: Any, what: str, total: int, *, every_secs: float = 5.0) -> None:
+  >>> import logging
+  >>> with LogProgress(logging.getLogger("demo"), "persisting step 1", 100) as p:
+  ...   p.update(40); p.update(60)
+  >>> p.nbytes
+  100
+  """
+
+  def __init__(self, logger: Any, what: str, total: int, *, every_secs: float = 5.0,
+               verb: str = "done", in_flight: Callable[[], int] | None = None) -> None:
     self.logger, self.what, self.total, self.every = logger, what, total, every_secs
+    self.verb, self.in_flight = verb, in_flight
     self.nbytes = 0
-    self._start = self._last = time.monotonic()
+    self._start = time.monotonic()
+    self.due_at = self._start + every_secs
     self._lock = threading.Lock()
+    self._closed = False
+    _TICKER.add(self)
 
   def update(self, n: int) -> None:
     with self._lock:
       self.nbytes += n
-      now = time.monotonic()
-      if now - self._last < self.every:
+
+  def tick(self, now: float) -> None:
+    """Says the line (the ticker's thread, when :attr:`due_at` has come)."""
+    with self._lock:
+      if self._closed:
         return
-      self._last = now
+      self.due_at = now + self.every
       done, secs = self.nbytes, now - self._start
-    self.logger.info("%s: %s of %s (%.0f%%) in %.1f s, %s", self.what, human_bytes(done),
-                     human_bytes(self.total), 100 * done / max(self.total, 1), secs,
-                     rate(done, secs))
+    flight = ""
+    if self.in_flight is not None:
+      pending = self.in_flight()
+      flight = f"; {human_bytes(pending)} handed to storage, not yet on it" if pending else ""
+    self.logger.info("%s: %s of %s %s (%.0f%%) in %.1f s, %s%s", self.what, human_bytes(done),
+                     human_bytes(self.total), self.verb, 100 * done / max(self.total, 1), secs,
+                     rate(done, secs), flight)
+
+  def close(self) -> None:
+    with self._lock:
+      self._closed = True
+    _TICKER.remove(self)
+
+  def __enter__(self) -> "LogProgress":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+
+class _Ticker:
+  """One daemon thread for every :class:`LogProgress` of the process: it sleeps until
+  the earliest one's line is due (none: until one is added), and says it."""
+
+  def __init__(self) -> None:
+    self._cv = threading.Condition()
+    self._live: set[LogProgress] = set()
+    self._thread: threading.Thread | None = None
+
+  def add(self, p: LogProgress) -> None:
+    with self._cv:
+      self._live.add(p)
+      if self._thread is None or not self._thread.is_alive():
+        self._thread = threading.Thread(target=self._run, daemon=True, name="jaxckpt-progress")
+        self._thread.start()
+      self._cv.notify()
+
+  def remove(self, p: LogProgress) -> None:
+    with self._cv:
+      self._live.discard(p)
+
+  def _run(self) -> None:
+    while True:
+      with self._cv:
+        now = time.monotonic()
+        due = [p for p in self._live if p.due_at <= now]
+        if not due:
+          nxt = min((p.due_at for p in self._live), default=None)
+          self._cv.wait(None if nxt is None else nxt - now)
+          continue
+      for p in due:
+        try:
+          p.tick(now)
+        except Exception:  # pylint: disable=broad-except  (a progress line never ends the ticker)
+          logging.getLogger(__name__).exception("progress line of %s", p.what)
+
+
+_TICKER = _Ticker()

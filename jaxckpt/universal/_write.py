@@ -134,7 +134,6 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
   lay.check_attempt(attempt)
   kv = lay.open_kvstore(directory)
   _commit.check_not_committed(kv, directory, step, attempt)
-  budget = _budget.ByteBudget(max_inflight_bytes, what=f"persist of step {step} to {directory!r}")
   plans = []
   for rec in manifest.leaves:
     unique = {s.index: s for s in rec.shards}  # replicated boxes are stored once
@@ -147,8 +146,13 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
     opened = list(pool.map(lambda p: _arrays.open_for_write(directory, step, p[0])
                            if p[0].is_array and p[1] else None, plans))
   leaves = []
+  # A line every 5 s of a long persist, of the bytes on storage (counted as each write
+  # completes, so the drain of the last writes shows too) and those still in flight.
   progress = _progress.LogProgress(log, f"persisting step {step} to {directory}",
-                                   sum(s.nbytes for _, u in plans for s in u.values()))
+                                   sum(s.nbytes for _, u in plans for s in u.values()),
+                                   verb="written", in_flight=lambda: budget.in_flight)
+  budget = _budget.ByteBudget(max_inflight_bytes, what=f"persist of step {step} to {directory!r}",
+                              on_done=progress.update)
   try:
     for (info, unique), store_info in zip(plans, opened):
       if info.is_array and not unique:  # another process creates the array
@@ -161,12 +165,14 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
         sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
                              budget)
         info = _arrays.replace(info, chunks=sums)
-        progress.update(sum(s.nbytes for s in unique.values()))
       obj = info.to_obj()
       obj["boxes"] = [[list(p) for p in b] for b in unique]
       leaves.append(obj)
   finally:
-    budget.drain()
+    try:
+      budget.drain()
+    finally:
+      progress.close()
   return leaves
 
 
