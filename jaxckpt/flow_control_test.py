@@ -153,7 +153,7 @@ def test_a_step_deleted_while_its_persist_runs_never_comes_back(s3_server, make_
     with s3_server.paused():                       # step 2's persist cannot end
       assert m.save(2, _state(2))
       m.wait_until_snapshotted()
-      assert 2 in m._store.persist_status().pending
+      assert 2 in m._core._store.persist_status().pending
       deleting = threading.Thread(target=m.delete, args=(2,))
       deleting.start()
     deleting.join(120)

@@ -252,7 +252,7 @@ def test_cpu_restore_is_zero_copy_and_donation_never_writes_the_shared_buffer():
   with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
     src = put(X, mesh((8,), ("x",)), "x")
     save_now(m, 1, {"w": src})
-    (slot_buf,) = [b for b in m._store._buffers if b is not None]
+    (slot_buf,) = [b for b in m._core._store._buffers if b is not None]
     lo, hi = slot_buf.ctypes.data, slot_buf.ctypes.data + slot_buf.nbytes
     in_slot = lambda a: all(lo <= s.data.unsafe_buffer_pointer() < hi for s in a.addressable_shards)
     s1 = m.restore(target={"w": src})["w"]
@@ -285,7 +285,7 @@ def test_keeps_max_snapshots_and_reuses_slot_buffers(mgr):
   buffers = set()
   for step in range(1, 8):
     save_now(mgr, step, {"w": jnp.full((1024,), float(step))})
-    with mgr._store.read(step) as (_, buf):   # the store's public read API
+    with mgr._core._store.read(step) as (_, buf):   # the store's public read API
       buffers.add(id(buf))
   assert mgr.all_steps() == [6, 7]
   assert len(buffers) == 3                    # max_snapshots + 1 slots, reused
@@ -350,7 +350,7 @@ def test_unknown_step_and_closed_manager():
 def test_corrupted_shard_is_detected_and_nothing_restored(mgr):
   src = put(X, mesh((8,), ("x",)), "x")
   save_now(mgr, 1, {"w": src})
-  with mgr._store.read(1) as (manifest, buf):
+  with mgr._core._store.read(1) as (manifest, buf):
     off = manifest.leaves[0].shards[3].offset
     buf[off + 5] ^= 0x10
   with pytest.raises(errors.CorruptSnapshotError, match=r"step 1: shard \[\(6, 8\), \(0, 24\)\]") as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import re
 import shutil
@@ -134,6 +135,29 @@ class CheckpointOptions:
       at most 8, which leaves most cores to the training loop's input pipeline
       and dispatch.
 
+  orbax's save-decision and retention fields, with orbax's names and meaning
+  (``ocp.CheckpointManagerOptions``); a step is a *checkpoint* they rank once it
+  is saved for storage (every ``persist_interval_steps``-th snapshot, or every
+  saved step with ``persist_interval_steps=save_interval_steps``), and a step they
+  drop is deleted from every tier (host, agent, parity, storage) once its persist
+  has ended:
+
+  Attributes:
+    save_on_steps: steps saved (and persisted) besides those on the interval.
+    should_save_fn: ``fn(step, latest_step) -> bool`` decides instead of the
+      interval and ``save_on_steps``.
+    save_decision_policy: an orbax ``SaveDecisionPolicy`` that decides instead.
+    keep_period: steps divisible by it are kept whatever ``max_to_keep`` says.
+    keep_time_interval: a ``datetime.timedelta``: one step per interval is kept.
+    best_fn: ``fn(metrics) -> float``: ``max_to_keep`` keeps the best steps by
+      the metrics given to ``save(metrics=...)``, and ``best_step()`` ranks by it.
+    best_mode: ``"max"`` or ``"min"``: which of ``best_fn``'s values is best.
+    keep_checkpoints_without_metrics: with ``best_fn``, steps saved without
+      metrics are kept too.
+    preservation_policy: an orbax ``PreservationPolicy`` that decides which
+      steps are kept instead of ``max_to_keep``, ``keep_period``,
+      ``keep_time_interval`` and ``best_fn``.
+
   >>> CheckpointOptions(max_snapshots=0)
   Traceback (most recent call last):
   ...
@@ -154,8 +178,18 @@ class CheckpointOptions:
   parity: "ParityOptions | None" = None
   copy_threads: int | None = None
   host_snapshots: bool = True
+  save_on_steps: Any = None
+  should_save_fn: Any = None
+  save_decision_policy: Any = None
+  keep_period: int | None = None
+  keep_time_interval: Any = None
+  best_fn: Any = None
+  best_mode: str = "max"
+  keep_checkpoints_without_metrics: bool = True
+  preservation_policy: Any = None
 
   def __post_init__(self) -> None:
+    self._check_orbax_fields()
     _at_least(self, "max_snapshots", 1)
     if self.copy_threads is not None:
       _at_least(self, "copy_threads", 1)
@@ -188,13 +222,44 @@ class CheckpointOptions:
                          "exchanged between the hosts' snapshot agents); set "
                          "agent=jaxckpt.AgentOptions(job_name=...) or parity=None")
 
+  def _check_orbax_fields(self) -> None:
+    if self.save_on_steps is not None:
+      steps = list(self.save_on_steps)
+      if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in steps):
+        raise errors.InvalidArgumentError(
+            f"CheckpointOptions.save_on_steps must be non-negative ints, got {self.save_on_steps!r}")
+      object.__setattr__(self, "save_on_steps", frozenset(int(s) for s in steps))
+    for name in ("should_save_fn", "best_fn"):
+      if getattr(self, name) is not None and not callable(getattr(self, name)):
+        raise errors.InvalidArgumentError(
+            f"CheckpointOptions.{name} must be a function, got {name}={getattr(self, name)!r}")
+    if self.keep_period is not None:
+      _at_least(self, "keep_period", 1)
+    if self.keep_time_interval is not None and not isinstance(self.keep_time_interval,
+                                                              datetime.timedelta):
+      raise errors.InvalidArgumentError(
+          "CheckpointOptions.keep_time_interval must be a datetime.timedelta, got "
+          f"keep_time_interval={self.keep_time_interval!r}")
+    if self.best_mode not in ("max", "min"):
+      raise errors.InvalidArgumentError(
+          f"CheckpointOptions.best_mode must be 'max' or 'min', got best_mode={self.best_mode!r}")
+    if self.preservation_policy is not None and any(
+        x is not None for x in (self.max_to_keep, self.keep_period, self.keep_time_interval)):
+      raise errors.InvalidArgumentError(
+          "CheckpointOptions: preservation_policy decides which steps are kept, so "
+          "max_to_keep, keep_period and keep_time_interval must be None beside it (as orbax's)")
+    if self.save_decision_policy is not None and self.should_save_fn is not None:
+      raise errors.InvalidArgumentError(
+          "CheckpointOptions: save_decision_policy and should_save_fn both decide which steps "
+          "are saved; pass one")
+
   def check_directory(self, directory: str | None) -> None:
     """Raises InvalidArgumentError if these options need a ``directory`` and there is none."""
     if directory is not None:
       return
-    given = ", ".join(f"{n}={getattr(self, n)!r}" for n in ("persist_interval_steps",
-                                                             "max_to_keep")
-                      if getattr(self, n) is not None)
+    given = ", ".join(f"{n}={getattr(self, n)!r}" for n in (
+        "persist_interval_steps", "max_to_keep", "keep_period", "keep_time_interval",
+        "preservation_policy") if getattr(self, n) is not None)
     if given:
       raise errors.InvalidArgumentError(
           f"CheckpointOptions({given}) says how to keep steps on storage, but the manager has "

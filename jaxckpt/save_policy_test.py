@@ -85,7 +85,8 @@ def test_due_save_waits_instead_of_skipping(tmp_path, caplog):
                              r"snapshot copy of process 0 did not finish within 0.5 s"):
       mgr.save(4, {"w": x + 4})                   # due: waited (bounded), not skipped
     threading.Timer(0.2, store.gate.set).start()     # the copy finishes while step 4 waits
-    mgr.options = dataclasses.replace(mgr.options, timeout_secs=60.0)
+    mgr._core.options = mgr._core._flow.options = dataclasses.replace(   # a longer bound
+        mgr.options, timeout_secs=60.0)
     assert mgr.save(4, {"w": x + 4})
     mgr.wait_until_persisted(4, timeout_secs=60)
     assert mgr.stats.skipped_busy == 2

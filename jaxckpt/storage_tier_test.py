@@ -57,8 +57,8 @@ def test_persisted_steps_restore_from_storage_onto_another_mesh(tmp_path, use_ag
       assert jc.universal.all_steps(d) == [4, 6]                 # max_to_keep=2
       if use_agent:                  # written by the agent, never by this trainer
         deadline = time.monotonic() + 30
-        while m._store.persisted_steps() != [2, 4, 6]:
-          assert time.monotonic() < deadline, m._store.persist_status()
+        while m._core._store.persisted_steps() != [2, 4, 6]:
+          assert time.monotonic() < deadline, m._core._store.persist_status()
           time.sleep(0.05)
     # a fresh trainer with empty host memory: only storage has the steps
     with jc.CheckpointManager(d, options=jc.CheckpointOptions()) as m:
@@ -76,7 +76,7 @@ def test_damaged_host_snapshot_falls_back_to_storage(tmp_path):
   with jc.CheckpointManager(d, options=jc.CheckpointOptions(persist_interval_steps=1)) as m:
     m.save(3, state(3))
     m.wait_until_persisted(3)
-    with m._store.read(3) as (manifest, buf):
+    with m._core._store.read(3) as (manifest, buf):
       buf[manifest.leaves[0].shards[0].offset] ^= 1
     out = m.restore(target=target())
     assert m.last_restore.tier == "storage"

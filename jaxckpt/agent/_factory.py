@@ -22,8 +22,10 @@ from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
 logger = logging.getLogger(__name__)
 
 
-def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | None) -> HostStore:
-  """The store ``options`` ask for, persisting as ``persist`` says (None: never).
+def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | None,
+               run: str | None = None) -> HostStore:
+  """The store ``options`` ask for, persisting as ``persist`` says (None: never), for
+  the run ``run`` (its directory: an agent frees another run's snapshots).
 
   With agents under ``jax.distributed``, the job's secret is the one its hosts
   hold (it survives a lost host, process 0's too), else a new one of process 0
@@ -52,7 +54,7 @@ def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | Non
                                                        options.timeout_secs).to_obj()
   return AgentStore(a, host=host, max_snapshots=options.max_snapshots, limit_bytes=limit,
                     persist=None if persist is None else persist.to_obj(), parity=parity,
-                    secret=secret, owner=_owner_name())
+                    secret=secret, owner=_owner_name(), run=run)
 
 
 def _owner_name() -> str:
@@ -90,9 +92,9 @@ def persistence(directory: str | None, options: CheckpointOptions, *, writes: bo
     return None, None
   if create or os.path.isdir(directory) or "://" in directory:
     _persist.check_directory(directory, timeout_secs=options.timeout_secs)
-  config = _persist.PersistConfig(
+  config = _persist.PersistConfig(   # (retention is the trainer's keep policy: no gc here)
       directory, options.persist_interval_steps or options.save_interval_steps,
-      options.max_to_keep, options.timeout_secs, hold_until_committed=options.parity is not None)
+      None, options.timeout_secs, hold_until_committed=options.parity is not None)
   return config, agree_run_id(options.timeout_secs)
 
 

@@ -100,10 +100,15 @@ class Hello(Request):
   persist: dict | None = None
   parity: dict | None = None
   owner: str | None = None      # the manager asking (None: a bare store, known by its pid)
+  run: str | None = None        # the run it saves (its directory; "": none; None: any)
   bounds = {"pid": PID, "max_snapshots": (1, MAX_SNAPSHOTS), "limit_bytes": (1, BYTES[1])}
 
   def check(self) -> None:
     _check_owner("hello", self.owner)
+    if self.run is not None and len(self.run) > 4096:
+      raise errors.InvalidArgumentError(
+          f"request 'hello': run is {len(self.run)} characters long; a run is named by its "
+          "directory (at most 4096 characters)")
     if self.persist is not None:
       _check_fields("hello", "persist", self.persist, _PERSIST)
     if self.parity is not None:

@@ -117,6 +117,7 @@ class Agent:
     self.leases: dict[int, tuple[float, float]] = {}   # remote reader -> (expiry, lease secs)
     self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
     self.crowded = 0                   # reserves that found held steps in the loop's slots
+    self.run: str | None = None        # the run whose snapshots it holds (its directory)
 
   # -- helpers --------------------------------------------------------------
 
@@ -203,9 +204,11 @@ class Agent:
                limit_bytes: int | None = None,
                persist: dict[str, Any] | None = None,
                parity: dict[str, Any] | None = None,
-               owner: str | None = None) -> _requests.Hello.Reply:
+               owner: str | None = None, run: str | None = None) -> _requests.Hello.Reply:
     self.reap()
     self._take_lease(int(pid), owner)
+    if run is not None:
+      self._start_run(run)
     if persist and self.persister is None:
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned,
                                           self._release_held)
@@ -223,6 +226,24 @@ class Agent:
     self._ensure_slots()
     return _requests.Hello.Reply(pid=os.getpid(), steps=self.steps(), slots=self.max_snapshots + 1,
                                  generation=self.generation)
+
+  def _start_run(self, run: str) -> None:
+    """A trainer of run ``run`` (its directory): the snapshots of another run of the
+    job are freed, never offered to it (their running persists go on); the same run
+    resumes them."""
+    if self.run is not None and run != self.run:
+      busy = self.persister.busy if self.persister is not None else (lambda step: False)
+      old = [s for s in self.steps() if not busy(s)]
+      for step in old:
+        d = self.table.discard(step)
+        self._dropped([d] if d else [])
+      if self.parity is not None:
+        for step in list(self.parity.records):
+          self.parity.drop(step)
+      logger.info("job %s host %d: a new run (directory %r) follows run %r: the snapshots "
+                  "of steps %s of the previous run are freed", self.job, self.host, run,
+                  self.run, old)
+    self.run = run
 
   def _take_lease(self, pid: int, owner: str | None = None) -> None:
     """One manager per job and host, in any process: a live holder keeps the lease

@@ -35,7 +35,7 @@ def test_an_agent_killed_during_a_snapshot_is_named_at_once_not_after_the_reques
   big = jax.device_put(np.ones((64 << 20) // 4, np.float32), s)
   with jc.CheckpointManager(options=opts) as m:
     m.prepare({"w": big})
-    pid = m._store.pid    # pylint: disable=protected-access  (the agent to kill)
+    pid = m._core._store.pid    # pylint: disable=protected-access  (the agent to kill)
     assert m.save(1, {"w": big})
     os.kill(pid, signal.SIGKILL)          # while step 1 is copied into its slot
     with pytest.raises(errors.AgentUnavailableError, match=rf"pid {pid}.*exited"):
@@ -138,7 +138,7 @@ def test_a_second_restore_of_a_step_reads_the_memory_the_first_one_lent():
       assert max(faults[1:]) < nbytes // (64 << 10) // 4, faults
       assert m.save(2, state)                 # a reservation lets the lent map go
       m.wait_until_finished()
-      assert not m._store._lent
+      assert not m._core._store._lent
 
 
 def test_prepare_maps_every_slot_for_writing_so_no_save_faults_a_page():
@@ -179,7 +179,7 @@ def test_an_agent_that_dies_before_answering_a_posted_unpin_is_replaced_by_the_n
       try:
         assert m.save(1, {"w": W})
         m.wait_until_finished()
-        store = m._store      # pylint: disable=protected-access  (its agent, to stop mid-unpin)
+        store = m._core._store      # pylint: disable=protected-access  (its agent, to stop mid-unpin)
         pid = store.pid
         with store.read(1):
           os.kill(pid, signal.SIGSTOP)      # the unpin is posted to an agent that never answers

@@ -65,7 +65,7 @@ def test_a_shard_changed_after_the_trainer_hashed_it_is_never_restored(sandbox):
   with mgr_for(root, job, max_snapshots=2) as m:
     assert m.save(1, {"w": sharded(x)})
     m.wait_until_finished()
-    with m._store.read(1) as (manifest, buf):    # a bit flip in the agent's memory
+    with m._core._store.read(1) as (manifest, buf):    # a bit flip in the agent's memory
       buf[manifest.leaves[0].shards[0].offset] ^= 1
     with pytest.raises(errors.CorruptSnapshotError, match=r"of leaf \"\['w'\]\" is corrupted"):
       m.restore(step=1, target={"w": sharded(np.zeros_like(x))})
@@ -143,7 +143,7 @@ def test_kill_in_the_middle_of_a_snapshot_restores_the_previous_one(sandbox):
                                                           jax.devices()[0]))})
     assert m.last_restore.step == 1 and m.last_restore.tier == "host"
     assert bool(jnp.all(out["w"] == 1.0))
-    slots = m._store.call("status")["slots"]
+    slots = m._core._store.call("status")["slots"]
     assert [s["state"] for s in slots].count("writing") == 0      # torn slot discarded
 
 
@@ -152,14 +152,14 @@ def test_killed_agent_is_replaced_by_the_next_save_without_hanging(sandbox):
   with mgr_for(root, job) as m:
     assert m.save(1, {"w": jnp.ones(8)})
     m.wait_until_finished()
-    old = m._store.pid
+    old = m._core._store.pid
     os.kill(old, signal.SIGKILL)
     processes.wait_gone(old, 10, "killed agent")
     t0 = time.monotonic()
     assert m.save(2, {"w": jnp.full(8, 2.0)})
     m.wait_until_finished()
     assert time.monotonic() - t0 < 30
-    assert m._store.pid != old and m._store.restarts == 1
+    assert m._core._store.pid != old and m._core._store.restarts == 1
     assert m.all_steps() == [2]                          # step 1 died with the old agent
     np.testing.assert_array_equal(m.restore(target={"w": jnp.zeros(8)})["w"], np.full(8, 2.0))
 
@@ -172,14 +172,14 @@ def test_an_agent_killed_while_committing_is_replaced_by_the_next_save(sandbox):
   with jc.CheckpointManager(options=opts) as m:
     assert m.save(1, {"w": x})
     m.wait_until_finished()
-    old = m._store.pid
+    old = m._core._store.pid
     assert m.save(2, {"w": x})                  # 16 MiB: copied and committed in the background
     os.kill(old, signal.SIGKILL)                # while it is copied, hashed or committed
     with pytest.raises(errors.JaxckptError):
       m.wait_until_snapshotted()
     assert m.save(3, {"w": x}, force=True)      # at once, no waiting for the kill to settle
     m.wait_until_snapshotted()
-    assert m._store.pid != old and m.stats.agent_restarts == 1
+    assert m._core._store.pid != old and m.stats.agent_restarts == 1
     assert m.all_steps() == [3]
     np.testing.assert_array_equal(np.asarray(m.restore(target={"w": x})["w"]), np.asarray(x))
 
@@ -199,7 +199,7 @@ def test_agent_stop_frees_every_segment(sandbox):
   with mgr_for(root, job) as m:
     m.save(1, {"w": jnp.ones(1 << 16)})
     m.wait_until_finished()
-    pid = m._store.pid
+    pid = m._core._store.pid
   d = _paths.agent_dir(root, job, 0)
   assert any(f.startswith("slot") for f in os.listdir(d))
   out = subprocess.run([sys.executable, "-m", "jaxckpt.agent", "stop", "--job-name", job,
@@ -221,7 +221,7 @@ def test_sidecar_start_status_and_spawn_false(sandbox):
   with jc.CheckpointManager(options=opts) as m:
     m.save(5, {"a": 1})
     m.wait_until_finished()
-    assert m._store.pid == started["pid"]
+    assert m._core._store.pid == started["pid"]
   status = json.loads(run("status").stdout)
   assert status["running"] and status["steps"] == [5]
   assert run("stop").returncode == 0
@@ -233,7 +233,7 @@ def test_agent_exits_when_idle_after_its_trainer_died(sandbox):
   code = ("import jax, jaxckpt as jc, sys; o = jc.CheckpointOptions(agent=jc.AgentOptions("
           "job_name=sys.argv[2], run_root=sys.argv[1], idle_timeout_secs=1)); "
           "m = jc.CheckpointManager(options=o); m.save(1, {'a': 1}); m.wait_until_finished(); "
-          "print(m._store.pid)")
+          "print(m._core._store.pid)")
   p = subprocess.run([sys.executable, "-c", code, root, job], capture_output=True, text=True,
                      timeout=120)
   pid = int(p.stdout.split()[-1])

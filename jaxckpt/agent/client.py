@@ -115,9 +115,10 @@ class AgentStore(HostStore):
   def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
                limit_bytes: int, persist: dict[str, Any] | None = None,
                parity: dict[str, Any] | None = None, secret: str | None = None,
-               owner: str | None = None) -> None:
+               owner: str | None = None, run: str | None = None) -> None:
     self.opts = opts
     self.owner = owner          # the manager this store serves: the agent's lease names it
+    self.run = run              # the run it saves (its directory): another run's snapshots go
     self.host = host
     self.run_root = opts.run_root or _paths.default_run_root()
     self.secret = _paths.job_secret(self.run_root, opts.job_name, secret or opts.secret)
@@ -177,7 +178,7 @@ class AgentStore(HostStore):
     try:
       self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
                         limit_bytes=self._limit, persist=self._persist, parity=self._parity,
-                        owner=self.owner)
+                        owner=self.owner, run=self.run)
     except BaseException:
       self._client.close()            # refused (another manager holds the lease): nothing kept
       raise
@@ -539,7 +540,7 @@ class AgentStore(HostStore):
       self._persist = obj
       self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
                         limit_bytes=self._limit, persist=self._persist, parity=self._parity,
-                        owner=self.owner)
+                        owner=self.owner, run=self.run)
 
   def _take_persist(self, reply: _requests.Persisted.Reply | _requests.Commit.Reply) -> None:
     """Keeps the persist status and errors an agent's reply brings."""

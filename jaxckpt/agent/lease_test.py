@@ -31,7 +31,7 @@ def test_a_second_manager_in_the_same_process_is_refused_naming_the_first(opts):
       jc.CheckpointManager(options=opts)
     msg = str(e.value)
     assert "held by another live manager in this process" in msg
-    assert a._store.owner in msg      # names the first  # pylint: disable=protected-access
+    assert a._core._store.owner in msg      # names the first  # pylint: disable=protected-access
     assert "close that manager first" in msg
     out = a.restore(5, target={"w": np.zeros((16, 4), np.float32)})   # A's step, untouched
     np.testing.assert_array_equal(out["w"], A["w"])
@@ -55,7 +55,7 @@ def test_a_refused_manager_changes_nothing_and_a_closed_one_cannot_release_anoth
       with pytest.raises(errors.PermissionDeniedError):
         jc.CheckpointManager(options=jc.CheckpointOptions(
             agent=opts.agent, max_snapshots=1, handle_sigterm=False))
-    store = a._store                             # pylint: disable=protected-access
+    store = a._core._store                             # pylint: disable=protected-access
     status = store.call("status")
     assert status.max_snapshots == 2 and status.lease["owner"] == store.owner
     assert a.save(2, A)

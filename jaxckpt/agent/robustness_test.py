@@ -113,7 +113,7 @@ def test_saves_resume_after_the_agent_hung_past_the_request_timeout():
     with jc.CheckpointManager(options=opts) as m:
       assert m.save(1, {"w": sharded(x)})
       m.wait_until_finished()
-      pid = m._store.pid                                 # pylint: disable=protected-access
+      pid = m._core._store.pid                                 # pylint: disable=protected-access
       os.kill(pid, signal.SIGSTOP)
       try:
         with pytest.raises(jc.errors.AgentUnavailableError, match="did not answer 'reserve'"):

@@ -22,7 +22,7 @@ from jaxckpt import capture
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
 from jaxckpt.tree import Leaf
-from jaxckpt.universal import _write, commit_step, gc_steps
+from jaxckpt.universal import _write, commit_step
 
 logger = logging.getLogger("jaxckpt")
 
@@ -49,7 +49,7 @@ def batches(leaves: Sequence[Leaf], sizes: Sequence[int], budget: int) -> list[l
 
 def save(directory: str, step: int, leaves: Sequence[Leaf], planner: capture.Planner, *,
          budget: int, attempt: str, process: tuple[int, int], metadata: dict[str, Any] | None,
-         timeout_secs: float, max_to_keep: int | None) -> int:
+         timeout_secs: float) -> int:
   """Writes ``leaves`` as ``step`` of ``directory`` (see the module); returns the
   largest number of bytes staged at once."""
   sizes = [planner.plan([leaf]).nbytes for leaf in leaves]
@@ -74,8 +74,6 @@ def save(directory: str, step: int, leaves: Sequence[Leaf], planner: capture.Pla
   if process[0] == 0:
     commit_step(directory, step, process_count=process[1], timeout_secs=timeout_secs,
                 attempt=attempt)
-    if max_to_keep:
-      gc_steps(directory, max_to_keep=max_to_keep, keep=(step,))
   logger.info("step %d written to %s without a host snapshot (%d leaves in %d batches, at most "
               "%d bytes staged)", step, directory, len(leaves), len(groups), staged)
   return staged

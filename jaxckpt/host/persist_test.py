@@ -282,11 +282,11 @@ def test_an_earlier_runs_failed_persist_is_logged_not_raised_to_the_next_run(tmp
       os.rename(d, d + ".away")                      # its writes now fail: not a directory
       with open(d, "w") as f:
         f.write("x")
-      _wait.until(lambda: not a._store.persist_status().pending,   # pylint: disable=protected-access
+      _wait.until(lambda: not a._core._store.persist_status().pending,   # pylint: disable=protected-access
                   timeout_secs=60, late=lambda: "run A's persist of step 5 did not end")
       os.unlink(d)
       os.rename(d + ".away", d)
-      a._store.close()        # pylint: disable=protected-access  (run A's trainer is gone: its
+      a._core._store.close()        # pylint: disable=protected-access  (run A's trainer is gone: its
       with jc.CheckpointManager(d, opts) as b:   # lease passes on; one manager per job and host)
         np.testing.assert_array_equal(b.restore(5)["w"], np.full((16, 4), 5.0, np.float32))
         assert b.save(10, _state(10.0))

@@ -30,12 +30,12 @@ import jax
 import numpy as np
 
 from jaxckpt import errors, tree
+from jaxckpt.core import _ledger
 from jaxckpt.orbax import _targets
 
 ITEMS_KEY = "jaxckpt.items"       # {name: kind} of a Composite step
 ITEM_KEY = "jaxckpt.item"         # the kind of a single item saved through args=
-TIME_KEY = "jaxckpt.time"         # a step's save time (seconds since the epoch), orbax managers
-METRICS_KEY = "jaxckpt.metrics"   # the metrics given to save(metrics=)
+TIME_KEY, METRICS_KEY = _ledger.TIME_KEY, _ledger.METRICS_KEY   # a step's time and metrics
 DEFAULT = "default"               # orbax's name of the single item
 ROW_BYTES = 1 << 16               # a Grain iterator's state is a few hundred bytes of JSON
 _LEN_BYTES = 8

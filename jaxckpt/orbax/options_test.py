@@ -17,6 +17,8 @@ import jaxckpt as jc
 import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.orbax import _options
+from jaxckpt.core import _policy
+from jaxckpt.core._ledger import StepInfo
 
 
 def _tree(step):
@@ -30,7 +32,7 @@ def _save_all(m, steps, metrics=None):
 
 def test_a_jaxckpt_options_object_passes_through_and_anything_else_is_refused():
   opts = jc.CheckpointOptions(max_snapshots=3)
-  assert _options.translate(opts) == (opts, _options.Rules())
+  assert _options.translate(opts) == (opts, _policy.DirectoryRules())
   with pytest.raises(errors.InvalidArgumentError, match="ocp.CheckpointManagerOptions"):
     jc.CheckpointManager(options={"max_to_keep": 2})
 
@@ -61,12 +63,13 @@ def test_should_save_fn_and_a_save_decision_policy_replace_the_interval(tmp_path
 def test_continuous_checkpointing_waits_its_minimum_interval():
   """ContinuousCheckpointingPolicy decides from the previous step's time (a pure function of
   the steps kept and the clock) and never while a save is in progress."""
-  _, rules = _options.translate(ocp.CheckpointManagerOptions(
-      save_decision_policy=cm.ContinuousCheckpointingPolicy(minimum_interval_secs=60)))
+  rules = _policy.from_options(_options.translate(ocp.CheckpointManagerOptions(
+      save_decision_policy=cm.ContinuousCheckpointingPolicy(minimum_interval_secs=60)))[0])
   now = datetime.datetime.now(tz=datetime.timezone.utc)
-  just_now = [_options.StepInfo(1, now - datetime.timedelta(seconds=5))]
-  long_ago = [_options.StepInfo(1, now - datetime.timedelta(seconds=120))]
-  assert rules.asks_progress and not _options.translate(ocp.CheckpointManagerOptions())[1].asks_progress
+  just_now = [StepInfo(1, now - datetime.timedelta(seconds=5))]
+  long_ago = [StepInfo(1, now - datetime.timedelta(seconds=120))]
+  assert rules.asks_progress and not _policy.from_options(
+      _options.translate(ocp.CheckpointManagerOptions())[0]).asks_progress
   assert rules.should_save(2, [], False, False)
   assert not rules.should_save(2, just_now, False, False)
   assert rules.should_save(2, long_ago, False, False)
@@ -96,12 +99,12 @@ def test_keep_period_and_keep_time_interval_keep_more(tmp_path):
     m.wait_until_finished()
     assert m.all_steps() == [0, 4, 8, 10] == u.all_steps(str(tmp_path))
   # keep_time_interval ranks by the steps' save times (orbax's EveryNSeconds): hourly saves
-  _, rules = _options.translate(ocp.CheckpointManagerOptions(
-      max_to_keep=2, keep_time_interval=datetime.timedelta(hours=3)))
+  rules = _policy.from_options(_options.translate(ocp.CheckpointManagerOptions(
+      max_to_keep=2, keep_time_interval=datetime.timedelta(hours=3)))[0])
   t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
-  kept: list[_options.StepInfo] = []
+  kept: list[StepInfo] = []
   for step in range(10):
-    kept.append(_options.StepInfo(step, t0 + datetime.timedelta(hours=step)))
+    kept.append(StepInfo(step, t0 + datetime.timedelta(hours=step)))
     dropped = set(rules.to_remove(kept))
     kept = [i for i in kept if i.step not in dropped]
   assert rules.uses_time and [i.step for i in kept] == [0, 3, 6, 8, 9]

@@ -201,6 +201,37 @@ def damaged_newest(job: Job) -> None:
       say("EXPLICIT_RAISED", type(e).__name__)
 
 
+@scenario
+def late_commit(job: Job) -> None:
+  """Process 0 saves step 1 five seconds after process 1: process 1's
+  wait_until_finished returns only once the step is committed on storage."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory, job.options(
+      agent=job.a.variant == "agent", parity=False, persist_interval_steps=1, on_busy="wait"))
+  if job.me == 0:
+    time.sleep(5.0)
+  assert mgr.save(1, job.state(1))
+  t0 = time.monotonic()
+  mgr.wait_until_finished()
+  say("WAITED", job.me, round(time.monotonic() - t0, 2), "COMMITTED",
+      1 in jc.universal.all_steps(job.a.directory))
+  mgr.close()
+
+
+@scenario
+def options_differ(job: Job) -> None:
+  """Process 1 was given other options (``--variant`` NAME=VALUE): every process is
+  refused at construction, naming the option, both values and the processes."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  name, value = job.a.variant.split("=")
+  kw = {name: int(value)} if job.me == 1 else {}
+  try:
+    jc.CheckpointManager(job.a.directory or None, job.options(agent=False, **kw)).close()
+    say("ACCEPTED")
+  except jc.errors.InvalidArgumentError as e:
+    say("REFUSED", str(e).replace("\n", " "))
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         elif mgr.save(step, state):
           taken.append(step)
           if kill and step > a.kill_agent_after:
-            os.kill(mgr._store.pid, signal.SIGKILL)   # pylint: disable=protected-access
+            os.kill(mgr._core._store.pid, signal.SIGKILL)   # pylint: disable=protected-access
             kill = False
             time.sleep(1.0)             # a slow step: the failed commit is known by the next
       except Exception as e:  # pylint: disable=broad-except  (the loop goes on, as a user's)

@@ -17,6 +17,7 @@ from jaxckpt.universal._commit import latest_step
 from jaxckpt.universal._commit import missing_parts
 from jaxckpt.universal._commit import quarantine_step
 from jaxckpt.universal._commit import quarantined
+from jaxckpt.universal._commit import unlist_steps
 from jaxckpt.universal._commit import read_json
 from jaxckpt.universal._commit import write_json
 from jaxckpt.universal._commit import wait_committed
@@ -49,6 +50,7 @@ __all__ = [
     "latest_step",
     "missing_parts",
     "quarantine_step",
+    "unlist_steps",
     "quarantined",
     "read_json",
     "write_json",

@@ -488,6 +488,16 @@ def discard_step(directory: str, step: int, *, todelete_subdir: str | None = Non
       os.rmdir(os.path.join(local, lay.COMMITS_PREFIX))
 
 
+def unlist_steps(directory: str, steps: Iterable[int]) -> None:
+  """Removes the commit markers of ``steps`` (newest first): from here on none of them
+  exists (:func:`all_steps`); :func:`discard_step` then deletes their data. A
+  rollback unlists every step of the abandoned timeline first, so that a crash
+  while their data goes never leaves one of them listed."""
+  kv = lay.open_kvstore(directory)
+  for step in sorted(steps, reverse=True):
+    _delete(kv, lay.commit_key(step))
+
+
 def discard_attempt(directory: str, step: int, attempt: str) -> None:
   """Deletes what one persist attempt wrote of ``step`` (never the committed data:
   refuses if the marker names this attempt)."""

@@ -11,7 +11,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import cli, errors
-from jaxckpt.orbax import _verbs
+from jaxckpt.core import _ledger
 from jaxckpt.universal import orbax_interop as ox
 
 
@@ -55,7 +55,7 @@ def test_imported_steps_keep_orbax_s_save_times(best_run, tmp_path):
   with ocp.CheckpointManager(best_run, options=opts) as m:
     want = m.metadata(1).init_timestamp_nsecs / 1e9
   with jc.CheckpointManager(dst, opts) as m:
-    got = m.metadata(1).metadata.get(_verbs.TIME_KEY, 0.0)    # what the policy ranks by
+    got = m.metadata(1).metadata.get(_ledger.TIME_KEY, 0.0)    # what the policy ranks by
   assert abs(got - want) < 1.0, (got, want)
 
 

@@ -19,7 +19,7 @@ LOOP = r"""
 import os, signal, sys, time
 import jaxckpt as jc
 mgr = jc.CheckpointManager(options=jc.CheckpointOptions(handle_sigterm=True))
-mgr._preemption.grace_secs = float(sys.argv[1])
+mgr._core._preemption.grace_secs = float(sys.argv[1])
 print("ready", flush=True)
 for step in range(1000):
     if sys.argv[2] == "poll" and mgr.reached_preemption(step):

@@ -1,6 +1,6 @@
 """A manager's flow of saves: the job's decision per call, and the persists it waits on.
 
-:class:`SaveFlow` is what the manager asks at each save (:mod:`jaxckpt.host._schedule`
+:class:`SaveFlow` is what the manager asks at each save (:mod:`jaxckpt.core._schedule`
 decides; this keeps what the decision needs): whether a persist this manager
 started has not ended, which saves may not be skipped and why, the persists
 that ended (measured by the loop's own time they ran beside: the plan's input),
@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable
 
 from jaxckpt import errors
-from jaxckpt.host import _schedule
+from jaxckpt.core import _schedule
+from jaxckpt.core._ledger import Ledger
 
 # on_busy="skip" in a one-process job waits this fraction of the loop's time since the last
 # save (at most SKIP_GRACE_MAX_SECS) for a copy that is nearly done before it skips a save.
@@ -29,28 +30,23 @@ class SaveFlow:
   """One manager's saves against its store.
 
   Args:
-    schedule: the job's plan (:class:`jaxckpt.host._schedule.Schedule`).
+    schedule: the job's plan (:class:`jaxckpt.core._schedule.Schedule`).
     store: the manager's HostStore (its persist status is read, never asked).
-    stats: the manager's ``SaveStats``.
-    on_storage: the steps known to be committed on storage (the manager's set).
+    ledger: the manager's ledger (due steps, what is on storage, ``stats``).
     directory: where it persists (None: nowhere).
     options: the manager's ``CheckpointOptions``.
     where: the store, as messages name it.
     log_entry: the manager's ``logger=`` sink, ``(event, step, t0, **figures)``.
   """
 
-  def __init__(self, schedule: _schedule.Schedule, store: Any, stats: Any,
-               on_storage: set[int], directory: str | None, *, options: Any, where: str,
+  def __init__(self, schedule: _schedule.Schedule, store: Any, ledger: Ledger,
+               directory: str | None, *, options: Any, where: str,
                log_entry: Callable[..., None]) -> None:
-    self.schedule, self.store, self.stats = schedule, store, stats
-    self.on_storage, self.directory, self.where = on_storage, directory, where
+    self.schedule, self.store, self.ledger = schedule, store, ledger
+    self.directory, self.where = directory, where
     self.options, self.log_entry = options, log_entry
     self.on_busy, self.agent = options.on_busy, options.agent is not None
     self.last_save_at = time.perf_counter()
-    # due steps whose persist has not been seen to end -> (the schedule's mark at its
-    # commit, None while the snapshot is copied; its bytes)
-    self.due: dict[int, tuple[Any, int]] = {}
-    self.newest: int | None = None        # the newest step this manager committed
 
   # -- the decision -----------------------------------------------------------
 
@@ -65,9 +61,11 @@ class SaveFlow:
   def persisting(self) -> bool:
     """Whether a persist this manager started has not ended, as the store last said (no
     request; a due save whose commit is not answered yet counts as persisting)."""
-    if self.due and self.directory is not None:
+    due = self.ledger.persisting()
+    if due and self.directory is not None:
       self.ended(self.store.persist_status(ask=False))
-    return any(s not in self.on_storage for s in self.due)
+      due = self.ledger.persisting()
+    return any(r.step not in self.ledger.stored for r in due)
 
   def never_skipped(self, d: _schedule.Decision) -> str | None:
     """Why a save that was decided may not be skipped (None: it may)."""
@@ -93,10 +91,8 @@ class SaveFlow:
     return bool(done)
 
   def skip_busy(self, step: int, why: str, detail: str = "") -> None:
-    st = self.stats
-    st.skipped_busy += 1
-    st.skip_reasons[why] = st.skip_reasons.get(why, 0) + 1
-    n = st.skipped_busy              # a WARNING at the 1st, 2nd, 4th, 8th... skip, not each
+    n = self.ledger.skipped_busy(why)   # a WARNING at the 1st, 2nd, 4th, 8th... skip, not each
+    st = self.ledger.stats
     logger.log(logging.WARNING if n & (n - 1) == 0 else logging.DEBUG,
                "step %d: save skipped: %s (%d of %d saves skipped so far; saves due for "
                "storage wait instead; on_busy='wait' waits)", step, detail or why, n,
@@ -129,14 +125,13 @@ class SaveFlow:
     changes."""
     if not self.schedule.agreed:
       return
-    p, st = self.schedule.plan, self.stats
-    if (p.snapshot_every, p.persist_every) != (st.snapshot_every, st.persist_every):
+    p = self.schedule.plan
+    if self.ledger.plan(p.snapshot_every, p.persist_every):
       logger.info("the job now snapshots every %d save calls%s", p.snapshot_every,
                   "" if not self.schedule.auto_persist else
                   " and persists no more snapshots until a persist is measured"
                   if p.persist_every is None else
                   f" and persists every {p.persist_every} snapshots")
-      st.snapshot_every, st.persist_every = p.snapshot_every, p.persist_every
 
   # -- the snapshot and its persist --------------------------------------------
 
@@ -145,28 +140,31 @@ class SaveFlow:
     self.last_save_at = t0
     self.schedule.took(d)
     if d.due:
-      self.due[step] = (None, nbytes)
+      rec = self.ledger.record(step)
+      rec.persisting, rec.mark, rec.nbytes = True, None, nbytes
 
   def committed(self, step: int, due: bool, nbytes: int, copy_secs: float) -> None:
     """``step``'s snapshot committed after ``copy_secs`` (the background thread)."""
     if due:
-      self.due[step] = (self.schedule.mark(), nbytes)
+      self.ledger.record(step).mark = self.schedule.mark()
     self.schedule.measure.copy.append(copy_secs)
-    self.newest = step
+    self.ledger.committed(step, nbytes, copy_secs)
     self.note_lag()
 
   def forget(self, step: int) -> None:
     """``step``'s snapshot failed, or the step was deleted."""
-    self.due.pop(step, None)
+    rec = self.ledger.get(step)
+    if rec is not None:
+      rec.persisting = False
 
   def note_lag(self) -> None:
     """Measures the persists that ended and updates ``stats``' persist lag as of the
     newest committed step, as the store last said (a wait that returns calls it too)."""
-    if self.directory is None or self.newest is None:
+    if self.directory is None or self.ledger.newest is None:
       return
     status = self.store.persist_status(ask=False)
     self.ended(status)
-    self.stats.note_persist_lag(status, self.newest, self.directory)
+    self.ledger.persist_lag(status, self.directory)
 
   def ended(self, status: Any) -> None:
     """Forgets the due steps whose persist ended (persisted, failed or fenced), measuring
@@ -174,11 +172,10 @@ class SaveFlow:
     in ``wait_until_*``, sets no pace); a trainer with an agent says when its step is
     on storage (the agent's log has the details)."""
     sch = self.schedule
-    for s, (mark, nbytes) in list(self.due.items()):
-      if mark is None or s in status.pending:
-        continue
-      if self.due.pop(s, None) is None:
-        continue                         # (the other thread saw it end first)
+    for rec in self.ledger.persisting():
+      s, mark, nbytes = rec.step, rec.mark, rec.nbytes
+      if mark is None or s in status.pending or not self.ledger.seen_ended(s):
+        continue                         # (seen_ended: once, whichever thread sees it)
       secs, beside = sch.clock() - mark[0], sch.loop_secs_since(mark)
       sch.measure.persist.append(beside if beside >= secs / 2 else 0.0)
       rate = nbytes / max(secs, 1e-9) / 1e9

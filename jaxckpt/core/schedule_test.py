@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from jaxckpt import errors
-from jaxckpt.host import _schedule as sch
+from jaxckpt.core import _schedule as sch
 
 
 class DictChannel:

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from jaxckpt.host import _schedule as sch
-from jaxckpt.host.schedule_test import Clock, DictChannel
+from jaxckpt.core import _schedule as sch
+from jaxckpt.core.schedule_test import Clock, DictChannel
 from jaxckpt.testing import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,0 +1,633 @@
+"""The manager's core: the tiers, around one step ledger and one policy.
+
+:class:`CoreManager` saves a tree to the host tier (a snapshot, persisted to
+storage as the job's plan says), restores from the fastest tier that holds a
+verified copy, deletes from every tier, and answers what is held. It knows no
+orbax type: :class:`jaxckpt.CheckpointManager` wraps it, translating orbax's
+arguments at the edge.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxckpt import capture, errors, tree, universal
+from jaxckpt.agent import _factory
+from jaxckpt.capture import _storage_only
+from jaxckpt.core import _flow, _identity, _policy, _schedule
+from jaxckpt.core._ledger import EPOCH, METRICS_KEY, TIME_KEY, Ledger, StepInfo
+from jaxckpt.core._persists import Persists
+from jaxckpt.host.store import HostStore
+from jaxckpt.net import _kv
+from jaxckpt.options import CheckpointOptions, check_step, default_copy_threads
+from jaxckpt.restore import _read, _tiers
+from jaxckpt.util import _preemption, _wait
+
+logger = logging.getLogger("jaxckpt.manager")
+
+
+def _no_log(event: str, step: int, t0: float, **figures: Any) -> None:
+  del event, step, t0, figures
+
+
+class CoreManager:
+  """Snapshots a tree every step and restores it from the fastest tier.
+
+  Args:
+    directory: where steps due for storage are persisted (None: host snapshots only).
+    options: how the tiers work, and (through :mod:`jaxckpt.core._policy`) which
+      steps are saved and kept.
+    rules: how the directory is treated (read-only, blocking saves, ...).
+    store: a HostStore to use instead of the one ``options`` ask for.
+    log_entry: ``(event, step, t0, **figures)``: one call per save, snapshot, persist
+      and restore (the façade's ``logger=``).
+    already_exists: the error a save of a step already kept raises (a StepAlreadyExistsError).
+  """
+
+  def __init__(self, directory: str | None, options: CheckpointOptions, *,
+               rules: _policy.DirectoryRules = _policy.DirectoryRules(),
+               store: HostStore | None = None,
+               log_entry: Callable[..., None] = _no_log,
+               already_exists: Callable[[str], Exception] = errors.StepAlreadyExistsError
+               ) -> None:
+    self.directory, self.options, self.rules = directory, options, rules
+    self._process = (jax.process_index(), jax.process_count())
+    _identity.agree_options(options, directory, process=self._process)   # first: all agree
+    self.policy = _policy.from_options(options)
+    self._log, self._already_exists = log_entry, already_exists
+    config, run_id = _factory.persistence(directory, options, writes=not rules.read_only,
+                                          create=rules.create)
+    self._config = config
+    self.ledger = Ledger(run_id, stored=() if config is None else universal.all_steps(directory))
+    where = "the in-process store" if options.agent is None else "the snapshot agent"
+    self._persists = Persists(self.ledger, None if config is None else directory,
+                              self._process, where)
+    self._store = store or _factory.make_store(options, config,
+                                                 _identity.run_name(directory))
+    if store is not None and config is not None:
+      store.persist_to(config)         # every store persists what it holds
+    if store is None and options.agent is not None and self._process[1] > 1:
+      self._store.discover(timeout_secs=options.timeout_secs)
+      self._store.recover_persists(self._process[0], run_id=run_id)
+    self._planner = capture.Planner()
+    self._schedule = _schedule.Schedule(
+        process=self._process, on_busy=options.on_busy,
+        persist_interval=_persist_interval(config, options),
+        timeout_secs=options.timeout_secs,
+        channel=None if self._process[1] == 1 else _kv.Channel(
+            "schedule", timeout_secs=options.timeout_secs))
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
+    self._pool.submit(int)        # its thread starts here, not in the first save (~8 ms)
+    threads = options.copy_threads or default_copy_threads()
+    self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
+        threads, thread_name_prefix="jaxckpt-copy")
+    self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-delete")
+    self._deleting: dict[int, concurrent.futures.Future] = {}
+    self._closed = False
+    self._unfinalized = False
+    self._flow = _flow.SaveFlow(self._schedule, self._store, self.ledger,
+                                None if config is None else directory, options=options,
+                                where=where, log_entry=self._log)
+    self.last_restore: _read.RestoreInfo | None = None
+    self._preemption = _preemption.Notice(install=options.handle_sigterm,
+                                          grace_secs=options.sigterm_grace_secs,
+                                          on_deadline=self._close_before_exit)
+    if rules.cleanup_tmp_directories and config is not None and self._process[0] == 0:
+      universal.discard_uncommitted(directory, keep=set(self._store.steps()) | set(
+          self._store.persist_status().pending))     # what crashed saves left
+    self.load()
+
+  @property
+  def stats(self) -> Any:
+    return self.ledger.stats
+
+  # -- saving ---------------------------------------------------------------
+
+  def save(self, step: int, state: Any, metadata: dict[str, Any] | None, *,
+           force: bool = False, metrics: Any = None) -> bool:
+    """Starts a snapshot of ``state`` at ``step`` (see ``jaxckpt.CheckpointManager.save``)."""
+    t0 = time.perf_counter()
+    self.check_open("save")
+    step = check_step(step, "save")
+    if not self._may_save(step, force):
+      self._raise_background_error(ask_agent=False)
+      return False
+    try:
+      return self._snapshot(step, state, metadata, metrics, force, t0)
+    finally:
+      self._schedule.blocked(time.perf_counter() - t0)   # not the loop's own time
+
+  def _may_save(self, step: int, force: bool) -> bool:
+    """Whether the policy saves ``step`` (``force``: whatever it says, unless read-only)."""
+    if self.rules.read_only:
+      logger.warning("%s is read only: save(%d) is skipped", self.directory, step)
+      return False
+    if force or self._policy_saves(step):
+      return True
+    self.ledger.skipped_interval()
+    return False
+
+  def _policy_saves(self, step: int) -> bool:
+    p = self.policy
+    saving = p.asks_progress and self.is_saving_in_progress()   # (an agent request)
+    preempted = p.asks_preemption and self.reached_preemption(step)
+    return p.should_save(step, self.ledger.kept() if p.reads_kept else (), saving, preempted)
+
+  def _snapshot(self, step: int, state: Any, metadata: dict[str, Any] | None, metrics: Any,
+                force: bool, t0: float) -> bool:
+    d = self._flow.decide(step, force or self.policy.forced(step))
+    # Raised after the decision: this call counts in the job's plan like every other
+    # process's, so a loop that goes on after the error takes the job's steps.
+    self._raise_background_error(ask_agent=False)
+    tree.check_metadata(metadata)          # here, not in the background copy
+    if not d.snapshot:
+      self.ledger.skipped_plan()
+      return False
+    self._timeline(step)
+    self._persists.refuse_existing(step, self._store, self._already_exists)
+    metadata = self._record(step, metadata, metrics, d.due)
+    if not self.options.host_snapshots:
+      if not d.due:
+        return self._saved(step, False, t0)
+      self._schedule.took(d)
+      return self._saved(step, self._save_to_storage(step, state, metadata, t0), t0)
+    must = self._flow.never_skipped(d)     # may this save skip? (one process, not due)
+    if not self._wait_for_previous(step, must):   # before any per-leaf work: skips stay cheap
+      return self._saved(step, False, t0)
+    leaves, _ = tree.flatten(state)
+    plan = self._planner.plan(leaves)
+    slot = self._store.reserve(step, plan.nbytes, timeout_secs=self._flow.reserve_timeout(must))
+    self.ledger.agent_restarts(self._store.restarts)
+    if slot is None:
+      self._flow.no_slot(step, must)
+      return self._saved(step, False, t0)
+    try:
+      sources = capture.start(leaves, plan)
+    except BaseException:
+      self._store.abort(slot)
+      raise
+    self._flow.started(step, d, plan.nbytes, t0)
+    attempt = self.ledger.new_attempt(step) if d.due else None
+    self.ledger.fly(step, self._pool.submit(self._complete, step, plan, sources, slot,
+                                            metadata, t0, attempt))
+    self.ledger.started(step, time.perf_counter() - t0)
+    return self._saved(step, True, t0)
+
+  def _timeline(self, step: int) -> None:
+    """A save of a step not newer than every step the run holds: after ``restore`` of an
+    older step it starts a new timeline, and the steps of the abandoned one (those
+    newer than the restored step) are deleted from every tier, for good (their
+    markers first, so a crash never leaves one listed). Without such a restore a
+    newer step on storage refuses the save: the run would mix two timelines."""
+    led = self.ledger
+    if led.high is None or step > led.high:
+      led.high = step
+      return
+    if not self.policy.rollback:
+      return
+    fork = led.restored if led.restored is not None and led.restored < step else None
+    stored = set(_tiers.storage_steps(self.directory))
+    if fork is None:
+      newer = sorted(s for s in stored if s > step)
+      if newer:
+        raise errors.InvalidArgumentError(
+            f"save(step={step}): {self.directory!r} holds newer steps {newer} of this run, "
+            f"so step {step} would start another timeline beside them; to roll back, "
+            f"restore(step=...) the step to go back to first (the newer steps are then "
+            f"deleted), or delete them, or save into another directory")
+      return
+    abandoned = sorted(s for s in stored | set(self._store.steps()) | set(led.attempts())
+                       | set(_tiers.complete_steps(self._store)) if s > fork)
+    logger.warning("step %d starts a new timeline from step %d (restored): steps %s of the "
+                   "abandoned timeline are deleted from every tier", step, fork, abandoned)
+    for s in abandoned:                 # fenced first: nothing commits them again
+      self._store.discard(s, timeout_secs=self.options.timeout_secs)
+    if stored & set(abandoned) and (self._process[0] == 0 or self._store.fences_job):
+      universal.unlist_steps(self.directory, [s for s in abandoned if s in stored])
+    for s in abandoned:
+      self._delete_everywhere(s, listed_before=s in stored)
+    led.restored, led.high = None, step
+
+  def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
+                       t0: float) -> bool:
+    """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt.capture._storage_only`."""
+    nbytes = _storage_only.save_step(
+        self.directory, step, tree.flatten(state)[0], self._planner,
+        budget=self.options.host_memory_limit_bytes or _storage_only.DEFAULT_STAGING_BYTES,
+        attempt=self.ledger.new_attempt(step), process=self._process, metadata=metadata,
+        timeout_secs=self.options.timeout_secs)
+    self.ledger.stored_directly(step, nbytes, time.perf_counter() - t0)
+    return True
+
+  def _record(self, step: int, metadata: dict[str, Any] | None, metrics: Any,
+              due: bool) -> dict[str, Any] | None:
+    """``metadata`` with the step's time and metrics, as the policy ranks them; the
+    step noted in the ledger (kept, if it is a checkpoint: saved for storage)."""
+    led = self.ledger
+    led.undrop(step)
+    led.listed.add(step)
+    if not self.policy.records and metrics is None:
+      return metadata                 # nothing to rank the step by
+    when = datetime.datetime.now(tz=datetime.timezone.utc)
+    if self.policy.uses_time and self._process[1] > 1:    # one time for the job: process 0's
+      when = datetime.datetime.fromtimestamp(float(_kv.broadcast_from_0(
+          f"save_time/{step}", lambda: repr(when.timestamp()),
+          timeout_secs=self.options.timeout_secs)), tz=datetime.timezone.utc)
+    if metrics is not None:
+      metrics = jax.tree.map(lambda x: np.asarray(x).item() if hasattr(x, "dtype") else x,
+                             metrics)
+    rec = led.record(step)
+    rec.time, rec.metrics, rec.kept = when, metrics, due
+    out = dict(metadata or {})
+    out[TIME_KEY] = when.timestamp()
+    if metrics is not None and self.rules.write_metrics:
+      out[METRICS_KEY] = metrics
+    return out
+
+  def _saved(self, step: int, started: bool, t0: float) -> bool:
+    """After ``save(step)``: the steps the keep policy drops, a blocking save's wait,
+    the logger's entry."""
+    if not started:
+      rec = self.ledger.get(step)
+      if rec is not None and rec.attempt is None:
+        self.ledger.forget(step)
+      return False
+    self._unfinalized = True
+    if self.policy.to_remove is not None:
+      self.ledger.drop(self.policy.to_remove(self.ledger.kept()), "retention")
+    if self.rules.blocking:
+      self.wait_until_finished()
+    else:
+      self._collect()
+    st = self.stats
+    self._log("save", step, t0, blocking_secs=time.perf_counter() - t0,
+              skipped_busy=st.skipped_busy, skipped_plan=st.skipped_plan,
+              persist_lag_steps=st.persist_lag_steps, persist_lag_secs=st.persist_lag_secs)
+    return True
+
+  def prepare(self, state: Any) -> None:
+    """See ``jaxckpt.CheckpointManager.prepare``."""
+    self.check_open("prepare")
+    leaves, _ = tree.flatten(state)
+    plan = self._planner.plan(leaves, wait=True)
+    capture.warm_up(leaves, plan)
+    self._store.preallocate(plan.nbytes)
+
+  def _wait_for_previous(self, step: int, must: str | None) -> bool:
+    pending = self.ledger.flight
+    if pending is None or pending.done():
+      return True
+    if not must:
+      if self._flow.done_within_grace(pending):
+        self._raise_background_error(ask_agent=False)
+        return True
+      self._flow.skip_busy(step, "the previous snapshot is still being copied")
+      return False
+    self._wait(pending, self._flow.reserve_timeout(must),
+               f"save of step {step} ({must}: never skipped)")
+    self._raise_background_error(ask_agent=False)
+    return True
+
+  def should_save(self, step: int) -> bool:
+    """See ``jaxckpt.CheckpointManager.should_save``."""
+    step = check_step(step, "should_save")
+    if self._closed or self.rules.read_only or not self._policy_saves(step):
+      return False
+    d = self._flow.peek(step)
+    if not d.snapshot or not self.options.host_snapshots:
+      return d.snapshot and d.due
+    if self._flow.never_skipped(d):
+      return True
+    pending = self.ledger.flight
+    if pending is not None and not pending.done() and not self._flow.done_within_grace(pending):
+      return False
+    return self._store.has_free_slot()
+
+  def _complete(self, step, plan, sources, slot, metadata, t0, attempt) -> None:
+    try:
+      manifest = capture.complete(
+          plan, sources, slot.buffer, step=step, process_index=self._process[0],
+          process_count=self._process[1], metadata=metadata, pool=self._copy_pool)
+      del sources                     # release the device-buffer views at once
+      self._store.commit(slot, manifest, persist_attempt=attempt)
+    except BaseException as e:  # surfaced by the next save / wait
+      self._flow.forget(step)
+      self._store.abort(slot)
+      logger.exception("step %d: snapshot failed", step)
+      self.ledger.fail(e)
+      return
+    secs = time.perf_counter() - t0
+    self._log("snapshot", step, t0, snapshot_secs=secs, nbytes=plan.nbytes,
+              snapshot_GBps=plan.nbytes / max(secs, 1e-9) / 1e9)
+    self._flow.committed(step, attempt is not None, plan.nbytes, secs)
+    logger.debug("step %d: snapshot committed (%d bytes)", step, plan.nbytes)
+
+  # -- waits ------------------------------------------------------------------
+
+  def wait_until_finished(self, timeout_secs: float | None = None) -> None:
+    """See ``jaxckpt.CheckpointManager.wait_until_finished``."""
+    timeout = timeout_secs or self.options.timeout_secs
+    t0 = time.perf_counter()
+    try:
+      self.wait_until_snapshotted(timeout)
+      if self._config is not None and self.options.host_snapshots:
+        self._persists.wait_ended(self._store, timeout, "wait_until_finished")
+        self._flow.note_lag()
+      self._finalized()
+    finally:
+      self._schedule.blocked(time.perf_counter() - t0)      # not the loop's own time
+
+  def wait_until_snapshotted(self, timeout_secs: float | None = None) -> None:
+    """See ``jaxckpt.CheckpointManager.wait_until_snapshotted``."""
+    if self.ledger.flight is not None:
+      self._wait(self.ledger.flight, timeout_secs or self.options.timeout_secs,
+                 "wait_until_snapshotted")
+    self._raise_background_error()
+
+  def _wait(self, fut: concurrent.futures.Future, timeout: float, what: str) -> None:
+    try:
+      fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+      raise errors.SnapshotTimeoutError(
+          f"{what}: the background snapshot copy of process {self._process[0]} "
+          f"did not finish within {timeout} s") from None
+
+  def _raise_background_error(self, *, ask_agent: bool = True) -> None:
+    err = self.ledger.take_error()
+    if err is not None:
+      raise err
+    self._persists.raise_errors(self._store, ask_agent=ask_agent)
+
+  def check_for_errors(self) -> None:
+    self.check_open("check_for_errors")
+    self._raise_background_error()
+
+  def wait_until_persisted(self, step: int | None = None,
+                           timeout_secs: float | None = None) -> None:
+    """See ``jaxckpt.CheckpointManager.wait_until_persisted``."""
+    self.check_open("wait_until_persisted")
+    if self.directory is None:
+      raise errors.InvalidArgumentError(
+          "wait_until_persisted(): this manager has no directory; pass "
+          "CheckpointManager(directory=...) to persist")
+    if step is not None:
+      step = check_step(step, "wait_until_persisted")
+    self.wait_until_snapshotted()
+    attempts = self.ledger.attempts()
+    if step is None and not attempts:
+      return
+    step = max(attempts) if step is None else step
+    timeout = timeout_secs or self.options.timeout_secs
+    t0 = time.perf_counter()
+    try:
+      self._persists.wait_stored(self._store, step, timeout)
+    finally:
+      self._schedule.blocked(time.perf_counter() - t0)      # not the loop's own time
+    _wait.until(lambda: step not in self._store.persist_status().pending,   # its job's end
+                timeout_secs=timeout, late=lambda: (
+                    f"step {step} is on {self.directory!r} but {self._persists.where} still "
+                    f"reports its persist as running after {timeout} s"))
+    self._flow.note_lag()
+
+  def protected_steps(self) -> list[int]:
+    self.check_open("protected_steps")
+    return _tiers.protected_steps(self._store)
+
+  def wait_until_protected(self, step: int | None = None,
+                           timeout_secs: float | None = None) -> None:
+    """See ``jaxckpt.CheckpointManager.wait_until_protected``."""
+    if self.options.parity is None:
+      raise errors.InvalidArgumentError("wait_until_protected(): parity is off; set "
+                                        "CheckpointOptions(parity=jaxckpt.ParityOptions(...))")
+    self.wait_until_snapshotted()
+    held = self._store.steps()
+    if step is not None or held:
+      _tiers.wait_protected(self._store, held[-1] if step is None else step,
+                            timeout_secs=timeout_secs or self.options.timeout_secs)
+
+  def is_saving_in_progress(self) -> bool:
+    """Whether a save has not ended: its snapshot is being copied, or a step this
+    manager saved for storage is still being persisted."""
+    if self.ledger.in_flight():
+      return True
+    if self._config is None:
+      return False
+    return bool(set(self.ledger.attempts()) & set(self._store.persist_status().pending))
+
+  # -- what is held -------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """See ``jaxckpt.CheckpointManager.all_steps``."""
+    self.check_open("all_steps")
+    led = self.ledger
+    flight = led.in_flight()          # first: once it is done, the host tier holds it
+    held = set(_tiers.complete_steps(self._store))
+    if self.options.parity:
+      held |= set(_tiers.rebuildable_steps(sorted(held), self._store))
+    stored = set(_tiers.storage_steps(self.directory))
+    led.listed.update(held)
+    on_its_way = {s for s, a in led.attempts().items()
+                  if a not in led.told and s not in led.stored}
+    led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
+    for s in led.listed & stored:
+      led.stored.add(s)
+    listed = flight | held | (led.listed & stored) | on_its_way
+    led.prune(listed)
+    return sorted(listed - set(led.dropped()))
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def best_step(self) -> int | None:
+    """The best kept step by ``best_fn``, else the newest; None if none has metrics."""
+    if self.policy.best_key is None:
+      return self.latest_step()
+    return self.policy.best(self.ledger.kept())
+
+  def metrics(self, step: int) -> Any:
+    """The metrics given to ``save(step, ..., metrics=...)``, or None."""
+    rec = self.ledger.get(step)
+    if rec is not None and rec.metrics is not None:
+      return rec.metrics
+    try:
+      return self.step_metadata(step)[2].get(METRICS_KEY)
+    except errors.StepNotFoundError:
+      return None
+
+  def step_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
+    """The tier that describes ``step``, its leaves by path and its metadata."""
+    if step == self.ledger.flight_step:
+      self.wait_until_snapshotted()          # the step being saved: once it is held
+    return _tiers.step_metadata(self._store, self.directory, step)
+
+  def load(self) -> None:
+    """The steps on storage, with their time and metrics (what orbax reads at start)."""
+    led = self.ledger
+    stored = _tiers.storage_steps(self.directory)
+    led.listed = set(stored)
+    held = _tiers.complete_steps(self._store)
+    led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
+    if self.policy.records:
+      led.found(self._info(s) for s in stored if s not in led.dropped())
+
+  def _info(self, step: int) -> StepInfo:
+    try:
+      meta = self.step_metadata(step)[2]
+    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
+      logger.warning("step %d: its time and metrics cannot be read (%s)", step, e)
+      return StepInfo(step, EPOCH, None)
+    t = meta.get(TIME_KEY)
+    when = EPOCH if t is None else datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
+    return StepInfo(step, when, meta.get(METRICS_KEY))
+
+  def reload(self) -> None:
+    """Reads the steps again from every tier (orbax's ``reload``)."""
+    self.check_open("reload")
+    self.wait_until_snapshotted()
+    self._collect()
+    self.load()
+
+  # -- deleting -----------------------------------------------------------------
+
+  def delete(self, step: int) -> None:
+    """See ``jaxckpt.CheckpointManager.delete``."""
+    self.check_open("delete")
+    step = check_step(step, "delete")
+    if self.rules.read_only:
+      logger.warning("%s is read only: delete(%d) is skipped", self.directory, step)
+      return
+    if self.ledger.flight is not None:   # the snapshot in flight (its errors: raised later)
+      self._wait(self.ledger.flight, self.options.timeout_secs, "delete")
+    self._drain_deletes()
+    held, stored, fenced = self._delete_everywhere(step)
+    if not (held or stored or fenced):
+      raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
+    logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
+
+  def _delete_everywhere(self, step: int, *, listed_before: bool = False
+                         ) -> tuple[bool, bool, bool]:
+    """Deletes ``step`` from this host and, from process 0, storage; says what held it
+    (``listed_before``: storage held it before its marker was removed)."""
+    # Fenced first: a queued persist of the step never runs, a running one never
+    # commits, and discard returns once it has ended; only then is storage cleared.
+    held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
+    fenced = self.ledger.fence(step)
+    stored = listed_before or (self.directory is not None
+                               and step in _tiers.storage_steps(self.directory))
+    if stored and (self._process[0] == 0 or self._store.fences_job):
+      universal.discard_step(self.directory, step, todelete_subdir=self.rules.todelete_subdir)
+    self.ledger.forget(step)
+    return held, stored, fenced
+
+  def _collect(self, *, all_ended: bool = False) -> None:
+    """Deletes, off the loop's path, the dropped steps whose persist has ended."""
+    dropped = set(self.ledger.dropped()) - set(self._deleting)
+    if not dropped:
+      return
+    busy = self.ledger.in_flight() | (set() if all_ended
+                                      else set(self._store.persist_status().pending))
+    for step in sorted(dropped - busy):
+      self._deleting[step] = self._janitor.submit(self._drop, step)
+
+  def _drop(self, step: int) -> None:
+    try:
+      self._delete_everywhere(step)
+    except Exception as e:  # pylint: disable=broad-except  (raised by the next call that asks)
+      logger.error("step %d: deleting it (the keep policy dropped it) failed: %s", step, e)
+      self.ledger.fail(e)
+    finally:
+      self._deleting.pop(step, None)
+
+  def _drain_deletes(self) -> None:
+    for fut in list(self._deleting.values()):
+      fut.result(timeout=self.options.timeout_secs)
+
+  def _finalized(self) -> None:
+    """Every save so far has ended: the dropped steps go, and ``on_finalized`` runs
+    (once per saves since the last time)."""
+    self._collect(all_ended=True)
+    self._drain_deletes()
+    self._raise_background_error(ask_agent=False)
+    if self._unfinalized and self.rules.on_finalized is not None:
+      self._unfinalized = False
+      self.rules.on_finalized()
+
+  # -- restoring ------------------------------------------------------------
+
+  def restore(self, step: int | None, target: Any, *, partial: bool = False,
+              onto: Callable[[int, Callable[[Any, bool], Any]], Any] | None = None) -> Any:
+    """See ``jaxckpt.CheckpointManager.restore`` (``onto``: ``jaxckpt.restore._tiers.restore``)."""
+    self.check_open("restore")
+    t0 = time.perf_counter()
+    if step is not None:
+      step = check_step(step, "restore")
+    self.wait_until_snapshotted()     # first: a step saved just now is the newest
+    if step is None and self.ledger.dropped():
+      step = self.latest_step()       # not one the keep policy dropped
+    out, r = _tiers.restore(self._store, self.directory, step, target, partial=partial,
+                            timeout_secs=self.options.timeout_secs,
+                            writes=not self.rules.read_only, onto=onto)
+    self.last_restore = r
+    self.ledger.restored = r.step
+    self._log("restore", r.step, t0, tier=str(r.tier), restore_secs=r.seconds,
+              nbytes=r.nbytes, restore_GBps=r.nbytes / max(r.seconds, 1e-9) / 1e9,
+              skipped_steps=[s for s, _ in r.skipped])
+    return tree.nest(out) if target is None and onto is None else out
+
+  # -- preemption and lifecycle -------------------------------------------------
+
+  def reached_preemption(self, step: int) -> bool:
+    return self._preemption.reached(step)
+
+  def check_open(self, what: str) -> None:
+    if self._closed:
+      raise errors.ManagerClosedError(
+          f"{what}() on a closed CheckpointManager; create a new one")
+
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
+  def close(self) -> None:
+    """Waits for the snapshot in flight and the persists, then releases host memory."""
+    if self._closed:
+      return
+    try:
+      if self.ledger.flight is not None:
+        self._wait(self.ledger.flight, self.options.timeout_secs, "close")
+      if self._config is not None:
+        self._persists.wait_ended(self._store, self.options.timeout_secs, "close")
+      self._raise_background_error()
+      self._finalized()
+    finally:
+      self._closed = True
+      self._pool.shutdown(wait=True)
+      self._janitor.shutdown(wait=True)
+      if self._copy_pool is not None:
+        self._copy_pool.shutdown(wait=True)
+      self._store.close()
+      self._preemption.uninstall()
+
+  def _close_before_exit(self) -> None:
+    """SIGTERM's grace ran out and the loop never asked ``reached_preemption``: the
+    snapshot in flight is committed (and persisted, if due) before the process ends."""
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except  (the process ends next; say why)
+      logger.exception("closing the manager before the SIGTERM deadline failed")
+
+
+def _persist_interval(config: Any, options: CheckpointOptions) -> int | None:
+  """The schedule's persist interval: 0 persists nothing, None follows the measurements."""
+  if config is None:
+    return 0
+  return options.persist_interval_steps or (
+      None if options.host_snapshots else options.save_interval_steps)
