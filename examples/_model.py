@@ -121,10 +121,8 @@ def run(args: argparse.Namespace) -> int:
     return run_replica_group(args, mesh, graphdef, tx, state)
   train_step = make_train_step(graphdef, tx)
   with manager_for(args) as mgr:
-    if args.resume and mgr.latest_step() is not None:
-      state = mgr.restore(target=state)
-      logger.info("resumed at step %d from tier %s in %.3f s", mgr.last_restore.step,
-                  mgr.last_restore.tier, mgr.last_restore.seconds)
+    if args.resume:
+      state = resume(mgr, state, args)
     step = state["data"]["next_step"]
     rolled_back = False
     t_start = time.perf_counter()
@@ -160,6 +158,26 @@ def run(args: argparse.Namespace) -> int:
   if args.dump:
     dump(args.dump, state)
   return 0
+
+
+def resume(mgr: jc.CheckpointManager, state, args):
+  """``state`` restored from the newest step the manager finds (``state`` itself when
+  there is none): its ``losses`` as long as ``--steps`` (the saved run may have had
+  fewer or more steps: its losses leaf is restored at its saved length)."""
+  step = mgr.latest_step()
+  if step is None:
+    logger.warning("--resume: no snapshot to resume from%s; starting at step 0", "" if (
+        args.job_name or args.directory) else " (without --job-name or --directory the "
+        "snapshots of a run live in its own process and end with it)")
+    return state
+  saved = mgr.metadata(step).tree["losses"].shape
+  target = dict(state, losses=np.zeros(saved, np.float32))
+  state = mgr.restore(step, target=target)
+  losses = np.full((max(args.steps, saved[0]),), np.nan, np.float32)
+  losses[:saved[0]] = state["losses"]
+  logger.info("resumed at step %d from tier %s in %.3f s", mgr.last_restore.step,
+              mgr.last_restore.tier, mgr.last_restore.seconds)
+  return dict(state, losses=losses)
 
 
 def make_ft_fns(graphdef, tx, train):

@@ -107,8 +107,9 @@ class CheckpointManager:
     several processes the plan spaces snapshots so that the previous copy is done
     when the next starts; in a one-process job a snapshot is skipped while the
     previous one is still being copied and ``on_busy="skip"`` (logged). A save
-    that is not skipped never is: one due for storage, one the job's plan takes,
-    and any with ``on_busy="wait"`` wait for the previous copy and a free slot (at
+    that may not be skipped never is: one due for storage, one the job's plan
+    takes, one with ``force=True``, and any with ``on_busy="wait"`` wait for the
+    previous copy and a free slot (at
     most ``timeout_secs``, or ``busy_timeout_secs`` with ``on_busy="wait"``).
     Without ``persist_interval_steps`` the first snapshot is persisted, then the
     next ones as storage keeps up (planning.md); ``force=True`` snapshots ``step``

@@ -65,6 +65,26 @@ def test_a_busy_skip_is_a_warning_at_the_1st_2nd_4th_skip(caplog):
     mgr.close()
 
 
+def test_a_forced_save_waits_for_the_busy_copy_instead_of_skipping():
+  # Without a directory no save is due for storage; force=True still asks for this step
+  # (a loop's last one): it waits for the previous copy (bounded), it is never skipped.
+  opts = jc.CheckpointOptions(max_snapshots=2, on_busy="skip", timeout_secs=60)
+  store = GatedStore(max_snapshots=2, host_memory_limit_bytes=1 << 26)
+  mgr = jc.CheckpointManager(options=opts, store=store)
+  x = np.arange(1000, dtype=np.float32)
+  try:
+    assert mgr.save(1, {"w": x + 1})               # its copy stays busy
+    assert not mgr.save(2, {"w": x + 2})           # skipped
+    threading.Timer(0.2, store.gate.set).start()   # the copy finishes while step 3 waits
+    assert mgr.save(3, {"w": x + 3}, force=True)
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [1, 3] and mgr.stats.skipped_busy == 1
+    np.testing.assert_array_equal(mgr.restore(3, {"w": x})["w"], x + 3)
+  finally:
+    store.gate.set()
+    mgr.close()
+
+
 def test_due_save_waits_instead_of_skipping(tmp_path, caplog):
   opts = jc.CheckpointOptions(max_snapshots=2, save_interval_steps=1, persist_interval_steps=4,
                               on_busy="skip", timeout_secs=0.5)

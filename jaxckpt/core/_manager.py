@@ -158,7 +158,8 @@ class CoreManager:
         return self._saved(step, False, t0)
       self._schedule.took(d)
       return self._saved(step, self._save_to_storage(step, state, metadata, t0), t0)
-    must = self._flow.never_skipped(d)     # may this save skip? (one process, not due)
+    # may this save skip? (one process, not due, not forced: the user asked for this step)
+    must = "force=True" if force else self._flow.never_skipped(d)
     if not self._wait_for_previous(step, must):   # before any per-leaf work: skips stay cheap
       return self._saved(step, False, t0)
     leaves, _ = tree.flatten(state)
