@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import re
 import time
@@ -73,3 +74,32 @@ def test_a_small_loop_with_default_options_and_a_directory_logs_no_warning(tmp_p
   assert not [w for w in said if "save skipped: the previous snapshot is still being" not in w]
   assert len(said) <= m.stats.skipped_busy
   assert 1 in jc.universal.all_steps(str(tmp_path))
+
+
+def test_a_persist_that_storage_holds_up_says_its_progress_every_5_s(s3_server, caplog, agent):
+  """Storage stops answering during a persist: a progress line each 5 s all the same,
+  in this process's log (in-process store) or the agent's."""
+  d = s3_server.url()
+  pattern = (rf"persisting step 1 to {d}: 0 B of 64\.0 KiB written \(0%\) in ([\d.]+) s, "
+             r"0 GB/s")
+
+  def said() -> list[str]:
+    if agent is None:
+      text = "\n".join(r.getMessage() for r in caplog.records)
+    else:
+      text = "\n".join(open(f).read() for f in glob.glob(f"{agent.run_root}/**/*.log",
+                                                          recursive=True))
+    return re.findall(pattern, text)
+
+  with caplog.at_level(logging.INFO, logger="jaxckpt"):
+    with jc.CheckpointManager(d, jc.CheckpointOptions(agent=agent)) as m:
+      with s3_server.paused():
+        assert m.save(1, _state(1, 128))           # the first save: persisted
+        deadline = time.monotonic() + 60
+        while len(said()) < 2:
+          assert time.monotonic() < deadline, f"no two progress lines within 60 s: {said()}"
+          time.sleep(0.2)
+      m.wait_until_finished()
+  secs = [float(s) for s in said()[:2]]
+  assert 5 <= secs[0] < secs[1] and secs[1] - secs[0] >= 4.9, secs
+  assert jc.universal.all_steps(d) == [1]

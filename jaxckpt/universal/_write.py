@@ -132,47 +132,51 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
   (a storage-only save stages them a few at a time) and record them once."""
   step = manifest.step
   lay.check_attempt(attempt)
-  kv = lay.open_kvstore(directory)
-  _commit.check_not_committed(kv, directory, step, attempt)
-  plans = []
-  for rec in manifest.leaves:
-    unique = {s.index: s for s in rec.shards}  # replicated boxes are stored once
-    info = plan_leaf(rec.path, rec.kind, tuple(rec.shape), rec.dtype, list(unique),
-                     attempt=attempt, inner_chunk_bytes=inner_chunk_bytes,
-                     merged_chunk_bytes=merged_chunk_bytes,
-                     sharding=rec.sharding, value=rec.value, key_impl=rec.key_impl)
-    plans.append((info, unique))
-  with concurrent.futures.ThreadPoolExecutor(8) as pool:  # creating arrays is latency-bound
-    opened = list(pool.map(lambda p: _arrays.open_for_write(directory, step, p[0])
-                           if p[0].is_array and p[1] else None, plans))
-  leaves = []
-  # A line every 5 s of a long persist, of the bytes on storage (counted as each write
-  # completes, so the drain of the last writes shows too) and those still in flight.
-  progress = _progress.LogProgress(log, f"persisting step {step} to {directory}",
-                                   sum(s.nbytes for _, u in plans for s in u.values()),
-                                   verb="written", in_flight=lambda: budget.in_flight)
-  budget = _budget.ByteBudget(max_inflight_bytes, what=f"persist of step {step} to {directory!r}",
-                              on_done=progress.update)
+  shards = [{s.index: s for s in rec.shards} for rec in manifest.leaves]  # replicated boxes
+  # A line every 5 s of a long persist, from its first request to storage: the bytes on
+  # storage (counted as each write completes, so the drain of the last writes shows too)
+  # and those handed to it and not yet on it.
+  budget = None
+  progress = _progress.LogProgress(
+      log, f"persisting step {step} to {directory}",
+      sum(s.nbytes for unique in shards for s in unique.values()), verb="written",
+      in_flight=lambda: 0 if budget is None else budget.in_flight)
   try:
-    for (info, unique), store_info in zip(plans, opened):
-      if info.is_array and not unique:  # another process creates the array
-        info = _arrays.replace(info, chunk_shape=None, inner_chunk_shape=None)
-      elif info.is_array:
-        store, info = store_info
-        for s in unique.values():     # never store bytes that are not what was saved
-          snap.verify_shard(buffer, s, path=info.path, step=step)
-        pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
-        sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
-                             budget)
-        info = _arrays.replace(info, chunks=sums)
-      obj = info.to_obj()
-      obj["boxes"] = [[list(p) for p in b] for b in unique]
-      leaves.append(obj)
-  finally:
+    kv = lay.open_kvstore(directory)
+    _commit.check_not_committed(kv, directory, step, attempt)
+    plans = []
+    for rec, unique in zip(manifest.leaves, shards):      # (are stored once)
+      info = plan_leaf(rec.path, rec.kind, tuple(rec.shape), rec.dtype, list(unique),
+                       attempt=attempt, inner_chunk_bytes=inner_chunk_bytes,
+                       merged_chunk_bytes=merged_chunk_bytes,
+                       sharding=rec.sharding, value=rec.value, key_impl=rec.key_impl)
+      plans.append((info, unique))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # creating arrays is latency-bound
+      opened = list(pool.map(lambda p: _arrays.open_for_write(directory, step, p[0])
+                             if p[0].is_array and p[1] else None, plans))
+    budget = _budget.ByteBudget(max_inflight_bytes,
+                                what=f"persist of step {step} to {directory!r}",
+                                on_done=progress.update)
+    leaves = []
     try:
-      budget.drain()
+      for (info, unique), store_info in zip(plans, opened):
+        if info.is_array and not unique:  # another process creates the array
+          info = _arrays.replace(info, chunk_shape=None, inner_chunk_shape=None)
+        elif info.is_array:
+          store, info = store_info
+          for s in unique.values():     # never store bytes that are not what was saved
+            snap.verify_shard(buffer, s, path=info.path, step=step)
+          pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
+          sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
+                               budget)
+          info = _arrays.replace(info, chunks=sums)
+        obj = info.to_obj()
+        obj["boxes"] = [[list(p) for p in b] for b in unique]
+        leaves.append(obj)
     finally:
-      progress.close()
+      budget.drain()
+  finally:
+    progress.close()
   return leaves
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import io
+import logging
 import os
 import pty
 import re
@@ -14,6 +15,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 
 import numpy as np
@@ -130,3 +132,47 @@ def test_without_a_terminal_a_slow_job_still_reports_every_so_often(monkeypatch)
   assert out.getvalue().splitlines() == ["slow: 1000 B of 976.6 KiB (0%)",
                                          "slow: 2.0 KiB of 976.6 KiB (0%)",
                                          "slow: 2.9 KiB of 976.6 KiB (0%)"]
+
+
+class _Lines(logging.Handler):
+  """The messages a logger says, and a condition to wait for them."""
+
+  def __init__(self):
+    super().__init__(logging.INFO)
+    self.said: list[str] = []
+    self.cv = threading.Condition()
+
+  def emit(self, record):
+    with self.cv:
+      self.said.append(record.getMessage())
+      self.cv.notify_all()
+
+  def wait_for(self, n: int, timeout_secs: float) -> list[str]:
+    with self.cv:
+      assert self.cv.wait_for(lambda: len(self.said) >= n, timeout_secs), (
+          f"{len(self.said)} progress lines within {timeout_secs} s, not {n}: {self.said}")
+      return list(self.said)
+
+
+def test_log_progress_says_a_line_every_interval_while_nothing_is_done():
+  # Work that completes nothing for a while (a persist draining its writes) still says
+  # where it stands each interval, with the bytes still in flight; nothing after close.
+  log = logging.getLogger("jaxckpt.test_progress")
+  lines = _Lines()
+  log.addHandler(lines)
+  log.setLevel(logging.INFO)
+  try:
+    p = _progress.LogProgress(log, "persisting step 3", 4 << 20, every_secs=0.2,
+                              verb="written", in_flight=lambda: 3 << 20)
+    p.update(1 << 20)                   # then nothing more completes
+    said = lines.wait_for(2, 30)
+    p.close()
+    n = len(lines.said)
+    pattern = (r"persisting step 3: 1\.0 MiB of 4\.0 MiB written \(25%\) in ([\d.]+) s, "
+               r"[\d.e+-]+ GB/s; 3\.0 MiB handed to storage, not yet on it")
+    secs = [float(re.fullmatch(pattern, m).group(1)) for m in said[:2]]
+    assert secs[0] >= 0.2 and secs[1] - secs[0] >= 0.19, said   # never before it is due
+    with lines.cv:
+      assert not lines.cv.wait_for(lambda: len(lines.said) > n, 0.5), lines.said
+  finally:
+    log.removeHandler(lines)
