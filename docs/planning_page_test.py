@@ -113,7 +113,7 @@ def _error_line(kw) -> str:
   try:
     gp.PlanInputs(**{k: (int(v) if k == "hosts" else float(v)) for k, v in kw.items()})
   except Exception as e:  # pylint: disable=broad-except
-    return str(e)
+    return gp.cli_message(e)
   raise AssertionError(f"{kw} was taken")
 
 

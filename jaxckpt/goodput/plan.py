@@ -116,23 +116,26 @@ class PlanInputs:
       zero_ok = f.name in ("restart_secs", "host_loss_fraction")
       if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
           or v < 0 or (v == 0 and not zero_ok)):
-        raise errors.InvalidArgumentError(
-            f"PlanInputs.{f.name} must be a {'non-negative' if zero_ok else 'positive'} number, "
-            f"got {f.name}={v!r}")
+        raise _invalid(f.name, f"a {'non-negative' if zero_ok else 'positive'} number", v)
     for name in ("hosts", "accelerators_per_host"):
       if not isinstance(getattr(self, name), int):
-        raise errors.InvalidArgumentError(
-            f"PlanInputs.{name} must be an int, got {name}={getattr(self, name)!r}")
+        raise _invalid(name, "an int", getattr(self, name))
     for name in ("memory_fraction", "host_loss_fraction"):
       if getattr(self, name) > 1:
-        raise errors.InvalidArgumentError(
-            f"PlanInputs.{name} must be <= 1, got {name}={getattr(self, name)!r}")
+        raise _invalid(name, "<= 1", getattr(self, name))
     for name, (lo, hi, unit) in RANGES.items():
       v = getattr(self, name)
       if not lo <= v <= hi:
-        raise errors.InvalidArgumentError(
-            f"PlanInputs.{name} (--{name.replace('_', '-')}) must be between {lo:g} and {hi:g}"
-            f"{' ' + unit if unit else ''} for the model to hold, got {name}={v!r}")
+        raise _invalid(name, f"between {lo:g} and {hi:g}{' ' + unit if unit else ''} for the "
+                       "model to hold", v)
+
+
+def _invalid(name: str, rule: str, value: Any) -> errors.InvalidArgumentError:
+  """A bad input, named as the API has it (``PlanInputs.name``); ``jaxckpt plan`` says it
+  as its flag (``--name``) from the error's ``field``, ``rule`` and ``value``."""
+  e = errors.InvalidArgumentError(f"PlanInputs.{name} must be {rule}, got {name}={value!r}")
+  e.field, e.rule, e.value = name, rule, value
+  return e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,6 +580,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:  # pylint: dis
   p.set_defaults(func=run_cli)
 
 
+def cli_message(e: errors.JaxckptError) -> str:
+  """What ``jaxckpt plan`` says of ``e``: a bad input named as the flag that gave it."""
+  field = getattr(e, "field", None)
+  if field is None:
+    return str(e)
+  return f"--{field.replace('_', '-')} must be {e.rule}, got {e.value!r}"
+
+
 def run_cli(args: argparse.Namespace) -> int:
   """Runs ``jaxckpt plan``; returns the exit code."""
   try:
@@ -584,7 +595,7 @@ def run_cli(args: argparse.Namespace) -> int:
                                 for f in dataclasses.fields(PlanInputs)}))
     text = json.dumps(result.to_dict(), indent=1, allow_nan=False) if args.json else render(result)
   except errors.JaxckptError as e:
-    print(f"jaxckpt plan: {e}", file=sys.stderr)
+    print(f"jaxckpt plan: {cli_message(e)}", file=sys.stderr)
     return 2
   except (ArithmeticError, ValueError) as e:     # finite inputs too far out for the model
     print(f"jaxckpt plan: inputs out of range ({type(e).__name__}: {e}); give the sizes, "

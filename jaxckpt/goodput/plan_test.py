@@ -154,13 +154,15 @@ def test_the_text_names_the_recommendation_and_its_options(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (_argv(**dict(CASE, hosts=0)), "PlanInputs.hosts must be a positive number, got hosts=0"),
-    (_argv(**dict(CASE, host_loss_fraction=2)), "host_loss_fraction must be <= 1"),
+    (_argv(**dict(CASE, hosts=0)), "jaxckpt plan: --hosts must be a positive number, got 0\n"),
+    (_argv(**dict(CASE, host_loss_fraction=2)),
+     "jaxckpt plan: --host-loss-fraction must be <= 1, got 2.0\n"),
 ])
-def test_bad_inputs_are_one_line_and_exit_2(argv, message, capsys):
+def test_bad_inputs_are_one_line_naming_the_flag_and_exit_2(argv, message, capsys):
+  # The flag the user gave, not the API's field (PlanInputs.hosts).
   code, out, err = _run_plan(capsys, *argv)
   assert code == 2 and not out
-  assert err.startswith("jaxckpt plan: ") and message in err and len(err.splitlines()) == 1
+  assert err == message
 
 
 def test_inputs_are_validated():
@@ -259,17 +261,15 @@ def test_finite_absurd_inputs_are_a_clear_error(flag, value, capsys):
   argv = {**{k.replace("_", "-"): str(v) for k, v in WIDE.items()}, flag: value}
   code, out, err = _run_plan(capsys, *[x for k, v in argv.items() for x in ("--" + k, v)])
   assert code == 2 and not out and len(err.splitlines()) == 1, err
-  assert err.startswith(f"jaxckpt plan: PlanInputs.{flag.replace('-', '_')} (--{flag}) "
-                        "must be between ")
+  assert err.startswith(f"jaxckpt plan: --{flag} must be between ")
 
 
 def test_an_absurd_input_at_the_console_is_one_line_and_exit_2():
   out = subprocess.run([sys.executable, "-m", "jaxckpt", "plan", *_argv(**dict(
       WIDE, state_gib_per_host="1e308"))], capture_output=True, text=True, timeout=120)
   assert out.returncode == 2 and not out.stdout and "Traceback" not in out.stderr
-  assert out.stderr == ("jaxckpt plan: PlanInputs.state_gib_per_host (--state-gib-per-host) must "
-                        "be between 1e-06 and 1e+06 GiB for the model to hold, got "
-                        "state_gib_per_host=1e+308\n")
+  assert out.stderr == ("jaxckpt plan: --state-gib-per-host must be between 1e-06 and 1e+06 "
+                        "GiB for the model to hold, got 1e+308\n")
 
 
 @pytest.mark.parametrize("name", sorted(gp.RANGES))
