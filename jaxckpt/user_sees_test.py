@@ -57,6 +57,9 @@ def test_persist_and_restore_say_bytes_seconds_and_rate_at_info(tmp_path, caplog
   else:                          # the agent's line is in its log; the trainer says it too
     assert re.search(r"step 1 is on storage: 0\.2 MiB persisted by the snapshot agent within "
                      r"[\d.]+ s of its snapshot " + rate, text), text
+  said = text if agent is None else "\n".join(    # (the agent commits: its log says it)
+      open(f).read() for f in glob.glob(f"{agent.run_root}/**/*.log", recursive=True))
+  assert re.search(r"step 1 committed in .* by attempt \S+ \(2 leaves, 1 process\)", said), said
   assert re.search(r"restored step 2 from host: 256\.0 KiB in [\d.]+ s \(" + rate, text), text
 
 

@@ -31,6 +31,7 @@ import tensorstore as ts
 
 from jaxckpt import errors
 from jaxckpt.util import _wait
+from jaxckpt.util._text import counted
 from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays
 from jaxckpt.universal import _layout as lay
@@ -320,7 +321,8 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
     # The merged records against the schema, once (not every part: quadratic in practice).
     man.validate(man.document(step=step, process_count=process_count,
                               metadata=parts[0]["metadata"], leaves=list(leaves.values())),
-                 what=f"the part records of step {step} ({process_count} processes)")
+                 what=f"the part records of step {step} "
+                 f"({counted(process_count, 'process', 'processes')})")
     merged = [_finish_leaf(directory, step, leaf) for leaf in leaves.values()]
   except (TypeError, ValueError, KeyError, AttributeError) as e:
     if isinstance(e, errors.JaxckptError):
@@ -338,8 +340,8 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
     check()
     check_not_committed(kv, directory, step, attempt)
     _write_marker(kv, directory, step, mine)
-  log.info("step %d committed in %s by attempt %s (%d leaves, %d processes)", step,
-           directory, attempt, len(merged), process_count)
+  log.info("step %d committed in %s by attempt %s (%s, %s)", step, directory, attempt,
+           counted(len(merged), "leaf", "leaves"), counted(process_count, "process", "processes"))
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from jaxckpt.host.snapshot import Box, SnapshotManifest
 from jaxckpt.universal import _arrays, _budget, _commit, _progress
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
+from jaxckpt.util._text import counted
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +194,8 @@ def write_part_record(directory: str, manifest: SnapshotManifest, leaves: list[d
   what = f"part record of process {manifest.process_index} at step {step}"
   _put(kv, directory, lay.part_key(step, manifest.process_index, attempt),
        man.encode(doc, what=what), what)
-  log.info("step %d process %d: wrote %d leaves to %s (attempt %s)", step,
-           manifest.process_index, len(leaves), directory, attempt)
+  log.info("step %d process %d: wrote %s to %s (attempt %s)", step,
+           manifest.process_index, counted(len(leaves), "leaf", "leaves"), directory, attempt)
 
 
 def _put(kv: ts.KvStore, directory: str, key: str, body: bytes, what: str) -> None:
