@@ -35,7 +35,8 @@ class AgentView:
     held: the steps it holds in host memory. protected: the newest step whose parity its
       group holds (None without parity). persisted: the steps it wrote to storage.
     pending: the steps due for storage not yet written, oldest first.
-    lag_steps: its newest held step minus the oldest pending one (0: none pending).
+    lag_steps: its newest step (held or pending) minus the oldest pending one (0: none
+      pending; never negative).
     lag_secs: how long the oldest pending step has waited.
     bytes, limit_bytes: host memory its slots and parity take, against its budget.
     directory: where it persists (None: no trainer asked it to).
@@ -128,8 +129,7 @@ def _ask(info: dict[str, Any], job: str, local: bool, secret: bytes,
     view.persisted = list(persist.get("persisted", []))
     view.pending = list(persist.get("pending", []))
     view.alive = True
-    if view.pending and view.held:
-      view.lag_steps = max(view.held) - view.pending[0]
+    view.lag_steps = lag_steps(view.held, view.pending)
     try:
       jv = c.call("job_view")[0]
       view.peers, view.lag_secs = jv.peers, jv.lag_secs
@@ -142,6 +142,19 @@ def _ask(info: dict[str, Any], job: str, local: bool, secret: bytes,
   finally:
     c.close()
   return view
+
+
+def lag_steps(held: list[int], pending: list[int]) -> int:
+  """How many steps the oldest pending persist is behind the newest step the agent
+  knows (held, or pending itself: the two lists come from two requests, and a step
+  committed between them is pending but not yet in ``held``); 0 with none pending.
+
+  >>> lag_steps([9, 10], [11]), lag_steps([9, 10, 11], [5, 11]), lag_steps([4], [])
+  (0, 6, 0)
+  """
+  if not pending:
+    return 0
+  return max([*held, *pending]) - min(pending)
 
 
 def job_status(run_root: str, job: str, *, timeout_secs: float = 5.0) -> JobStatus:

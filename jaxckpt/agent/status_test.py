@@ -227,3 +227,13 @@ def test_the_guide_shows_what_status_prints(job):
     lag = lambda c: c[8].split(", ")[0]                    # pylint: disable=unnecessary-lambda-assignment
     assert len(s) == len(r) == 10 and s[0] == r[0] and s[3:8] == r[3:8] and s[9] == r[9], (s, r)
     assert lag(s) == lag(r), (s, r)
+
+
+def test_the_lag_is_never_negative_when_a_step_commits_between_the_two_requests():
+  # The held steps and the pending persists are two requests: a due step committed
+  # between them is pending and not yet held ('-1 steps' was shown).
+  view = jobs.AgentView(host=0, pid=1, address="tcp://127.0.0.1:1", local=True, alive=True,
+                        held=[9, 10], pending=[11])
+  view.lag_steps = jobs.lag_steps(view.held, view.pending)
+  assert view.lag_steps == 0 and status_cli.row(view)["lag"] == "0 steps"
+  assert jobs.lag_steps([9, 10, 11], [5, 11]) == 6 and jobs.lag_steps([4], []) == 0
