@@ -363,6 +363,8 @@ class Status(Request):
     max_snapshots: int
     limit_bytes: int
     lease: dict | None
+    idle_secs: float | None = None           # since its last use (None: a trainer uses it)
+    idle_timeout_secs: float | None = None   # it exits once idle that long
 
 
 @_request("stop")

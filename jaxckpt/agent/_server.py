@@ -620,7 +620,9 @@ class Agent:
         parity_bytes=parity_bytes, trainers=sorted(self.trainers),
         max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
         lease=None if self.lease is None else {"pid": self.lease[0], "owner": self.lease[1],
-                                               "generation": self.lease[2]})
+                                               "generation": self.lease[2]},
+        idle_secs=None if self.trainers else time.monotonic() - self.last_active,
+        idle_timeout_secs=self.idle_timeout_secs)
 
   def op_stop(self) -> _requests.Done:
     self.stopping = True

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
+import os
+import signal
 import sys
 
 
 from jaxckpt import errors
-from jaxckpt.agent import _paths
+from jaxckpt.agent import _paths, jobs
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent._server import Agent, serve
 from jaxckpt.agent._remote import job_agents
@@ -49,13 +53,35 @@ def add_agent_commands(sub: argparse._SubParsersAction) -> None:
                      "`jaxckpt status` shows the job's agents on every host.")
   _common(p, found=True)
   p.set_defaults(func=_status)
-  p = sub.add_parser("stop", help="stop this machine's agents of a job and free their shared memory",
+  p = sub.add_parser("stop", help="stop this machine's agents of a job (or all of yours) and "
+                     "free their shared memory",
                      description="Stop every agent of JOB on this machine (found under the run "
-                     "root; --host-id for one); each deletes every shared-memory slot it owns "
-                     "before exiting.")
-  _common(p, found=True)
+                     "root; --host-id for one), or with --all every agent of yours on this "
+                     "machine, whatever its job and run root (those `jaxckpt agent list` "
+                     "shows); each deletes every shared-memory slot it owns before exiting. An "
+                     "agent that does not answer the stop request gets SIGTERM (the same "
+                     "cleanup). Exit 1 if one is still running after --timeout-secs.")
+  p.add_argument("--job-name", default=None, help="the job whose agents stop")
+  p.add_argument("--all", action="store_true",
+                 help="every agent of yours on this machine (no --job-name)")
+  p.add_argument("--host-id", type=int, default=None,
+                 help="only the agent of this host index (with --job-name)")
+  p.add_argument("--run-root", default=None,
+                 help=f"directory of agents' files (default {_paths.default_run_root()}); "
+                      "with --all: only the agents under it (default: under any)")
   p.add_argument("--timeout-secs", type=float, default=30.0)
   p.set_defaults(func=_stop)
+  p = sub.add_parser("list", help="list every snapshot agent of yours on this machine",
+                     description="Every snapshot agent process of yours on this machine, "
+                     "whatever its job and run root: pid, job, host, the steps it holds, its "
+                     "shared memory against its budget and its resident memory, its trainers, "
+                     "and how long it has been idle (an idle agent exits once idle for its "
+                     "idle timeout; `jaxckpt agent stop --all` stops them now). Exit 1 if one "
+                     "did not answer (its row says why).")
+  p.add_argument("--json", action="store_true", help="one JSON object per agent, per line")
+  p.add_argument("--timeout-secs", type=float, default=5.0,
+                 help="how long to wait for each agent's answer (default 5)")
+  p.set_defaults(func=_list)
   p = sub.add_parser("serve", help="run the agent in the foreground (what `start` spawns)")
   _common(p)
   p.add_argument("--max-snapshots", type=int, default=2)
@@ -124,7 +150,71 @@ def _status(args) -> int:
   return 0
 
 
+def human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  raise AssertionError("unreachable")
+
+
+def _duration(secs: float) -> str:
+  if secs >= 3600:
+    return f"{secs / 3600:.1f} h"
+  return f"{secs / 60:.0f} min" if secs >= 60 else f"{secs:.0f} s"
+
+
+def _idle(a: jobs.LocalAgent) -> str:
+  if not a.answered:
+    return "?"
+  if a.idle_timeout_secs is None:                 # an agent of an older jaxckpt
+    return "?"
+  if a.idle_secs is None:
+    return "in use"
+  left = "" if a.idle_timeout_secs is None else (
+      f" (exits in {_duration(max(0.0, a.idle_timeout_secs - a.idle_secs))})")
+  return f"{_duration(a.idle_secs)}{left}"
+
+
+def _list(args) -> int:
+  agents = jobs.local_agents(timeout_secs=args.timeout_secs)
+  if args.json:
+    for a in agents:
+      print(json.dumps({**dataclasses.asdict(a), "directory": a.directory}))
+    return 0 if all(a.answered for a in agents) else 1
+  if not agents:
+    print(f"no snapshot agent of uid {os.getuid()} runs on this machine")
+    return 0
+  cols = ("pid", "job", "host", "held", "memory", "rss", "trainers", "idle", "run root")
+  rows = [dict(zip(cols, cols))]
+  for a in agents:
+    share = f" ({100 * a.bytes / a.limit_bytes:.0f}%)" if a.limit_bytes else ""
+    rows.append({"pid": str(a.pid), "job": a.job, "host": str(a.host),
+                 "held": ", ".join(map(str, a.steps[-4:])) or "-",
+                 "memory": f"{human_bytes(a.bytes)} / {human_bytes(a.limit_bytes)}{share}"
+                 if a.answered else "?",
+                 "rss": human_bytes(a.rss_bytes),
+                 "trainers": ", ".join(map(str, a.trainers)) or "-", "idle": _idle(a),
+                 "run root": a.run_root})
+  width = {c: max(len(r[c]) for r in rows) for c in cols}
+  for r in rows:
+    print("  ".join(r[c].ljust(width[c]) for c in cols).rstrip())
+  for a in agents:
+    if a.error:
+      print(f"  ! pid {a.pid} (job {a.job} host {a.host}): {a.error}")
+  total = sum(a.bytes for a in agents)
+  print(f"{len(agents)} agent{'s' if len(agents) != 1 else ''}, {human_bytes(total)} of shared "
+        "memory; `jaxckpt agent stop --all` stops them")
+  return 0 if all(a.answered for a in agents) else 1
+
+
 def _stop(args) -> int:
+  if args.all == bool(args.job_name):
+    print("jaxckpt agent stop: give --job-name JOB (that job's agents) or --all (every agent "
+          "of yours on this machine)", file=sys.stderr)
+    return 2
+  if args.all:
+    return _stop_all(args)
   agents = _found(args)
   if not agents:
     print(_nobody(args))
@@ -141,6 +231,47 @@ def _stop(args) -> int:
           f"agent pid {pid} of job {args.job_name!r} did not exit within {args.timeout_secs} s")
     print(f"stopped agent pid {pid} of job {args.job_name!r} host {host}")
   return 0
+
+
+def _stop_all(args) -> int:
+  """Stops every agent ``jaxckpt agent list`` shows: a stop request, or SIGTERM to one that
+  does not answer it (its pid is an agent of this user: its command line says so)."""
+  agents = jobs.local_agents(ask=False)
+  if args.run_root is not None:
+    root = os.path.realpath(args.run_root)
+    agents = [a for a in agents if os.path.realpath(a.run_root) == root]
+  if not agents:
+    under = "" if args.run_root is None else f" under {args.run_root}"
+    print(f"no snapshot agent of uid {os.getuid()} runs on this machine{under}")
+    return 0
+  for a in agents:
+    how = "asked to stop"
+    try:
+      info = _paths.read_address(a.directory)
+      if info is None or int(info["pid"]) != a.pid:
+        raise errors.AgentUnavailableError(f"no address file of pid {a.pid} in {a.directory}")
+      c = Client(info["ipc"], who=f"agent pid {a.pid}", timeout_secs=5,
+                 secret=_paths.job_secret(a.run_root, a.job))
+      try:
+        c.call("stop")
+      finally:
+        c.close()
+    except errors.JaxckptError as e:
+      how = f"sent SIGTERM ({e})"
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(a.pid, signal.SIGTERM)
+    a.error = how
+  late = []
+  for a in agents:
+    if wait_exited(a.pid, args.timeout_secs):
+      print(f"stopped agent pid {a.pid} of job {a.job!r} host {a.host} ({a.run_root}; {a.error})")
+    else:
+      late.append(a)
+  for a in late:
+    print(f"agent pid {a.pid} of job {a.job!r} host {a.host} ({a.run_root}) still runs "
+          f"{args.timeout_secs:g} s after it was {a.error}; kill it with kill -9 {a.pid} and "
+          f"remove {a.directory}", file=sys.stderr)
+  return 1 if late else 0
 
 
 def _serve(args) -> int:

@@ -37,3 +37,52 @@ def test_status_and_stop_find_every_agent_of_the_job_with_no_host_id():
     assert out.returncode == 1 and json.loads(out.stdout) == {
         "running": False, "job": job, "host": None, "run_root": root}
     assert agent("stop").stdout.strip() == f"no agent of job {job!r} is running under {root}"
+
+
+def _jaxckpt(*argv):
+  return subprocess.run([sys.executable, "-m", "jaxckpt", *argv], capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+
+
+def test_agent_list_shows_every_agent_of_the_user_and_stop_all_stops_them():
+  """Agents of two jobs under two run roots: `agent list` shows both (job, host, memory,
+  idle time, run root) whatever the run root; `agent stop --all` stops every one (here
+  limited to the test's run roots: other agents of this user on the machine are not the
+  test's) and frees their shared memory."""
+  with processes.agent_sandbox() as (root_a, job_a), processes.agent_sandbox() as (root_b, job_b):
+    def start(root, job, host):
+      out = _jaxckpt("agent", "start", "--job-name", job, "--run-root", root, "--host-id",
+                     str(host), "--idle-timeout-secs", "600", "--limit-bytes", str(64 << 20))
+      assert out.returncode == 0, out.stderr
+      return json.loads(out.stdout)["pid"]
+    pids = {(job_a, 0): start(root_a, job_a, 0), (job_b, 2): start(root_b, job_b, 2)}
+    out = _jaxckpt("agent", "list", "--json")
+    seen = {(a["job"], a["host"]): a for a in map(json.loads, out.stdout.splitlines())}
+    for (job, host), pid in pids.items():
+      a = seen[job, host]
+      assert (a["pid"], a["answered"], a["error"], a["limit_bytes"], a["trainers"]) == (
+          pid, True, None, 64 << 20, []), a
+      assert 0 <= a["idle_secs"] < 120 and a["idle_timeout_secs"] == 600 and a["rss_bytes"] > 0
+    assert seen[job_a, 0]["run_root"] == root_a and seen[job_b, 2]["run_root"] == root_b
+    table = _jaxckpt("agent", "list").stdout.splitlines()
+    assert table[0].split() == ["pid", "job", "host", "held", "memory", "rss", "trainers",
+                                "idle", "run", "root"]
+    row = next(line for line in table if f" {job_a} " in line)
+    assert row.startswith(str(pids[job_a, 0])) and "0 B / 64.0 MiB (0%)" in row, row
+    assert " (exits in 9 min) " in row or " (exits in 10 min) " in row, row
+    assert row.endswith(root_a), row
+    said = ""
+    for root in (root_a, root_b):
+      out = _jaxckpt("agent", "stop", "--all", "--run-root", root)
+      assert out.returncode == 0, out.stderr
+      said += out.stdout
+    for (job, host), pid in pids.items():
+      assert f"stopped agent pid {pid} of job {job!r} host {host} (" in said, said
+    for pid in pids.values():
+      processes.wait_gone(pid, 30, "a stopped agent")
+    assert not os.listdir(root_a) and not os.listdir(root_b)          # their memory is freed
+    listed = {(a["job"], a["host"]) for a in map(json.loads, _jaxckpt(
+        "agent", "list", "--json").stdout.splitlines())}
+    assert not listed & set(pids)
+    bad = _jaxckpt("agent", "stop", "--all", "--job-name", job_a)
+    assert bad.returncode == 2 and "give --job-name JOB" in bad.stderr

@@ -12,17 +12,26 @@ secret (``RUN_ROOT/JOB/secret``, the same on every machine of the job). No JAX.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import os
 import time
 from typing import Any
 
+import psutil
+
 from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.agent import _paths
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent._remote import job_agents
+
+# The flags of ``jaxckpt agent serve`` (what start_agent spawns) that say where an agent is.
+_SERVE = argparse.ArgumentParser(add_help=False)
+_SERVE.add_argument("--job-name")
+_SERVE.add_argument("--host-id", type=int, default=0)
+_SERVE.add_argument("--run-root", default=None)
 
 
 @dataclasses.dataclass
@@ -239,3 +248,101 @@ def _discard(c: Client, a: AgentView, step: int, fenced: Fenced, timeout_secs: f
               timeout_secs=timeout_secs, poll_secs=0.01, max_poll_secs=0.2, late=lambda: (
                   f"the persist of step {step} that {c.who} runs did not stop within "
                   f"{time.monotonic() - start:.0f} s (it will not commit)"))
+
+
+@dataclasses.dataclass
+class LocalAgent:
+  """A snapshot agent process of this user on this machine, whatever its run root.
+
+  Attributes:
+    pid: its process. job, host, run_root: what it serves, and where its files are.
+    rss_bytes: its resident memory (its shared-memory slots are in ``bytes``).
+    answered: it answered ``status`` (else ``error`` says why).
+    bytes, limit_bytes: host memory its slots and parity take, against its budget.
+    steps: the steps it holds. trainers: pids of the trainers using it.
+    idle_secs: how long it has been idle (None: a trainer uses it);
+      idle_timeout_secs: it exits once idle that long.
+  """
+  pid: int
+  job: str
+  host: int
+  run_root: str
+  rss_bytes: int = 0
+  answered: bool = False
+  error: str | None = None
+  bytes: int = 0
+  limit_bytes: int = 0
+  steps: list[int] = dataclasses.field(default_factory=list)
+  trainers: list[int] = dataclasses.field(default_factory=list)
+  idle_secs: float | None = None
+  idle_timeout_secs: float | None = None
+
+  @property
+  def directory(self) -> str:
+    return _paths.agent_dir(self.run_root, self.job, self.host)
+
+
+def agent_of(proc: psutil.Process) -> LocalAgent | None:
+  """The agent ``proc`` runs (``jaxckpt agent serve``, as spawned or started by hand),
+  or None: another program, or an agent whose arguments make no job."""
+  try:
+    cmd = proc.cmdline()
+    rss = proc.memory_info().rss
+  except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    return None
+  for i in range(len(cmd) - 1):
+    if cmd[i + 1] == "serve" and (cmd[i] in ("jaxckpt.agent", "agent")):
+      break
+  else:
+    return None
+  args, _ = _SERVE.parse_known_args(cmd[i + 2:])
+  if not args.job_name:
+    return None
+  try:
+    _paths.check_job_name(args.job_name)
+  except errors.InvalidArgumentError:
+    return None
+  return LocalAgent(pid=proc.pid, job=args.job_name, host=args.host_id,
+                    run_root=args.run_root or _paths.default_run_root(), rss_bytes=rss)
+
+
+def local_agents(*, ask: bool = True, timeout_secs: float = 5.0) -> list[LocalAgent]:
+  """Every snapshot agent process of this user on this machine (by its command line:
+  any run root), asked what it holds (``ask``), by job, host and pid."""
+  uid = os.getuid()
+  found = []
+  for proc in psutil.process_iter(["uids"]):
+    try:
+      if proc.info["uids"] is None or proc.info["uids"].real != uid or proc.pid == os.getpid():
+        continue
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+      continue
+    a = agent_of(proc)
+    if a is not None:
+      found.append(a)
+  if ask:
+    with concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="jaxckpt-list") as pool:
+      list(pool.map(lambda a: _ask_local(a, timeout_secs), found))
+  return sorted(found, key=lambda a: (a.job, a.host, a.pid))
+
+
+def _ask_local(a: LocalAgent, timeout_secs: float) -> None:
+  info = _paths.read_address(a.directory)
+  if info is None or int(info.get("pid", -1)) != a.pid:
+    a.error = f"no address file of pid {a.pid} in {a.directory} (starting, or stopping)"
+    return
+  try:
+    c = _client(info, a.job, True, _paths.job_secret(a.run_root, a.job), timeout_secs)
+  except errors.JaxckptError as e:
+    a.error = str(e)
+    return
+  try:
+    st = c.call("status")[0]
+    a.answered = True
+    a.bytes, a.limit_bytes = st.bytes, st.limit_bytes
+    a.steps, a.trainers = list(st.steps), list(st.trainers)
+    a.idle_secs, a.idle_timeout_secs = st.idle_secs, st.idle_timeout_secs
+  except errors.JaxckptError as e:
+    a.error = str(e)
+  finally:
+    c.close()
