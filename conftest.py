@@ -4,6 +4,9 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# The snapshot agents this session starts are stopped when it ends, however it ends.
+pytest_plugins = ["jaxckpt.testing.pytest_agents"]
+
 
 def pytest_sessionstart(session):
   del session
