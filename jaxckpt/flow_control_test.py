@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import threading
 import uuid
@@ -58,6 +59,16 @@ def _check(out: dict, step: int) -> None:
   np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(want["w"]))
   np.testing.assert_array_equal(out["b"], want["b"])
   assert out["step"] == step
+
+
+def _allocated(m) -> int:
+  """Bytes of host memory the store's slots take: the agent's files in its run root (as
+  the filesystem counts them), or the in-process store's buffers."""
+  if m.options.agent is not None:
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512
+               for d, _, files in os.walk(m.options.agent.run_root) for f in files
+               if f.startswith("slot"))
+  return sum(b.nbytes for b in m._core._store._buffers if b is not None)
 
 
 def test_no_due_step_is_lost_and_no_save_skipped_while_storage_stops_answering(s3_server,
@@ -121,6 +132,7 @@ def test_where_host_memory_is_too_small_a_warning_says_so_and_a_due_save_names_i
           rf"host_memory_limit_bytes={limit}[;)].*a crash then loses more than one step; "
           r"raise host_memory_limit_bytes to at least (\d+) ", said[0] if said else "")
       assert len(said) == 1 and m_ and 3 * nbytes <= int(m_.group(1)) < 3 * nbytes + 4096, said
+      assert 2 * nbytes <= _allocated(m) <= limit        # the loop's two slots, no more
     m.wait_until_finished()
     assert jc.universal.all_steps(d) == [1, 2]
 
@@ -140,6 +152,8 @@ def test_a_due_save_that_finds_every_slot_held_names_the_persists(s3_server, mak
                                r"the (in-process store|snapshot agent) freed up within 3 s: every "
                                r"slot is held: persists of steps \[1, 2, 3, 4\]"):
         m.save(5, _state(5))
+      nbytes = 512 * 512 * 4 + 1000 * 4
+      assert 4 * nbytes <= _allocated(m) < 4 * nbytes + 4 * 8192   # 2 + 2 slots, no more
     m.wait_until_finished()
     assert jc.universal.all_steps(d) == [1, 2, 3, 4]
 
