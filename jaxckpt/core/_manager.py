@@ -246,7 +246,8 @@ class CoreManager:
     rec = led.record(step)
     rec.time, rec.metrics, rec.kept = when, metrics, due
     out = dict(metadata or {})
-    out[TIME_KEY] = when.timestamp()
+    if due:                           # a checkpoint: ranked now, and after a relaunch
+      out[TIME_KEY] = when.timestamp()
     if metrics is not None and self.rules.write_metrics:
       out[METRICS_KEY] = metrics
     return out
@@ -475,8 +476,9 @@ class CoreManager:
     led.listed = set(stored)
     held = _tiers.complete_steps(self._store)
     led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
-    if self.policy.records:
-      led.found(self._info(s) for s in stored if s not in led.dropped())
+    if self.policy.records:            # the checkpoints: stored, or held and due (a relaunch)
+      infos = [self._info(s) for s in sorted(set(stored) | set(held)) if s not in led.dropped()]
+      led.found(i for i in infos if i.step in stored or i.time is not EPOCH)
 
   def _info(self, step: int) -> StepInfo:
     try:
@@ -528,18 +530,27 @@ class CoreManager:
     return held, stored, fenced
 
   def _collect(self, *, all_ended: bool = False) -> None:
-    """Deletes, off the loop's path, the dropped steps whose persist has ended."""
+    """Deletes the dropped steps whose persist has ended: at once from the host tier
+    and from storage's listing (one request each: a relaunch never finds them), their
+    data off the loop's path."""
     dropped = set(self.ledger.dropped()) - set(self._deleting)
     if not dropped:
       return
     busy = self.ledger.in_flight() | (set() if all_ended
                                       else set(self._store.persist_status().pending))
-    for step in sorted(dropped - busy):
+    ready = sorted(dropped - busy)
+    for step in ready:
+      self._store.discard(step, timeout_secs=self.options.timeout_secs)
+      self.ledger.fence(step)
+    if ready and self.directory is not None and not self.rules.read_only and (
+        self._process[0] == 0 or self._store.fences_job):
+      universal.unlist_steps(self.directory, ready)
+    for step in ready:
       self._deleting[step] = self._janitor.submit(self._drop, step)
 
   def _drop(self, step: int) -> None:
     try:
-      self._delete_everywhere(step)
+      self._delete_everywhere(step, listed_before=self.directory is not None)
     except Exception as e:  # pylint: disable=broad-except  (raised by the next call that asks)
       logger.error("step %d: deleting it (the keep policy dropped it) failed: %s", step, e)
       self.ledger.fail(e)
