@@ -24,7 +24,7 @@ from jaxckpt.core._ledger import METRICS_KEY, SaveStats  # noqa: F401  (SaveStat
 from jaxckpt.core._manager import CoreManager
 from jaxckpt.host.store import HostStore
 from jaxckpt.options import check_step
-from jaxckpt.orbax import _errors, _items, _options, _root
+from jaxckpt.orbax import _errors, _items, _options, _policies, _root
 from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class CheckpointManager:
     opts, rules = _options.translate(options, d, orbax_form=orbax_form)
     self._forms = _items.Forms(item_names, item_handlers)
     self._sink = _LogSink(logger, d)
-    self._core = CoreManager(d, opts, rules=rules, store=store, log_entry=self._sink,
+    self._core = CoreManager(d, opts, rules=rules, store=store,
+                             policy=_policies.from_options(opts), log_entry=self._sink,
                              already_exists=_errors.already_exists)
     self._root = _root.RootMetadata(d, metadata, rules, jax.process_index())
 

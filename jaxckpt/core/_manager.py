@@ -42,10 +42,11 @@ class CoreManager:
 
   Args:
     directory: where steps due for storage are persisted (None: host snapshots only).
-    options: how the tiers work, and (through :mod:`jaxckpt.core._policy`) which
-      steps are saved and kept.
+    options: how the tiers work.
     rules: how the directory is treated (read-only, blocking saves, ...).
     store: a HostStore to use instead of the one ``options`` ask for.
+    policy: which steps are saved and kept (None: ``options``' plain rules, the save
+      interval and ``max_to_keep``).
     log_entry: ``(event, step, t0, **figures)``: one call per save, snapshot, persist
       and restore (the façade's ``logger=``).
     already_exists: the error a save of a step already kept raises (a StepAlreadyExistsError).
@@ -53,14 +54,14 @@ class CoreManager:
 
   def __init__(self, directory: str | None, options: CheckpointOptions, *,
                rules: _policy.DirectoryRules = _policy.DirectoryRules(),
-               store: HostStore | None = None,
+               store: HostStore | None = None, policy: _policy.Policy | None = None,
                log_entry: Callable[..., None] = _no_log,
                already_exists: Callable[[str], Exception] = errors.StepAlreadyExistsError
                ) -> None:
     self.directory, self.options, self.rules = directory, options, rules
     self._process = (jax.process_index(), jax.process_count())
     _identity.agree_options(options, directory, process=self._process)   # first: all agree
-    self.policy = _policy.from_options(options)
+    self.policy = policy or _policy.plain(options)
     self._log, self._already_exists = log_entry, already_exists
     config, run_id = _factory.persistence(directory, options, writes=not rules.read_only,
                                           create=rules.create)

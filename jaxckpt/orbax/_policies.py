@@ -15,8 +15,14 @@ import datetime
 from typing import Any, Callable, Sequence
 
 from jaxckpt.core._ledger import StepInfo
+from jaxckpt.core import _policy
 from jaxckpt.core._policy import Policy
 from jaxckpt.options import CheckpointOptions
+
+
+def from_options(o: CheckpointOptions) -> Policy:
+  """The policy ``o`` asks for: jaxckpt's plain rules, or those of its orbax fields."""
+  return build(o) if _policy.orbax_fields(o) else _policy.plain(o)
 
 
 def build(o: CheckpointOptions) -> Policy:
