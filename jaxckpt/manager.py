@@ -183,20 +183,23 @@ class CheckpointManager:
     saved them, rebuildable from the survivors' parity (parity on), or on storage
     (as orbax's: those stored when this manager started, by itself since, or seen
     by ``reload()``), less those the keep policy dropped."""
-    return self._core.all_steps()
+    self._core.check_open("all_steps")
+    return self._core.listing.all_steps()
 
   def latest_step(self) -> int | None:
     """The newest restorable step, or None."""
-    return self._core.latest_step()
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def best_step(self) -> int | None:
     """The best kept step by ``best_fn``, else the newest; None if none has metrics
     (with ``best_fn``) or no step is held."""
-    return self._core.best_step()
+    self._core.check_open("best_step")
+    return self._core.listing.best_step()
 
   def metrics(self, step: int) -> Any:
     """The metrics given to ``save(step, ..., metrics=...)``, or None."""
-    return self._core.metrics(step)
+    return self._core.listing.metrics(step)
 
   def reload(self) -> None:
     """Reads the steps again from every tier (orbax's ``reload``): steps another writer
@@ -248,7 +251,7 @@ class CheckpointManager:
     if step is None:
       return self._root.read()
     step = check_step(step, "metadata")
-    tier, leaves, meta = self._core.step_metadata(step)
+    tier, leaves, meta = self._core.listing.step_metadata(step)
     return _read.StepMetadata(
         step, tier, tree.nest(leaves) if leaves else {}, meta, leaves=leaves,
         item_metadata=self._forms.item_metadata(leaves, meta),
@@ -288,7 +291,7 @@ class CheckpointManager:
       return self._core.restore(step, target, partial=partial)
 
     def onto(chosen: int, read: Any) -> Any:
-      _, leaves, meta = self._core.step_metadata(chosen)
+      _, leaves, meta = self._core.listing.step_metadata(chosen)
       return self._forms.restore(args, target, partial, leaves, meta, read)
     return self._core.restore(step, target, partial=partial, onto=onto)
 

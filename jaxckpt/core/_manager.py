@@ -21,8 +21,8 @@ import numpy as np
 from jaxckpt import capture, errors, tree, universal
 from jaxckpt.agent import _factory
 from jaxckpt.capture import _storage_only
-from jaxckpt.core import _flow, _identity, _policy, _schedule
-from jaxckpt.core._ledger import EPOCH, METRICS_KEY, TIME_KEY, Ledger, StepInfo
+from jaxckpt.core import _deletes, _flow, _identity, _listing, _policy, _schedule
+from jaxckpt.core._ledger import METRICS_KEY, TIME_KEY, Ledger
 from jaxckpt.core._persists import Persists
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
@@ -89,8 +89,6 @@ class CoreManager:
     threads = options.copy_threads or default_copy_threads()
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
         threads, thread_name_prefix="jaxckpt-copy")
-    self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-delete")
-    self._deleting: dict[int, concurrent.futures.Future] = {}
     self._closed = False
     self._unfinalized = False
     self._flow = _flow.SaveFlow(self._schedule, self._store, self.ledger,
@@ -103,7 +101,12 @@ class CoreManager:
     if rules.cleanup_tmp_directories and config is not None and self._process[0] == 0:
       universal.discard_uncommitted(directory, keep=set(self._store.steps()) | set(
           self._store.persist_status().pending))     # what crashed saves left
-    self.load()
+    self._deletes = _deletes.Deletes(self._store, self.ledger, directory, self._process, rules,
+                                     self.policy, options.timeout_secs)
+    self.listing = _listing.Listing(self._store, self.ledger, directory, self.policy,
+                                    parity=options.parity is not None,
+                                    settle=self.wait_until_snapshotted)
+    self.listing.load()
 
   @property
   def stats(self) -> Any:
@@ -151,7 +154,7 @@ class CoreManager:
     if not d.snapshot:
       self.ledger.skipped_plan()
       return False
-    self._timeline(step)
+    self._deletes.timeline(step)
     self._persists.refuse_existing(step, self._store, self._already_exists)
     metadata = self._record(step, metadata, metrics, d.due)
     if not self.options.host_snapshots:
@@ -180,41 +183,6 @@ class CoreManager:
                                             metadata, t0, attempt))
     self.ledger.started(step, time.perf_counter() - t0)
     return self._saved(step, True, t0)
-
-  def _timeline(self, step: int) -> None:
-    """A save of a step not newer than every step the run holds: after ``restore`` of an
-    older step it starts a new timeline, and the steps of the abandoned one (those
-    newer than the restored step) are deleted from every tier, for good (their
-    markers first, so a crash never leaves one listed). Without such a restore a
-    newer step on storage refuses the save: the run would mix two timelines."""
-    led = self.ledger
-    if led.high is None or step > led.high:
-      led.high = step
-      return
-    if not self.policy.rollback:
-      return
-    fork = led.restored if led.restored is not None and led.restored < step else None
-    stored = set(_tiers.storage_steps(self.directory))
-    if fork is None:
-      newer = sorted(s for s in stored if s > step)
-      if newer:
-        raise errors.InvalidArgumentError(
-            f"save(step={step}): {self.directory!r} holds newer steps {newer} of this run, "
-            f"so step {step} would start another timeline beside them; to roll back, "
-            f"restore(step=...) the step to go back to first (the newer steps are then "
-            f"deleted), or delete them, or save into another directory")
-      return
-    abandoned = sorted(s for s in stored | set(self._store.steps()) | set(led.attempts())
-                       | set(_tiers.complete_steps(self._store)) if s > fork)
-    logger.warning("step %d starts a new timeline from step %d (restored): steps %s of the "
-                   "abandoned timeline are deleted from every tier", step, fork, abandoned)
-    for s in abandoned:                 # fenced first: nothing commits them again
-      self._store.discard(s, timeout_secs=self.options.timeout_secs)
-    if stored & set(abandoned) and (self._process[0] == 0 or self._store.fences_job):
-      universal.unlist_steps(self.directory, [s for s in abandoned if s in stored])
-    for s in abandoned:
-      self._delete_everywhere(s, listed_before=s in stored)
-    led.restored, led.high = None, step
 
   def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
                        t0: float) -> bool:
@@ -267,7 +235,7 @@ class CoreManager:
     if self.rules.blocking:
       self.wait_until_finished()
     else:
-      self._collect()
+      self._deletes.collect(in_flight=self.ledger.in_flight())
     st = self.stats
     self._log("save", step, t0, blocking_secs=time.perf_counter() - t0,
               skipped_busy=st.skipped_busy, skipped_plan=st.skipped_plan,
@@ -425,78 +393,12 @@ class CoreManager:
 
   # -- what is held -------------------------------------------------------------
 
-  def all_steps(self) -> list[int]:
-    """See ``jaxckpt.CheckpointManager.all_steps``."""
-    self.check_open("all_steps")
-    led = self.ledger
-    flight = led.in_flight()          # first: once it is done, the host tier holds it
-    held = set(_tiers.complete_steps(self._store))
-    if self.options.parity:
-      held |= set(_tiers.rebuildable_steps(sorted(held), self._store))
-    stored = set(_tiers.storage_steps(self.directory))
-    led.listed.update(held)
-    on_its_way = {s for s, a in led.attempts().items()
-                  if a not in led.told and s not in led.stored}
-    led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
-    for s in led.listed & stored:
-      led.stored.add(s)
-    listed = flight | held | (led.listed & stored) | on_its_way
-    led.prune(listed)
-    return sorted(listed - set(led.dropped()))
-
-  def latest_step(self) -> int | None:
-    steps = self.all_steps()
-    return steps[-1] if steps else None
-
-  def best_step(self) -> int | None:
-    """The best kept step by ``best_fn``, else the newest; None if none has metrics."""
-    if self.policy.best_key is None:
-      return self.latest_step()
-    return self.policy.best(self.ledger.kept())
-
-  def metrics(self, step: int) -> Any:
-    """The metrics given to ``save(step, ..., metrics=...)``, or None."""
-    rec = self.ledger.get(step)
-    if rec is not None and rec.metrics is not None:
-      return rec.metrics
-    try:
-      return self.step_metadata(step)[2].get(METRICS_KEY)
-    except errors.StepNotFoundError:
-      return None
-
-  def step_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
-    """The tier that describes ``step``, its leaves by path and its metadata."""
-    if step == self.ledger.flight_step:
-      self.wait_until_snapshotted()          # the step being saved: once it is held
-    return _tiers.step_metadata(self._store, self.directory, step)
-
-  def load(self) -> None:
-    """The steps on storage, with their time and metrics (what orbax reads at start)."""
-    led = self.ledger
-    stored = _tiers.storage_steps(self.directory)
-    led.listed = set(stored)
-    held = _tiers.complete_steps(self._store)
-    led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
-    if self.policy.records:            # the checkpoints: stored, or held and due (a relaunch)
-      infos = [self._info(s) for s in sorted(set(stored) | set(held)) if s not in led.dropped()]
-      led.found(i for i in infos if i.step in stored or i.time is not EPOCH)
-
-  def _info(self, step: int) -> StepInfo:
-    try:
-      meta = self.step_metadata(step)[2]
-    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
-      logger.warning("step %d: its time and metrics cannot be read (%s)", step, e)
-      return StepInfo(step, EPOCH, None)
-    t = meta.get(TIME_KEY)
-    when = EPOCH if t is None else datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
-    return StepInfo(step, when, meta.get(METRICS_KEY))
-
   def reload(self) -> None:
     """Reads the steps again from every tier (orbax's ``reload``)."""
     self.check_open("reload")
     self.wait_until_snapshotted()
-    self._collect()
-    self.load()
+    self._deletes.collect(in_flight=self.ledger.in_flight())
+    self.listing.load()
 
   # -- deleting -----------------------------------------------------------------
 
@@ -509,64 +411,13 @@ class CoreManager:
       return
     if self.ledger.flight is not None:   # the snapshot in flight (its errors: raised later)
       self._wait(self.ledger.flight, self.options.timeout_secs, "delete")
-    self._drain_deletes()
-    held, stored, fenced = self._delete_everywhere(step)
-    if not (held or stored or fenced):
-      raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
-    logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
-
-  def _delete_everywhere(self, step: int, *, listed_before: bool = False
-                         ) -> tuple[bool, bool, bool]:
-    """Deletes ``step`` from this host and, from process 0, storage; says what held it
-    (``listed_before``: storage held it before its marker was removed)."""
-    # Fenced first: a queued persist of the step never runs, a running one never
-    # commits, and discard returns once it has ended; only then is storage cleared.
-    held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
-    fenced = self.ledger.fence(step)
-    stored = listed_before or (self.directory is not None
-                               and step in _tiers.storage_steps(self.directory))
-    if stored and (self._process[0] == 0 or self._store.fences_job):
-      universal.discard_step(self.directory, step, todelete_subdir=self.rules.todelete_subdir)
-    self.ledger.forget(step)
-    return held, stored, fenced
-
-  def _collect(self, *, all_ended: bool = False) -> None:
-    """Deletes the dropped steps whose persist has ended: at once from the host tier
-    and from storage's listing (one request each: a relaunch never finds them), their
-    data off the loop's path."""
-    dropped = set(self.ledger.dropped()) - set(self._deleting)
-    if not dropped:
-      return
-    busy = self.ledger.in_flight() | (set() if all_ended
-                                      else set(self._store.persist_status().pending))
-    ready = sorted(dropped - busy)
-    for step in ready:
-      self._store.discard(step, timeout_secs=self.options.timeout_secs)
-      self.ledger.fence(step)
-    if ready and self.directory is not None and not self.rules.read_only and (
-        self._process[0] == 0 or self._store.fences_job):
-      universal.unlist_steps(self.directory, ready)
-    for step in ready:
-      self._deleting[step] = self._janitor.submit(self._drop, step)
-
-  def _drop(self, step: int) -> None:
-    try:
-      self._delete_everywhere(step, listed_before=self.directory is not None)
-    except Exception as e:  # pylint: disable=broad-except  (raised by the next call that asks)
-      logger.error("step %d: deleting it (the keep policy dropped it) failed: %s", step, e)
-      self.ledger.fail(e)
-    finally:
-      self._deleting.pop(step, None)
-
-  def _drain_deletes(self) -> None:
-    for fut in list(self._deleting.values()):
-      fut.result(timeout=self.options.timeout_secs)
+    self._deletes.delete(step)
 
   def _finalized(self) -> None:
     """Every save so far has ended: the dropped steps go, and ``on_finalized`` runs
     (once per saves since the last time)."""
-    self._collect(all_ended=True)
-    self._drain_deletes()
+    self._deletes.collect(in_flight=self.ledger.in_flight(), all_ended=True)
+    self._deletes.drain()
     self._raise_background_error(ask_agent=False)
     if self._unfinalized and self.rules.on_finalized is not None:
       self._unfinalized = False
@@ -582,8 +433,8 @@ class CoreManager:
     if step is not None:
       step = check_step(step, "restore")
     self.wait_until_snapshotted()     # first: a step saved just now is the newest
-    if step is None and self.ledger.dropped():
-      step = self.latest_step()       # not one the keep policy dropped
+    if step is None and self.ledger.dropped():     # not one the keep policy dropped
+      step = max(self.listing.all_steps(), default=None)
     out, r = _tiers.restore(self._store, self.directory, step, target, partial=partial,
                             timeout_secs=self.options.timeout_secs,
                             writes=not self.rules.read_only, onto=onto)
@@ -622,7 +473,7 @@ class CoreManager:
     finally:
       self._closed = True
       self._pool.shutdown(wait=True)
-      self._janitor.shutdown(wait=True)
+      self._deletes.close()
       if self._copy_pool is not None:
         self._copy_pool.shutdown(wait=True)
       self._store.close()
