@@ -33,6 +33,7 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays
+from jaxckpt.universal import _failures
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 
@@ -460,9 +461,10 @@ def quarantined(directory: str, step: int) -> dict[str, Any] | None:
   """The record of ``step`` if :func:`quarantine_step` set it aside (and it was not
   committed again since), else None."""
   kv = lay.open_kvstore(directory)
-  if lay.read_json(kv, lay.commit_key(step)) is not None:
-    return None
-  return lay.read_json(kv, lay.quarantine_key(step))
+  with _failures.reading(f"step {step}: its commit and quarantine records in {directory!r}"):
+    if lay.read_json(kv, lay.commit_key(step)) is not None:
+      return None
+    return lay.read_json(kv, lay.quarantine_key(step))
 
 
 def discard_step(directory: str, step: int, *, todelete_subdir: str | None = None) -> None:
