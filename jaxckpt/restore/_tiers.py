@@ -37,9 +37,11 @@ def complete_steps(store: HostStore) -> list[int]:
 
 
 def storage_steps(directory: str | None) -> list[int]:
+  """The steps stored in ``directory``: jaxckpt's committed ones and those an orbax
+  CheckpointManager wrote there (``universal.stored_steps``: read where they lie)."""
   if directory is None:
     return []
-  return universal.all_steps(directory)
+  return universal.stored_steps(directory)
 
 
 def parity_steps(store: HostStore) -> dict[int, Any]:
@@ -353,7 +355,7 @@ def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, l
       return "host" if step in held else "parity", list(manifest.leaves), manifest.metadata
   stored = storage_steps(directory)
   if step in stored:
-    reader = universal.open_step(directory, step)
+    reader = universal.open_stored(directory, step)        # jaxckpt's step, or orbax's
     return "storage", list(reader.leaves.values()), reader.metadata
   raise errors.StepNotFoundError(
       f"metadata(): step {step} is held neither by the job's agents (held: {held}"
@@ -381,10 +383,11 @@ def leaf_metadata(rec: Any) -> _read.LeafMetadata:
 
 
 class StorageSource:
-  """A step read from the universal format: each region read on demand, verified."""
+  """A step read from storage: the universal format (each region read on demand,
+  verified), or a step an orbax CheckpointManager wrote there (read where it lies)."""
 
   def __init__(self, directory: str, step: int) -> None:
-    self.reader_ = universal.open_step(directory, step)
+    self.reader_ = universal.open_stored(directory, step)
     self.step = step
     self.leaves = tuple(LeafRecord(path=i.path, kind=i.kind, shape=tuple(i.shape),
                                    dtype=i.dtype, value=i.value, key_impl=i.key_impl)
