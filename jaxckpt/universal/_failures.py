@@ -7,7 +7,8 @@ unauthenticated, throttled, timed out, the connection or the service away,
 aborted, cancelled, and their HTTP forms) says nothing about the bytes: it is
 this attempt's error, a :class:`~jaxckpt.errors.StorageError`, and the step
 stays listed for the next attempt. A failure of no known kind is not proof
-either. Every read path (chunks, array and step metadata, commit markers, the
+either; bytes read that do not decode (a checksum, a compressed stream, JSON)
+are, with or without a status code. Every read path (chunks, array and step metadata, commit markers, the
 ``verify`` command) asks :func:`classify`.
 
 >>> status_code(ValueError("PERMISSION_DENIED: AccessDenied: Access Denied."))
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import re
 from typing import Callable, Iterator
 
@@ -50,6 +52,10 @@ _ANYWHERE = re.compile(rf"\b({'|'.join(ATTEMPT_CODES)}):")     # as tensorstore 
 _HTTP = re.compile(r"(?:HTTP response code|http_response_code|http status|status code|HTTP)"
                    r"""[:= '"]+(\d{3})\b""", re.IGNORECASE)
 _NAMES = re.compile(rf"\b({'|'.join(ATTEMPT_NAMES)})\b")
+# What tensorstore says of bytes it read but could not decode, when a caller (orbax) drops the
+# status code: proof of damage as well.
+_DECODING = re.compile(r"checksum verification failed|Digest mismatch|Data corruption detected|"
+                       r"Error decoding|Invalid JSON|Error parsing")
 _DETAIL_CHARS = 400
 
 
@@ -76,9 +82,13 @@ def attempt_cause(error: BaseException) -> str | None:
 
 
 def proves_damage(error: BaseException) -> bool:
-  """Whether a failed read proves the step damaged: a damage code and no sign of a
-  refused or unanswered request anywhere in the message."""
-  return status_code(error) in DAMAGE_CODES and attempt_cause(error) is None
+  """Whether a failed read proves the step damaged: what was read does not parse (JSON,
+  text), or a damage code and no sign of a refused or unanswered request anywhere in
+  the message."""
+  if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+    return True
+  return ((status_code(error) in DAMAGE_CODES or bool(_DECODING.search(str(error))))
+          and attempt_cause(error) is None)
 
 
 def detail(error: BaseException) -> str:

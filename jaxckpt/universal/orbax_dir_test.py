@@ -107,6 +107,11 @@ def test_an_orbax_step_restores_bit_exact_onto_another_sharding(run):
   check(out, 200)
   assert source.bytes_read == W.nbytes + EMB.nbytes + 5 * 4 + 2 * 4
   assert _read.restore_tree(_tiers.StorageSource(run, 100), None)["['lr']"] == 0.25
+  flat = u.restore_arrays(u.open_stored(run, 100), {       # the universal reader's restore
+      "['params']['w']": target()["params"]["w"], "['layers'][0]": None, "['lr']": None})
+  assert np.asarray(flat["['params']['w']"]).tobytes() == (W * 100).tobytes()
+  assert flat["['params']['w']"].sharding == target()["params"]["w"].sharding
+  np.testing.assert_array_equal(flat["['layers'][0]"], np.arange(5, dtype=np.int32) + 100)
   with jc.CheckpointManager(run) as m:                # the manager, as it is, on orbax's run
     assert (m.all_steps(), m.latest_step()) == ([100, 200], 200)
     check(m.restore(target=target()), 200)
@@ -127,6 +132,25 @@ def test_metadata_of_an_orbax_step(run):
     md = m.metadata(200)
     assert md.tier == "storage" and md.custom_metadata == {"note": "s200"}
     assert md.tree["params"]["w"].shape == (16, 24)
+
+
+def test_a_damaged_orbax_step_is_skipped_and_left_as_orbax_wrote_it(run, caplog):
+  """Only jaxckpt's commit markers are set aside: orbax's directory is never changed."""
+  (data,) = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(run, "200", "default", "d"))
+             for f in fs]
+  body = open(data, "rb").read()
+  open(data, "wb").write(body[:len(body) // 2])        # orbax's OCDBT data, truncated
+  before = sorted(os.walk(os.path.join(run, "200")))
+  with jc.CheckpointManager(run) as m, caplog.at_level(logging.WARNING, logger="jaxckpt"):
+    check(m.restore(target=target()), 100)
+    (step, why), = m.last_restore.skipped
+    assert step == 200 and "CorruptSnapshotError" in why and "200" in why, why
+    with pytest.raises(errors.CorruptSnapshotError, match=r"orbax item .*200.* damaged"):
+      m.restore(200, target=target())
+    assert m.all_steps() == [100, 200]
+  assert any("step 200 cannot be restored" in r.getMessage() for r in caplog.records)
+  assert sorted(os.walk(os.path.join(run, "200"))) == before
+  assert u.stored_steps(run) == [100, 200]
 
 
 def test_a_step_orbax_holds_is_never_written(run):

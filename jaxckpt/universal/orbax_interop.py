@@ -280,7 +280,12 @@ def orbax_tree(item_dir: str) -> tuple[Any, bool]:
   """Orbax's metadata tree of one saved item, and whether it used zarr v3 (read by orbax's
   handler: its checkpointer warns of an item directory's missing step metadata)."""
   from etils import epath  # pylint: disable=import-outside-toplevel  (orbax's path type)
-  meta = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir))
+  what = f"orbax item {item_dir!r}: its metadata"
+  try:
+    with _failures.reading(what):
+      meta = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir))
+  except FileNotFoundError as e:          # a finalized step without its item's metadata
+    raise errors.CorruptSnapshotError(f"{what} is missing ({e}); restore another step") from None
   meta = getattr(meta, "item_metadata", meta)
   return getattr(meta, "tree", meta), bool(getattr(meta, "use_zarr3", False))
 

@@ -77,7 +77,10 @@ def test_a_timeout_is_an_error_of_this_attempt_naming_it():
     "DATA_LOSS: Error reading shard entry {0, 0}: Digest mismatch",
     'NOT_FOUND: Metadata at local file "/c/zarr.json" does not exist',
     'FAILED_PRECONDITION: Error parsing object member "node_type"',
-    "INVALID_ARGUMENT: Error decoding", "OUT_OF_RANGE: past the end"])
+    "INVALID_ARGUMENT: Error decoding", "OUT_OF_RANGE: past the end",
+    # orbax re-raises tensorstore's errors without their code: bytes that did not decode
+    'Error reading "w/.zarray": ZSTD_decompressStream() failed: Data corruption detected',
+    "Error decoding b-tree node: CRC-32C checksum verification failed: expected=1, actual=2"])
 def test_damage_codes_without_a_refusal_are_damage(text):
   got = _failures.classify(ValueError(text), "step 5: leaf 'w'")
   assert isinstance(got, errors.CorruptSnapshotError)
