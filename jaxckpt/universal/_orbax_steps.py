@@ -133,6 +133,8 @@ def discard_orbax_step(directory: str, step: int, *, todelete_subdir: str | None
     os.replace(where, os.path.join(into, os.path.basename(where)))
   else:
     doomed = f"{where}.jaxckpt-deleting"     # not listed from here on, even if rmtree stops
+    if os.path.isdir(doomed) and not os.path.islink(doomed):
+      shutil.rmtree(doomed)                  # what an earlier delete of the step left
     os.replace(where, doomed)
     shutil.rmtree(doomed)                    # never follows a link (it removes the link)
   log.info("deleted orbax's step %d (%s)", step, where)
