@@ -47,7 +47,8 @@ class RestoreInfo:
   tier: Tier
   seconds: float
   nbytes: int
-  #: newer steps a ``restore(step=None)`` found damaged and skipped: (step, the damage)
+  #: newer steps a ``restore(step=None)`` found damaged, or could not read now (storage
+  #: refused or did not answer: they stay listed), and skipped: (step, why)
   skipped: tuple[tuple[int, str], ...] = ()
 
 

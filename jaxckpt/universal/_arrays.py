@@ -14,6 +14,7 @@ import tensorstore as ts
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
+from jaxckpt.universal import _failures
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 
@@ -55,13 +56,13 @@ def _spec(directory: str, step: int, info: man.LeafInfo) -> dict[str, Any]:
 
 def open_for_read(directory: str, step: int, info: man.LeafInfo) -> ts.TensorStore:
   """The stored zarr array of a committed leaf (raw: reads are not verified here)."""
-  try:
-    return ts.open(_spec(directory, step, info), open=True, read=True,
+  spec = _spec(directory, step, info)
+  with _failures.reading(f"step {step}: the zarr array of leaf {info.path!r} in {directory!r}",
+                         lambda cause: (f"step {step}: zarr array of leaf {info.path!r} cannot "
+                                        f"be opened ({cause}); the step is damaged: restore "
+                                        "another step")):
+    return ts.open(spec, open=True, read=True,
                    context=lay.context()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
-  except (ValueError, TimeoutError) as e:
-    raise errors.CorruptSnapshotError(
-        f"step {step}: zarr array of leaf {info.path!r} cannot be opened ({e}); "
-        "the step is damaged: restore another step") from None
 
 
 def open_for_write(directory: str, step: int,

@@ -33,6 +33,8 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays
+from jaxckpt.universal import _failures
+from jaxckpt.universal import _orbax_steps
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 
@@ -268,7 +270,8 @@ def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: 
   step this attempt committed already does nothing.
 
   Raises:
-    StepExistsError: another attempt committed ``step`` (before or during this one).
+    StepExistsError: another attempt committed ``step`` (before or during this one);
+      StepAlreadyExistsError: orbax wrote ``step`` in ``directory``.
     SnapshotTimeoutError: naming the processes whose part records are missing.
     ManifestError: the parts disagree or do not cover every leaf.
   """
@@ -278,6 +281,8 @@ def commit_step(directory: str, step: int, *, process_count: int, timeout_secs: 
   lay.check_attempt(attempt)
   kv = lay.open_kvstore(directory)
   marker = read_marker(kv, directory, step)
+  if marker is None:
+    _orbax_steps.check_not_orbax(directory, step)        # a step is saved once, by either
   if marker is not None:
     if marker.get("attempt") == attempt:
       log.info("step %d is already committed in %s by this attempt", step, directory)
@@ -430,6 +435,19 @@ def all_steps(directory: str) -> list[int]:
   return sorted(steps)
 
 
+def stored_steps(directory: str) -> list[int]:
+  """Every step stored in ``directory``, ascending: those jaxckpt committed and those an
+  orbax CheckpointManager finalized there (``_orbax_steps``). A step both hold is
+  jaxckpt's (a warning names orbax's directory, left as it is)."""
+  own = all_steps(directory)
+  orbax = _orbax_steps.orbax_steps(directory)
+  for step in set(own) & set(orbax):
+    _orbax_steps.warn_once(directory, step, "step %d is both a jaxckpt step and orbax's %s in "
+                           "%s: jaxckpt's is read, orbax's is left as it is", step, orbax[step],
+                           directory)
+  return sorted(set(own) | set(orbax))
+
+
 def latest_step(directory: str) -> int | None:
   """The newest committed step, or None if there is none."""
   steps = all_steps(directory)
@@ -460,17 +478,20 @@ def quarantined(directory: str, step: int) -> dict[str, Any] | None:
   """The record of ``step`` if :func:`quarantine_step` set it aside (and it was not
   committed again since), else None."""
   kv = lay.open_kvstore(directory)
-  if lay.read_json(kv, lay.commit_key(step)) is not None:
-    return None
-  return lay.read_json(kv, lay.quarantine_key(step))
+  with _failures.reading(f"step {step}: its commit and quarantine records in {directory!r}"):
+    if lay.read_json(kv, lay.commit_key(step)) is not None:
+      return None
+    return lay.read_json(kv, lay.quarantine_key(step))
 
 
 def discard_step(directory: str, step: int, *, todelete_subdir: str | None = None) -> None:
   """Deletes a step, every attempt at it included (marker first, so it is never
-  listed half-deleted), and its quarantine record. With ``todelete_subdir``
-  (orbax's option) a local directory's step is moved into
+  listed half-deleted), and its quarantine record; a step orbax wrote there, its
+  step directory (exactly that: ``_orbax_steps.discard_orbax_step``). With
+  ``todelete_subdir`` (orbax's option) a local directory's step is moved into
   ``directory/todelete_subdir/`` instead, for a reaper to remove later; on an
   object store it is deleted (as orbax does on GCS)."""
+  _orbax_steps.discard_orbax_step(directory, step, todelete_subdir=todelete_subdir)
   kv = lay.open_kvstore(directory)
   kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
   _delete(kv, lay.quarantine_key(step))
@@ -523,8 +544,10 @@ def discard_uncommitted(directory: str, *, keep: Iterable[int] = ()) -> list[int
   if local is None or not os.path.isdir(local):
     return []
   committed, protected = set(all_steps(directory)), set(keep)
+  orbax = {os.path.basename(p) for p in _orbax_steps.orbax_steps(directory).values()}
   doomed = sorted(int(n[len("step_"):]) for n in os.listdir(local)
-                  if re.fullmatch(r"step_\d+", n) and int(n[len("step_"):]) not in committed)
+                  if re.fullmatch(r"step_\d+", n) and int(n[len("step_"):]) not in committed
+                  and n not in orbax)             # (orbax's step_prefix="step" names its so)
   doomed = [s for s in doomed if s not in protected]
   for step in doomed:
     shutil.rmtree(os.path.join(local, lay.step_dir(step)), ignore_errors=True)
@@ -544,7 +567,8 @@ def write_json(directory: str, name: str, obj: Any) -> None:
 
 
 def gc_steps(directory: str, *, max_to_keep: int, keep: Iterable[int] = ()) -> list[int]:
-  """Deletes committed steps older than the newest ``max_to_keep`` (except ``keep``).
+  """Deletes stored steps older than the newest ``max_to_keep`` (except ``keep``):
+  jaxckpt's committed steps and orbax's finalized ones count alike (:func:`stored_steps`).
 
   Never touches uncommitted steps (a save may be writing them) nor steps in
   ``keep``, so it can run in a background thread beside any save; it takes no
@@ -553,7 +577,7 @@ def gc_steps(directory: str, *, max_to_keep: int, keep: Iterable[int] = ()) -> l
   if not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1:
     raise errors.InvalidArgumentError(f"gc_steps: max_to_keep must be an int >= 1, got {max_to_keep=}")
   protected = set(keep)
-  steps = all_steps(directory)
+  steps = stored_steps(directory)
   doomed = [s for s in steps[:-max_to_keep] if s not in protected]
   for s in doomed:
     discard_step(directory, s)

@@ -24,6 +24,7 @@ from jaxckpt.host.snapshot import Box, SnapshotManifest
 from jaxckpt.universal import _arrays, _budget, _commit, _progress
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
+from jaxckpt.universal import _orbax_steps
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
   lay.check_attempt(attempt)
   kv = lay.open_kvstore(directory)
   _commit.check_not_committed(kv, directory, step, attempt)
+  _orbax_steps.check_not_orbax(directory, step)
   budget = _budget.ByteBudget(max_inflight_bytes, what=f"persist of step {step} to {directory!r}")
   plans = []
   for rec in manifest.leaves:
@@ -230,6 +232,7 @@ def write_leaves(directory: str, step: int, leaves: Mapping[str, man.LeafInfo],
   attempt = lay.check_attempt(attempt or new_attempt())
   kv = lay.open_kvstore(directory)
   _commit.check_not_committed(kv, directory, step, attempt)
+  _orbax_steps.check_not_orbax(directory, step)
   budget = _budget.ByteBudget(max_inflight_bytes, what=f"writing step {step} to {directory!r}")
   objs = []
   try:

@@ -33,7 +33,8 @@ tensorstore URL (gs://, s3://, file://). Reads manifests and item rows only."""
 _VERIFY_HELP = """Read every chunk of every leaf of a committed step and check it against the
 checksums in its manifest (xxh3-64 per chunk, crc32c per inner chunk).
 Exits 0 if all is intact, 1 naming each damaged leaf and chunk, 2 if the
-step cannot be opened at all. Shows a progress bar on a terminal (plain lines
+step cannot be opened at all or storage refused or did not answer a read (not
+damage: nothing is said of the bytes). Shows a progress bar on a terminal (plain lines
 otherwise) and the time and rate at the end."""
 
 
@@ -275,8 +276,12 @@ def verify_command(args: argparse.Namespace) -> int:
   bad = 0
   for reader in readers:
     total = sum(i.nbytes for i in reader.leaves.values())
-    with progress(args, total, f"verify step {reader.step}") as bar:
-      problems = _read.verify_step(reader, progress=bar)
+    try:
+      with progress(args, total, f"verify step {reader.step}") as bar:
+        problems = _read.verify_step(reader, progress=bar)
+    except errors.StorageError as e:        # refused or unanswered: not damage, not verified
+      print(f"jaxckpt verify: step {reader.step} was not verified: {e}", file=sys.stderr)
+      return 2
     for line in problems:
       print(f"DAMAGED step {reader.step}: {line}")
     if not problems:
