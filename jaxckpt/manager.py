@@ -300,7 +300,7 @@ class CheckpointManager:
     """``restore(..., directory=other)``: a step stored in another directory (storage only)."""
     if step is not None:
       step = check_step(step, "restore")
-    steps = universal.all_steps(other)
+    steps = universal.stored_steps(other)
     if step is None:
       if not steps:
         raise errors.StepNotFoundError(f"restore(directory={other!r}): no steps are stored there")

@@ -95,7 +95,8 @@ class Listing:
   def _info(self, step: int) -> StepInfo:
     try:
       meta = self.step_metadata(step)[2]
-    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
+    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError,
+            errors.StorageError) as e:
       logger.warning("step %d: its time and metrics cannot be read (%s)", step, e)
       return StepInfo(step, EPOCH, None)
     t = meta.get(TIME_KEY)

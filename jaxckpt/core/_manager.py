@@ -66,7 +66,7 @@ class CoreManager:
     config, run_id = _factory.persistence(directory, options, writes=not rules.read_only,
                                           create=rules.create)
     self._config = config
-    self.ledger = Ledger(run_id, stored=() if config is None else universal.all_steps(directory))
+    self.ledger = Ledger(run_id, stored=() if config is None else universal.stored_steps(directory))
     where = "the in-process store" if options.agent is None else "the snapshot agent"
     self._persists = Persists(self.ledger, None if config is None else directory,
                               self._process, where)
@@ -107,6 +107,9 @@ class CoreManager:
                                     parity=options.parity is not None,
                                     settle=self.wait_until_snapshotted)
     self.listing.load()
+    found = universal.orbax_found(directory)
+    if found:
+      logger.info("%s", found)
 
   @property
   def stats(self) -> Any:

@@ -44,6 +44,7 @@ class Persists:
     led, directory = self.ledger, self.directory
     if directory is None or (step not in led.stored and step not in led.attempts()):
       return
+    universal.check_not_orbax(directory, step, error=error)    # a step orbax wrote there
     if step in universal.all_steps(directory):
       where = (f"is already committed in {directory!r} (persist attempt "
                f"{universal.committed_by(directory, step)!r})")
