@@ -15,6 +15,7 @@ from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
 from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _local
 from jaxckpt.universal import _manifest as man
 
 
@@ -54,9 +55,16 @@ def _spec(directory: str, step: int, info: man.LeafInfo) -> dict[str, Any]:
 
 
 def open_for_read(directory: str, step: int, info: man.LeafInfo) -> ts.TensorStore:
-  """The stored zarr array of a committed leaf (raw: reads are not verified here)."""
+  """The stored zarr array of a committed leaf (raw: reads are not verified here). In
+  a local directory every file of it is checked first to be a regular file reached
+  through real directories (no link out of the checkpoint, no FIFO that never answers)."""
+  spec = _spec(directory, step, info)
+  local = lay.local_path(directory)
+  if local is not None:
+    _local.check_tree(local, f"{lay.step_dir(step)}arrays/{info.array}/",
+                      where=f"step {step}: leaf {info.path!r}")
   try:
-    return ts.open(_spec(directory, step, info), open=True, read=True,
+    return ts.open(spec, open=True, read=True,
                    context=lay.context()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   except (ValueError, TimeoutError) as e:
     raise errors.CorruptSnapshotError(

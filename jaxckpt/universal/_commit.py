@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import re
-import shutil
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -34,6 +33,7 @@ from jaxckpt.util import _wait
 from jaxckpt.host import snapshot as snap
 from jaxckpt.universal import _arrays
 from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _local
 from jaxckpt.universal import _manifest as man
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,14 @@ def wait_committed(directory: str, step: int, attempt: str, process_index: int,
 
 def check_not_committed(kv: ts.KvStore, directory: str, step: int, attempt: str) -> None:
   """Raises StepExistsError if ``step`` is committed already (a committed step is
-  never written again, by another attempt or by the one that committed it)."""
+  never written again, by another attempt or by the one that committed it), and
+  PermissionDeniedError if a local step's directory is a link (nothing is written
+  through it)."""
+  local = lay.local_root(kv)
+  if local is not None:
+    for prefix in (lay.attempt_dir(step, attempt), f"{lay.step_dir(step)}arrays/{attempt}/"):
+      _local.check_dirs(local, prefix, writing=True,
+                        where=f"writing step {step} (attempt {attempt!r}) to {directory!r}")
   marker = read_marker(kv, directory, step)
   if marker is not None:
     raise _exists(directory, step, marker, attempt)
@@ -141,7 +148,7 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int | 
   part records of ``step`` are not on storage."""
   kv = lay.open_kvstore(directory)
   wanted = list(of) if process_count is None else range(process_count)
-  reads = [(i, kv.read(lay.part_key(step, i, attempt))) for i in wanted]
+  reads = [(i, lay.read(kv, lay.part_key(step, i, attempt))) for i in wanted]
   return [i for i, r in reads if r.result(timeout=lay.REQUEST_TIMEOUT_SECS).state != "value"]
 
 
@@ -155,7 +162,7 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
 
   def all_written() -> list[dict[str, Any]] | None:
     waiting = missing()
-    reads = [kv.read(lay.part_key(step, i, attempt)) for i in waiting]   # all at once
+    reads = [lay.read(kv, lay.part_key(step, i, attempt)) for i in waiting]   # all at once
     for i, read in zip(waiting, reads):
       obj = lay.json_of(read, lay.part_key(step, i, attempt), kv)
       if obj is not None:
@@ -396,6 +403,15 @@ def _delete(kv: ts.KvStore, key: str) -> None:
   kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(timeout=lay.REQUEST_TIMEOUT_SECS)
 
 
+def _delete_key(kv: ts.KvStore, key: str, what: str) -> None:
+  """Deletes one key; in a local directory its name only, never through a link."""
+  local = lay.local_root(kv)
+  if local is None:
+    _delete(kv, key)
+  else:
+    _local.remove(local, key, what=what)
+
+
 def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any]) -> None:
   """Writes the marker if none exists, then reads it back: the attempt it names won.
 
@@ -405,7 +421,7 @@ def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any
   """
   key = lay.commit_key(step)
   try:
-    absent = kv.read(key).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    absent = lay.read(kv, key).result(timeout=lay.REQUEST_TIMEOUT_SECS)
     if absent.state != "value":
       kv.write(key, json.dumps(mine).encode(), if_equal=absent.stamp.generation).result(
           timeout=lay.REQUEST_TIMEOUT_SECS)
@@ -418,16 +434,30 @@ def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any
 
 
 def all_steps(directory: str) -> list[int]:
-  """Committed steps in ``directory``, ascending."""
+  """Committed steps in ``directory``, ascending (a marker's name is the step, in
+  ASCII digits as :func:`~jaxckpt.universal._layout.commit_key` writes it; any
+  other name there is not a step).
+
+  Raises:
+    CorruptSnapshotError: ``commits/`` of a local directory is a link (never listed
+      through).
+  """
   kv = lay.open_kvstore(directory)
+  local = lay.local_root(kv)
+  if local is not None:
+    _local.check_dirs(local, lay.COMMITS_PREFIX, where=f"listing the steps of {directory!r}")
   keys = lay.storage_result(kv.list(lay.prefix_range(lay.COMMITS_PREFIX)), "listing the steps",
                             directory)
   steps = []
   for key in keys:
-    name = key.decode()[len(lay.COMMITS_PREFIX):]
-    if name.endswith(".json") and name[:-5].isdigit():
-      steps.append(int(name[:-5]))
+    name = key.decode(errors="replace")
+    if _MARKER.fullmatch(name) and name == lay.commit_key(int(name[len(lay.COMMITS_PREFIX):-5])):
+      steps.append(int(name[len(lay.COMMITS_PREFIX):-5]))
   return sorted(steps)
+
+
+_MARKER = re.compile(re.escape(lay.COMMITS_PREFIX) + r"[0-9]{10,20}\.json", re.ASCII)
+_STEP_NAME = re.compile(r"step_([0-9]{10,20})", re.ASCII)
 
 
 def latest_step(directory: str) -> int | None:
@@ -440,7 +470,8 @@ def quarantine_step(directory: str, step: int, reason: str) -> None:
   """Sets committed ``step`` aside as damaged: its commit marker moves to
   ``quarantine/<step>.json`` with ``reason``, so no listing or restore picks it
   and the job may save the step again; its data stays for inspection (until
-  :func:`discard_step`). A no-op if the step is not committed."""
+  :func:`discard_step`). A no-op if the step is not committed. In a local
+  directory nothing is written or removed through a link (PermissionDeniedError)."""
   kv = lay.open_kvstore(directory)
   try:
     marker = read_marker(kv, directory, step)
@@ -449,9 +480,13 @@ def quarantine_step(directory: str, step: int, reason: str) -> None:
   if marker is None:
     return
   record = dict(marker, reason=reason[:2000], quarantined_at=time.time())
+  local = lay.local_root(kv)
+  what = f"setting step {step} of {directory!r} aside"
+  if local is not None:        # (the record's directory is written through: no link there)
+    _local.check_dirs(local, lay.quarantine_key(step), where=what, writing=True)
   kv.write(lay.quarantine_key(step), json.dumps(record).encode()).result(
       timeout=lay.REQUEST_TIMEOUT_SECS)
-  _delete(kv, lay.commit_key(step))
+  _delete_key(kv, lay.commit_key(step), what)
   log.warning("step %d in %s set aside as damaged (%s): %s", step, directory,
               lay.quarantine_key(step), reason)
 
@@ -470,42 +505,62 @@ def discard_step(directory: str, step: int, *, todelete_subdir: str | None = Non
   listed half-deleted), and its quarantine record. With ``todelete_subdir``
   (orbax's option) a local directory's step is moved into
   ``directory/todelete_subdir/`` instead, for a reaper to remove later; on an
-  object store it is deleted (as orbax does on GCS)."""
-  kv = lay.open_kvstore(directory)
-  kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
-  _delete(kv, lay.quarantine_key(step))
-  prefix = lay.step_dir(step)
+  object store it is deleted (as orbax does on GCS).
+
+  In a local directory a delete never follows a link: a step directory (or a
+  marker, or anything in the step) that is a link, a FIFO or a hard link loses
+  its name only, and what it points to stays (see :mod:`jaxckpt.universal._local`).
+
+  Raises:
+    PermissionDeniedError: a directory the delete passes through (``commits/``,
+      ``quarantine/``, ``todelete_subdir``) is a link: nothing is deleted through it.
+  """
   local = lay.local_path(directory)
-  if todelete_subdir and local is not None and os.path.isdir(os.path.join(local, prefix)):
-    into = os.path.join(local, todelete_subdir)
-    os.makedirs(into, exist_ok=True)
-    os.replace(os.path.join(local, prefix), os.path.join(into, prefix.rstrip("/")))
+  if local is not None:
+    _discard_local(directory, local, step, todelete_subdir)
     return
-  kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
-  if local is not None:  # the file kvstore leaves empty directories behind
-    shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
-    with contextlib.suppress(OSError):       # the last step gone: an empty directory again
-      os.rmdir(os.path.join(local, lay.COMMITS_PREFIX))
+  kv = lay.open_kvstore(directory)
+  _delete(kv, lay.commit_key(step))
+  _delete(kv, lay.quarantine_key(step))
+  kv.delete_range(lay.prefix_range(lay.step_dir(step))).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+
+
+def _discard_local(directory: str, local: str, step: int, todelete_subdir: str | None) -> None:
+  """:func:`discard_step` of a local directory: names removed, never through a link."""
+  if not os.path.isdir(local):
+    return
+  what = f"deleting step {step} of {directory!r}"
+  _local.remove(local, lay.commit_key(step), what=what)
+  _local.remove(local, lay.quarantine_key(step), what=what)
+  prefix = lay.step_dir(step).rstrip("/")
+  if todelete_subdir:
+    _local.rename(local, prefix, todelete_subdir, what=what)
+  else:
+    _local.remove(local, prefix, what=what)
+  _local.rmdir_if_empty(local, lay.COMMITS_PREFIX)   # the last step gone: an empty directory again
 
 
 def discard_attempt(directory: str, step: int, attempt: str) -> None:
   """Deletes what one persist attempt wrote of ``step`` (never the committed data:
-  refuses if the marker names this attempt)."""
+  refuses if the marker names this attempt); in a local directory never through a link."""
   kv = lay.open_kvstore(directory)
   marker = read_marker(kv, directory, step)
   if marker is not None and marker.get("attempt") == attempt:
     raise errors.StepExistsError(
         f"attempt {attempt!r} committed step {step} in {directory!r}; discard_step deletes it")
+  local = lay.local_root(kv)
   for prefix in (lay.attempt_dir(step, attempt), f"{lay.step_dir(step)}arrays/{attempt}/"):
-    kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
-    local = lay.local_path(directory)
-    if local is not None:
-      shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+    if local is None:
+      kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    else:
+      _local.remove(local, prefix, what=f"removing attempt {attempt!r} of step {step} from "
+                    f"{directory!r}")
 
 
 def discard_uncommitted(directory: str, *, keep: Iterable[int] = ()) -> list[int]:
   """Deletes what unfinished saves left in a local ``directory``: the steps that have
   data but no commit marker (except those in ``keep``: a save may be writing them).
+  A step directory that is a link, a file or a FIFO loses its name only.
   On an object store it does nothing (an unfinished attempt's keys are its own and
   never read; listing every key to find them would cost more than they do).
   Returns the steps deleted."""
@@ -513,11 +568,13 @@ def discard_uncommitted(directory: str, *, keep: Iterable[int] = ()) -> list[int
   if local is None or not os.path.isdir(local):
     return []
   committed, protected = set(all_steps(directory)), set(keep)
-  doomed = sorted(int(n[len("step_"):]) for n in os.listdir(local)
-                  if re.fullmatch(r"step_\d+", n) and int(n[len("step_"):]) not in committed)
+  doomed = sorted(int(m.group(1)) for n in os.listdir(local)
+                  if (m := _STEP_NAME.fullmatch(n)) and n == lay.step_dir(int(m.group(1)))[:-1]
+                  and int(m.group(1)) not in committed)
   doomed = [s for s in doomed if s not in protected]
   for step in doomed:
-    shutil.rmtree(os.path.join(local, lay.step_dir(step)), ignore_errors=True)
+    what = f"removing the unfinished save of step {step} from {directory!r}"
+    _local.remove(local, lay.step_dir(step), what=what)
     log.info("removed the unfinished save of step %d from %s", step, directory)
   return doomed
 

@@ -31,6 +31,7 @@ import xxhash
 
 from jaxckpt import errors
 from jaxckpt.host.snapshot import Box, box_shape, dtype_from_name
+from jaxckpt.universal import _local
 
 COMMITS_PREFIX = "commits/"
 INNER_CHUNK_TARGET_BYTES = 4 << 20
@@ -190,9 +191,28 @@ def check_array_path(array: Any, attempt: str | None, *, where: str) -> None:
         "another step")
 
 
+def local_root(kv: ts.KvStore) -> str | None:
+  """The filesystem path of a local ``kv`` (its root, ending in ``/``), else None."""
+  try:
+    url = kv.url
+  except NotImplementedError:           # (an s3 store with an endpoint has no URL form)
+    return None
+  return kv.path if url.startswith("file://") else None
+
+
+def read(kv: ts.KvStore, key: str) -> Any:
+  """``kv.read(key)`` started, once a local key is known to be a regular file reached
+  through real directories (a link or a FIFO planted there is refused first:
+  CorruptSnapshotError, see :mod:`jaxckpt.universal._local`)."""
+  root = local_root(kv)
+  if root is not None:
+    _local.check_key(root, key, where=f"reading {key!r} in {root!r}")
+  return kv.read(key)
+
+
 def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:
   """Reads one JSON object, or None if the key is missing."""
-  return json_of(kv.read(key), key, kv)
+  return json_of(read(kv, key), key, kv)
 
 
 def json_of(read: Any, key: str, kv: ts.KvStore) -> dict[str, Any] | None:

@@ -314,7 +314,7 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: its commit marker names attempt {attempt!r}, not a "
         "key-safe name; the marker is damaged or forged: restore another step")
-  body = kv.read(lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  body = lay.read(kv, lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if body.state != "value" or snap.checksum(body.value) != marker.get("manifest_xxh3"):
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: the manifest of attempt {attempt!r} is missing or "
