@@ -52,15 +52,20 @@ class _Slot:
   # afresh costs ~0.1 s of page faults.
   map: Any = None
   map_path: str | None = None
+  map_ino: int | None = None
 
   @property
   def path(self) -> str:
     return _paths.slot_file(self.dir, self.index, self.gen)
 
   def read_map(self, size: int) -> Any:
-    if self.map is None or self.map_path != self.path or len(self.map) != size:
-      with open(self.path, "rb") as f:     # a replaced map lives on while readers use it
-        self.map = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    """The kept map, once checked against its file (a short one is SIGBUS at a touch
+    past its end: it is mapped afresh, and a file still short is refused)."""
+    if (self.map is None or self.map_path != self.path or len(self.map) != size
+        or not _same_file(self.map, self.path, size, self.map_ino)):
+      self.map = None                      # a replaced map lives on while readers use it
+      self.map_ino = _paths.inode(self.path)
+      self.map = map_slot_file(self.path, size)
       self.map_path = self.path
     return self.map
 
@@ -78,6 +83,27 @@ class _Slot:
     self.map, self.map_path = None, None      # (a reader holding the old map keeps it)
     with contextlib.suppress(FileNotFoundError):
       os.unlink(old)
+
+
+def map_slot_file(path: str, size: int) -> mmap.mmap:
+  """A read-only map of ``size`` bytes of slot file ``path``; CorruptSnapshotError if the
+  file is shorter (truncated under the agent: mapping past its end would be SIGBUS)."""
+  with open(path, "rb") as f:
+    have = os.fstat(f.fileno()).st_size
+    if have < size:
+      raise errors.CorruptSnapshotError(
+          f"snapshot slot file {path} is {have} bytes, shorter than the {size} it holds: it "
+          "was truncated (a /dev/shm cleaner, a full tmpfs); its step is lost on this host")
+    return mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+
+
+def _same_file(mm: mmap.mmap, path: str, size: int, ino: int | None) -> bool:
+  """Whether map ``mm`` still covers ``size`` bytes of its file (``mm.size()``: fstat of
+  the map's own descriptor) and ``path`` still names that file (inode ``ino``)."""
+  try:
+    return mm.size() >= size and os.stat(path).st_ino == ino
+  except (OSError, ValueError):
+    return False
 
 
 # Deleted steps an agent remembers (the newest deletes).
@@ -343,10 +369,12 @@ class Agent:
     shard as it wrote it (the checksums are those of the slot's bytes); every
     read (a restore, a persist, a peer's parity rebuild) verifies them again."""
     size = self.table.writing(index, step).size
-    if not 0 <= nbytes <= size:
+    have = _paths.file_size(self.slots[index].path)
+    if not 0 <= nbytes <= min(size, have):
       self._dropped([self.table.abort(index)])
       raise errors.CorruptSnapshotError(
-          f"step {step}: a commit of {nbytes} bytes into slot {index} of {size} bytes")
+          f"step {step}: a commit of {nbytes} bytes into slot {index} of {size} bytes, whose "
+          f"file holds {have} (truncated under the agent?); the snapshot is not kept")
     persist = persist_attempt is not None and self.persister is not None
     # a rollback, then the oldest; a step due for storage is held until persisted
     self._dropped(self.table.commit(index, step, hold=persist))
@@ -397,8 +425,7 @@ class Agent:
       if not s.size:
         yield manifest, b""
       else:
-        with open(self.slots[s.index].path, "rb") as f:
-          mm = mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ)
+        mm = map_slot_file(self.slots[s.index].path, s.size)
         yield manifest, mm
     finally:
       if mm is not None:
