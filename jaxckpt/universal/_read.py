@@ -334,9 +334,11 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
 
 
 def _check_chunk_table(leaf: dict[str, Any], where: str) -> None:
-  """The leaf's shape, chunk layout and table of chunk checksums agree (one checksum
-  per chunk of the grid): a manifest whose shape was changed is refused before a
-  read sizes anything by it."""
+  """The leaf's numbers are possible (:func:`man.check_leaf_numbers`) and its shape,
+  chunk layout and table of chunk checksums agree (one checksum per chunk of the
+  grid): a manifest whose shape was changed is refused before a read sizes anything
+  by it."""
+  man.check_leaf_numbers(leaf, where)
   shape, chunk = leaf.get("shape") or [], leaf.get("chunk_shape") or []
   inner = leaf.get("inner_chunk_shape") or []
   grid = lay.chunk_grid(shape, chunk) if len(chunk) == len(shape) else None
