@@ -21,6 +21,7 @@ from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _read
 from jaxckpt.universal import _saved_items as items
 from jaxckpt.universal._progress import Progress, human_bytes  # noqa: F401  (re-exported)
+from jaxckpt.util._text import shown
 
 _INSPECT_HELP = """Show a committed step of a universal-format checkpoint directory: the tree
 of leaves with shapes, dtypes and sizes, the step, the saving mesh and
@@ -225,52 +226,52 @@ def _item_lines(saved: dict[str, Any]) -> list[str]:
 def inspect_command(args: argparse.Namespace) -> int:
   """Prints the tree of one step, and its items as saved; returns the exit code."""
   if (why := not_a_checkpoint_root(args.directory, args.step)):
-    print(f"jaxckpt inspect: {why}", file=sys.stderr)
+    say(f"jaxckpt inspect: {why}", err=True)
     return 2
   try:
     reader = _open(args, args.step)
     saved, damaged = _items(reader)
   except errors.JaxckptError as e:
-    print(f"jaxckpt inspect: {e}", file=sys.stderr)
+    say(f"jaxckpt inspect: {e}", err=True)
     return 2
   for line in damaged:
-    print(f"jaxckpt inspect: DAMAGED {line}", file=sys.stderr)
+    say(f"jaxckpt inspect: DAMAGED {line}", err=True)
   if args.json:
     print(json.dumps({"step": reader.step, "metadata": reader.metadata, "items": saved,
                       "leaves": [i.to_obj() for i in reader.leaves.values()]}, indent=1))
     return 1 if damaged else 0
   total = sum(i.nbytes for i in reader.leaves.values())
   steps = _commit.all_steps(args.directory)
-  print(f"{args.directory}: step {reader.step} (committed steps: {steps})")
-  print(f"written by {reader.process_count} process(es); {len(reader.leaves)} leaves, "
-        f"{human_bytes(total)}")
+  say(f"{args.directory}: step {reader.step} (committed steps: {steps})")
+  say(f"written by {reader.process_count} process(es); {len(reader.leaves)} leaves, "
+      f"{human_bytes(total)}")
   own = reader.metadata
   if isinstance(own.get(items.TIME_KEY), (int, float)):
     when = datetime.datetime.fromtimestamp(own[items.TIME_KEY], tz=datetime.timezone.utc)
-    print(f"saved at {when:%Y-%m-%d %H:%M:%S} UTC")
+    say(f"saved at {when:%Y-%m-%d %H:%M:%S} UTC")
   if own.get(items.METRICS_KEY) is not None:
-    print(f"metrics: {json.dumps(own[items.METRICS_KEY], sort_keys=True)}")
+    say(f"metrics: {json.dumps(own[items.METRICS_KEY], sort_keys=True)}")
   meta = {k: v for k, v in own.items() if not k.startswith(items.OWN_PREFIX)}
   if meta:
-    print(f"metadata: {json.dumps(meta, sort_keys=True)}")
+    say(f"metadata: {json.dumps(meta, sort_keys=True)}")
   row_items = {items.path_of(n): k for n, k in items.kinds(reader.metadata).items()
                if k != items.PYTREE and n in saved}
-  print("\n".join(_tree_lines(reader, row_items)))
+  say(*_tree_lines(reader, row_items))
   if saved:
-    print("\n".join(_item_lines(saved)))
+    say(*_item_lines(saved))
   return 1 if damaged else 0
 
 
 def verify_command(args: argparse.Namespace) -> int:
   """Checks every chunk of one step (or all); returns the exit code."""
   if (why := not_a_checkpoint_root(args.directory, args.step, "verify")):
-    print(f"jaxckpt verify: {why}", file=sys.stderr)
+    say(f"jaxckpt verify: {why}", err=True)
     return 2
   try:
     steps = _commit.all_steps(args.directory) if args.all_steps else [args.step]
     readers = [_open(args, s) for s in steps]
   except errors.JaxckptError as e:
-    print(f"jaxckpt verify: {e}", file=sys.stderr)
+    say(f"jaxckpt verify: {e}", err=True)
     return 2
   bad = 0
   for reader in readers:
@@ -278,11 +279,17 @@ def verify_command(args: argparse.Namespace) -> int:
     with progress(args, total, f"verify step {reader.step}") as bar:
       problems = _read.verify_step(reader, progress=bar)
     for line in problems:
-      print(f"DAMAGED step {reader.step}: {line}")
+      say(f"DAMAGED step {reader.step}: {line}")
     if not problems:
-      print(f"step {reader.step}: OK ({len(reader.leaves)} leaves, {bar.summary('verified')})")
+      say(f"step {reader.step}: OK ({len(reader.leaves)} leaves, {bar.summary('verified')})")
     bad += len(problems)
   return 1 if bad else 0
+
+
+def say(*lines: Any, err: bool = False) -> None:
+  """Prints each line, every character a terminal would act on escaped: names and
+  values in a checkpoint are data (:func:`jaxckpt.util._text.shown`)."""
+  print("\n".join(shown(str(line)) for line in lines), file=sys.stderr if err else sys.stdout)
 
 
 def progress(args: argparse.Namespace, total: int, desc: str) -> Progress:
