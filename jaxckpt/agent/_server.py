@@ -488,8 +488,9 @@ class Agent:
   def op_open(self, pid: int, step: int,
               lease_secs: float | None = None) -> _requests.Open.Reply:
     """Pins ``step`` for local reader ``pid``, or with ``lease_secs`` (a remote
-    reader: ``handle`` gives one to every request over tcp) for a reader id of
-    its own whose pin ends with its lease, renewed by each bulk read of the step."""
+    reader: ``handle`` gives one to every open over tcp, and none to an open over
+    the local socket) for a reader id of its own whose pin ends with its lease,
+    renewed by each bulk read of the step."""
     reader = pid if lease_secs is None else -next(self._bulk_readers)
     s = self.table.pin(step, reader) or self._slot_of(step)
     if lease_secs is not None:
@@ -638,6 +639,32 @@ class Agent:
 REMOTE_LEASE_SECS = 60.0
 
 
+# A trainer's requests (and the agent's own CLI's): they name processes of this machine
+# by pid, so they come over the local socket only; over tcp they are refused.
+_LOCAL_ONLY = (_requests.Hello, _requests.Reserve, _requests.Preallocate, _requests.Commit,
+               _requests.Abort, _requests.Bye, _requests.Stop)
+
+
+def _by_connection(request: _requests.Request, remote: bool) -> _requests.Request:
+  """``request`` as its connection says, never as its fields say: over tcp (another
+  machine, whose pids mean nothing here) a pin is leased (``REMOTE_LEASE_SECS`` unless
+  it asks for its own) and closed by its reader id, and a trainer's request is refused;
+  over the local socket a pin is the (kernel-given) pid's, whatever lease it asks for."""
+  if remote and isinstance(request, _LOCAL_ONLY):
+    raise errors.PermissionDeniedError(
+        f"{request.op!r} is a trainer's request on this machine; it came over tcp (from "
+        "another machine, whose pids mean nothing here) and was refused: send it over the "
+        "agent's local (ipc) socket")
+  if isinstance(request, _requests.Open):
+    return dataclasses.replace(
+        request, lease_secs=(request.lease_secs or REMOTE_LEASE_SECS) if remote else None)
+  if remote and isinstance(request, _requests.Close) and request.reader is None:
+    raise errors.InvalidArgumentError(
+        f"close of step {request.step} over tcp names no reader: a pin taken over tcp is "
+        "closed by the reader id its open's reply gave, never by a pid")
+  return request
+
+
 # Requests that only look (``jaxckpt status --watch``, ``agent status``): an agent
 # whose trainers are gone still exits idle_timeout_secs after its last real use.
 _WATCHING = (_requests.Status, _requests.JobView)
@@ -665,8 +692,7 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
     request = _requests.decode(req)
     if peer_pid and getattr(request, "pid", None) not in (None, peer_pid):
       request = dataclasses.replace(request, pid=peer_pid)
-    if remote and isinstance(request, _requests.Open) and request.lease_secs is None:
-      request = dataclasses.replace(request, lease_secs=REMOTE_LEASE_SECS)
+    request = _by_connection(request, remote)
     handler = HANDLERS[type(request)]
     if not isinstance(request, _WATCHING):       # a watcher does not keep an agent alive
       agent.last_active = time.monotonic()
