@@ -68,7 +68,7 @@ def open_for_read(directory: str, step: int, info: man.LeafInfo) -> ts.TensorSto
                    context=lay.context()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   except (ValueError, TimeoutError) as e:
     raise errors.CorruptSnapshotError(
-        f"step {step}: zarr array of leaf {info.path!r} cannot be opened ({e}); "
+        f"step {step}: zarr array of leaf {info.path!r} cannot be opened ({lay.ts_error(e)}); "
         "the step is damaged: restore another step") from None
 
 
@@ -93,7 +93,7 @@ def open_for_write(directory: str, step: int,
     if "ALREADY_EXISTS" not in str(e) and "already exists" not in str(e):
       raise errors.StorageError(
           f"step {step}: cannot create the array of leaf {info.path!r} in {directory!r}: "
-          f"{e}") from None
+          f"{lay.ts_error(e)}") from None
   del spec["metadata"]
   store = ts.open(spec, open=True, context=lay.context()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if tuple(store.shape) != info.shape or str(store.dtype.name) != (info.storage_dtype or info.dtype):

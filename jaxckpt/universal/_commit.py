@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -51,8 +52,14 @@ def read_marker(kv: ts.KvStore, directory: str, step: int) -> dict[str, Any] | N
   if marker is not None and (not isinstance(marker, dict) or marker.get("step") != step):
     raise errors.CorruptSnapshotError(
         f"the commit marker of step {step} in {directory!r} is damaged ({marker!r}); "
-        f"restore another step, or discard_step({directory!r}, {step})")
+        f"restore another step, or delete it: {delete_command(directory, step)}")
   return marker
+
+
+def delete_command(directory: str, step: int) -> str:
+  """The command that deletes ``step`` for good (fencing the job's agents too): what an
+  error about a damaged or clashing step tells its user to run."""
+  return shlex.join(["jaxckpt", "delete", directory, "--step", str(step)])
 
 
 def committed_by(directory: str, step: int) -> str | None:
@@ -138,7 +145,7 @@ def _exists(directory: str, step: int, marker: dict[str, Any], attempt: str) -> 
       f"step {step} is already committed in {directory!r} by persist attempt "
       f"{marker.get('attempt')!r}{when}; a committed step is never written again, so "
       f"this attempt ({attempt!r}) wrote nothing over it. Another job or an older timeline (before a rollback) owns "
-      f"it: delete it first (jaxckpt.universal.discard_step({directory!r}, {step})) or "
+      f"it: delete it first ({delete_command(directory, step)}) or "
       "persist into another directory")
 
 
@@ -427,7 +434,8 @@ def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any
           timeout=lay.REQUEST_TIMEOUT_SECS)
   except (ValueError, TimeoutError) as e:
     raise errors.StorageError(
-        f"writing the commit marker of step {step} to {directory!r} failed: {e}") from None
+        f"writing the commit marker of step {step} to {directory!r} failed: "
+        f"{lay.ts_error(e)}") from None
   won = read_marker(kv, directory, step)
   if won is None or won.get("attempt") != mine["attempt"]:
     raise _exists(directory, step, won or {}, mine["attempt"])

@@ -100,6 +100,15 @@ def context() -> ts.Context:
                      "file_io_concurrency": {"limit": 32}})
 
 
+_SPEC = re.compile(r"\s*\[(?:tensorstore_spec|source locations)='.*'\]", re.S)
+
+
+def ts_error(e: BaseException) -> str:
+  """A tensorstore error as a message may carry it: without the spec tensorstore
+  appends (~1 KB of JSON that names nothing the message does not)."""
+  return _SPEC.sub("", str(e))
+
+
 #: The longest one storage request may take before it is an error naming the store.
 REQUEST_TIMEOUT_SECS = 120.0
 
@@ -114,7 +123,7 @@ def storage_result(future: Any, what: str, directory: str,
         f"{what} at {directory!r} took over {timeout_secs} s; is the store reachable "
         "(endpoint: AWS_ENDPOINT_URL for S3-compatible stores; credentials)?") from None
   except ValueError as e:
-    raise errors.StorageError(f"{what} at {directory!r} failed: {e}") from None
+    raise errors.StorageError(f"{what} at {directory!r} failed: {ts_error(e)}") from None
 
 
 def open_kvstore(directory: str, *, timeout_secs: float = REQUEST_TIMEOUT_SECS) -> ts.KvStore:

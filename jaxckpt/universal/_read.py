@@ -126,7 +126,8 @@ class StepReader:
         cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
         raise errors.CorruptSnapshotError(
             f"step {self.step}: leaf {info.path!r} region {[list(p) for p in cbox]} (chunk "
-            f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({e}); restore another "
+            f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({lay.ts_error(e)}); "
+            "restore another "
             f"step (`jaxckpt verify {self.directory}` lists every damaged chunk)") from None
       out[idx] = self._check(info, idx, raw)
     with self._lock:
@@ -237,7 +238,8 @@ class StepReader:
       idx = lay.chunks_in(box, info.chunk_shape)[0]
       return errors.CorruptSnapshotError(
           f"step {self.step}: leaf {info.path!r} region {[list(p) for p in box]} (chunk "
-          f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({e}); restore another "
+          f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({lay.ts_error(e)}); "
+          "restore another "
           f"step (`jaxckpt verify {self.directory}` lists every damaged chunk)")
 
     view = _lazy.virtual(plan, info.shape, info.dtype, info.chunk_shape, damaged=damaged)

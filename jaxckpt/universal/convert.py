@@ -215,7 +215,8 @@ class ConvertedView:
     except ValueError as e:
       raise errors.CorruptSnapshotError(
           f"reading {path!r} {list(box)} of the converted step {self.step} from "
-          f"{self.source.directory!r} failed ({e}); run `jaxckpt verify` on it") from None
+          f"{self.source.directory!r} failed ({lay.ts_error(e)}); run `jaxckpt verify` on "
+          "it") from None
     arr = lay.logical_view(np.asarray(raw), info.numpy_dtype)
     with self._lock:
       self.bytes_needed += arr.nbytes

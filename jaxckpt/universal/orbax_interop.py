@@ -206,7 +206,7 @@ def _open_orbax_array(item_dir: str, name: str, use_zarr3: bool) -> ts.TensorSto
         timeout=READ_TIMEOUT_SECS)
   except ValueError as e:
     raise errors.CorruptSnapshotError(
-        f"orbax array {name!r} in {item_dir!r} cannot be opened ({e})") from None
+        f"orbax array {name!r} in {item_dir!r} cannot be opened ({lay.ts_error(e)})") from None
 
 
 class _Counted:
@@ -396,7 +396,7 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     raise errors.StepAlreadyExistsError(
         f"step {dst_step} is already in {dst_dir!r} (imported before?); import into another "
         f"step (dst_step=, --dst-step) or directory, or delete it first "
-        f"(jaxckpt.universal.discard_step({dst_dir!r}, {dst_step}))")
+        f"({_commit.delete_command(dst_dir, dst_step)})")
   leaves, sources = {}, {}
   for name, (kind, item_dir, _) in items.items():
     prefix = "" if single else f"[{name!r}]"
