@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shlex
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -348,61 +349,159 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
   kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
           "process_count": process_count, "committed_at": time.time()}
-  with _claimed(kv, directory, step, attempt, timeout_secs):
+  with _claimed(kv, directory, step, attempt, timeout_secs) as claim:
     check()
     check_not_committed(kv, directory, step, attempt)
+    claim.check_held()
     _write_marker(kv, directory, step, mine)
   log.info("step %d committed in %s by attempt %s (%d leaves, %d processes)", step,
            directory, attempt, len(merged), process_count)
 
 
+#: A writer renews its claim on a step this often while it holds it ...
+CLAIM_RENEW_SECS = 1.0
+#: ... and another writer takes a claim it has watched stay unchanged this long for the
+#: claim of a writer that died (a SIGKILL mid-commit leaves it on storage).
+CLAIM_LAPSE_SECS = 6.0
+#: A wait for other writers' claims that lasts longer than this is logged (whom, why).
+CLAIM_WAIT_LOGGED_SECS = 2.0
+
+
+class _Claim:
+  """This writer's claim on a step (``claims/<attempt>``), renewed on a thread of its
+  own while it is held: each renewal changes it, so the other writers of the step
+  tell a live claim from a dead writer's by watching it (their own clocks, never
+  this host's), and a dead writer's claim lapses within ``CLAIM_LAPSE_SECS``."""
+
+  def __init__(self, kv: ts.KvStore, key: str, attempt: str, step: int) -> None:
+    self.kv, self.key, self.attempt, self.step = kv, key, attempt, step
+    self.renewals = 0
+    self.renewed = 0.0                 # monotonic time of the last renewal on storage
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def put(self) -> None:
+    self.renewals += 1
+    body = {"attempt": self.attempt, "at": time.time(), "renewal": self.renewals,
+            "renew_secs": CLAIM_RENEW_SECS, "lapse_secs": CLAIM_LAPSE_SECS}
+    self.kv.write(self.key, json.dumps(body).encode()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    self.renewed = time.monotonic()
+
+  def hold(self) -> None:
+    """Renews the claim every ``CLAIM_RENEW_SECS`` until :meth:`release`."""
+    def renew() -> None:
+      while not self._stop.wait(CLAIM_RENEW_SECS):
+        try:
+          self.put()
+        except (OSError, ValueError, TimeoutError) as e:   # check_held says it, if it matters
+          log.warning("step %d: renewing the commit claim of attempt %s failed: %s", self.step,
+                      self.attempt, e)
+    self._thread = threading.Thread(target=renew, daemon=True,
+                                    name=f"jaxckpt-claim-{self.step}")
+    self._thread.start()
+
+  def check_held(self) -> None:
+    """Raises StorageError unless the claim was renewed well within its lapse (a writer
+    stalled past it may have been taken for dead: it must not write a marker)."""
+    age = time.monotonic() - self.renewed
+    if age > CLAIM_LAPSE_SECS / 2:
+      raise errors.StorageError(
+          f"commit of step {self.step} (attempt {self.attempt!r}): its claim was last renewed "
+          f"{age:.1f} s ago, past half its {CLAIM_LAPSE_SECS} s lapse (storage too slow to "
+          "answer, or this process stalled): another writer may take it for a dead one's, so "
+          "this attempt commits nothing; it may be tried again")
+
+  def release(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+
+
 @contextlib.contextmanager
 def _claimed(kv: ts.KvStore, directory: str, step: int, attempt: str,
-             timeout_secs: float) -> Iterator[None]:
+             timeout_secs: float) -> Iterator[_Claim]:
   """Holds the right to write ``step``'s marker: mutual exclusion of the writers of
   one step on any store that reads its own writes and lists them (no compare-and-swap).
 
   Each writer puts ``claims/<attempt>`` and then lists the claims: it goes on only
-  if it sees no other live claim, and keeps its claim until its marker is
-  written. Of two writers that overlap, the later one's listing sees the
-  earlier claim (or, once that claim is gone, its marker), so at most one
-  writes a marker; two that see each other both step back, delete their claim
-  and retry after a random pause. A claim older than ``timeout_secs`` is a
-  crashed writer's and is ignored.
+  if it sees no other live claim, and keeps its claim, renewed every
+  ``CLAIM_RENEW_SECS``, until its marker is written. Of two writers that overlap, the
+  later one's listing sees the earlier claim (or, once that claim is gone, its
+  marker), so at most one writes a marker; two that see each other both step back,
+  delete their claim and retry after a random pause. A claim this writer has seen
+  unchanged for ``CLAIM_LAPSE_SECS`` is a dead writer's (killed mid-commit): it is
+  removed, so a relaunched writer of the step goes on within seconds. A wait of more
+  than ``CLAIM_WAIT_LOGGED_SECS`` is logged, naming whom it waits for.
   """
   key = lay.claims_prefix(step) + attempt
-  deadline = time.monotonic() + timeout_secs
+  claim = _Claim(kv, key, attempt, step)
+  seen: dict[str, tuple[bytes, float]] = {}   # another claim -> (its body, since when seen)
+  start = time.monotonic()
+  deadline, logged = start + timeout_secs, False
   pause = 0.05
   while True:
-    kv.write(key, json.dumps({"attempt": attempt, "at": time.time()}).encode()).result(
-        timeout=lay.REQUEST_TIMEOUT_SECS)
-    others = _live_claims(kv, step, key, timeout_secs)
+    claim.put()
+    others = _live_claims(kv, directory, step, key, seen)
     if not others:
       break
-    _delete(kv, key)
+    _delete_key(kv, key, f"withdrawing the commit claim of step {step}")
     check_not_committed(kv, directory, step, attempt)
+    waited = time.monotonic() - start
     if time.monotonic() > deadline:
       raise errors.SnapshotTimeoutError(
           f"commit of step {step} (attempt {attempt!r}) in {directory!r}: other writers "
-          f"{others} kept claiming the step for {timeout_secs} s")
+          f"{others} kept claiming the step for {timeout_secs} s (their claims were renewed: "
+          "they live; a dead writer's claim lapses within "
+          f"{CLAIM_LAPSE_SECS} s)")
+    if not logged and waited > CLAIM_WAIT_LOGGED_SECS:
+      logged = True
+      log.warning(
+          "commit of step %d (attempt %s) in %s: waiting %.0f s so far for the claims of "
+          "attempts %s on the step (another writer commits it now; a claim that stays unchanged "
+          "for %.0f s is a dead writer's and is removed)", step, attempt, directory, waited,
+          others, CLAIM_LAPSE_SECS)
     time.sleep(random.uniform(pause, 2 * pause))
-    pause = min(2 * pause, 1.0)
+    pause = min(2 * pause, CLAIM_RENEW_SECS)
+  claim.hold()
   try:
-    yield
+    yield claim
   finally:
-    _delete(kv, key)
+    claim.release()
+    _delete_key(kv, key, f"withdrawing the commit claim of step {step}")
 
 
-def _live_claims(kv: ts.KvStore, step: int, mine: str, max_age_secs: float) -> list[str]:
+def _live_claims(kv: ts.KvStore, directory: str, step: int, mine: str,
+                 seen: dict[str, tuple[bytes, float]]) -> list[str]:
+  """The attempts of the other claims on ``step`` that live: new to this writer, changed
+  (renewed) since it last looked, or unchanged for less than ``CLAIM_LAPSE_SECS`` of
+  its own clock. A lapsed one (its writer died) is removed."""
   keys = kv.list(lay.prefix_range(lay.claims_prefix(step))).result(
       timeout=lay.REQUEST_TIMEOUT_SECS)
   live = []
-  for k in (k.decode() for k in keys):
+  now = time.monotonic()
+  for k in (k.decode(errors="replace") for k in keys):
     if k == mine:
       continue
-    claim = lay.read_json(kv, k)
-    if claim is not None and time.time() - float(claim.get("at", 0)) < max_age_secs:
-      live.append(claim.get("attempt"))
+    got = lay.read(kv, k).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    if got.state != "value":
+      continue                       # (gone since the listing: its writer finished)
+    body = bytes(got.value)
+    try:
+      who = json.loads(body).get("attempt")
+    except (ValueError, AttributeError):
+      who = None
+    who = who if isinstance(who, str) else k.rsplit("/", 1)[-1]
+    before = seen.get(k)
+    if before is None or before[0] != body:
+      seen[k] = (body, now)            # new, or renewed since: its writer lives
+      live.append(who)
+    elif now - before[1] < CLAIM_LAPSE_SECS:
+      live.append(who)
+    else:
+      log.warning("commit of step %d in %s: the claim of attempt %r was not renewed for %.0f s: "
+                  "its writer died mid-commit; removing it", step, directory, who, now - before[1])
+      _delete_key(kv, k, f"removing a dead writer's commit claim on step {step}")
+      seen.pop(k, None)
   return live
 
 
