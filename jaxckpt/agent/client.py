@@ -486,6 +486,10 @@ class AgentStore(HostStore):
                      self.who, path, why)
       allocate = True
     del cached
+    if write and not allocate and _paths.file_size(path) < size:
+      logger.warning("%s: snapshot slot file %s is shorter than its %d bytes (truncated); "
+                     "allocating it again for this save", self.who, path, size)
+      allocate = True
     if allocate:      # memory that exists now: a full /dev/shm must not SIGBUS our copy
       _paths.allocate(path, size, host=self.host)
     buf, ident = _map_file(path, size)

@@ -31,12 +31,17 @@ from jaxckpt.agent import _paths
 root, job, d, how = sys.argv[1:5]
 opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root),
                             persist_interval_steps=1, handle_sigterm=False,
-                            max_snapshots=1 if how == "save" else 2)
+                            max_snapshots=1 if how in ("save", "relaunch") else 2)
 W = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
 slots = lambda: sorted(glob.glob(os.path.join(_paths.agent_dir(root, job, 0), "slot*.bin")))
 said = {}
+if how == "relaunch":                  # an earlier trainer filled both slots and exited
+  with jc.CheckpointManager(d, opts) as m:
+    for step in (1, 2):
+      assert m.save(step, {"w": W + (step - 1)})
+      m.wait_until_finished()
 with jc.CheckpointManager(d, opts) as m:
-  for step in (1, 2) if how == "save" else (1,):   # a save: both slots mapped, kept
+  for step in (1, 2) if how == "save" else () if how == "relaunch" else (1,):
     assert m.save(step, {"w": W + (step - 1)})
     m.wait_until_finished()
   if how == "after a restore":          # the restore's lent map is kept for the next one
@@ -48,7 +53,9 @@ with jc.CheckpointManager(d, opts) as m:
       os.replace(path + ".new", path)
     else:
       os.truncate(path, os.path.getsize(path) // 2 if how == "half" else 0)
-  if how == "save":                    # into step 1's slot, through the kept map
+  if how == "relaunch":                 # this trainer maps the short files afresh
+    assert np.array_equal(m.restore(None)["w"], W + 1) and m.last_restore.tier == "storage"
+  if how in ("save", "relaunch"):      # into step 1's slot, through the kept map or afresh
     assert m.save(3, {"w": W + 3})
     m.wait_until_finished()
     out = m.restore(3)
@@ -62,14 +69,15 @@ print(json.dumps(said))
 """
 
 
-@pytest.mark.parametrize("how", ["truncated", "half", "after a restore", "replaced", "save"])
+@pytest.mark.parametrize("how", ["truncated", "half", "after a restore", "replaced", "save",
+                                 "relaunch"])
 def test_a_damaged_slot_file_is_read_from_storage_and_the_trainer_lives(tmp_path, how):
   with processes.agent_sandbox("jtr") as (root, job):
     p = subprocess.run([sys.executable, "-c", TRAINER, root, job, str(tmp_path / "ck"), how],
                        capture_output=True, text=True, timeout=240, cwd=REPO, check=False)
   assert p.returncode == 0, (p.returncode, p.stderr[-3000:])   # -7: SIGBUS
   said = json.loads(p.stdout.strip().splitlines()[-1])
-  if how == "save":          # the slot's file allocated again: the new step is held here
+  if how in ("save", "relaunch"):   # the slot's file allocated again: the new step is held
     assert said == {"save_tier": "host", "save_equal": True}, said
   else:
     assert said == {"tier": "storage", "step": 1, "equal": True}, said
