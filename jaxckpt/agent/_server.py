@@ -635,8 +635,10 @@ class Agent:
 
 
 # The lease of a pin taken over tcp without one (a reader elsewhere: its pid means
-# nothing here), renewed by its reads of the step.
-REMOTE_LEASE_SECS = 60.0
+# nothing here), renewed by its reads of the step. jaxckpt's own readers ask for theirs
+# (agent._remote.READ_LEASE_SECS); a pin that asks none holds its slot seconds, not a
+# minute, once its reader stops reading.
+REMOTE_LEASE_SECS = 10.0
 
 
 # A trainer's requests (and the agent's own CLI's): they name processes of this machine

@@ -7,6 +7,7 @@ job's lease forever; over the local socket a pin is its caller's, whatever lease
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import jaxckpt as jc
 from jaxckpt import errors
 from jaxckpt.agent import _paths, _protocol
 from jaxckpt.testing import processes
+from jaxckpt.util import _wait
 
 W = np.arange(512, dtype=np.float32).reshape(64, 8)
 
@@ -80,3 +82,20 @@ def test_an_open_over_the_local_socket_is_its_caller_s_whatever_lease_it_asks(ag
   assert r.reader is None, r                    # pinned by this process (the kernel's pid)
   ipc.call("close", pid=1, step=1, index=r.index)
   assert all(s["readers"] == 0 for s in ipc.call("status")[0].slots)
+
+
+def test_a_pin_over_tcp_that_asks_no_lease_lapses_within_seconds(agent):
+  # The case: a sealed open over tcp without lease_secs, naming pid 1, from a
+  # reader that never reads nor closes: the one-snapshot job saves again within seconds.
+  opts, tcp, _ = agent
+  tcp.call("open", pid=1, step=1)
+  with jc.CheckpointManager(options=opts) as m:
+    assert m.save(2, {"w": W + 2})                   # step 1 dropped, its slot pinned
+    m.wait_until_finished()
+    t0 = time.monotonic()
+    _wait.until(lambda: m.save(3, {"w": W + 3}), timeout_secs=120, poll_secs=0.2,
+                late=lambda: "save(3) was still skipped: the stray pin holds its slot")
+    m.wait_until_finished()
+    took = time.monotonic() - t0
+    np.testing.assert_array_equal(m.restore(3)["w"], W + 3)
+  assert took < 30, f"the stray pin held the slot {took:.0f} s"
