@@ -638,7 +638,10 @@ def _discard_local(directory: str, local: str, step: int, todelete_subdir: str |
     return
   what = f"deleting step {step} of {directory!r}"
   _local.remove(local, lay.commit_key(step), what=what)
-  _local.remove(local, lay.quarantine_key(step), what=what)
+  try:
+    _local.remove(local, lay.quarantine_key(step), what=what)
+  except errors.PermissionDeniedError as e:   # (a planted quarantine/ link: never followed)
+    log.warning("%s", e)
   prefix = lay.step_dir(step).rstrip("/")
   if todelete_subdir:
     _local.rename(local, prefix, todelete_subdir, what=what)

@@ -168,10 +168,16 @@ def test_a_link_or_special_file_in_the_newest_step_is_damage_never_read(tmp_path
 def test_a_set_aside_never_writes_through_a_linked_quarantine_directory(tmp_path, victim):
   d = _fixtures.stored_steps(str(tmp_path / "ck"), 1, 2)
   os.symlink(victim, os.path.join(d, "quarantine"))
+  with open(os.path.join(victim, lay.quarantine_key(1).split("/")[1]), "w") as f:
+    f.write("the victim's file of that name")
   with pytest.raises(errors.PermissionDeniedError, match="quarantine"):
     jc.universal.quarantine_step(d, 2, "a test")
-  assert sorted(os.listdir(victim)) == ["notes", "thesis.tex"]
   assert jc.universal.all_steps(d) == [1, 2]
+  p = _cli("delete", d, "--step", "1", "--run-root", str(tmp_path / "run"))   # still deletes
+  assert p.returncode == 0 and "quarantine" in p.stderr, p.stderr
+  assert jc.universal.all_steps(d) == [2] and not os.path.lexists(_step_dir(d, 1))
+  assert sorted(os.listdir(victim)) == ["0000000001.json", "notes", "thesis.tex"]
+  os.unlink(os.path.join(victim, "0000000001.json"))
 
 
 def test_a_save_never_writes_through_a_linked_step_directory(tmp_path, victim):
