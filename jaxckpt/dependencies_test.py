@@ -84,3 +84,38 @@ def test_the_layers_import_only_downwards():
 def test_the_root_holds_the_public_surface_only():
   names = sorted(f.stem for f in (_ROOT / "jaxckpt").glob("*.py") if not f.stem.endswith("_test"))
   assert names == ["__init__", "__main__", "cli", "errors", "manager", "options", "tree"], names
+
+
+# Import name -> the distribution that provides it, where they differ.
+_DISTRIBUTIONS = {"zmq": "pyzmq", "yaml": "pyyaml", "orbax": "orbax-checkpoint",
+                  "etils": "etils"}
+
+
+def test_every_package_the_library_imports_is_declared():
+  """A package the library imports arrives because pyproject.toml names it (core, or the
+  extra of the only module that needs it), never only through another package (rich
+  came only through flax)."""
+  project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+  declared = {d.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip()
+              .lower() for d in project["dependencies"]}
+  extras = {d.split("[")[0].split(">")[0].split("=")[0].strip().lower()
+            for ds in project["optional-dependencies"].values() for d in ds}
+  imported: dict[str, str] = {}
+  for f in sorted((_ROOT / "jaxckpt").rglob("*.py")):
+    rel = f.relative_to(_ROOT)
+    if f.name.endswith("_test.py") or "testing" in rel.parts or f.stem in ("conftest", "_fixtures"):
+      continue
+    for node in ast.walk(ast.parse(f.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+               else [])
+      for name in names:
+        top = name.split(".")[0]
+        if top != "jaxckpt" and top not in sys.stdlib_module_names:
+          imported.setdefault(top, str(rel))
+  missing = {m: where for m, where in imported.items()
+             if _DISTRIBUTIONS.get(m, m).lower().replace("_", "-") not in
+             {d.replace("_", "-") for d in declared}
+             and not (m in ("matplotlib", "flax", "optax") and m in extras | declared)}
+  assert "rich" in imported and not missing, f"imported but not declared: {missing}"
+

@@ -340,7 +340,7 @@ class ParityWorker:
         self.slots.append(_ParitySlot(i, os.path.join(self.agent.dir, f"parity{i}.bin")))
         free = [self.slots[-1]]
       slot = max(free, key=lambda s: s.size >= nbytes)
-      if slot.size < nbytes:
+      if slot.size < nbytes or _paths.file_size(slot.path) < slot.size:   # (or truncated)
         _paths.allocate(slot.path, nbytes, host=self.agent.host)   # 0600, memory reserved
         slot.size = nbytes
       slot.step, rec.slot = rec.step, slot

@@ -345,8 +345,12 @@ def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, l
     StepNotFoundError: no tier of the job holds ``step`` (naming what they hold).
   """
   if step in store.steps():
-    with store.read(step) as (manifest, _):
-      return "host", list(manifest.leaves), manifest.metadata
+    try:
+      with store.read(step) as (manifest, _):
+        return "host", list(manifest.leaves), manifest.metadata
+    except DAMAGE as e:               # (a truncated slot file): the next tier says it
+      logger.warning("step %d: this host's snapshot cannot be read (%s); its metadata comes "
+                     "from the next tier", step, e)
   held = complete_steps(store)
   rebuilt = [] if step in held else rebuildable_steps(held, store)
   if step in held or step in rebuilt:

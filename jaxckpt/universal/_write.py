@@ -197,7 +197,8 @@ def _put(kv: ts.KvStore, directory: str, key: str, body: bytes, what: str) -> No
         errno.ETIMEDOUT, f"writing the {what} to {directory!r} took over "
         f"{lay.REQUEST_TIMEOUT_SECS} s", key) from None
   except ValueError as e:
-    raise errors.StorageError(f"writing the {what} to {directory!r} ({key}) failed: {e}") from None
+    raise errors.StorageError(
+        f"writing the {what} to {directory!r} ({key}) failed: {lay.ts_error(e)}") from None
 
 
 def write_leaves(directory: str, step: int, leaves: Mapping[str, man.LeafInfo],
