@@ -12,7 +12,7 @@ import uuid
 import jax
 import psutil
 
-from jaxckpt.agent import _parity, _paths
+from jaxckpt.agent import _parity_config, _paths
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore, InProcessStore
@@ -50,7 +50,7 @@ def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | Non
     root = a.run_root or _paths.default_run_root()
     secret = _kv.agree_kept("agent_secret", _paths.held_secret(root, a.job_name),
                             _wire.new_secret, timeout_secs=options.timeout_secs)
-  parity = None if p is None else _parity.ParityConfig(p.group_size, p.parity,
+  parity = None if p is None else _parity_config.ParityConfig(p.group_size, p.parity,
                                                        options.timeout_secs).to_obj()
   return AgentStore(a, host=host, max_snapshots=options.max_snapshots, limit_bytes=limit,
                     persist=None if persist is None else persist.to_obj(), parity=parity,

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxckpt import errors
 from jaxckpt.util import _wait
-from jaxckpt.agent import _parity, _paths, _requests
+from jaxckpt.agent import _parity_recovery, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent.jobs import same_directory
@@ -108,7 +108,7 @@ class _Fenced(Exception):
 class AgentStore(HostStore):
   """A HostStore whose slots are the shared memory of this host's agent.
 
-  ``persist`` and ``parity`` (a ``_parity.ParityConfig.to_obj()``) are handed
+  ``persist`` and ``parity`` (a ``_parity_config.ParityConfig.to_obj()``) are handed
   to the agent at hello: it then persists and exchanges parity on its own.
   """
 
@@ -397,7 +397,7 @@ class AgentStore(HostStore):
     if not self._parity:                  # this trainer's job keeps no parity
       return {}
     with self.job_clients() as clients:
-      return _parity.survey(clients)
+      return _parity_recovery.survey(clients)
 
   def step_manifest(self, step: int) -> SnapshotManifest | None:
     """Any agent's manifest of ``step`` (each records every leaf), else one of the

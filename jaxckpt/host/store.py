@@ -135,7 +135,7 @@ class HostStore(abc.ABC):
       return manifest
 
   def parity_steps(self) -> dict[int, Any]:
-    """``{step: _parity.StepParity}`` of the steps the job's agents protect (none here)."""
+    """``{step: _parity_recovery.StepParity}`` of the steps the job's agents protect (none here)."""
     return {}
 
   def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
