@@ -15,13 +15,13 @@ import jax
 import numpy as np
 
 from jaxckpt import errors
+from jaxckpt.arrays._assemble import device_boxes, make_array
 from jaxckpt.host._spans import Spans, span_checksums
 from jaxckpt.host.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
                               copy_and_hash, full_box, shard_view, verify_shard)
-from jaxckpt.restore._assemble import device_boxes, make_array
-from jaxckpt.universal._progress import LogProgress
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
+from jaxckpt.util._progress import LogProgress
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,12 @@ from typing import Any, Callable, Iterator
 import jax
 
 from jaxckpt import errors, universal
-from jaxckpt.util import _wait
+from jaxckpt.util import _progress, _wait
 from jaxckpt.host.snapshot import LeafRecord
 from jaxckpt.tree import scalar_from_json
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
 from jaxckpt.restore import _read
-from jaxckpt.universal import _progress
 
 logger = logging.getLogger(__name__)
 
