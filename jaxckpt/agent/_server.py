@@ -34,6 +34,13 @@ from jaxckpt.net import _bulk, _wire
 logger = logging.getLogger("jaxckpt.agent")
 
 
+def _storage() -> _persist.PersistStorage:
+  """The universal format, where this agent persists: imported by the persist thread
+  when a persist runs (it imports JAX), never by an agent that does not persist."""
+  from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+  return universal
+
+
 @dataclasses.dataclass
 class _Slot:
   """What the agent keeps beside a slot's table entry: its file.
@@ -205,7 +212,7 @@ class Agent:
       self._start_run(run)
     if persist and self.persister is None:
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned,
-                                          self._release_held)
+                                          self._release_held, storage=_storage)
     elif persist and self.persister.config.to_obj() != persist:
       # A trainer relaunched with other options: the persists queued and running keep
       # theirs, in the same queue (its status, fences and errors cover them all).

@@ -225,7 +225,7 @@ class AgentStore(HostStore):
     persist options: this trainer knows neither its timeout nor its hold)."""
     if not (self._parity and self._persist) or self.steps():
       return
-    universal = _persist._universal()   # pylint: disable=protected-access
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side)
     directory = self._persist["directory"]
     pending: dict[int, set[str]] = {}
     with self.job_clients() as clients:
@@ -325,7 +325,7 @@ class AgentStore(HostStore):
     if not (self._parity and self._persist):
       raise errors.UnrecoverableLossError("parity is off: nothing else holds the piece")
     config = _persist.PersistConfig(**self._persist)
-    universal = _persist._universal()   # pylint: disable=protected-access
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side)
     if universal.committed_by(config.directory, step) is not None:
       return        # it ended on storage before its agent died (the status was stale)
     if self.host != 0 and not universal.missing_parts(config.directory, step, attempt,
@@ -341,7 +341,8 @@ class AgentStore(HostStore):
         raise errors.UnrecoverableLossError(f"host {self.host}'s piece of step {step} was not "
                                             "rebuilt")
       check()
-      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check)
+      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check,
+                            storage=universal)
 
   # Requests that mean the same to a new agent: one the dead agent never
   # answered is sent again to its replacement.

@@ -22,6 +22,7 @@ import numpy as np
 from jaxckpt import errors
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host._persist import PersistConfig, PersistError, PersistStatus  # noqa: F401  (the store's names)
+from jaxckpt.host._persist import PersistStorage
 from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
 
 
@@ -190,12 +191,18 @@ class InProcessStore(HostStore):
   restored array lives, its whole old slot does too: up to one snapshot of
   memory beyond ``host_memory_limit_bytes`` per lent slot. Which slot holds
   what is decided by the shared :class:`jaxckpt.host._slots.SlotTable`.
+
+  It persists (``persist`` or :meth:`persist_to`) through ``storage``, the
+  universal format (``jaxckpt.universal``) that its maker hands in; made without
+  it, it holds snapshots only.
   """
 
   _OWNER = 0          # the one writer (this process)
 
   def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int,
-               persist: PersistConfig | None = None) -> None:
+               persist: PersistConfig | None = None,
+               storage: PersistStorage | None = None) -> None:
+    self._storage = storage
     self._limit = host_memory_limit_bytes
     self._table = _slots.SlotTable(max_snapshots)
     self._buffers: list[np.ndarray | None] = [None] * len(self._table)
@@ -212,7 +219,14 @@ class InProcessStore(HostStore):
       raise errors.InvalidArgumentError(
           f"this in-process store persists to {self._persister.config.directory!r} already; "
           "one store per manager")
-    self._persister = _persist.Persister(config, self.read, self._release)
+    storage = self._storage
+    if storage is None:
+      raise errors.InvalidArgumentError(
+          f"this in-process store was made without storage, so it cannot persist to "
+          f"{config.directory!r}: make it with InProcessStore(..., storage=jaxckpt.universal), "
+          "or pass directory=None")
+    self._persister = _persist.Persister(config, self.read, self._release,
+                                         storage=lambda: storage)
 
   def _check_budget(self, nbytes: int) -> None:
     _slots.check_budget(slots=len(self._table), nbytes=nbytes, limit_bytes=self._limit,
