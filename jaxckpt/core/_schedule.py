@@ -50,9 +50,12 @@ import dataclasses
 import json
 import math
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from jaxckpt import errors
+
+if TYPE_CHECKING:
+  from jaxckpt.net._kv import Channel
 
 EPOCH_CALLS = 4
 COPY_MARGIN = 1.25
@@ -157,7 +160,7 @@ class Schedule:
   """
 
   def __init__(self, *, process: tuple[int, int], on_busy: str, persist_interval: int | None,
-               timeout_secs: float, channel: Any = None,
+               timeout_secs: float, channel: Channel | None = None,
                clock: Callable[[], float] = time.perf_counter) -> None:
     self.index, self.count = process
     self.on_busy = on_busy

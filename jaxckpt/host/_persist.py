@@ -29,6 +29,8 @@ import time
 import uuid
 from typing import Any, Callable, ContextManager, Iterable, Protocol
 
+import numpy as np
+
 from jaxckpt import errors
 from jaxckpt.host.snapshot import SnapshotManifest
 
@@ -41,7 +43,7 @@ class PersistStorage(Protocol):
   format's package (``jaxckpt.universal``) is the one implementation; whoever
   runs a persister hands it in (the agent, the trainer's in-process store)."""
 
-  def write_process_shards(self, directory: str, manifest: SnapshotManifest, buffer: Any, *,
+  def write_process_shards(self, directory: str, manifest: SnapshotManifest, buffer: np.ndarray, *,
                            attempt: str) -> None: ...
 
   def commit_step(self, directory: str, step: int, *, process_count: int, timeout_secs: float,
@@ -154,7 +156,7 @@ _TRANSIENT = frozenset({None, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRE
                         errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
-def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: Any, attempt: str,
+def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: np.ndarray, attempt: str,
                  check: Callable[[], None], *, storage: PersistStorage) -> None:
   """Writes this process's part of ``attempt`` to ``storage`` and, as process 0,
   commits the step and runs gc: what every persist does (a Persister's, and one
@@ -209,7 +211,7 @@ class Persister:
   """
 
   def __init__(self, config: PersistConfig,
-               open_step: Callable[[int], ContextManager[tuple[SnapshotManifest, Any]]],
+               open_step: Callable[[int], ContextManager[tuple[SnapshotManifest, np.ndarray]]],
                release: Callable[[int], None] = lambda step: None, *,
                storage: Callable[[], PersistStorage]) -> None:
     self.config = config
