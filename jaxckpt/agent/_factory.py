@@ -23,6 +23,22 @@ from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
 logger = logging.getLogger(__name__)
 
 
+def open_store(options: CheckpointOptions, persist: _persist.PersistConfig | None, *,
+               store: HostStore | None, run_id: str | None, run: str) -> HostStore:
+  """The manager's store: ``store`` if given (told to persist as ``persist`` says), else
+  the one ``options`` ask for, for the run ``run``; in a job of several processes with
+  agents, the job's other agents found and the persists a lost agent held rebuilt."""
+  if store is not None:
+    if persist is not None:
+      store.persist_to(persist)        # every store persists what it holds
+    return store
+  store = make_store(options, persist, run)
+  if options.agent is not None and jax.process_count() > 1:
+    store.discover(timeout_secs=options.timeout_secs)
+    store.recover_persists(jax.process_index(), run_id=run_id)
+  return store
+
+
 def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | None,
                run: str | None = None) -> HostStore:
   """The store ``options`` ask for, persisting as ``persist`` says (None: never), for

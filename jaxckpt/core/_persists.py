@@ -176,3 +176,7 @@ class Persists:
               f"(persist attempt {attempt!r})")
     _wait.until(stored, timeout_secs=timeout, late=late)
     led.on_storage(step)
+    _wait.until(lambda: step not in store.persist_status().pending,   # its job's end
+                timeout_secs=timeout, late=lambda: (
+                    f"step {step} is on {directory!r} but {self.where} still reports its "
+                    f"persist as running after {timeout} s"))
