@@ -56,6 +56,7 @@ from jaxckpt import errors
 
 if TYPE_CHECKING:
   from jaxckpt.net._kv import Channel
+  from jaxckpt.options import CheckpointOptions
 
 EPOCH_CALLS = 4
 COPY_MARGIN = 1.25
@@ -326,7 +327,7 @@ class Schedule:
       self.channel.delete(f"p/{epoch - 4}")
 
 
-def for_manager(options: Any, process: tuple[int, int], *, persists: bool) -> Schedule:
+def for_manager(options: CheckpointOptions, process: tuple[int, int], *, persists: bool) -> Schedule:
   """The schedule of a manager with ``options`` (``persists``: it has a directory):
   ``persist_interval_steps``, or the measurements' pace (host snapshots) or every
   saved step (storage-only), or nothing to persist; agreed through the job's
