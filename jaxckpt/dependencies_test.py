@@ -2,6 +2,7 @@
 test-only packages live in extras."""
 
 import ast
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -79,6 +80,43 @@ def test_the_layers_import_only_downwards():
         assert not jax, f"{f.relative_to(_ROOT)} imports {jax}"
   assert not [m for m in _imports(_ROOT / "jaxckpt" / "options.py")
               if m.startswith(above + ("jaxckpt.host", "jaxckpt.net", "jaxckpt.restore"))]
+
+
+def _arrows_tool():
+  spec = importlib.util.spec_from_file_location("import_arrows", _ROOT / "tools" / "import_arrows.py")
+  tool = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = tool        # (its dataclasses look their module up)
+  spec.loader.exec_module(tool)
+  return tool
+
+
+# The imports left that run upward against docs/architecture.md's Directions, each
+# with where it goes. None may be added.
+_UPWARD_LEFT = {
+    # the root's names for type checkers (at run time they resolve on first use)
+    ("jaxckpt", "jaxckpt.ft"), ("jaxckpt", "jaxckpt.parity"), ("jaxckpt", "jaxckpt.universal"),
+    ("jaxckpt", "jaxckpt.restore._read"), ("jaxckpt", "jaxckpt.manager"),
+    ("jaxckpt", "jaxckpt.options"), ("jaxckpt", "jaxckpt.parity.placement"),
+    # the test harness, which leaves the package (#43 item 1)
+    ("jaxckpt.ft._worker", "jaxckpt.testing.fault_injection"),
+    ("jaxckpt.universal._fixtures", "jaxckpt.cli"),
+    # orbax's item encoding, used by the orbax import/export that moves into orbax/ (#43 item 3)
+    ("jaxckpt.universal.orbax_interop", "jaxckpt.orbax._items"),
+}
+
+
+def test_no_import_runs_upward_but_those_named():
+  """tools/import_arrows.py reads every import (top-level, in a function, or for type
+  checkers) against the Directions; the host tier's persister is handed its writer and
+  arrays are assembled below both restore and universal, so neither arrow is back."""
+  tool = _arrows_tool()
+  arrows = tool.arrows()
+  found = {(i.module, i.target) for i in arrows}
+  assert found <= _UPWARD_LEFT, sorted(found - _UPWARD_LEFT)
+  assert all(i.kind == "type-checking" for i in arrows if i.module == "jaxckpt")
+  assert tool.direction("jaxckpt.host._persist", "jaxckpt.universal") == "upward"
+  assert tool.direction("jaxckpt.universal._read", "jaxckpt.arrays._assemble") == "down"
+  assert tool.direction("jaxckpt.net._wire", "jaxckpt.parity") == "sideways"
 
 
 def test_the_root_holds_the_public_surface_only():

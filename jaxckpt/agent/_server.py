@@ -26,12 +26,19 @@ import psutil
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.agent import _parity, _paths, _protocol, _requests
+from jaxckpt.agent import _parity_config, _parity_worker, _paths, _protocol, _requests
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.net import _bulk, _wire
 
 logger = logging.getLogger("jaxckpt.agent")
+
+
+def _storage() -> _persist.PersistStorage:
+  """The universal format, where this agent persists: imported by the persist thread
+  when a persist runs (it imports JAX), never by an agent that does not persist."""
+  from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+  return universal
 
 
 @dataclasses.dataclass
@@ -137,7 +144,7 @@ class Agent:
     self.lock = threading.RLock()      # the persist and parity threads use it too
     self.persister = None
     self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
-    self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
+    self.parity = None                 # a _parity_worker.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
     self.replays = _wire.Replays()     # requests are applied at most once
     self.leases: dict[int, tuple[float, float]] = {}   # remote reader -> (expiry, lease secs)
@@ -231,7 +238,7 @@ class Agent:
       self._start_run(run)
     if persist and self.persister is None:
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned,
-                                          self._release_held)
+                                          self._release_held, storage=_storage)
     elif persist and self.persister.config.to_obj() != persist:
       # A trainer relaunched with other options: the persists queued and running keep
       # theirs, in the same queue (its status, fences and errors cover them all).
@@ -296,7 +303,7 @@ class Agent:
 
   def _configure_parity(self, parity: dict[str, Any]) -> None:
     """Starts the parity thread, or updates its timeouts (parity already held stays)."""
-    config = _parity.ParityConfig(**parity)
+    config = _parity_config.ParityConfig(**parity)
     if self.parity is not None and self.parity.config.options == config.options:
       self.parity.config = config
       return
@@ -304,7 +311,7 @@ class Agent:
       logger.warning("parity options changed from %s to %s; dropping the parity held",
                      self.parity.config.options, config.options)
       self.parity.close()
-    self.parity = _parity.ParityWorker(self, config)
+    self.parity = _parity_worker.ParityWorker(self, config)
 
   def op_reserve(self, pid: int, step: int, nbytes: int) -> _requests.Reserve.Reply:
     self._check_room(nbytes)

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxckpt import errors
 from jaxckpt.util import _wait
-from jaxckpt.agent import _parity, _paths, _requests
+from jaxckpt.agent import _parity_recovery, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent.jobs import same_directory
@@ -108,7 +108,7 @@ class _Fenced(Exception):
 class AgentStore(HostStore):
   """A HostStore whose slots are the shared memory of this host's agent.
 
-  ``persist`` and ``parity`` (a ``_parity.ParityConfig.to_obj()``) are handed
+  ``persist`` and ``parity`` (a ``_parity_config.ParityConfig.to_obj()``) are handed
   to the agent at hello: it then persists and exchanges parity on its own.
   """
 
@@ -227,7 +227,7 @@ class AgentStore(HostStore):
     persist options: this trainer knows neither its timeout nor its hold)."""
     if not (self._parity and self._persist) or self.steps():
       return
-    universal = _persist._universal()   # pylint: disable=protected-access
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side)
     directory = self._persist["directory"]
     pending: dict[int, set[str]] = {}
     with self.job_clients() as clients:
@@ -327,7 +327,7 @@ class AgentStore(HostStore):
     if not (self._parity and self._persist):
       raise errors.UnrecoverableLossError("parity is off: nothing else holds the piece")
     config = _persist.PersistConfig(**self._persist)
-    universal = _persist._universal()   # pylint: disable=protected-access
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side)
     if universal.committed_by(config.directory, step) is not None:
       return        # it ended on storage before its agent died (the status was stale)
     if self.host != 0 and not universal.missing_parts(config.directory, step, attempt,
@@ -343,7 +343,8 @@ class AgentStore(HostStore):
         raise errors.UnrecoverableLossError(f"host {self.host}'s piece of step {step} was not "
                                             "rebuilt")
       check()
-      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check)
+      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check,
+                            storage=universal)
 
   # Requests that mean the same to a new agent: one the dead agent never
   # answered is sent again to its replacement.
@@ -399,7 +400,7 @@ class AgentStore(HostStore):
     if not self._parity:                  # this trainer's job keeps no parity
       return {}
     with self.job_clients() as clients:
-      return _parity.survey(clients)
+      return _parity_recovery.survey(clients)
 
   def step_manifest(self, step: int) -> SnapshotManifest | None:
     """Any agent's manifest of ``step`` (each records every leaf), else one of the

@@ -50,9 +50,13 @@ import dataclasses
 import json
 import math
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from jaxckpt import errors
+
+if TYPE_CHECKING:
+  from jaxckpt.net._kv import Channel
+  from jaxckpt.options import CheckpointOptions
 
 EPOCH_CALLS = 4
 COPY_MARGIN = 1.25
@@ -157,7 +161,7 @@ class Schedule:
   """
 
   def __init__(self, *, process: tuple[int, int], on_busy: str, persist_interval: int | None,
-               timeout_secs: float, channel: Any = None,
+               timeout_secs: float, channel: Channel | None = None,
                clock: Callable[[], float] = time.perf_counter) -> None:
     self.index, self.count = process
     self.on_busy = on_busy
@@ -323,7 +327,7 @@ class Schedule:
       self.channel.delete(f"p/{epoch - 4}")
 
 
-def for_manager(options: Any, process: tuple[int, int], *, persists: bool) -> Schedule:
+def for_manager(options: CheckpointOptions, process: tuple[int, int], *, persists: bool) -> Schedule:
   """The schedule of a manager with ``options`` (``persists``: it has a directory):
   ``persist_interval_steps``, or the measurements' pace (host snapshots) or every
   saved step (storage-only), or nothing to persist; agreed through the job's

@@ -162,6 +162,19 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int | 
   return [i for i, r in reads if r.result(timeout=lay.REQUEST_TIMEOUT_SECS).state != "value"]
 
 
+
+def who_is_late(directory: str, step: int, attempt: str, process_count: int) -> str:
+  """Why persist ``attempt`` of ``step`` is not on storage yet: the processes whose
+  part is missing there, or process 0's commit (what a timeout names)."""
+  try:
+    missing = missing_parts(directory, step, attempt, process_count)
+  except (OSError, ValueError) as e:       # (a storage that does not answer now)
+    return f"step {step}: which parts are missing is unknown ({type(e).__name__}: {e})"
+  if missing:
+    return (f"step {step}: processes {missing} of {process_count} (their agents or "
+            "trainers) did not write their part")
+  return f"step {step}: every process wrote its part but process 0 did not commit it"
+
 def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
                     process_count: int, timeout_secs: float,
                     check: Callable[[], None]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+import tempfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -130,6 +131,41 @@ def open_kvstore(directory: str, *, timeout_secs: float = REQUEST_TIMEOUT_SECS) 
   return storage_result(ts.KvStore.open(kvstore_spec(directory), context=context()),
                         "opening storage", directory, timeout_secs)
 
+
+
+def check_directory(directory: str, *, timeout_secs: float) -> None:
+  """Fails now, not in a background write, if ``directory`` cannot hold checkpoints.
+
+  A local directory is created if missing and must take a test file; a URL's
+  store must answer a listing within ``timeout_secs``.
+
+  Raises:
+    InvalidArgumentError: an empty directory string.
+    StorageError: naming the path and the cause (errno) and what to do.
+  """
+  if not isinstance(directory, str) or not directory.strip():
+    raise errors.InvalidArgumentError(
+        f"directory={directory!r} is empty; pass a path or a URL (s3://bucket/prefix), or "
+        "None for host snapshots only")
+  local = local_path(directory)
+  if local is None:
+    kv = open_kvstore(directory, timeout_secs=timeout_secs)
+    storage_result(kv.list(prefix_range(COMMITS_PREFIX)), "listing the steps", directory,
+                   timeout_secs)
+    return
+  try:
+    os.makedirs(local, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".jaxckpt-probe-", dir=local)
+    try:
+      os.write(fd, b"x")
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(probe)
+  except OSError as e:
+    raise errors.StorageError(
+        e.errno, f"checkpoint directory {local!r} cannot be written ({e.strerror}); "
+        "choose a writable directory", local) from None
 
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
   """Every key that starts with ``prefix``."""

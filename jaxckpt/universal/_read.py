@@ -23,9 +23,9 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import errors
+from jaxckpt.arrays import _assemble
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
-from jaxckpt.restore import _assemble
 from jaxckpt.universal import _arrays, _budget, _commit, _failures
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _lazy

@@ -21,10 +21,11 @@ import tensorstore as ts
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box, SnapshotManifest
-from jaxckpt.universal import _arrays, _budget, _commit, _progress
+from jaxckpt.universal import _arrays, _budget, _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 from jaxckpt.universal import _orbax_steps
+from jaxckpt.util import _progress
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from jaxckpt.universal import _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _read
 from jaxckpt.universal import _saved_items as items
-from jaxckpt.universal._progress import Progress, human_bytes  # noqa: F401  (re-exported)
+from jaxckpt.util._progress import Progress, human_bytes  # noqa: F401  (re-exported)
 from jaxckpt.util._text import shown
 
 _INSPECT_HELP = """Show a committed step of a universal-format checkpoint directory: the tree
