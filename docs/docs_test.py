@@ -115,6 +115,24 @@ def test_the_orbax_port_changes_only_the_import_and_the_manager():
   assert all("CheckpointManager" in line or "Options(" in line for line in changed[1:]), changed
 
 
+@pytest.mark.slow
+def test_the_agent_beside_orbax_s_retention_example_prints_what_it_says(tmp_path):
+  text = (_DOCS / "howto.md").read_text()
+  section = text.split("### Add the agent and parity to a ported loop", 1)[1].split("\n### ")[0]
+  src, = re.findall(r"```python\n(.*?)```", section, re.S)
+  job = f"docs-port-{os.getpid()}"
+  try:
+    proc = subprocess.run([sys.executable, "-c", src.replace('job_name="demo"', f'job_name="{job}"')],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = re.search(r"print\(.*\)\s+# (\[.*?\] \d+)", src).group(1)
+    assert proc.stdout.strip().splitlines()[-1] == said, proc.stdout
+  finally:
+    subprocess.run([sys.executable, "-m", "jaxckpt.agent", "stop", "--job-name", job],
+                   capture_output=True, timeout=60)
+
+
 def test_the_composite_and_grain_example_runs_as_written(tmp_path):
   text = (_DOCS / "howto.md").read_text()
   section = text.split("### Several items: `Composite`", 1)[1].split("\n## ", 1)[0].split("\n### ")[0]

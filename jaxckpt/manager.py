@@ -24,7 +24,7 @@ from jaxckpt.core._ledger import METRICS_KEY, SaveStats  # noqa: F401  (SaveStat
 from jaxckpt.core._manager import CoreManager
 from jaxckpt.host.store import HostStore
 from jaxckpt.options import check_step
-from jaxckpt.orbax import _errors, _items, _options, _root
+from jaxckpt.orbax import _errors, _items, _options, _policies, _root
 from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class CheckpointManager:
     opts, rules = _options.translate(options, d, orbax_form=orbax_form)
     self._forms = _items.Forms(item_names, item_handlers)
     self._sink = _LogSink(logger, d)
-    self._core = CoreManager(d, opts, rules=rules, store=store, log_entry=self._sink,
+    self._core = CoreManager(d, opts, rules=rules, store=store,
+                             policy=_policies.from_options(opts), log_entry=self._sink,
                              already_exists=_errors.already_exists)
     self._root = _root.RootMetadata(d, metadata, rules, jax.process_index())
 
@@ -183,20 +184,23 @@ class CheckpointManager:
     saved them, rebuildable from the survivors' parity (parity on), or on storage
     (as orbax's: those stored when this manager started, by itself since, or seen
     by ``reload()``), less those the keep policy dropped."""
-    return self._core.all_steps()
+    self._core.check_open("all_steps")
+    return self._core.listing.all_steps()
 
   def latest_step(self) -> int | None:
     """The newest restorable step, or None."""
-    return self._core.latest_step()
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def best_step(self) -> int | None:
     """The best kept step by ``best_fn``, else the newest; None if none has metrics
     (with ``best_fn``) or no step is held."""
-    return self._core.best_step()
+    self._core.check_open("best_step")
+    return self._core.listing.best_step()
 
   def metrics(self, step: int) -> Any:
     """The metrics given to ``save(step, ..., metrics=...)``, or None."""
-    return self._core.metrics(step)
+    return self._core.listing.metrics(step)
 
   def reload(self) -> None:
     """Reads the steps again from every tier (orbax's ``reload``): steps another writer
@@ -248,7 +252,7 @@ class CheckpointManager:
     if step is None:
       return self._root.read()
     step = check_step(step, "metadata")
-    tier, leaves, meta = self._core.step_metadata(step)
+    tier, leaves, meta = self._core.listing.step_metadata(step)
     return _read.StepMetadata(
         step, tier, tree.nest(leaves) if leaves else {}, meta, leaves=leaves,
         item_metadata=self._forms.item_metadata(leaves, meta),
@@ -288,7 +292,7 @@ class CheckpointManager:
       return self._core.restore(step, target, partial=partial)
 
     def onto(chosen: int, read: Any) -> Any:
-      _, leaves, meta = self._core.step_metadata(chosen)
+      _, leaves, meta = self._core.listing.step_metadata(chosen)
       return self._forms.restore(args, target, partial, leaves, meta, read)
     return self._core.restore(step, target, partial=partial, onto=onto)
 
@@ -297,7 +301,7 @@ class CheckpointManager:
     """``restore(..., directory=other)``: a step stored in another directory (storage only)."""
     if step is not None:
       step = check_step(step, "restore")
-    steps = universal.all_steps(other)
+    steps = universal.stored_steps(other)
     if step is None:
       if not steps:
         raise errors.StepNotFoundError(f"restore(directory={other!r}): no steps are stored there")

@@ -16,19 +16,18 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from jaxckpt import capture, errors, tree, universal
 from jaxckpt.agent import _factory
 from jaxckpt.capture import _storage_only
-from jaxckpt.core import _flow, _identity, _policy, _schedule
-from jaxckpt.core._ledger import EPOCH, METRICS_KEY, TIME_KEY, Ledger, StepInfo
+from jaxckpt.core import _deletes, _flow, _identity, _listing, _policy, _schedule
+from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._persists import Persists
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
 from jaxckpt.options import CheckpointOptions, check_step, default_copy_threads
 from jaxckpt.restore import _read, _tiers
-from jaxckpt.util import _preemption, _wait
+from jaxckpt.util import _preemption
 
 logger = logging.getLogger("jaxckpt.manager")
 
@@ -42,10 +41,11 @@ class CoreManager:
 
   Args:
     directory: where steps due for storage are persisted (None: host snapshots only).
-    options: how the tiers work, and (through :mod:`jaxckpt.core._policy`) which
-      steps are saved and kept.
+    options: how the tiers work.
     rules: how the directory is treated (read-only, blocking saves, ...).
     store: a HostStore to use instead of the one ``options`` ask for.
+    policy: which steps are saved and kept (None: ``options``' plain rules, the save
+      interval and ``max_to_keep``).
     log_entry: ``(event, step, t0, **figures)``: one call per save, snapshot, persist
       and restore (the façade's ``logger=``).
     already_exists: the error a save of a step already kept raises (a StepAlreadyExistsError).
@@ -53,43 +53,32 @@ class CoreManager:
 
   def __init__(self, directory: str | None, options: CheckpointOptions, *,
                rules: _policy.DirectoryRules = _policy.DirectoryRules(),
-               store: HostStore | None = None,
+               store: HostStore | None = None, policy: _policy.Policy | None = None,
                log_entry: Callable[..., None] = _no_log,
                already_exists: Callable[[str], Exception] = errors.StepAlreadyExistsError
                ) -> None:
     self.directory, self.options, self.rules = directory, options, rules
     self._process = (jax.process_index(), jax.process_count())
     _identity.agree_options(options, directory, process=self._process)   # first: all agree
-    self.policy = _policy.from_options(options)
+    self.policy = policy or _policy.plain(options)
     self._log, self._already_exists = log_entry, already_exists
     config, run_id = _factory.persistence(directory, options, writes=not rules.read_only,
                                           create=rules.create)
     self._config = config
-    self.ledger = Ledger(run_id, stored=() if config is None else universal.all_steps(directory))
+    self.ledger = Ledger(run_id, stored=() if config is None else universal.stored_steps(directory))
     where = "the in-process store" if options.agent is None else "the snapshot agent"
     self._persists = Persists(self.ledger, None if config is None else directory,
                               self._process, where)
-    self._store = store or _factory.make_store(options, config,
-                                                 _identity.run_name(directory))
-    if store is not None and config is not None:
-      store.persist_to(config)         # every store persists what it holds
-    if store is None and options.agent is not None and self._process[1] > 1:
-      self._store.discover(timeout_secs=options.timeout_secs)
-      self._store.recover_persists(self._process[0], run_id=run_id)
+    self._store = _factory.open_store(options, config, store=store, run_id=run_id,
+                                      run=_identity.run_name(directory))
     self._planner = capture.Planner()
-    self._schedule = _schedule.Schedule(
-        process=self._process, on_busy=options.on_busy,
-        persist_interval=_persist_interval(config, options),
-        timeout_secs=options.timeout_secs,
-        channel=None if self._process[1] == 1 else _kv.Channel(
-            "schedule", timeout_secs=options.timeout_secs))
+    self._schedule = _schedule.for_manager(options, self._process,
+                                           persists=config is not None)
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     self._pool.submit(int)        # its thread starts here, not in the first save (~8 ms)
     threads = options.copy_threads or default_copy_threads()
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
         threads, thread_name_prefix="jaxckpt-copy")
-    self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-delete")
-    self._deleting: dict[int, concurrent.futures.Future] = {}
     self._closed = False
     self._unfinalized = False
     self._flow = _flow.SaveFlow(self._schedule, self._store, self.ledger,
@@ -102,7 +91,12 @@ class CoreManager:
     if rules.cleanup_tmp_directories and config is not None and self._process[0] == 0:
       universal.discard_uncommitted(directory, keep=set(self._store.steps()) | set(
           self._store.persist_status().pending))     # what crashed saves left
-    self.load()
+    self._deletes = _deletes.Deletes(self._store, self.ledger, directory, self._process, rules,
+                                     self.policy, options.timeout_secs)
+    self.listing = _listing.Listing(self._store, self.ledger, directory, self.policy,
+                                    parity=options.parity is not None,
+                                    settle=self.wait_until_snapshotted)
+    self.listing.load()
 
   @property
   def stats(self) -> Any:
@@ -150,7 +144,7 @@ class CoreManager:
     if not d.snapshot:
       self.ledger.skipped_plan()
       return False
-    self._timeline(step)
+    self._deletes.timeline(step)
     self._persists.refuse_existing(step, self._store, self._already_exists)
     metadata = self._record(step, metadata, metrics, d.due)
     if not self.options.host_snapshots:
@@ -181,41 +175,6 @@ class CoreManager:
     self.ledger.started(step, time.perf_counter() - t0)
     return self._saved(step, True, t0)
 
-  def _timeline(self, step: int) -> None:
-    """A save of a step not newer than every step the run holds: after ``restore`` of an
-    older step it starts a new timeline, and the steps of the abandoned one (those
-    newer than the restored step) are deleted from every tier, for good (their
-    markers first, so a crash never leaves one listed). Without such a restore a
-    newer step on storage refuses the save: the run would mix two timelines."""
-    led = self.ledger
-    if led.high is None or step > led.high:
-      led.high = step
-      return
-    if not self.policy.rollback:
-      return
-    fork = led.restored if led.restored is not None and led.restored < step else None
-    stored = set(_tiers.storage_steps(self.directory))
-    if fork is None:
-      newer = sorted(s for s in stored if s > step)
-      if newer:
-        raise errors.InvalidArgumentError(
-            f"save(step={step}): {self.directory!r} holds newer steps {newer} of this run, "
-            f"so step {step} would start another timeline beside them; to roll back, "
-            f"restore(step=...) the step to go back to first (the newer steps are then "
-            f"deleted), or delete them, or save into another directory")
-      return
-    abandoned = sorted(s for s in stored | set(self._store.steps()) | set(led.attempts())
-                       | set(_tiers.complete_steps(self._store)) if s > fork)
-    logger.warning("step %d starts a new timeline from step %d (restored): steps %s of the "
-                   "abandoned timeline are deleted from every tier", step, fork, abandoned)
-    for s in abandoned:                 # fenced first: nothing commits them again
-      self._store.discard(s, timeout_secs=self.options.timeout_secs)
-    if stored & set(abandoned) and (self._process[0] == 0 or self._store.fences_job):
-      universal.unlist_steps(self.directory, [s for s in abandoned if s in stored])
-    for s in abandoned:
-      self._delete_everywhere(s, listed_before=s in stored)
-    led.restored, led.high = None, step
-
   def _save_to_storage(self, step: int, state: Any, metadata: dict[str, Any] | None,
                        t0: float) -> bool:
     """A storage-only save (``host_snapshots=False``): see :mod:`jaxckpt.capture._storage_only`."""
@@ -241,16 +200,8 @@ class CoreManager:
       when = datetime.datetime.fromtimestamp(float(_kv.broadcast_from_0(
           f"save_time/{step}", lambda: repr(when.timestamp()),
           timeout_secs=self.options.timeout_secs)), tz=datetime.timezone.utc)
-    if metrics is not None:
-      metrics = jax.tree.map(lambda x: np.asarray(x).item() if hasattr(x, "dtype") else x,
-                             metrics)
-    rec = led.record(step)
-    rec.time, rec.metrics, rec.kept = when, metrics, due
-    out = dict(metadata or {})
-    out[TIME_KEY] = when.timestamp()
-    if metrics is not None and self.rules.write_metrics:
-      out[METRICS_KEY] = metrics
-    return out
+    return led.saving(step, metadata, when=when, metrics=metrics, due=due,
+                      write_metrics=self.rules.write_metrics)
 
   def _saved(self, step: int, started: bool, t0: float) -> bool:
     """After ``save(step)``: the steps the keep policy drops, a blocking save's wait,
@@ -266,7 +217,7 @@ class CoreManager:
     if self.rules.blocking:
       self.wait_until_finished()
     else:
-      self._collect()
+      self._deletes.collect(in_flight=self.ledger.in_flight())
     st = self.stats
     self._log("save", step, t0, blocking_secs=time.perf_counter() - t0,
               skipped_busy=st.skipped_busy, skipped_plan=st.skipped_plan,
@@ -385,16 +336,11 @@ class CoreManager:
     if step is None and not attempts:
       return
     step = max(attempts) if step is None else step
-    timeout = timeout_secs or self.options.timeout_secs
     t0 = time.perf_counter()
     try:
-      self._persists.wait_stored(self._store, step, timeout)
+      self._persists.wait_stored(self._store, step, timeout_secs or self.options.timeout_secs)
     finally:
       self._schedule.blocked(time.perf_counter() - t0)      # not the loop's own time
-    _wait.until(lambda: step not in self._store.persist_status().pending,   # its job's end
-                timeout_secs=timeout, late=lambda: (
-                    f"step {step} is on {self.directory!r} but {self._persists.where} still "
-                    f"reports its persist as running after {timeout} s"))
     self._flow.note_lag()
 
   def protected_steps(self) -> list[int]:
@@ -424,77 +370,12 @@ class CoreManager:
 
   # -- what is held -------------------------------------------------------------
 
-  def all_steps(self) -> list[int]:
-    """See ``jaxckpt.CheckpointManager.all_steps``."""
-    self.check_open("all_steps")
-    led = self.ledger
-    flight = led.in_flight()          # first: once it is done, the host tier holds it
-    held = set(_tiers.complete_steps(self._store))
-    if self.options.parity:
-      held |= set(_tiers.rebuildable_steps(sorted(held), self._store))
-    stored = set(_tiers.storage_steps(self.directory))
-    led.listed.update(held)
-    on_its_way = {s for s, a in led.attempts().items()
-                  if a not in led.told and s not in led.stored}
-    led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
-    for s in led.listed & stored:
-      led.stored.add(s)
-    listed = flight | held | (led.listed & stored) | on_its_way
-    led.prune(listed)
-    return sorted(listed - set(led.dropped()))
-
-  def latest_step(self) -> int | None:
-    steps = self.all_steps()
-    return steps[-1] if steps else None
-
-  def best_step(self) -> int | None:
-    """The best kept step by ``best_fn``, else the newest; None if none has metrics."""
-    if self.policy.best_key is None:
-      return self.latest_step()
-    return self.policy.best(self.ledger.kept())
-
-  def metrics(self, step: int) -> Any:
-    """The metrics given to ``save(step, ..., metrics=...)``, or None."""
-    rec = self.ledger.get(step)
-    if rec is not None and rec.metrics is not None:
-      return rec.metrics
-    try:
-      return self.step_metadata(step)[2].get(METRICS_KEY)
-    except errors.StepNotFoundError:
-      return None
-
-  def step_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
-    """The tier that describes ``step``, its leaves by path and its metadata."""
-    if step == self.ledger.flight_step:
-      self.wait_until_snapshotted()          # the step being saved: once it is held
-    return _tiers.step_metadata(self._store, self.directory, step)
-
-  def load(self) -> None:
-    """The steps on storage, with their time and metrics (what orbax reads at start)."""
-    led = self.ledger
-    stored = _tiers.storage_steps(self.directory)
-    led.listed = set(stored)
-    held = _tiers.complete_steps(self._store)
-    led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
-    if self.policy.records:
-      led.found(self._info(s) for s in stored if s not in led.dropped())
-
-  def _info(self, step: int) -> StepInfo:
-    try:
-      meta = self.step_metadata(step)[2]
-    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
-      logger.warning("step %d: its time and metrics cannot be read (%s)", step, e)
-      return StepInfo(step, EPOCH, None)
-    t = meta.get(TIME_KEY)
-    when = EPOCH if t is None else datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
-    return StepInfo(step, when, meta.get(METRICS_KEY))
-
   def reload(self) -> None:
     """Reads the steps again from every tier (orbax's ``reload``)."""
     self.check_open("reload")
     self.wait_until_snapshotted()
-    self._collect()
-    self.load()
+    self._deletes.collect(in_flight=self.ledger.in_flight())
+    self.listing.load()
 
   # -- deleting -----------------------------------------------------------------
 
@@ -507,55 +388,13 @@ class CoreManager:
       return
     if self.ledger.flight is not None:   # the snapshot in flight (its errors: raised later)
       self._wait(self.ledger.flight, self.options.timeout_secs, "delete")
-    self._drain_deletes()
-    held, stored, fenced = self._delete_everywhere(step)
-    if not (held or stored or fenced):
-      raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
-    logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
-
-  def _delete_everywhere(self, step: int, *, listed_before: bool = False
-                         ) -> tuple[bool, bool, bool]:
-    """Deletes ``step`` from this host and, from process 0, storage; says what held it
-    (``listed_before``: storage held it before its marker was removed)."""
-    # Fenced first: a queued persist of the step never runs, a running one never
-    # commits, and discard returns once it has ended; only then is storage cleared.
-    held = self._store.discard(step, timeout_secs=self.options.timeout_secs)
-    fenced = self.ledger.fence(step)
-    stored = listed_before or (self.directory is not None
-                               and step in _tiers.storage_steps(self.directory))
-    if stored and (self._process[0] == 0 or self._store.fences_job):
-      universal.discard_step(self.directory, step, todelete_subdir=self.rules.todelete_subdir)
-    self.ledger.forget(step)
-    return held, stored, fenced
-
-  def _collect(self, *, all_ended: bool = False) -> None:
-    """Deletes, off the loop's path, the dropped steps whose persist has ended."""
-    dropped = set(self.ledger.dropped()) - set(self._deleting)
-    if not dropped:
-      return
-    busy = self.ledger.in_flight() | (set() if all_ended
-                                      else set(self._store.persist_status().pending))
-    for step in sorted(dropped - busy):
-      self._deleting[step] = self._janitor.submit(self._drop, step)
-
-  def _drop(self, step: int) -> None:
-    try:
-      self._delete_everywhere(step)
-    except Exception as e:  # pylint: disable=broad-except  (raised by the next call that asks)
-      logger.error("step %d: deleting it (the keep policy dropped it) failed: %s", step, e)
-      self.ledger.fail(e)
-    finally:
-      self._deleting.pop(step, None)
-
-  def _drain_deletes(self) -> None:
-    for fut in list(self._deleting.values()):
-      fut.result(timeout=self.options.timeout_secs)
+    self._deletes.delete(step)
 
   def _finalized(self) -> None:
     """Every save so far has ended: the dropped steps go, and ``on_finalized`` runs
     (once per saves since the last time)."""
-    self._collect(all_ended=True)
-    self._drain_deletes()
+    self._deletes.collect(in_flight=self.ledger.in_flight(), all_ended=True)
+    self._deletes.drain()
     self._raise_background_error(ask_agent=False)
     if self._unfinalized and self.rules.on_finalized is not None:
       self._unfinalized = False
@@ -571,8 +410,8 @@ class CoreManager:
     if step is not None:
       step = check_step(step, "restore")
     self.wait_until_snapshotted()     # first: a step saved just now is the newest
-    if step is None and self.ledger.dropped():
-      step = self.latest_step()       # not one the keep policy dropped
+    if step is None and self.ledger.dropped():     # not one the keep policy dropped
+      step = max(self.listing.all_steps(), default=None)
     out, r = _tiers.restore(self._store, self.directory, step, target, partial=partial,
                             timeout_secs=self.options.timeout_secs,
                             writes=not self.rules.read_only, onto=onto)
@@ -611,7 +450,7 @@ class CoreManager:
     finally:
       self._closed = True
       self._pool.shutdown(wait=True)
-      self._janitor.shutdown(wait=True)
+      self._deletes.close()
       if self._copy_pool is not None:
         self._copy_pool.shutdown(wait=True)
       self._store.close()
@@ -624,11 +463,3 @@ class CoreManager:
       self.close()
     except Exception:  # pylint: disable=broad-except  (the process ends next; say why)
       logger.exception("closing the manager before the SIGTERM deadline failed")
-
-
-def _persist_interval(config: Any, options: CheckpointOptions) -> int | None:
-  """The schedule's persist interval: 0 persists nothing, None follows the measurements."""
-  if config is None:
-    return 0
-  return options.persist_interval_steps or (
-      None if options.host_snapshots else options.save_interval_steps)

@@ -1,7 +1,8 @@
 """Which steps a manager saves and which it keeps: one policy, whichever options built it.
 
-:func:`from_options` reads a :class:`~jaxckpt.CheckpointOptions`. jaxckpt's own
-fields give the plain rules (a step on ``save_interval_steps`` is saved; the newest
+:func:`jaxckpt.orbax._policies.from_options` reads a :class:`~jaxckpt.CheckpointOptions`
+(the façade builds the policy and hands it to the core). jaxckpt's own fields give the
+plain rules (:func:`plain`) (a step on ``save_interval_steps`` is saved; the newest
 ``max_to_keep`` steps on storage are kept); orbax's retention and save-decision
 fields, which ``CheckpointOptions`` takes under orbax's names and with orbax's
 meaning (``save_on_steps``, ``should_save_fn``, ``save_decision_policy``,
@@ -103,21 +104,15 @@ class DirectoryRules:
   on_finalized: Callable[[], None] | None = None
 
 
-def from_options(options: CheckpointOptions) -> Policy:
-  """The policy ``options`` ask for (see the module docstring)."""
-  if not _orbax_fields(options):
-    return _plain(options)
-  from jaxckpt.orbax import _policies  # pylint: disable=import-outside-toplevel  (orbax's policy objects: only where asked for)
-  return _policies.build(options)
-
-
-def _orbax_fields(o: CheckpointOptions) -> bool:
+def orbax_fields(o: CheckpointOptions) -> bool:
+  """Whether ``o`` asks for any of orbax's save-decision or retention fields (whose
+  policy :mod:`jaxckpt.orbax._policies` builds); else :func:`plain` is its policy."""
   return any(x is not None for x in (
       o.save_on_steps, o.should_save_fn, o.save_decision_policy, o.keep_period,
       o.keep_time_interval, o.best_fn, o.preservation_policy))
 
 
-def _plain(o: CheckpointOptions) -> Policy:
+def plain(o: CheckpointOptions) -> Policy:
   """jaxckpt's own rules: the save interval, and the newest ``max_to_keep``."""
   interval = o.save_interval_steps
 

@@ -15,8 +15,14 @@ import datetime
 from typing import Any, Callable, Sequence
 
 from jaxckpt.core._ledger import StepInfo
+from jaxckpt.core import _policy
 from jaxckpt.core._policy import Policy
 from jaxckpt.options import CheckpointOptions
+
+
+def from_options(o: CheckpointOptions) -> Policy:
+  """The policy ``o`` asks for: jaxckpt's plain rules, or those of its orbax fields."""
+  return build(o) if _policy.orbax_fields(o) else _policy.plain(o)
 
 
 def build(o: CheckpointOptions) -> Policy:
@@ -38,13 +44,12 @@ def build(o: CheckpointOptions) -> Policy:
                                   multiprocessing_options=processes)
     return bool(save_policy.should_save(now, previous_steps=list(kept), context=decision))
 
-  to_remove = None
-  if keep_policy is not None:
-    def to_remove(kept: Sequence[StepInfo]) -> list[int]:
-      keep = keep_policy.should_preserve(list(kept), context=context)
-      return [info.step for info, k in zip(kept, keep) if not k]
+  def to_remove(kept: Sequence[StepInfo]) -> list[int]:
+    keep = keep_policy.should_preserve(list(kept), context=context)
+    return [info.step for info, k in zip(kept, keep) if not k]
   on_steps = frozenset(o.save_on_steps or ())
-  return Policy(should_save, to_remove=to_remove, best_key=o.best_fn,
+  return Policy(should_save, to_remove=None if keep_policy is None else to_remove,
+                best_key=o.best_fn,
                 best_min=o.best_mode == "min",
                 uses_time=keep_policy is not None and _uses_time(cm, keep_policy),
                 asks_progress=_asks_progress(cm, save_policy),

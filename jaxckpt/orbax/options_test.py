@@ -18,6 +18,7 @@ import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.orbax import _options
 from jaxckpt.core import _policy
+from jaxckpt.orbax import _policies
 from jaxckpt.core._ledger import StepInfo
 
 
@@ -63,12 +64,12 @@ def test_should_save_fn_and_a_save_decision_policy_replace_the_interval(tmp_path
 def test_continuous_checkpointing_waits_its_minimum_interval():
   """ContinuousCheckpointingPolicy decides from the previous step's time (a pure function of
   the steps kept and the clock) and never while a save is in progress."""
-  rules = _policy.from_options(_options.translate(ocp.CheckpointManagerOptions(
+  rules = _policies.from_options(_options.translate(ocp.CheckpointManagerOptions(
       save_decision_policy=cm.ContinuousCheckpointingPolicy(minimum_interval_secs=60)))[0])
   now = datetime.datetime.now(tz=datetime.timezone.utc)
   just_now = [StepInfo(1, now - datetime.timedelta(seconds=5))]
   long_ago = [StepInfo(1, now - datetime.timedelta(seconds=120))]
-  assert rules.asks_progress and not _policy.from_options(
+  assert rules.asks_progress and not _policies.from_options(
       _options.translate(ocp.CheckpointManagerOptions())[0]).asks_progress
   assert rules.should_save(2, [], False, False)
   assert not rules.should_save(2, just_now, False, False)
@@ -99,7 +100,7 @@ def test_keep_period_and_keep_time_interval_keep_more(tmp_path):
     m.wait_until_finished()
     assert m.all_steps() == [0, 4, 8, 10] == u.all_steps(str(tmp_path))
   # keep_time_interval ranks by the steps' save times (orbax's EveryNSeconds): hourly saves
-  rules = _policy.from_options(_options.translate(ocp.CheckpointManagerOptions(
+  rules = _policies.from_options(_options.translate(ocp.CheckpointManagerOptions(
       max_to_keep=2, keep_time_interval=datetime.timedelta(hours=3)))[0])
   t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
   kept: list[StepInfo] = []

@@ -6,7 +6,7 @@ a step is restorable when the agents of all its saving processes hold it,
 and a restoring process reads the pieces it needs from whichever agents hold
 them (its own through shared memory, others' over the network). With parity
 on, a step that lost some hosts is still restorable when the survivors' parity
-rebuilds them (tier "parity", ``jaxckpt.agent._parity``).
+rebuilds them (tier "parity", ``jaxckpt.agent._parity_recovery``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import time
 from typing import Any, Callable, Iterator
 
 import jax
+import numpy as np
 
 from jaxckpt import errors, universal
-from jaxckpt.util import _wait
-from jaxckpt.host.snapshot import LeafRecord
+from jaxckpt.util import _progress, _wait
+from jaxckpt.host.snapshot import Box, LeafRecord
 from jaxckpt.tree import scalar_from_json
-from jaxckpt.host.store import HostStore
+from jaxckpt.host.store import HostStore, ParityReport, Piece
 from jaxckpt.net import _kv
 from jaxckpt.restore import _read
-from jaxckpt.universal import _progress
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +37,14 @@ def complete_steps(store: HostStore) -> list[int]:
 
 
 def storage_steps(directory: str | None) -> list[int]:
+  """The steps stored in ``directory``: jaxckpt's committed ones and those an orbax
+  CheckpointManager wrote there (``universal.stored_steps``: read where they lie)."""
   if directory is None:
     return []
-  return universal.all_steps(directory)
+  return universal.stored_steps(directory)
 
 
-def parity_steps(store: HostStore) -> dict[int, Any]:
+def parity_steps(store: HostStore) -> dict[int, ParityReport]:
   """What the job's agents say about the parity of each step they protect."""
   return store.parity_steps()
 
@@ -54,7 +56,7 @@ def protected_steps(store: HostStore) -> list[int]:
 
 def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
   """Polls the agents until ``step`` is protected; the timeout names the late hosts."""
-  last: list[Any] = [None]
+  last: list[ParityReport | None] = [None]
 
   def protected() -> bool:
     sp = last[0] = parity_steps(store).get(step)
@@ -103,6 +105,9 @@ def _rebuildable(held: list[int], store: HostStore) -> tuple[list[int], dict[int
 # What makes a step unrestorable: its bytes or its manifest are damaged on every tier
 # that holds it, or parity could not rebuild it after all.
 DAMAGE = (errors.CorruptSnapshotError, errors.ManifestError, errors.UnrecoverableLossError)
+# What makes a step unreadable now, not damaged: storage refused or did not answer a read
+# (access, throttling, a timeout, the connection: ``universal._failures``).
+UNREADABLE = (errors.StorageError,)
 
 
 def restore(store: HostStore, directory: str | None, step: int | None, target: Any, *,
@@ -122,12 +127,17 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
   explicit ``restore(step=...)`` of it still raises CorruptSnapshotError. Only proven
   damage is set aside, and only when the manager may write (``writes``: not orbax's
   ``read_only``): a manifest this version cannot read (ManifestError: another jaxckpt
-  version wrote it, its checksum intact) is skipped, never set aside.
+  version wrote it, its checksum intact) is skipped, never set aside. A step that
+  storage could not read now (StorageError: access refused, throttling, a timeout, the
+  connection) is skipped for this restore only, with a WARNING saying so, and stays
+  listed: the next restore tries it again; asked for by name, or with nothing older,
+  the StorageError is raised (naming the step and the cause).
 
   ``onto(step, read)``, if given, makes what the restore returns from the chosen step,
   through ``read(target, partial)`` (orbax's forms build their target from the step's
   metadata first); else the step is read onto ``target``."""
   t0 = time.perf_counter()
+  source: _read.Source
   if step is not None and onto is None and jax.process_count() == 1:   # held here whole:
     local = _read_local(store, step, target, partial)    # nothing else to ask
     if local is not None:
@@ -137,36 +147,43 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
       _said(info)
       return out, info
   skipped: list[tuple[int, str]] = []
+  unread: set[int] = set()
   while True:
     chosen, tier = choose_step(store, directory, step, timeout_secs=timeout_secs,
-                               skip={s for s, _ in skipped})
+                               skip={s for s, _ in skipped}, unreadable=unread)
     try:
       if onto is None:
         out, tier, source = _read_step(store, directory, chosen, tier, target, partial)
       else:
-        got: list[tuple[Any, _read.Tier, Any]] = []
+        got: list[tuple[Any, _read.Tier, _read.Source]] = []
 
         def read(t: Any, p: bool, s: int = chosen, tr: _read.Tier = tier) -> Any:
           got.append(_read_step(store, directory, s, tr, t, p))
           return got[-1][0]
         out = onto(chosen, read)
         _, tier, source = got[-1]
-      damage = None
-    except DAMAGE as e:
+      failure = None
+    except (*DAMAGE, *UNREADABLE) as e:
       if step is not None or (jax.process_count() == 1 and not _older(store, directory, chosen)):
         raise                           # asked for, or nothing older to go back to
-      out, damage = None, e
+      out, failure = None, e
     if step is None:
-      damaged_on = (_damaged_on(damage, timeout_secs) if jax.process_count() > 1
-                    else [] if damage is None else [0])
-      if damaged_on:
-        why = (f"{type(damage).__name__}: {damage}" if damage is not None
-               else f"processes {damaged_on} found it damaged")
+      said = (_verdicts(failure, timeout_secs) if jax.process_count() > 1
+              else {} if failure is None else {0: _verdict(failure)})
+      if said:
+        why = (f"{type(failure).__name__}: {failure}" if failure is not None
+               else "; ".join(f"processes {ps} found it {v}" for v, ps in _by_verdict(said)))
         skipped.append((chosen, why))
-        logger.warning("restore(): step %d cannot be restored (%s); skipping it for the newest "
-                       "older step", chosen, why)
-        if writes and not isinstance(damage, errors.ManifestError):
-          _set_aside(directory, chosen, why)
+        if DAMAGED in said.values():
+          logger.warning("restore(): step %d cannot be restored (%s); skipping it for the "
+                         "newest older step", chosen, why)
+          if writes and not isinstance(failure, errors.ManifestError):
+            _set_aside(directory, chosen, why)
+        else:
+          unread.add(chosen)
+          logger.warning("restore(): step %d could not be read now (%s); restoring the newest "
+                         "older step for this restore only: step %d stays listed and the next "
+                         "restore tries it again", chosen, why, chosen)
         continue
     break
   info = _read.RestoreInfo(chosen, tier, time.perf_counter() - t0, source.bytes_read,
@@ -175,13 +192,26 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
   return out, info
 
 
+DAMAGED, UNREAD = "damaged", "unreadable"
+
+
+def _verdict(failure: Exception) -> str:
+  """What a process's failed read of the agreed step says of it."""
+  return UNREAD if isinstance(failure, UNREADABLE) else DAMAGED
+
+
+def _by_verdict(said: dict[int, str]) -> list[tuple[str, list[int]]]:
+  return [(v, sorted(p for p, w in said.items() if w == v)) for v in sorted(set(said.values()))]
+
+
 def _said(info: _read.RestoreInfo) -> None:
   logger.info("restored step %d from %s: %s in %.3f s (%s)", info.step, info.tier.value,
               _progress.human_bytes(info.nbytes), info.seconds,
               _progress.rate(info.nbytes, info.seconds))
 
 
-def _read_local(store: HostStore, step: int, target: Any, partial: bool) -> Any:
+def _read_local(store: HostStore, step: int, target: Any, partial: bool
+                ) -> tuple[Any, _read.HostSource] | None:
   """``step`` read from this store alone when it holds the whole step (one saving
   process): (the tree, the source); None otherwise, or when its read fails (the
   full path then says why, and falls back to storage)."""
@@ -201,13 +231,13 @@ def _read_local(store: HostStore, step: int, target: Any, partial: bool) -> Any:
 
 
 def _read_step(store: HostStore, directory: str | None, step: int, tier: _read.Tier,
-               target: Any, partial: bool) -> tuple[Any, _read.Tier, Any]:
+               target: Any, partial: bool) -> tuple[Any, _read.Tier, _read.Source]:
   """``step`` read onto ``target`` from ``tier``, or from storage if that tier
   fails and storage holds it: (the tree, the tier used, the source read)."""
   if tier is not _read.Tier.STORAGE:
     try:
       with host_pieces(store, step, rebuild=tier is _read.Tier.PARITY) as pieces:
-        source: Any = _read.HostSource(pieces)
+        source: _read.Source = _read.HostSource(pieces)
         out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
       return out, tier, source
     except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
@@ -226,12 +256,13 @@ def _older(store: HostStore, directory: str | None, step: int) -> bool:
                                 *storage_steps(directory)])
 
 
-def _damaged_on(damage: Exception | None, timeout_secs: float) -> list[int]:
-  """The processes whose read of the agreed step found it damaged (every process
-  says, so that all of them skip it or none does)."""
-  said = _kv.allgather("restore_ok", "" if damage is None else "damaged",
+def _verdicts(failure: Exception | None, timeout_secs: float) -> dict[int, str]:
+  """The processes whose read of the agreed step failed, and whether they found it
+  damaged or could not read it now (every process says, so that all of them skip
+  it or none does, and set it aside only when one proved it damaged)."""
+  said = _kv.allgather("restore_ok", "" if failure is None else _verdict(failure),
                        timeout_secs=timeout_secs, what="whether they could read the step")
-  return [p for p, v in enumerate(said) if v]
+  return {p: v for p, v in enumerate(said) if v}
 
 
 def _set_aside(directory: str | None, step: int, why: str) -> None:
@@ -246,8 +277,8 @@ def _set_aside(directory: str | None, step: int, why: str) -> None:
 
 
 def choose_step(store: HostStore, directory: str | None, step: int | None, *,
-                timeout_secs: float, skip: set[int] | frozenset = frozenset()
-                ) -> tuple[int, _read.Tier]:
+                timeout_secs: float, skip: set[int] | frozenset = frozenset(),
+                unreadable: set[int] | frozenset = frozenset()) -> tuple[int, _read.Tier]:
   """The step to restore and the fastest tier that holds it: "host" (every
   saving process's snapshot is held), "parity" (some are lost but the
   survivors' parity rebuilds them) or "storage".
@@ -257,6 +288,8 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
       anywhere) lost more hosts than parity can rebuild and storage has no step.
     CorruptSnapshotError: ``step`` was set aside on storage as damaged, or (for
       ``step=None``) every step left is in ``skip`` (found damaged).
+    StorageError: (``step=None``) every step left is in ``skip``, and those in
+      ``unreadable`` (of ``skip``) could not be read now.
     StepNotFoundError: no tier holds the step.
   """
   held = complete_steps(store)
@@ -265,6 +298,14 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   every = (set(held) | set(rebuilt) | set(stored)) - set(skip)
   if step is None:
     if not every:
+      if unreadable:
+        damaged = sorted(set(skip) - set(unreadable))
+        raise errors.StorageError(
+            f"restore(): no step can be restored now: steps {sorted(unreadable)} could not be "
+            "read (see the warnings: access refused, throttling, a timeout or the connection, "
+            "not damage; they stay listed)"
+            + (f" and steps {damaged} are damaged on every tier that holds them" if damaged
+               else "") + "; no tier holds an older one. Try again once storage answers")
       if skip:
         raise errors.CorruptSnapshotError(
             f"restore(): no step can be restored: steps {sorted(skip)} are damaged on every "
@@ -296,7 +337,8 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   return step, tier
 
 
-def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, list[Any], dict]:
+def describe(store: HostStore, directory: str | None, step: int
+             ) -> tuple[str, list[LeafRecord | universal.LeafInfo], dict[str, Any]]:
   """What ``metadata(step)`` reads, from the first tier that has it: (the tier, the
   leaf records, the user metadata). A manifest of any saving process serves
   (each records every leaf): this host's, another host's agent's, or the copy
@@ -306,8 +348,12 @@ def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, l
     StepNotFoundError: no tier of the job holds ``step`` (naming what they hold).
   """
   if step in store.steps():
-    with store.read(step) as (manifest, _):
-      return "host", list(manifest.leaves), manifest.metadata
+    try:
+      with store.read(step) as (manifest, _):
+        return "host", list(manifest.leaves), manifest.metadata
+    except DAMAGE as e:               # (a truncated slot file): the next tier says it
+      logger.warning("step %d: this host's snapshot cannot be read (%s); its metadata comes "
+                     "from the next tier", step, e)
   held = complete_steps(store)
   rebuilt = [] if step in held else rebuildable_steps(held, store)
   if step in held or step in rebuilt:
@@ -316,7 +362,7 @@ def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, l
       return "host" if step in held else "parity", list(manifest.leaves), manifest.metadata
   stored = storage_steps(directory)
   if step in stored:
-    reader = universal.open_step(directory, step)
+    reader = universal.open_stored(directory, step)        # jaxckpt's step, or orbax's
     return "storage", list(reader.leaves.values()), reader.metadata
   raise errors.StepNotFoundError(
       f"metadata(): step {step} is held neither by the job's agents (held: {held}"
@@ -337,17 +383,18 @@ def step_metadata(store: HostStore, directory: str | None, step: int
   return tier, {r.path: leaf_metadata(r) for r in leaves}, dict(meta)
 
 
-def leaf_metadata(rec: Any) -> _read.LeafMetadata:
+def leaf_metadata(rec: LeafRecord | universal.LeafInfo) -> _read.LeafMetadata:
   """What ``metadata()`` says of a saved leaf (a host LeafRecord or a stored LeafInfo)."""
   return _read.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
                             scalar_from_json(rec.value), rec.key_impl)
 
 
 class StorageSource:
-  """A step read from the universal format: each region read on demand, verified."""
+  """A step read from storage: the universal format (each region read on demand,
+  verified), or a step an orbax CheckpointManager wrote there (read where it lies)."""
 
   def __init__(self, directory: str, step: int) -> None:
-    self.reader_ = universal.open_step(directory, step)
+    self.reader_ = universal.open_stored(directory, step)
     self.step = step
     self.leaves = tuple(LeafRecord(path=i.path, kind=i.kind, shape=tuple(i.shape),
                                    dtype=i.dtype, value=i.value, key_impl=i.key_impl)
@@ -357,11 +404,12 @@ class StorageSource:
   def bytes_read(self) -> int:
     return self.reader_.bytes_read
 
-  def prefetch(self, needed: Any) -> None:
+  def prefetch(self, needed: dict[int, set[Box]]) -> None:
     """Nothing: each reader fetches its boxes at once."""
     del needed
 
-  def reader(self, i: int, *, private: bool = True, boxes: Any = None):
+  def reader(self, i: int, *, private: bool = True,
+             boxes: set[Box] | None = None) -> Callable[[Box], np.ndarray]:
     """``read_region(box)`` for leaf ``i``: every stored chunk read once, verified
     (reads are fresh arrays: always private); ``boxes`` are fetched at once."""
     del private
@@ -378,12 +426,12 @@ def agree(step: int, *, timeout_secs: float) -> int:
 
 
 @contextlib.contextmanager
-def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterator[list[Any]]:
+def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterator[list[Piece]]:
   """This host's piece first (if it holds one), then the pieces the job holds
   elsewhere for the other saving processes of ``step``; with ``rebuild``, the
   pieces of lost hosts rebuilt from parity (checksum-verified) as local buffers."""
   with contextlib.ExitStack() as stack:
-    pieces = []
+    pieces: list[Piece] = []
     local_index = None
     try:
       manifest, buffer = stack.enter_context(store.read(step))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
 import signal
@@ -61,6 +62,7 @@ class SeaweedS3:
     self._dir: str | None = None
     self._env: contextlib.ExitStack | None = None
     self._ports: dict[str, int] = {}
+    self._iam = False         # whether its users were imported (authentication on)
 
   def url(self, prefix: str = "") -> str:
     """``s3://bucket/prefix`` (a fresh prefix when none is given)."""
@@ -115,6 +117,80 @@ class SeaweedS3:
       yield
     finally:
       os.killpg(self._proc.pid, signal.SIGCONT)
+
+  def shell(self, commands: str, *, timeout_secs: float = 60.0) -> str:
+    """Runs ``weed shell`` commands (one a line) against this server; returns its output.
+
+    Raises:
+      StorageError: the shell failed or said so (naming the commands and its output).
+    """
+    ports = self._ports
+    cmd = [weed_binary() or "weed", "shell",
+           f"-master={self.host}:{ports['master']}.{ports['master.grpc']}",
+           f"-filer={self.host}:{ports['filer']}.{ports['filer.grpc']}"]
+    done = subprocess.run(cmd, input=commands + "\nexit\n", capture_output=True, text=True,
+                          timeout=timeout_secs, cwd=self._dir, check=False)
+    said = done.stdout + done.stderr
+    if done.returncode or "error:" in said.lower():
+      raise errors.StorageError(f"weed shell {commands!r} failed ({done.returncode}): {said[-2000:]}")
+    return said
+
+  @contextlib.contextmanager
+  def refusing_reads(self, prefix: str, *, timeout_secs: float = 60.0) -> Iterator[None]:
+    """S3 answers 403 AccessDenied to every read of a key under ``prefix`` (``s3://BUCKET/...``
+    or a key prefix in the bucket) during the body, as when credentials rotate or IAM
+    glitches; listing and writing go on, and the bytes stay as they are.
+
+    Done as on AWS: the test credentials become an IAM user of this server (this turns
+    authentication on for the server's life: give such a test a server of its own) with
+    a policy denying ``s3:GetObject`` under ``prefix`` attached; detached after the body,
+    also when it failed. Both changes are waited for by reading a key there until the
+    server answers as it should (its IAM reload), never for a fixed time.
+    """
+    key = prefix.removeprefix(f"s3://{self.bucket}/").strip("/")
+    folder = tempfile.mkdtemp(prefix="iam-", dir=self._dir)
+    user = {"identities": [{"name": "jaxckpt", "credentials": [
+        {"accessKey": "jaxckpt", "secretKey": "jaxckpt"}],
+        "actions": ["Read", "Write", "List", "Tagging"]}]}
+    deny = {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::*"]},
+        {"Effect": "Deny", "Action": ["s3:GetObject"],
+         "Resource": [f"arn:aws:s3:::{self.bucket}/{key}/*"]}]}
+    for name, doc in (("user.json", user), ("deny.json", deny)):
+      with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    if not self._iam:
+      self.shell(f"s3.iam.import -file={folder}/user.json -apply")
+      self._iam = True
+    name = f"deny-reads-{uuid.uuid4().hex[:8]}"
+    self.shell(f"s3.policy -put -name={name} -file={folder}/deny.json\n"
+               f"s3.policy.attach -policy={name} -user=jaxckpt")
+    probe = f"{key}/.jaxckpt-read-probe"
+    try:
+      self._until_read(probe, refused=True, timeout_secs=timeout_secs)
+      yield
+    finally:
+      self.shell(f"s3.policy.detach -policy={name} -user=jaxckpt\ns3.policy -delete -name={name}")
+      self._until_read(probe, refused=False, timeout_secs=timeout_secs)
+
+  def _until_read(self, key: str, *, refused: bool, timeout_secs: float) -> None:
+    """Reads ``key`` until the server refuses it (``refused``) or answers it."""
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel  (only this helper)
+    kv = ts.KvStore.open({"driver": "s3", "bucket": self.bucket, "endpoint": self.endpoint,
+                          "aws_region": "us-east-1"}, context=ts.Context()).result()
+    deadline = time.monotonic() + timeout_secs
+    last: object = None
+    while time.monotonic() < deadline:
+      try:
+        last = kv.read(key).result(timeout=timeout_secs).state
+      except ValueError as e:
+        last = e
+      if refused == ("PERMISSION_DENIED" in str(last)):
+        return
+      time.sleep(0.05)
+    raise errors.SnapshotTimeoutError(
+        f"SeaweedFS at {self.endpoint} did not {'refuse' if refused else 'allow'} reads of "
+        f"{key!r} within {timeout_secs} s of its IAM change (last answer: {last})")
 
   @property
   def pid(self) -> int:

@@ -4,6 +4,15 @@ Write (every process): :func:`write_process_shards`; commit (process 0):
 :func:`commit_step`; read: :func:`open_step` and :func:`restore_arrays` onto
 any sharding; housekeeping: :func:`all_steps`, :func:`latest_step`,
 :func:`gc_steps`, :func:`discard_step`; single writer: :func:`write_leaves`.
+The persister of the host tier (``jaxckpt.host._persist``) writes through this
+package, handed in as its storage (:func:`write_process_shards`,
+:func:`commit_step`, :func:`wait_committed`, :func:`gc_steps`,
+:func:`discard_attempt`); :func:`check_directory` probes a directory first, and
+:func:`who_is_late` says why a persist is not on storage yet.
+Steps an orbax CheckpointManager wrote in the same directory are read where they
+lie: :func:`stored_steps` lists both kinds, :func:`open_stored` opens either,
+:func:`check_not_orbax` refuses to write one, :func:`discard_step` and
+:func:`gc_steps` delete and count both.
 """
 
 from jaxckpt.universal._commit import all_steps
@@ -19,9 +28,17 @@ from jaxckpt.universal._commit import quarantine_step
 from jaxckpt.universal._commit import quarantined
 from jaxckpt.universal._commit import unlist_steps
 from jaxckpt.universal._commit import read_json
+from jaxckpt.universal._commit import stored_steps
 from jaxckpt.universal._commit import write_json
 from jaxckpt.universal._commit import wait_committed
+from jaxckpt.universal._commit import who_is_late
+from jaxckpt.universal._layout import check_directory
 from jaxckpt.universal._manifest import LeafInfo
+from jaxckpt.universal._orbax_read import OrbaxStepReader
+from jaxckpt.universal._orbax_read import open_stored
+from jaxckpt.universal._orbax_steps import check_not_orbax
+from jaxckpt.universal._orbax_steps import orbax_found
+from jaxckpt.universal._orbax_steps import orbax_steps
 from jaxckpt.universal._read import RegionReader
 from jaxckpt.universal._read import StepReader
 from jaxckpt.universal._read import open_step
@@ -38,9 +55,12 @@ from jaxckpt.universal.convert import restore_converted
 
 __all__ = [
     "LeafInfo",
+    "OrbaxStepReader",
     "RegionReader",
     "StepReader",
     "all_steps",
+    "check_directory",
+    "check_not_orbax",
     "commit_step",
     "committed_by",
     "discard_attempt",
@@ -49,12 +69,17 @@ __all__ = [
     "gc_steps",
     "latest_step",
     "missing_parts",
+    "open_stored",
+    "orbax_found",
+    "orbax_steps",
     "quarantine_step",
     "unlist_steps",
     "quarantined",
     "read_json",
+    "stored_steps",
     "write_json",
     "wait_committed",
+    "who_is_late",
     "new_attempt",
     "open_step",
     "restore_arrays",

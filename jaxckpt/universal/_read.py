@@ -23,10 +23,10 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import errors
+from jaxckpt.arrays import _assemble
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
-from jaxckpt.restore import _assemble
-from jaxckpt.universal import _arrays, _budget, _commit
+from jaxckpt.universal import _arrays, _budget, _commit, _failures
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _lazy
 from jaxckpt.universal import _manifest as man
@@ -119,19 +119,24 @@ class StepReader:
       try:
         raw = fut.result(timeout=lay.REQUEST_TIMEOUT_SECS)
       except TimeoutError:
-        raise errors.SnapshotTimeoutError(
-            f"step {self.step}: reading leaf {info.path!r} chunk {lay.chunk_key(idx)} from "
-            f"{self.directory!r} took over {lay.REQUEST_TIMEOUT_SECS} s") from None
+        raise self._failed(info, lay.chunk_box(idx, info.shape, info.chunk_shape), TimeoutError(
+            f"no answer within {lay.REQUEST_TIMEOUT_SECS} s")) from None
       except ValueError as e:
-        cbox = lay.chunk_box(idx, info.shape, info.chunk_shape)
-        raise errors.CorruptSnapshotError(
-            f"step {self.step}: leaf {info.path!r} region {[list(p) for p in cbox]} (chunk "
-            f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({e}); restore another "
-            f"step (`jaxckpt verify {self.directory}` lists every damaged chunk)") from None
+        raise self._failed(info, lay.chunk_box(idx, info.shape, info.chunk_shape), e) from None
       out[idx] = self._check(info, idx, raw)
     with self._lock:
       self.bytes_read += sum(a.nbytes for a in out.values())
     return out
+
+  def _failed(self, info: man.LeafInfo, box: Box, error: Exception) -> errors.JaxckptError:
+    """A failed read of the chunk at ``box``: proven damage (CorruptSnapshotError) or an
+    error of this attempt (StorageError), as :mod:`~jaxckpt.universal._failures` tells."""
+    key = lay.chunk_key(lay.chunks_in(box, info.chunk_shape)[0])
+    where = (f"step {self.step}: leaf {info.path!r} region {[list(p) for p in box]} (chunk "
+             f"{key}) in {self.directory!r}")
+    return _failures.classify(error, where, lambda cause: (
+        f"{where} is damaged ({cause}); restore another step (`jaxckpt verify "
+        f"{self.directory}` lists every damaged chunk)"))
 
   def _fetch(self, path: str, idxs: Iterable[Index]) -> dict[Index, np.ndarray]:
     """Verified chunks ``idxs`` of a leaf: from the cache, the rest read and cached."""
@@ -233,14 +238,10 @@ class StepReader:
 
       return [(raw, cb, dtype) for cb in cboxes], compute
 
-    def damaged(box: Box, e: Exception) -> Exception:
-      idx = lay.chunks_in(box, info.chunk_shape)[0]
-      return errors.CorruptSnapshotError(
-          f"step {self.step}: leaf {info.path!r} region {[list(p) for p in box]} (chunk "
-          f"{lay.chunk_key(idx)}) in {self.directory!r} is damaged ({e}); restore another "
-          f"step (`jaxckpt verify {self.directory}` lists every damaged chunk)")
+    def failed(box: Box, e: Exception) -> Exception:
+      return self._failed(info, box, e)
 
-    view = _lazy.virtual(plan, info.shape, info.dtype, info.chunk_shape, damaged=damaged)
+    view = _lazy.virtual(plan, info.shape, info.dtype, info.chunk_shape, damaged=failed)
     with self._lock:
       return self._views.setdefault(path, view)
 
@@ -303,7 +304,8 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
     step = _commit.latest_step(directory)
     if step is None:
       raise errors.StepNotFoundError(f"no committed step in {directory!r}")
-  marker = _commit.read_marker(kv, directory, step)
+  with _failures.reading(f"step {step}: its commit marker in {directory!r}"):
+    marker = _commit.read_marker(kv, directory, step)
   if marker is None:
     raise errors.StepNotFoundError(
         f"step {step} is not committed in {directory!r}; committed steps: "
@@ -314,7 +316,8 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: its commit marker names attempt {attempt!r}, not a "
         "key-safe name; the marker is damaged or forged: restore another step")
-  body = kv.read(lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  with _failures.reading(f"step {step}: its manifest in {directory!r}"):
+    body = lay.read(kv, lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if body.state != "value" or snap.checksum(body.value) != marker.get("manifest_xxh3"):
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: the manifest of attempt {attempt!r} is missing or "
@@ -334,9 +337,11 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
 
 
 def _check_chunk_table(leaf: dict[str, Any], where: str) -> None:
-  """The leaf's shape, chunk layout and table of chunk checksums agree (one checksum
-  per chunk of the grid): a manifest whose shape was changed is refused before a
-  read sizes anything by it."""
+  """The leaf's numbers are possible (:func:`man.check_leaf_numbers`) and its shape,
+  chunk layout and table of chunk checksums agree (one checksum per chunk of the
+  grid): a manifest whose shape was changed is refused before a read sizes anything
+  by it."""
+  man.check_leaf_numbers(leaf, where)
   shape, chunk = leaf.get("shape") or [], leaf.get("chunk_shape") or []
   inner = leaf.get("inner_chunk_shape") or []
   grid = lay.chunk_grid(shape, chunk) if len(chunk) == len(shape) else None
@@ -401,7 +406,12 @@ def restore_arrays(reader: StepReader, targets: Mapping[str, Any], *,
 
 
 def verify_step(reader: StepReader, *, progress: Any = None) -> list[str]:
-  """Reads every chunk of every leaf and checks it; returns one line per damage."""
+  """Reads every chunk of every leaf and checks it; returns one line per damage.
+
+  Raises:
+    StorageError: storage refused or did not answer a read (not damage: the step's
+      bytes were not all checked).
+  """
   problems = []
   for path, info in reader.leaves.items():
     if not info.is_array:

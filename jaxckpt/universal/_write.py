@@ -21,9 +21,11 @@ import tensorstore as ts
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box, SnapshotManifest
-from jaxckpt.universal import _arrays, _budget, _commit, _progress
+from jaxckpt.universal import _arrays, _budget, _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
+from jaxckpt.universal import _orbax_steps
+from jaxckpt.util import _progress
 from jaxckpt.util._text import counted
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,7 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
   try:
     kv = lay.open_kvstore(directory)
     _commit.check_not_committed(kv, directory, step, attempt)
+    _orbax_steps.check_not_orbax(directory, step)
     plans = []
     for rec, unique in zip(manifest.leaves, shards):      # (are stored once)
       info = plan_leaf(rec.path, rec.kind, tuple(rec.shape), rec.dtype, list(unique),
@@ -206,7 +209,8 @@ def _put(kv: ts.KvStore, directory: str, key: str, body: bytes, what: str) -> No
         errno.ETIMEDOUT, f"writing the {what} to {directory!r} took over "
         f"{lay.REQUEST_TIMEOUT_SECS} s", key) from None
   except ValueError as e:
-    raise errors.StorageError(f"writing the {what} to {directory!r} ({key}) failed: {e}") from None
+    raise errors.StorageError(
+        f"writing the {what} to {directory!r} ({key}) failed: {lay.ts_error(e)}") from None
 
 
 def write_leaves(directory: str, step: int, leaves: Mapping[str, man.LeafInfo],
@@ -241,6 +245,7 @@ def write_leaves(directory: str, step: int, leaves: Mapping[str, man.LeafInfo],
   attempt = lay.check_attempt(attempt or new_attempt())
   kv = lay.open_kvstore(directory)
   _commit.check_not_committed(kv, directory, step, attempt)
+  _orbax_steps.check_not_orbax(directory, step)
   budget = _budget.ByteBudget(max_inflight_bytes, what=f"writing step {step} to {directory!r}")
   objs = []
   try:

@@ -59,6 +59,7 @@ import yaml
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
+from jaxckpt.universal import _failures
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 from jaxckpt.universal import _read, _saved_items, _write
@@ -212,10 +213,13 @@ class ConvertedView:
     except errors.CorruptSnapshotError as e:
       raise errors.CorruptSnapshotError(
           f"reading {path!r} {list(box)} of the converted step {self.step}: {e}") from None
+    except errors.StorageError:
+      raise                    # this attempt's (names the step and the cause): not damage
     except ValueError as e:
-      raise errors.CorruptSnapshotError(
-          f"reading {path!r} {list(box)} of the converted step {self.step} from "
-          f"{self.source.directory!r} failed ({e}); run `jaxckpt verify` on it") from None
+      where = (f"reading {path!r} {list(box)} of the converted step {self.step} from "
+               f"{self.source.directory!r}")
+      raise _failures.classify(e, where, lambda cause: (
+          f"{where} failed ({cause}); run `jaxckpt verify` on it")) from None
     arr = lay.logical_view(np.asarray(raw), info.numpy_dtype)
     with self._lock:
       self.bytes_needed += arr.nbytes

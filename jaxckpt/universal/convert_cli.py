@@ -13,7 +13,7 @@ from typing import Sequence
 from jaxckpt import errors
 from jaxckpt.universal import _read
 from jaxckpt.universal import convert as cv
-from jaxckpt.universal.cli import human_bytes, not_a_checkpoint_root, progress, run
+from jaxckpt.universal.cli import human_bytes, not_a_checkpoint_root, progress, run, say
 
 _CONVERT_HELP = """Write a converted copy of a committed step of a universal-format checkpoint.
 
@@ -39,7 +39,11 @@ naming the paths (exit 2). See docs/conversion.md."""
 _IMPORT_HELP = """Copy an orbax checkpoint into a universal-format directory.
 
 ORBAX_DIR is a directory of ocp.CheckpointManager (steps inside; default: the
-latest step) or one ocp.StandardCheckpointer save. Every item of the step is
+whole run, every finalized step, each into the step of the same number; --steps
+100,200 picks some, --step N one) or one ocp.StandardCheckpointer save. Steps
+that DST holds already are refused before anything is copied. (A jaxckpt
+manager opened on ORBAX_DIR itself reads orbax's steps where they lie, without
+an import.) Every item of a step is
 imported (pytree, JSON, array and Grain iterator items), as one Composite
 step that the manager restores with args=ocp.args.Composite(...); an item
 saved by any other handler is refused, naming it (--item imports one item
@@ -78,12 +82,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
   p = parser("import-orbax", _IMPORT_HELP)
   p.add_argument("orbax_dir", metavar="ORBAX_DIR", help="orbax checkpoint directory")
   p.add_argument("dst", metavar="DST", help="universal-format directory to write")
-  p.add_argument("--step", type=int, default=None, help="orbax step (default: latest)")
+  which = p.add_mutually_exclusive_group()
+  which.add_argument("--step", type=int, default=None,
+                     help="one orbax step (default: every step, see --steps)")
+  which.add_argument("--steps", type=_step_list, default=None, metavar="N,M,...",
+                     help="these orbax steps, each into the step of the same number "
+                     "(default: every finalized step)")
   p.add_argument("--item", default=None,
                  help="one CheckpointManager item, imported alone (default: every item of the "
                  "step, as one Composite step)")
   p.add_argument("--dst-step", type=int, default=None,
-                 help="step to write (default: the orbax step, 0 for a bare save)")
+                 help="step to write, for one step (--step, or a bare save; default: the "
+                 "orbax step, 0 for a bare save)")
   p.add_argument("--layout", choices=["auto", "nnx", "plain"], default="auto",
                  help="nnx: Flax NNX paths and typed RNG keys, restorable into "
                  "nnx.state(nnx.eval_shape(...)); plain: orbax's paths; auto (default): NNX "
@@ -105,14 +115,14 @@ _EXPECTED = (errors.JaxckptError, FileNotFoundError, FileExistsError)
 
 
 def _fail(command: str, e: BaseException) -> int:
-  print(f"jaxckpt {command}: {e}", file=sys.stderr)
+  say(f"jaxckpt {command}: {e}", err=True)
   return 2
 
 
 def _src_problem(command: str, src: str, step: int | None) -> int | None:
   """Exit 2 with the reason if ``src`` is not a checkpoint's root (a step directory, a file)."""
   if (why := not_a_checkpoint_root(src, step, command)):
-    print(f"jaxckpt {command}: {why}", file=sys.stderr)
+    say(f"jaxckpt {command}: {why}", err=True)
     return 2
   return None
 
@@ -127,7 +137,7 @@ def convert_command(args: argparse.Namespace) -> int:
     if args.dry_run:
       for path, info in view.leaves.items():
         what = f"{info.dtype} {list(info.shape)}" if info.is_array else f"= {info.scalar!r}"
-        print(f"  {path}  {what}")
+        say(f"  {path}  {what}")
       print(f"{len(view.leaves)} leaves, {human_bytes(cv.total_nbytes(view))}")
       return 0
     with progress(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:
@@ -141,17 +151,43 @@ def convert_command(args: argparse.Namespace) -> int:
   return 0
 
 
+def _step_list(text: str) -> list[int]:
+  """``--steps 100,200`` as steps (argparse's type: a clear error names the bad one)."""
+  try:
+    steps = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"--steps {text!r}: expected step numbers separated by commas, e.g. 100,200") from None
+  if not steps or min(steps) < 0:
+    raise argparse.ArgumentTypeError(f"--steps {text!r}: expected steps >= 0, e.g. 100,200")
+  return steps
+
+
 def import_orbax_command(args: argparse.Namespace) -> int:
   """Runs ``jaxckpt import-orbax``; returns the exit code."""
   from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
+  one = args.step is not None or args.dst_step is not None or ox.is_one_save(args.orbax_dir)
+  if args.dst_step is not None and args.steps is not None and len(args.steps) != 1:
+    return _fail("import-orbax", errors.InvalidArgumentError(
+        f"--dst-step {args.dst_step} names one step but --steps gives {len(args.steps)}; "
+        "import them each into its own number (no --dst-step), or one at a time"))
   try:
-    total = ox.orbax_nbytes(args.orbax_dir, step=args.step, item=args.item)
-    with progress(args, total, "import-orbax") as bar:
-      step = ox.import_orbax(args.orbax_dir, args.dst, step=args.step, item=args.item,
-                             dst_step=args.dst_step, progress=bar, layout=args.layout)
+    if one:
+      step = args.step if args.steps is None else args.steps[0]
+      total = ox.orbax_nbytes(args.orbax_dir, step=step, item=args.item)
+      with progress(args, total, "import-orbax") as bar:
+        done = [ox.import_orbax(args.orbax_dir, args.dst, step=step, item=args.item,
+                                dst_step=args.dst_step, progress=bar, layout=args.layout)]
+    else:
+      steps = ox.run_steps(args.orbax_dir, args.dst, args.steps)   # all checked first
+      total = sum(ox.orbax_nbytes(args.orbax_dir, step=s, item=args.item) for s in steps)
+      with progress(args, total, "import-orbax") as bar:
+        done = ox.import_orbax_steps(args.orbax_dir, args.dst, steps=steps, item=args.item,
+                                     progress=bar, layout=args.layout)
   except _EXPECTED as e:
     return _fail("import-orbax", e)
-  print(f"imported {args.orbax_dir} into step {step} of {args.dst}: {bar.summary('copied')}")
+  what = f"step {done[0]}" if len(done) == 1 else f"steps {done}"
+  print(f"imported {args.orbax_dir} into {what} of {args.dst}: {bar.summary('copied')}")
   return 0
 
 

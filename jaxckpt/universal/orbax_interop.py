@@ -37,8 +37,11 @@ from jaxckpt import errors
 from jaxckpt.orbax import _items
 from jaxckpt.tree import nest, path_keys  # pylint: disable=unused-import (public here too)
 from jaxckpt.universal import _commit
+from jaxckpt.universal import _failures
 from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _local
 from jaxckpt.universal import _manifest as man
+from jaxckpt.universal import _orbax_steps
 from jaxckpt.universal import _read
 from jaxckpt.universal import _write
 from jaxckpt.universal import convert as cv
@@ -68,8 +71,12 @@ class _Source:
 
 
 def _not_importable(orbax_dir: str) -> str | None:
-  """Why ``orbax_dir`` is not a directory import_orbax reads (a jaxckpt checkpoint, or a step or
-  item directory inside an orbax CheckpointManager directory), naming what to pass; or None."""
+  """Why ``orbax_dir`` is not a directory import_orbax reads (it does not exist, a jaxckpt
+  checkpoint, or a step or item directory inside an orbax CheckpointManager directory), naming
+  what to pass; or None."""
+  if not os.path.lexists(orbax_dir):
+    return (f"{orbax_dir!r} does not exist; pass the directory of an orbax checkpoint (a "
+            "CheckpointManager directory, or one StandardCheckpointer save)")
   up = orbax_dir
   for _ in range(4):                 # a jaxckpt checkpoint, or a directory inside one
     if os.path.isdir(os.path.join(up, lay.COMMITS_PREFIX)):
@@ -102,11 +109,20 @@ def _step_items(orbax_dir: str, step: int | None
                 ) -> tuple[int | None, dict[str, tuple], dict[str, Any]]:
   """The step (None for a bare checkpointer save), its items (``{name: (kind, dir,
   handler)}``, kind None for an item import_orbax cannot read) and its metadata."""
+  if not os.path.lexists(orbax_dir):
+    raise errors.StepNotFoundError(
+        f"{orbax_dir!r} does not exist; pass the directory of an orbax checkpoint (a "
+        "CheckpointManager directory, or one StandardCheckpointer save)")
+  if not os.path.isdir(orbax_dir):
+    raise errors.InvalidArgumentError(
+        f"{orbax_dir!r} is not a directory; pass the directory of an orbax checkpoint (a "
+        "CheckpointManager directory, or one StandardCheckpointer save)")
   if (why := _not_importable(orbax_dir)):
     raise errors.InvalidArgumentError(why)
   if os.path.exists(os.path.join(orbax_dir, "_METADATA")):
     return None, {"": ("pytree", orbax_dir, None)}, {}
-  steps = sorted(ocp.path.step.checkpoint_steps(orbax_dir))
+  held = _orbax_steps.orbax_steps(orbax_dir)      # as a manager lists them: no link followed
+  steps = sorted(held)
   if not steps:
     raise errors.StepNotFoundError(
         f"{orbax_dir!r} holds neither an orbax checkpoint (_METADATA) nor finalized "
@@ -115,8 +131,13 @@ def _step_items(orbax_dir: str, step: int | None
     step = max(steps)
   elif step not in steps:
     raise errors.StepNotFoundError(f"orbax step {step} is not in {orbax_dir!r}; it has {steps}")
-  step_dir = str(ocp.path.step.find_step_path(orbax_dir, ocp.path.step.standard_name_format(),
-                                              step=step))
+  return (step, *step_dir_items(held[step]))
+
+
+def step_dir_items(step_dir: str) -> tuple[dict[str, tuple], dict[str, Any]]:
+  """The items of one finalized step directory of an orbax CheckpointManager (``{name: (kind,
+  dir, handler)}``, kind None for an item import_orbax cannot read) and its metadata
+  (``_CHECKPOINT_METADATA``). Links are not followed: an item that is one is not listed."""
   try:
     with open(os.path.join(step_dir, "_CHECKPOINT_METADATA"), encoding="utf-8") as f:
       step_meta = json.load(f)
@@ -127,10 +148,11 @@ def _step_items(orbax_dir: str, step: int | None
   items = {}
   for name in sorted(os.listdir(step_dir)):
     where = os.path.join(step_dir, name)
-    if os.path.isdir(where) and "orbax-checkpoint-tmp" not in name:
+    if (os.path.isdir(where) and not os.path.islink(where)
+        and "orbax-checkpoint-tmp" not in name):
       handler = handlers.get(name) if isinstance(handlers, dict) else None
       items[name] = (_item_kind(where, handler), where, handler)
-  return step, items, step_meta
+  return items, step_meta
 
 
 def _item_kind(item_dir: str, handler: str | None) -> str | None:
@@ -153,26 +175,44 @@ def _selected(orbax_dir: str, step: int | None, item: str | None) -> _Source:
   ``default``, or ``item``) or a Composite. Without ``item``, orbax's ``metrics`` item
   beside others is the step's metrics (orbax's manager reads it so), not an item."""
   found, items, step_meta = _step_items(orbax_dir, step)
+  return _pick(found, items, step_meta, item, orbax_dir)
+
+
+def _pick(found: int | None, items: dict[str, tuple], step_meta: dict[str, Any],
+          item: str | None, where: str) -> _Source:
+  """:func:`_selected`'s choice among the ``items`` of step ``found`` of ``where``."""
   metrics_dir = None
   if item is None and len(items) > 1 and items.get(METRICS_ITEM, (None,))[0] == "json":
     metrics_dir = items.pop(METRICS_ITEM)[1]
   if item is not None:
     if item not in items:
       raise errors.StepNotFoundError(
-          f"orbax step {found} in {orbax_dir!r} has items {sorted(items)}; pick one with "
+          f"orbax step {found} in {where!r} has items {sorted(items)}; pick one with "
           "item= (--item), or none to import them all")
     items = {item: items[item]}
   cannot = {n: h for n, (kind, _, h) in items.items() if kind is None}
   if cannot:
     raise errors.InvalidArgumentError(
-        f"orbax step {found} in {orbax_dir!r}: import-orbax cannot import item(s) "
+        f"orbax step {found} in {where!r}: import-orbax cannot import item(s) "
         + ", ".join(f"{n!r} (saved by {h or 'an unknown handler'})" for n, h in cannot.items())
         + f"; it imports pytree, JSON, array and Grain iterator items: import the others one "
         f"at a time with --item NAME (items: {sorted(items)})")
   if not items:
-    raise errors.ManifestError(f"orbax step {found} in {orbax_dir!r} holds no items")
+    raise errors.ManifestError(f"orbax step {found} in {where!r} holds no items")
+  _check_no_links(where, found is None, [d for _, d, _ in items.values()])
   single = item is not None or list(items) in ([""], ["default"])
   return _Source(found, items, single, step_meta, metrics_dir)
+
+
+def _check_no_links(orbax_dir: str, bare: bool, item_dirs: list[str]) -> None:
+  """Refuses (CorruptSnapshotError) a source whose step directory holds a link or a
+  special file anywhere: an import reads the checkpoint's own files, never what a link
+  in it points to (a downloaded checkpoint's link to its user's files would be copied
+  into the new one, or a FIFO would never answer)."""
+  for d in {orbax_dir if bare else os.path.dirname(i) for i in item_dirs}:
+    rel = os.path.relpath(d, orbax_dir)
+    _local.check_tree(orbax_dir, "" if rel == "." else rel + "/",
+                      where=f"importing the orbax checkpoint {orbax_dir!r}")
 
 
 def _open_orbax_array(item_dir: str, name: str, use_zarr3: bool) -> ts.TensorStore:
@@ -180,23 +220,38 @@ def _open_orbax_array(item_dir: str, name: str, use_zarr3: bool) -> ts.TensorSto
   base = lay.kvstore_url(item_dir)
   kvstore = {"driver": "ocdbt", "base": base, "path": name} if ocdbt else base + name + "/"
   spec = {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore}
-  try:
+  with _failures.reading(f"orbax array {name!r} in {item_dir!r}", lambda cause: (
+      f"orbax array {name!r} in {item_dir!r} cannot be opened ({cause})")):
     return ts.open(spec, open=True, read=True, context=lay.context()).result(
         timeout=READ_TIMEOUT_SECS)
-  except ValueError as e:
-    raise errors.CorruptSnapshotError(
-        f"orbax array {name!r} in {item_dir!r} cannot be opened ({e})") from None
 
 
 class _Counted:
-  """A write source over a tensorstore view that tells ``progress`` of every region read."""
+  """A write source over a tensorstore view of orbax's array ``name`` in ``item_dir``
+  (opened on first read, checked against the ``shape`` orbax's metadata gives) that tells
+  ``progress`` of every region read. A failed read is damage only when it proves it
+  (:mod:`~jaxckpt.universal._failures`)."""
 
-  def __init__(self, view: ts.TensorStore, progress: Any):
+  def __init__(self, item_dir: str, name: str, use_zarr3: bool, progress: Any,
+               shape: tuple[int, ...] | None = None, view: ts.TensorStore | None = None):
+    self._where, self._name, self._zarr3 = item_dir, name, use_zarr3
     self._view, self._progress = view, progress
-    self.shape = tuple(view.shape)
+    self.shape = tuple(view.shape) if view is not None else tuple(shape or ())
+
+  def _opened(self) -> ts.TensorStore:
+    if self._view is None:
+      view = _open_orbax_array(self._where, self._name, self._zarr3)
+      if tuple(view.shape) != self.shape:
+        raise errors.CorruptSnapshotError(
+            f"orbax array {self._name!r} in {self._where!r} has shape {list(view.shape)}, its "
+            f"item's metadata says {list(self.shape)}: the step is damaged")
+      self._view = view
+    return self._view
 
   def __getitem__(self, index: Any) -> np.ndarray:
-    arr = np.asarray(self._view[index].read().result(timeout=READ_TIMEOUT_SECS))
+    view = self._opened()
+    with _failures.reading(f"orbax array {self._name!r} in {self._where!r}"):
+      arr = np.asarray(view[index].read().result(timeout=READ_TIMEOUT_SECS))
     if self._progress is not None:
       self._progress.update(arr.nbytes)
     return arr
@@ -223,14 +278,14 @@ def orbax_key_impls(item_dir: str) -> dict[str, str] | None:
   return impls
 
 
-def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool, key_impl: str | None = None
-               ) -> tuple[man.LeafInfo, ts.TensorStore | None]:
+def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool, key_impl: str | None = None,
+               progress: Any = None) -> tuple[man.LeafInfo, _Counted | None]:
+  """One leaf of orbax's metadata tree, and its array's source (opened on first read)."""
   dtype = np.dtype(md.dtype).name
   kind = "jax" if md.sharding is not None else "numpy"
   sharding = None if md.sharding is None else {"orbax": str(md.sharding)}
   if isinstance(md, ocp.metadata.ScalarMetadata):
-    view = _open_orbax_array(item_dir, md.name, use_zarr3)
-    value = np.asarray(view.read().result(timeout=READ_TIMEOUT_SECS)).item()
+    value = _Counted(item_dir, md.name, use_zarr3, None, ())[()].item()
     return man.LeafInfo(path=path, kind="scalar", dtype=dtype, value=value), None
   if not isinstance(md, ocp.metadata.ArrayMetadata):
     raise errors.UnsupportedLeafError(
@@ -239,18 +294,23 @@ def _leaf_from(path: str, md: Any, item_dir: str, use_zarr3: bool, key_impl: str
   storage = getattr(md, "storage", None)
   chunk = getattr(storage, "chunk_shape", None)
   chunk = tuple(chunk) if chunk and len(chunk) == len(md.shape) and min(chunk) > 0 else None
-  view = _open_orbax_array(item_dir, md.name, use_zarr3)
   if key_impl is not None:         # the key's data, as orbax stores a typed key
     kind = "prng_key"
-  return man.LeafInfo(path=path, kind=kind, shape=tuple(md.shape), dtype=dtype,
-                      chunk_shape=chunk, sharding=sharding, key_impl=key_impl), view
+  return (man.LeafInfo(path=path, kind=kind, shape=tuple(md.shape), dtype=dtype,
+                       chunk_shape=chunk, sharding=sharding, key_impl=key_impl),
+          _Counted(item_dir, md.name, use_zarr3, progress, tuple(md.shape)))
 
 
 def orbax_tree(item_dir: str) -> tuple[Any, bool]:
   """Orbax's metadata tree of one saved item, and whether it used zarr v3 (read by orbax's
   handler: its checkpointer warns of an item directory's missing step metadata)."""
   from etils import epath  # pylint: disable=import-outside-toplevel  (orbax's path type)
-  meta = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir))
+  what = f"orbax item {item_dir!r}: its metadata"
+  try:
+    with _failures.reading(what):
+      meta = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir))
+  except FileNotFoundError as e:          # a finalized step without its item's metadata
+    raise errors.CorruptSnapshotError(f"{what} is missing ({e}); restore another step") from None
   meta = getattr(meta, "item_metadata", meta)
   return getattr(meta, "tree", meta), bool(getattr(meta, "use_zarr3", False))
 
@@ -365,42 +425,146 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     of orbax's tree (``['params']['w']``, ``['layers'][0]['b']``), or their
     NNX form.
   """
-  if layout not in LAYOUTS:
-    raise errors.InvalidArgumentError(f"import_orbax layout={layout!r}: expected one of {LAYOUTS}")
+  _check_layout(layout)
   orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
   source = _selected(orbax_dir, step, item)
-  found, items, single = source.step, source.items, source.single
+  found = source.step
   dst_step = (found or 0) if dst_step is None else dst_step
-  if dst_step in _commit.all_steps(dst_dir):
+  if dst_step in _commit.stored_steps(dst_dir):
     raise errors.StepAlreadyExistsError(
         f"step {dst_step} is already in {dst_dir!r} (imported before?); import into another "
         f"step (dst_step=, --dst-step) or directory, or delete it first "
-        f"(jaxckpt.universal.discard_step({dst_dir!r}, {dst_step}))")
+        f"({_commit.delete_command(dst_dir, dst_step)})")
+  got = _read_source(source, orbax_dir, progress, layout)
+  metadata = dict(got.metadata)
+  metadata["imported_from"] = {
+      "orbax": orbax_dir, "step": found,
+      "item": None if found is None else (next(iter(got.kinds)) if got.single
+                                          else sorted(got.kinds))}
+  _write.write_leaves(dst_dir, dst_step, got.leaves, got.sources, metadata=metadata)
+  log.info("imported %d leaves of %s (items %s) into step %d of %s", len(got.leaves), orbax_dir,
+           sorted(got.kinds), dst_step, dst_dir)
+  return dst_step
+
+
+def import_orbax_steps(orbax_dir: str, dst_dir: str, *, steps: list[int] | None = None,
+                       item: str | None = None, progress: Any = None,
+                       layout: str = "auto") -> list[int]:
+  """Copies a whole orbax run (every finalized step of a ``CheckpointManager`` directory, or
+  ``steps``) into committed universal-format steps of the same numbers, as
+  :func:`import_orbax` copies one (a bare ``StandardCheckpointer`` save: its one step, 0).
+
+  Every step asked for is checked first: one that orbax does not hold, or that ``dst_dir``
+  holds already, is refused before anything is copied, naming them all.
+
+  Returns:
+    The steps written, ascending.
+  """
+  _check_layout(layout)
+  orbax_dir = os.path.abspath(orbax_dir)
+  if is_one_save(orbax_dir) and steps is None and _not_importable(orbax_dir) is None:
+    return [import_orbax(orbax_dir, dst_dir, item=item, progress=progress, layout=layout)]
+  wanted = run_steps(orbax_dir, dst_dir, steps)
+  for s in wanted:
+    import_orbax(orbax_dir, dst_dir, step=s, item=item, progress=progress, layout=layout)
+  return wanted
+
+
+def run_steps(orbax_dir: str, dst_dir: str, steps: list[int] | None = None) -> list[int]:
+  """The steps :func:`import_orbax_steps` copies (every finalized step, or ``steps``),
+  ascending, once each is known to be in ``orbax_dir`` and not yet in ``dst_dir``.
+
+  Raises:
+    StepNotFoundError: naming the steps orbax does not hold, and those it holds.
+    StepAlreadyExistsError: naming the steps ``dst_dir`` holds already.
+  """
+  held = orbax_manager_steps(orbax_dir)
+  wanted = held if steps is None else sorted(set(steps))
+  if not wanted or (missing := [s for s in wanted if s not in held]):
+    raise errors.StepNotFoundError(
+        f"orbax steps {missing if wanted else steps} are not in {orbax_dir!r}; it has {held}")
+  if (there := sorted(set(wanted) & set(_commit.stored_steps(dst_dir)))):
+    rest = ",".join(str(s) for s in wanted if s not in there)
+    raise errors.StepAlreadyExistsError(
+        f"steps {there} are already in {dst_dir!r} (imported before?); nothing was imported. "
+        + (f"Import the others (--steps {rest}) or into another directory" if rest else
+           "Import into another directory, or delete them there first"))
+  return wanted
+
+
+def is_one_save(orbax_dir: str) -> bool:
+  """Whether ``orbax_dir`` is one ``StandardCheckpointer`` save (not a manager's steps)."""
+  return os.path.exists(os.path.join(os.path.abspath(orbax_dir), "_METADATA"))
+
+
+def orbax_manager_steps(orbax_dir: str) -> list[int]:
+  """The finalized steps of an orbax CheckpointManager directory, ascending.
+
+  Raises:
+    InvalidArgumentError: ``orbax_dir`` is no directory import_orbax reads (naming what to pass).
+    StepNotFoundError: it holds no finalized step.
+  """
+  orbax_dir = os.path.abspath(orbax_dir)
+  if (why := _not_importable(orbax_dir)):
+    raise errors.InvalidArgumentError(why)
+  steps = sorted(_orbax_steps.orbax_steps(orbax_dir))
+  if not steps:
+    raise errors.StepNotFoundError(
+        f"{orbax_dir!r} holds neither an orbax checkpoint (_METADATA) nor finalized "
+        "CheckpointManager steps")
+  return steps
+
+
+def _check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise errors.InvalidArgumentError(f"import_orbax layout={layout!r}: expected one of {LAYOUTS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxStep:
+  """An orbax step as jaxckpt reads it, nothing copied: its leaves (LeafInfo by jaxckpt
+  path), a source per array leaf (``source[index]`` reads that region of orbax's array,
+  opened on first read), the metadata a jaxckpt step of it carries (``custom_metadata``,
+  time, metrics, the item kinds) and its items' kinds (one item, or a Composite)."""
+
+  step: int | None
+  leaves: dict[str, man.LeafInfo]
+  sources: dict[str, Any]
+  metadata: dict[str, Any]
+  kinds: dict[str, str]
+  single: bool
+
+
+def open_orbax_step(step_dir: str, step: int, *, layout: str = "auto") -> OrbaxStep:
+  """One finalized step directory of an orbax CheckpointManager, read where it lies: every
+  item import_orbax reads (pytree, JSON, array, Grain), at the paths and with the metadata
+  an import of it would write (``layout`` as :func:`import_orbax`'s)."""
+  _check_layout(layout)
+  items, step_meta = step_dir_items(step_dir)
+  return _read_source(_pick(step, items, step_meta, None, step_dir), step_dir, None, layout)
+
+
+def _read_source(source: _Source, where: str, progress: Any, layout: str) -> OrbaxStep:
+  """The leaves, sources and metadata of the ``source`` items (see :class:`OrbaxStep`)."""
   leaves, sources = {}, {}
-  for name, (kind, item_dir, _) in items.items():
-    prefix = "" if single else f"[{name!r}]"
+  for name, (kind, item_dir, _) in source.items.items():
+    prefix = "" if source.single else f"[{name!r}]"
     got, src = _ITEM_READERS[kind](item_dir, prefix, progress, layout)
     leaves.update(got)
     sources.update(src)
   if not leaves:
     raise errors.ManifestError(
-        f"orbax checkpoint {orbax_dir!r} holds no leaves that import_orbax can read (orbax's "
+        f"orbax checkpoint {where!r} holds no leaves that import_orbax can read (orbax's "
         "metadata gives an empty tree); point it at a StandardSave / StandardCheckpointer "
         "save (the directory with _METADATA, or the CheckpointManager directory)")
-  kinds = {n: kind for n, (kind, _, _) in items.items()}
+  kinds = {n: kind for n, (kind, _, _) in source.items.items()}
   metadata = _step_metadata(source)
-  metadata["imported_from"] = {
-      "orbax": orbax_dir, "step": found,
-      "item": None if found is None else (next(iter(kinds)) if single else sorted(kinds))}
-  if single:
+  if source.single:
     if (kind := next(iter(kinds.values()))) != "pytree":
       metadata[_items.ITEM_KEY] = kind
   else:
     metadata[_items.ITEMS_KEY] = kinds
-  _write.write_leaves(dst_dir, dst_step, leaves, sources, metadata=metadata)
-  log.info("imported %d leaves of %s (items %s) into step %d of %s", len(leaves), orbax_dir,
-           sorted(kinds), dst_step, dst_dir)
-  return dst_step
+  return OrbaxStep(source.step, leaves, sources, metadata, kinds, source.single)
 
 
 def _step_metadata(source: _Source) -> dict[str, Any]:
@@ -427,9 +591,9 @@ def _pytree_item(item_dir: str, prefix: str, progress: Any, layout: str
   for key_path, md in jax.tree_util.tree_flatten_with_path(tree)[0]:
     path = jax.tree_util.keystr(key_path)
     impl = (key_impls or {}).get(getattr(md, "name", None))
-    leaves[path], view = _leaf_from(path, md, item_dir, use_zarr3, impl)
-    if view is not None:
-      sources[path] = _Counted(view, progress)
+    leaves[path], src = _leaf_from(path, md, item_dir, use_zarr3, impl, progress)
+    if src is not None:
+      sources[path] = src
   if layout != "plain":
     new = ({p: nnx_path(p) for p in leaves} if layout == "nnx" else nnx_paths(list(leaves)))
     if any(new[p] != p for p in leaves):
@@ -468,7 +632,7 @@ def _array_item(item_dir: str, prefix: str, progress: Any, layout: str
   view = _open_orbax_array(item_dir, "checkpoint", zarr3)
   info = man.LeafInfo(path=prefix, kind="numpy", shape=tuple(view.shape),
                       dtype=np.dtype(view.dtype.numpy_dtype).name)
-  return {prefix: info}, {prefix: _Counted(view, progress)}
+  return {prefix: info}, {prefix: _Counted(item_dir, "checkpoint", zarr3, progress, view=view)}
 
 
 def _grain_item(item_dir: str, prefix: str, progress: Any, layout: str

@@ -1,0 +1,139 @@
+"""Deleting steps from every tier: ``delete()``, the keep policy's drops, and a rollback.
+
+A step is deleted from every tier in one order: fenced and discarded on the host
+tier first (a queued persist never runs, a running one never commits, and the
+discard returns once none runs; with agents it reaches every agent of the job,
+parity included), then removed from storage by process 0 (or by any process,
+where the agents fence the whole job), its commit marker first. The keep policy's
+drops leave the host tier and storage's listing in the save that drops them (a
+relaunch never finds them again) and their data goes off the loop's path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+from jaxckpt import errors, universal
+from jaxckpt.core._ledger import Ledger
+from jaxckpt.core._policy import DirectoryRules, Policy
+from jaxckpt.host.store import HostStore
+from jaxckpt.restore import _tiers
+
+logger = logging.getLogger("jaxckpt.manager")
+
+
+class Deletes:
+  """One manager's deletes (see the module docstring).
+
+  Args:
+    store: the manager's HostStore.
+    ledger: the manager's ledger (what is dropped, persisting, on storage).
+    directory: its storage directory (None: none).
+    process: (this process's index, the job's process count).
+    rules: the directory's rules (read-only, ``todelete_subdir``).
+    policy: whether a save may start a new timeline (``rollback``).
+    timeout_secs: the longest a discard waits for a running persist to stop.
+  """
+
+  def __init__(self, store: HostStore, ledger: Ledger, directory: str | None,
+               process: tuple[int, int], rules: DirectoryRules, policy: Policy,
+               timeout_secs: float) -> None:
+    self.store, self.ledger, self.directory = store, ledger, directory
+    self.process, self.rules, self.policy, self.timeout = process, rules, policy, timeout_secs
+    self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-delete")
+    self._deleting: dict[int, concurrent.futures.Future] = {}
+
+  @property
+  def _clears_storage(self) -> bool:
+    """Whether this process removes deleted steps from storage."""
+    return (self.directory is not None and not self.rules.read_only
+            and (self.process[0] == 0 or self.store.fences_job))
+
+  def delete(self, step: int) -> None:
+    """``delete(step)``: from every tier, now (StepNotFoundError if none held it)."""
+    self.drain()
+    held, stored, fenced = self.everywhere(step)
+    if not (held or stored or fenced):
+      raise errors.StepNotFoundError(f"delete(): step {step} is not held on any tier")
+    logger.info("deleted step %d (host: %s, storage: %s)", step, held, stored)
+
+  def everywhere(self, step: int, *, listed_before: bool = False) -> tuple[bool, bool, bool]:
+    """Deletes ``step`` from this host and, from process 0, storage; says what held it
+    (``listed_before``: storage held it before its marker was removed)."""
+    held = self.store.discard(step, timeout_secs=self.timeout)   # fenced first
+    fenced = self.ledger.fence(step)
+    stored = listed_before or (self.directory is not None
+                               and step in _tiers.storage_steps(self.directory))
+    if stored and self._clears_storage:
+      universal.discard_step(self.directory, step, todelete_subdir=self.rules.todelete_subdir)
+    self.ledger.forget(step)
+    return held, stored, fenced
+
+  def collect(self, *, in_flight: set[int], all_ended: bool = False) -> None:
+    """Deletes the dropped steps whose persist has ended (see the module docstring)."""
+    dropped = set(self.ledger.dropped()) - set(self._deleting)
+    if not dropped:
+      return
+    busy = in_flight | (set() if all_ended else set(self.store.persist_status().pending))
+    ready = sorted(dropped - busy)
+    for step in ready:
+      self.store.discard(step, timeout_secs=self.timeout)
+      self.ledger.fence(step)
+    if ready and self._clears_storage:
+      universal.unlist_steps(self.directory, ready)
+    for step in ready:
+      self._deleting[step] = self._janitor.submit(self._drop, step)
+
+  def _drop(self, step: int) -> None:
+    try:
+      self.everywhere(step, listed_before=self.directory is not None)
+    except Exception as e:  # pylint: disable=broad-except  (raised by the next call that asks)
+      logger.error("step %d: deleting it (the keep policy dropped it) failed: %s", step, e)
+      self.ledger.fail(e)
+    finally:
+      self._deleting.pop(step, None)
+
+  def drain(self) -> None:
+    """Waits for the deletes running off the loop's path."""
+    for fut in list(self._deleting.values()):
+      fut.result(timeout=self.timeout)
+
+  def close(self) -> None:
+    self._janitor.shutdown(wait=True)
+
+  def timeline(self, step: int) -> None:
+    """A save of a step not newer than every step the run holds: after ``restore`` of an
+    older step it starts a new timeline, and the steps of the abandoned one (those
+    newer than the restored step) are deleted from every tier, for good (their
+    markers first, so a crash never leaves one listed). Without such a restore a
+    newer step on storage refuses the save: the run would mix two timelines."""
+    led = self.ledger
+    if led.high is None or step > led.high:
+      led.high = step
+      return
+    if not self.policy.rollback:
+      return
+    fork = led.restored if led.restored is not None and led.restored < step else None
+    stored = set(_tiers.storage_steps(self.directory))
+    if fork is None:
+      newer = sorted(s for s in stored if s > step)
+      if newer:
+        raise errors.InvalidArgumentError(
+            f"save(step={step}): {self.directory!r} holds newer steps {newer} of this run, "
+            f"so step {step} would start another timeline beside them; to roll back, "
+            f"restore(step=...) the step to go back to first (the newer steps are then "
+            f"deleted), or delete them, or save into another directory")
+      return
+    abandoned = sorted(s for s in stored | set(self.store.steps()) | set(led.attempts())
+                       | set(_tiers.complete_steps(self.store)) if s > fork)
+    logger.warning("step %d starts a new timeline from step %d (restored): steps %s of the "
+                   "abandoned timeline are deleted from every tier", step, fork, abandoned)
+    self.drain()
+    for s in abandoned:                 # fenced first: nothing commits them again
+      self.store.discard(s, timeout_secs=self.timeout)
+    if stored & set(abandoned) and self._clears_storage:
+      universal.unlist_steps(self.directory, [s for s in abandoned if s in stored])
+    for s in abandoned:
+      self.everywhere(s, listed_before=s in stored)
+    led.restored, led.high = None, step

@@ -1,0 +1,107 @@
+"""What a manager lists: the restorable steps of its run, across the tiers, as the ledger
+knows them.
+
+``all_steps()`` is the step in flight, the steps the job holds complete on the host
+tier (or can rebuild from parity), and the stored steps this manager knows
+(those on storage when it started or was reloaded, and those it stored since),
+with the steps this manager saved for storage from their save on (another process
+may commit them a little later), less the steps the keep policy dropped. The
+stored steps' time and metrics are read once, at start and on ``reload()``, for the
+keep policy to rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any, Callable
+
+from jaxckpt import errors, universal
+from jaxckpt.core._ledger import EPOCH, METRICS_KEY, TIME_KEY, Ledger, StepInfo
+from jaxckpt.core._policy import Policy
+from jaxckpt.host.store import HostStore
+from jaxckpt.restore import _read, _tiers
+
+logger = logging.getLogger("jaxckpt.manager")
+
+
+class Listing:
+  """One manager's listing (see the module docstring).
+
+  Args:
+    store: the manager's HostStore; ledger: its ledger; directory: its storage (None:
+      none); policy: its policy (whether steps carry time and metrics to rank).
+    parity: whether steps rebuildable from parity are listed.
+    settle: waits for the snapshot in flight (a step being saved is described once held).
+  """
+
+  def __init__(self, store: HostStore, ledger: Ledger, directory: str | None, policy: Policy,
+               *, parity: bool, settle: Callable[[], None]) -> None:
+    self.store, self.ledger, self.directory, self.policy = store, ledger, directory, policy
+    self.parity, self.settle = parity, settle
+
+  def all_steps(self) -> list[int]:
+    led = self.ledger
+    flight = led.in_flight()          # first: once it is done, the host tier holds it
+    held = set(_tiers.complete_steps(self.store))
+    if self.parity:
+      held |= set(_tiers.rebuildable_steps(sorted(held), self.store))
+    stored = set(_tiers.storage_steps(self.directory))
+    led.listed.update(held)
+    on_its_way = {s for s, a in led.attempts().items()
+                  if a not in led.told and s not in led.stored}
+    led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
+    for s in led.listed & stored:
+      led.stored.add(s)
+    listed = flight | held | (led.listed & stored) | on_its_way
+    led.prune(listed)
+    return sorted(listed - set(led.dropped()))
+
+  def best_step(self) -> int | None:
+    """The best kept step by ``best_fn``, else the newest; None if none has metrics."""
+    if self.policy.best_key is None:
+      steps = self.all_steps()
+      return steps[-1] if steps else None
+    return self.policy.best(self.ledger.kept())
+
+  def metrics(self, step: int) -> Any:
+    """The metrics given to ``save(step, ..., metrics=...)``, or None."""
+    rec = self.ledger.get(step)
+    if rec is not None and rec.metrics is not None:
+      return rec.metrics
+    try:
+      return self.step_metadata(step)[2].get(METRICS_KEY)
+    except errors.StepNotFoundError:
+      return None
+
+  def step_metadata(self, step: int) -> tuple[str, dict[str, _read.LeafMetadata], dict]:
+    """The tier that describes ``step``, its leaves by path and its metadata."""
+    if step == self.ledger.flight_step:
+      self.settle()                   # the step being saved: once it is held
+    return _tiers.step_metadata(self.store, self.directory, step)
+
+  def load(self) -> None:
+    """The stored steps, and the checkpoints among them and the held ones (a relaunch),
+    with their time and metrics (what orbax reads at start)."""
+    led = self.ledger
+    stored = _tiers.storage_steps(self.directory)
+    led.listed = set(stored)
+    held = _tiers.complete_steps(self.store)
+    led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
+    if self.policy.records:
+      infos = [self._info(s) for s in sorted(set(stored) | set(held)) if s not in led.dropped()]
+      led.found(i for i in infos if i.step in stored or i.time is not EPOCH)
+    found = universal.orbax_found(self.directory)
+    if found:
+      logger.info("%s", found)
+
+  def _info(self, step: int) -> StepInfo:
+    try:
+      meta = self.step_metadata(step)[2]
+    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError,
+            errors.StorageError) as e:
+      logger.warning("step %d: its time and metrics cannot be read (%s)", step, e)
+      return StepInfo(step, EPOCH, None)
+    t = meta.get(TIME_KEY)
+    when = EPOCH if t is None else datetime.datetime.fromtimestamp(t, tz=datetime.timezone.utc)
+    return StepInfo(step, when, meta.get(METRICS_KEY))
