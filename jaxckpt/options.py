@@ -100,7 +100,8 @@ class CheckpointOptions:
     persist_interval_steps: with a ``directory``, every snapshot whose step is
       a multiple of this is also written to storage in the universal format.
       None: the first snapshot, then as storage keeps up (a one-process job
-      persists a snapshot whenever its previous persist has ended, a job of
+      persists a snapshot whenever its previous persist has ended, its first
+      too when its agent still persists an earlier trainer's steps, a job of
       several processes every m-th, m from the measured persist time:
       docs/planning.md), so snapshots between persists, the newest ones of a
       run included, stay in host memory only; ``save(step, force=True)``

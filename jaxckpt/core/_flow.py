@@ -51,6 +51,7 @@ class SaveFlow:
     self.options, self.log_entry = options, log_entry
     self.on_busy, self.agent = options.on_busy, options.agent is not None
     self.last_save_at = time.perf_counter()
+    self._asked_store = False          # persisting() asked the store once
 
   # -- the decision -----------------------------------------------------------
 
@@ -63,13 +64,20 @@ class SaveFlow:
     return self.schedule.peek(step, persisting=self.persisting())
 
   def persisting(self) -> bool:
-    """Whether a persist this manager started has not ended, as the store last said (no
-    request; a due save whose commit is not answered yet counts as persisting)."""
+    """Whether a persist has not ended, as the store last said: one this manager started
+    (a due save whose commit is not answered yet counts), or another in the store's one
+    queue (an earlier trainer's, in its agent: a persist added now would wait behind it,
+    its step holding a slot meanwhile, and relaunches while storage lags would pile them
+    up). The store is asked at the first decision; its replies keep it current after."""
     due = self.ledger.persisting()
-    if due and self.directory is not None:
-      self.ended(self.store.persist_status(ask=False))
+    if self.directory is None:
+      return any(r.step not in self.ledger.stored for r in due)
+    status = self.store.persist_status(ask=not self._asked_store)
+    self._asked_store = True
+    if due:
+      self.ended(status)
       due = self.ledger.persisting()
-    return any(r.step not in self.ledger.stored for r in due)
+    return bool(status.pending) or any(r.step not in self.ledger.stored for r in due)
 
   def never_skipped(self, d: _schedule.Decision) -> str | None:
     """Why a save that was decided may not be skipped (None: it may)."""

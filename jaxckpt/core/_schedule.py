@@ -203,8 +203,9 @@ class Schedule:
   def decide(self, step: int, *, force: bool = False, persisting: bool = False) -> Decision:
     """The decision of the next candidate call, of ``step`` (the one ``peek`` gave, if
     it was asked of this step last; ``force`` still applies); counts the call.
-    ``persisting``: a persist this manager started has not ended (a one-process job
-    then persists nothing new). In a job of several processes the decision is the
+    ``persisting``: a persist in the store's queue has not ended, this manager's or an
+    earlier trainer's (a one-process job then persists nothing new, its first snapshot
+    included). In a job of several processes the decision is the
     job's: a planned snapshot counts as taken whether or not this process managed to
     start it (its save raised), so that every process goes on deciding alike; a
     one-process job calls :meth:`took` once its snapshot has started."""
@@ -272,8 +273,9 @@ class Schedule:
                 or k - self.last_snapshot >= plan.snapshot_every)
     if not self.auto_persist or not snapshot:
       return Decision(snapshot, snapshot and fixed_due)
-    if force or self.snapshots_since_due is None:   # forced, or the first: persisted at once
-      return Decision(True, True)
+    if force or (self.snapshots_since_due is None and (self.agreed or not persisting)):
+      return Decision(True, True)    # forced, or the first: persisted at once (one process:
+                                     # once an earlier trainer's persists in its agent ended)
     if not self.agreed:    # one process: once the last persist has ended, and the loop ran
       p = self.measure.report().persist_secs     # 1.5x as long as a persist ran beside it
       rested = (p is None or self._due_at is None

@@ -128,6 +128,18 @@ def test_one_process_persists_whenever_its_last_persist_has_ended():
   assert s.decide(6, persisting=False) == sch.Decision(True, True)
 
 
+def test_a_relaunched_process_persists_its_first_snapshot_once_the_earlier_persists_ended():
+  # Its agent still persists a killed trainer's step: the first snapshot waits for storage
+  # as any other (persisted at once, it held a slot; relaunches held them all).
+  s = sch.Schedule(process=(0, 1), on_busy="skip", persist_interval=None, timeout_secs=1)
+  for step in (11, 12):
+    d = s.decide(step, persisting=True)
+    assert d == sch.Decision(True, False)
+    s.took(d)
+  assert s.decide(13, persisting=False) == sch.Decision(True, True)
+  assert s.decide(14, persisting=True, force=True) == sch.Decision(True, True)
+
+
 def test_a_fixed_interval_is_due_on_its_steps_and_force_persists_under_the_automatic_one():
   fixed = sch.Schedule(process=(0, 1), on_busy="skip", persist_interval=5, timeout_secs=1)
   assert [s for s in range(1, 16) if fixed.decide(s).due] == [5, 10, 15]
