@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import psutil
+
+from jaxckpt.agent import jobs
 from jaxckpt.testing import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,3 +89,23 @@ def test_agent_list_shows_every_agent_of_the_user_and_stop_all_stops_them():
     assert not listed & set(pids)
     bad = _jaxckpt("agent", "stop", "--all", "--job-name", job_a)
     assert bad.returncode == 2 and "give --job-name JOB" in bad.stderr
+
+
+def test_agent_list_takes_only_jaxckpt_agents_for_agents():
+  # Another program whose arguments read 'agent serve --job-name ...' is not listed (nor
+  # stopped by stop --all); `python -m jaxckpt agent serve` and `jaxckpt agent serve` are.
+  other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "agent",
+                            "serve", "--job-name", "notours"], stdin=subprocess.PIPE)
+  try:
+    proc = psutil.Process(other.pid)
+    assert jobs.agent_of(proc) is None
+    assert "notours" not in _jaxckpt("agent", "list", "--json").stdout
+  finally:
+    other.kill()
+    other.wait(30)
+  for argv in (["/usr/bin/python3", "-m", "jaxckpt", "agent", "serve", "--job-name", "j"],
+               ["/venv/bin/jaxckpt", "agent", "serve", "--job-name", "j", "--host-id", "2"],
+               ["python", "-m", "jaxckpt.agent", "serve", "--job-name", "j", "--run-root", "/r"]):
+    a = jobs.parse_agent_command(argv)
+    assert a is not None and a[0] == "j", argv
+  assert jobs.parse_agent_command(["python", "-c", "x", "agent", "serve", "--job-name", "j"]) is None

@@ -282,16 +282,13 @@ class LocalAgent:
     return _paths.agent_dir(self.run_root, self.job, self.host)
 
 
-def agent_of(proc: psutil.Process) -> LocalAgent | None:
-  """The agent ``proc`` runs (``jaxckpt agent serve``, as spawned or started by hand),
-  or None: another program, or an agent whose arguments make no job."""
-  try:
-    cmd = proc.cmdline()
-    rss = proc.memory_info().rss
-  except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-    return None
+def parse_agent_command(cmd: list[str]) -> tuple[str, int, str | None] | None:
+  """(job, host id, run root or None) of a ``jaxckpt agent serve`` command line (as
+  spawned, ``python -m jaxckpt.agent serve``, or ``(python -m) jaxckpt agent serve``);
+  None for any other command."""
   for i in range(len(cmd) - 1):
-    if cmd[i + 1] == "serve" and (cmd[i] in ("jaxckpt.agent", "agent")):
+    if cmd[i + 1] == "serve" and (cmd[i] == "jaxckpt.agent" or (
+        cmd[i] == "agent" and i > 0 and os.path.basename(cmd[i - 1]) == "jaxckpt")):
       break
   else:
     return None
@@ -302,8 +299,21 @@ def agent_of(proc: psutil.Process) -> LocalAgent | None:
     _paths.check_job_name(args.job_name)
   except errors.InvalidArgumentError:
     return None
-  return LocalAgent(pid=proc.pid, job=args.job_name, host=args.host_id,
-                    run_root=args.run_root or _paths.default_run_root(), rss_bytes=rss)
+  return args.job_name, args.host_id, args.run_root
+
+
+def agent_of(proc: psutil.Process) -> LocalAgent | None:
+  """The agent ``proc`` runs (:func:`parse_agent_command` of its command line), or None."""
+  try:
+    found = parse_agent_command(proc.cmdline())
+    rss = proc.memory_info().rss
+  except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    return None
+  if found is None:
+    return None
+  job, host, run_root = found
+  return LocalAgent(pid=proc.pid, job=job, host=host,
+                    run_root=run_root or _paths.default_run_root(), rss_bytes=rss)
 
 
 def local_agents(*, ask: bool = True, timeout_secs: float = 5.0) -> list[LocalAgent]:
