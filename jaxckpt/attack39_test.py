@@ -8,13 +8,16 @@ mark with the fix.
 
 from __future__ import annotations
 
-import datetime
+import contextlib
+import time
+import uuid
 
 import numpy as np
 import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors, universal
+from jaxckpt.testing import processes
 
 
 def _state(step: int, version: int = 0) -> dict:
@@ -78,3 +81,32 @@ def test_an_older_save_long_after_a_restore_is_refused_not_a_rollback(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match=r"save\(step=33\): .*newer steps"):
       m.save(33, _state(33, version=1))
     assert universal.all_steps(directory) == list(range(30, 36))
+
+
+# -- a wait's timeout holds when storage does not answer -----------------------------------------
+
+@pytest.mark.parametrize("with_agent", [False, True], ids=["in_process", "agent"])
+def test_wait_until_finished_raises_on_time_when_storage_hangs(s3_server, with_agent):
+  """wait_until_finished(timeout_secs=2) with the S3 server stopped raised after 122 s: naming
+  who was late asked storage for the missing parts with the 120 s request timeout. Now the
+  question is bounded (universal.LATE_PROBE_SECS) and the timeout says it was not answered."""
+  d = s3_server.url(uuid.uuid4().hex[:12])
+  with contextlib.ExitStack() as stack:
+    agent = None
+    if with_agent:
+      root, job = stack.enter_context(processes.agent_sandbox())
+      agent = jc.AgentOptions(job_name=job, run_root=root)
+    m = stack.enter_context(jc.CheckpointManager(d, _options(agent=agent, timeout_secs=120)))
+    with s3_server.paused():
+      assert m.save(1, _state(1))
+      m.wait_until_snapshotted()
+      t0 = time.monotonic()
+      with pytest.raises(errors.SnapshotTimeoutError,
+                         match=r"steps \[1\] were not persisted to .* within 2 s: step 1: which "
+                               r"parts are missing is unknown \(TimeoutError: storage did not "
+                               r"answer within 5.0 s\)"):
+        m.wait_until_finished(timeout_secs=2)
+      took = time.monotonic() - t0
+    assert took < 2 + universal.LATE_PROBE_SECS + 30, took      # (was 122 s)
+    m.wait_until_finished()                          # storage answers again: the step is stored
+    assert universal.all_steps(d) == [1]

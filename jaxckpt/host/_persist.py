@@ -164,9 +164,13 @@ def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: Any,
 
 def who_is_late(directory: str, step: int, attempt: str, process_count: int) -> str:
   """Why persist ``attempt`` of ``step`` is not on storage yet: the processes whose
-  part is missing there, or process 0's commit (what a timeout names)."""
+  part is missing there, or process 0's commit (what a timeout names). Storage is
+  asked for a few seconds at most: a wait that ran out raises on time even when
+  storage does not answer."""
+  u = _universal()
   try:
-    missing = _universal().missing_parts(directory, step, attempt, process_count)
+    missing = u.missing_parts(directory, step, attempt, process_count,
+                              timeout_secs=u.LATE_PROBE_SECS)
   except (OSError, ValueError) as e:       # (a storage that does not answer now)
     return f"step {step}: which parts are missing is unknown ({type(e).__name__}: {e})"
   if missing:
