@@ -9,6 +9,7 @@ mark with the fix.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
 
@@ -18,6 +19,8 @@ import pytest
 import jaxckpt as jc
 from jaxckpt import errors, universal
 from jaxckpt.testing import processes
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _state(step: int, version: int = 0) -> dict:
@@ -110,3 +113,65 @@ def test_wait_until_finished_raises_on_time_when_storage_hangs(s3_server, with_a
     assert took < 2 + universal.LATE_PROBE_SECS + 30, took      # (was 122 s)
     m.wait_until_finished()                          # storage answers again: the step is stored
     assert universal.all_steps(d) == [1]
+
+
+# -- one run per agent: a new run never sees the previous run's snapshots -------------------------
+
+_RUN1 = """
+import os, sys, time
+import jaxckpt as jc
+from jaxckpt.attack39_test import _options, _state
+root, job, directory, go = sys.argv[1:5]
+m = jc.CheckpointManager(directory, _options(agent=jc.AgentOptions(job_name=job, run_root=root),
+                                             timeout_secs=120))
+print("READY", flush=True)
+while not os.path.exists(go):
+  time.sleep(0.02)
+assert m.save(2, _state(2))
+m.wait_until_snapshotted()
+print("SAVED", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "agent/_server.Agent._start_run frees only the previous run's steps whose persist is not "
+    "running; the others stay in the slot table, listed and restored by the new run, and the "
+    "new run's first commit drops them as a 'rollback' (SlotTable.commit drops committed steps "
+    ">= the new step), fencing the previous run's persists: its steps never reach its storage"))
+def test_a_new_run_sees_nothing_of_the_previous_run_s_unfinished_persists(s3_server, tmp_path):
+  """A sweep script keeps the job name: run 1's trainer (on S3) is killed while its agent
+  still persists step 2 (storage stopped answering), and run 2 starts at once in its own
+  directory. Run 2 listed [2] and restore() gave run 1's step 2 from the agent (tier host);
+  run 2's first snapshot then dropped run 1's step 2 as a rolled back step and fenced its
+  persist, so it never reached run 1's storage once storage answered again."""
+  d1, go = s3_server.url(uuid.uuid4().hex[:12]), str(tmp_path / "go")
+  with processes.agent_sandbox() as (root, job):
+    agent = jc.AgentOptions(job_name=job, run_root=root)
+    with processes.Proc(["-c", _RUN1, root, job, d1, go], cwd=_REPO) as run1, \
+        contextlib.ExitStack() as later:
+      run1.wait_for("READY", 240)
+      with s3_server.paused():
+        open(go, "w").close()
+        run1.wait_for("SAVED", 120)
+        run1.kill()                                  # its agent goes on persisting step 2
+        m2 = later.enter_context(jc.CheckpointManager(str(tmp_path / "run2"),
+                                                      _options(agent=agent)))
+        assert m2.all_steps() == [] and m2.latest_step() is None
+        with pytest.raises(errors.StepNotFoundError):
+          m2.restore(None, _state(0))
+        assert m2.save(1, _state(1, version=2))
+        m2.wait_until_snapshotted()
+        assert m2.all_steps() == [1]
+      m2.wait_until_finished()                       # storage answers again
+    _wait_until(lambda: universal.all_steps(d1) == [2], 120, f"run 1's step 2 on {d1}")
+    with jc.CheckpointManager(d1, _options()) as m:
+      np.testing.assert_array_equal(m.restore(2, _state(0))["w"], _state(2)["w"])
+
+
+def _wait_until(condition, timeout_secs: float, what: str) -> None:
+  deadline = time.monotonic() + timeout_secs
+  while not condition():
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{what}: not within {timeout_secs} s")
+    time.sleep(0.1)
