@@ -175,3 +175,69 @@ def _wait_until(condition, timeout_secs: float, what: str) -> None:
     if time.monotonic() > deadline:
       raise TimeoutError(f"{what}: not within {timeout_secs} s")
     time.sleep(0.1)
+
+
+# -- a step the keep policy dropped never comes back ---------------------------------------------
+
+_KEEP_ONE = """
+import os, sys, time
+import jaxckpt as jc
+from jaxckpt.attack39_test import _options, _state
+root, job, directory, go = sys.argv[1:5]
+m = jc.CheckpointManager(directory, _options(agent=jc.AgentOptions(job_name=job, run_root=root),
+                                             max_to_keep=1, timeout_secs=120))
+print("READY", flush=True)
+while not os.path.exists(go):
+  time.sleep(0.02)
+assert m.save(1, _state(1)) and m.save(2, _state(2))
+m.wait_until_snapshotted()
+print("SAVED", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core: a step the keep policy drops while its persist runs is deleted only once that "
+    "persist ends (Deletes.collect); a trainer killed before then leaves it to the agent, "
+    "which stores it, and the relaunch (Listing.load) lists and restores it without applying "
+    "the keep policy to what it found"))
+def test_a_step_dropped_while_its_persist_runs_stays_dropped_through_a_kill(s3_server, tmp_path):
+  """max_to_keep=1 with the agent: steps 1 and 2 are saved while storage is slow (stopped),
+  so step 1 is dropped while its persist runs; the trainer is killed. Its agent stores both
+  once storage answers, and the relaunch listed [1, 2] and restored the dropped step 1."""
+  d, go = s3_server.url(uuid.uuid4().hex[:12]), str(tmp_path / "go")
+  with processes.agent_sandbox() as (root, job):
+    agent = jc.AgentOptions(job_name=job, run_root=root)
+    with processes.Proc(["-c", _KEEP_ONE, root, job, d, go], cwd=_REPO) as trainer:
+      trainer.wait_for("READY", 240)
+      with s3_server.paused():
+        open(go, "w").close()
+        trainer.wait_for("SAVED", 120)
+        trainer.kill()
+    # the agent persists oldest first: once step 2 is stored, step 1's persist has ended
+    _wait_until(lambda: 2 in universal.all_steps(d), 120, f"step 2 on {d}")
+    with jc.CheckpointManager(d, _options(agent=agent, max_to_keep=1)) as m:
+      assert m.all_steps() == [2]
+      with pytest.raises(errors.StepNotFoundError):
+        m.restore(1, _state(0))
+      m.wait_until_finished()
+      assert universal.all_steps(d) == [2]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core/_manager.CoreManager.restore checks the ledger's dropped steps only for "
+    "restore(None); restore(step=N) of a dropped step whose persist still runs reads it "
+    "from the host tier"))
+def test_a_step_the_keep_policy_dropped_is_not_restored_by_name(s3_server):
+  """max_to_keep=1, storage slow (stopped): after save(2), all_steps() == [2], yet
+  restore(step=1) returned step 1 from host memory; orbax's manager raises for a step it
+  does not list."""
+  d = s3_server.url(uuid.uuid4().hex[:12])
+  with jc.CheckpointManager(d, _options(max_to_keep=1, timeout_secs=120)) as m:
+    with s3_server.paused():
+      assert m.save(1, _state(1)) and m.save(2, _state(2))
+      m.wait_until_snapshotted()
+      with pytest.raises(errors.StepNotFoundError, match=r"step=1"):
+        m.restore(1, _state(0))
+    m.wait_until_finished()
+    assert m.all_steps() == [2] == universal.all_steps(d)
