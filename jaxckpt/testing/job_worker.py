@@ -232,6 +232,40 @@ def options_differ(job: Job) -> None:
     say("REFUSED", str(e).replace("\n", " "))
 
 
+def _every(n: int) -> Callable[[int], bool]:
+  """A save policy that a per-host configuration file parametrizes (a closure: its
+  name is the same whatever ``n`` is)."""
+  def should_save(step: int) -> bool:
+    return step % n == 0
+  return should_save
+
+
+def _option(name: str, value: str) -> Any:
+  """``--variant`` values as the option takes them (``int`` for the plain ones)."""
+  import datetime  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  n = int(value)
+  policies = ocp.checkpoint_managers
+  return {"keep_time_interval": lambda: datetime.timedelta(hours=n),
+          "should_save_fn": lambda: _every(n),
+          "preservation_policy": lambda: policies.AnyPreservationPolicy([policies.LatestN(n)]),
+          }.get(name, lambda: n)()
+
+
+@scenario
+def options_differ_in_value(job: Job) -> None:
+  """Every process gives option NAME, process ``i`` the ``i``-th of ``--variant``
+  NAME=V0,V1,...: every process is refused at construction, naming the option."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  name, values = job.a.variant.split("=")
+  kw = {name: _option(name, values.split(",")[job.me])}
+  try:
+    jc.CheckpointManager(job.a.directory or None, job.options(agent=False, **kw)).close()
+    say("ACCEPTED")
+  except jc.errors.InvalidArgumentError as e:
+    say("REFUSED", str(e).replace("\n", " "))
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)
