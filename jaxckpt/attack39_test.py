@@ -241,3 +241,25 @@ def test_a_step_the_keep_policy_dropped_is_not_restored_by_name(s3_server):
         m.restore(1, _state(0))
     m.wait_until_finished()
     assert m.all_steps() == [2] == universal.all_steps(d)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core/_identity.run_name keeps a file:// URL as it is (only local paths are made "
+    "canonical), so the agent takes the same directory for another run and frees its snapshots"))
+def test_the_same_directory_as_a_file_url_resumes_from_the_agent(tmp_path):
+  """A relaunch names the run's directory as file:///... (storage reads it as the same
+  directory): it found nothing, the agent having freed the run's snapshots as another run's."""
+  directory = str(tmp_path / "run")
+  with processes.agent_sandbox() as (root, job):
+    opts = jc.CheckpointOptions(max_snapshots=3, on_busy="wait", persist_interval_steps=100,
+                                handle_sigterm=False,
+                                agent=jc.AgentOptions(job_name=job, run_root=root))
+    with jc.CheckpointManager(directory, opts) as m:
+      for s in (4, 5):
+        assert m.save(s, _state(s))
+      m.wait_until_finished()
+    with jc.CheckpointManager("file://" + directory, opts) as m:
+      assert m.all_steps() == [4, 5]
+      out = m.restore(None, _state(0))
+      assert (m.last_restore.step, m.last_restore.tier) == (5, "host")
+      np.testing.assert_array_equal(out["w"], _state(5)["w"])
