@@ -263,3 +263,39 @@ def test_the_same_directory_as_a_file_url_resumes_from_the_agent(tmp_path):
       out = m.restore(None, _state(0))
       assert (m.last_restore.step, m.last_restore.tier) == (5, "host")
       np.testing.assert_array_equal(out["w"], _state(5)["w"])
+
+
+# -- a refused read is never a reason to delete ---------------------------------------------------
+
+def _loss(metrics: dict) -> float:
+  return metrics["loss"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core/_listing.Listing._info ranks a stored step whose metadata read was refused as a "
+    "step without metrics (time: the epoch), and the keep policy deletes such steps for "
+    "good when keep_checkpoints_without_metrics=False"))
+def test_a_refused_metadata_read_at_relaunch_deletes_nothing():
+  """best_fn (min loss), max_to_keep=2, keep_checkpoints_without_metrics=False: steps 10 (loss
+  1.0, the best) and 20 (loss 5.0) are stored. The relaunch's read of step 10's manifest is
+  refused (S3 403, credentials rotating); its next save deleted step 10, intact and the best,
+  from storage for good."""
+  from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
+  from jaxckpt.universal import _layout as lay  # pylint: disable=import-outside-toplevel
+  opts = jc.CheckpointOptions(max_to_keep=2, best_fn=_loss, best_mode="min",
+                              keep_checkpoints_without_metrics=False, save_interval_steps=10,
+                              persist_interval_steps=10, on_busy="wait", handle_sigterm=False)
+  with SeaweedS3() as s3:              # of its own: refusing reads turns authentication on
+    d = s3.url()
+    with jc.CheckpointManager(d, opts) as m:
+      for s, loss in ((10, 1.0), (20, 5.0)):
+        assert m.save(s, _state(s), metrics={"loss": loss})
+      m.wait_until_finished()
+    with s3.refusing_reads(f"{d}/{lay.step_dir(10)}"):
+      with jc.CheckpointManager(d, opts) as m:
+        assert m.save(30, _state(30), metrics={"loss": 3.0})
+        m.wait_until_finished()
+        assert 10 in m.all_steps()
+    assert 10 in universal.all_steps(d)
+    with jc.CheckpointManager(d, opts) as m:
+      assert m.best_step() == 10
