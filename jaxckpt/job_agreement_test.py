@@ -61,3 +61,22 @@ def test_processes_whose_options_differ_only_in_value_are_refused(tmp_path, vari
     assert "ACCEPTED" not in out.splitlines(), (i, out[-2000:])
     (refused,) = lines(out, "REFUSED")
     assert f"{name}: process 0 has" in refused and "processes [1] have" in refused, refused
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core: an attempt seen committed stays 'unanswered' in the ledger (only failed and "
+    "fenced attempts are marked told), so Persists._wait_committed on every process but 0 "
+    "waits again, at every wait and at close, for every step it ever persisted to be "
+    "committed: one marker read per such step, and a timeout once one was deleted"))
+def test_a_step_deleted_beside_the_running_job_is_not_waited_for(tmp_path):
+  """guide.md: `jaxckpt delete DIR --step N` runs beside a job (it reaches the job's
+  agents). Steps 1 and 2 stored, step 1 deleted that way, step 3 saved: process 1's
+  wait_until_finished and close() timed out waiting for step 1 ("processes [0, 1] of 2
+  did not write their part"), which nobody saves again."""
+  with processes.agent_sandbox() as (root, job):
+    with launch(2, root, job, "deleted_elsewhere", str(tmp_path / "ckpt"), "") as procs:
+      outs = finish(procs, timeout=240)
+  assert lines(outs[0], "CLI")[0].startswith("0 "), outs[0]
+  for i, out in enumerate(outs):
+    assert not lines(out, "TIMEOUT"), (i, lines(out, "TIMEOUT"))
+    assert lines(out, "WAITED") == lines(out, "CLOSED") == ["[2, 3]"], (i, out[-3000:])
