@@ -42,7 +42,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxckpt as jc  # pylint: disable=wrong-import-position
-from jaxckpt.agent import _parity, _paths  # pylint: disable=wrong-import-position
+from jaxckpt.agent import _parity_config, _paths  # pylint: disable=wrong-import-position
 from jaxckpt.agent.client import AgentStore  # pylint: disable=wrong-import-position
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest,  # pylint: disable=wrong-import-position
                               checksum)
@@ -60,7 +60,7 @@ class Job:
     self.rows = max(HOSTS * 8, int(size_mib * 2**20 / 4 / COLS) // (HOSTS * 8) * HOSTS * 8)
     self.per_host = self.rows // HOSTS
     self.options = jc.ParityOptions(group_size=HOSTS, parity=parity)
-    self.config = _parity.ParityConfig(HOSTS, parity, 600.0).to_obj()
+    self.config = _parity_config.ParityConfig(HOSTS, parity, 600.0).to_obj()
     rng = np.random.default_rng(0)
     self.base = rng.standard_normal((self.per_host, COLS), dtype=np.float32)
     self.stores = [self._store(h) for h in range(HOSTS)]

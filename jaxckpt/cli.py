@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   fn = getattr(args, "func", None) or getattr(args, "handler")
-  return int(fn(args) or 0)
+  return universal_cli.until_stdout_closes(lambda: int(fn(args) or 0))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 test-only packages live in extras."""
 
 import ast
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -81,6 +82,78 @@ def test_the_layers_import_only_downwards():
               if m.startswith(above + ("jaxckpt.host", "jaxckpt.net", "jaxckpt.restore"))]
 
 
+def _arrows_tool():
+  spec = importlib.util.spec_from_file_location("import_arrows", _ROOT / "tools" / "import_arrows.py")
+  tool = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = tool        # (its dataclasses look their module up)
+  spec.loader.exec_module(tool)
+  return tool
+
+
+# The imports left that run upward against docs/architecture.md's Directions, each
+# with where it goes. None may be added.
+_UPWARD_LEFT = {
+    # the root's names for type checkers (at run time they resolve on first use)
+    ("jaxckpt", "jaxckpt.ft"), ("jaxckpt", "jaxckpt.parity"), ("jaxckpt", "jaxckpt.universal"),
+    ("jaxckpt", "jaxckpt.restore._read"), ("jaxckpt", "jaxckpt.manager"),
+    ("jaxckpt", "jaxckpt.options"), ("jaxckpt", "jaxckpt.parity.placement"),
+    # the test harness, which leaves the package (#43 item 1)
+    ("jaxckpt.ft._worker", "jaxckpt.testing.fault_injection"),
+    ("jaxckpt.universal._fixtures", "jaxckpt.cli"),
+    # orbax's item encoding, used by the orbax import/export that moves into orbax/ (#43 item 3)
+    ("jaxckpt.universal.orbax_interop", "jaxckpt.orbax._items"),
+}
+
+
+def test_no_import_runs_upward_but_those_named():
+  """tools/import_arrows.py reads every import (top-level, in a function, or for type
+  checkers) against the Directions; the host tier's persister is handed its writer and
+  arrays are assembled below both restore and universal, so neither arrow is back."""
+  tool = _arrows_tool()
+  arrows = tool.arrows()
+  found = {(i.module, i.target) for i in arrows}
+  assert found <= _UPWARD_LEFT, sorted(found - _UPWARD_LEFT)
+  assert all(i.kind == "type-checking" for i in arrows if i.module == "jaxckpt")
+  assert tool.direction("jaxckpt.host._persist", "jaxckpt.universal") == "upward"
+  assert tool.direction("jaxckpt.universal._read", "jaxckpt.arrays._assemble") == "down"
+  assert tool.direction("jaxckpt.net._wire", "jaxckpt.parity") == "sideways"
+
+
 def test_the_root_holds_the_public_surface_only():
   names = sorted(f.stem for f in (_ROOT / "jaxckpt").glob("*.py") if not f.stem.endswith("_test"))
   assert names == ["__init__", "__main__", "cli", "errors", "manager", "options", "tree"], names
+
+
+# Import name -> the distribution that provides it, where they differ.
+_DISTRIBUTIONS = {"zmq": "pyzmq", "yaml": "pyyaml", "orbax": "orbax-checkpoint",
+                  "etils": "etils"}
+
+
+def test_every_package_the_library_imports_is_declared():
+  """A package the library imports arrives because pyproject.toml names it (core, or the
+  extra of the only module that needs it), never only through another package (rich
+  came only through flax)."""
+  project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+  declared = {d.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip()
+              .lower() for d in project["dependencies"]}
+  extras = {d.split("[")[0].split(">")[0].split("=")[0].strip().lower()
+            for ds in project["optional-dependencies"].values() for d in ds}
+  imported: dict[str, str] = {}
+  for f in sorted((_ROOT / "jaxckpt").rglob("*.py")):
+    rel = f.relative_to(_ROOT)
+    if f.name.endswith("_test.py") or "testing" in rel.parts or f.stem in ("conftest", "_fixtures"):
+      continue
+    for node in ast.walk(ast.parse(f.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+               else [])
+      for name in names:
+        top = name.split(".")[0]
+        if top != "jaxckpt" and top not in sys.stdlib_module_names:
+          imported.setdefault(top, str(rel))
+  missing = {m: where for m, where in imported.items()
+             if _DISTRIBUTIONS.get(m, m).lower().replace("_", "-") not in
+             {d.replace("_", "-") for d in declared}
+             and not (m in ("matplotlib", "flax", "optax") and m in extras | declared)}
+  assert "rich" in imported and not missing, f"imported but not declared: {missing}"
+

@@ -8,9 +8,16 @@ what to do about it.
 
 from __future__ import annotations
 
+from jaxckpt.util._text import shown
+
 
 class JaxckptError(Exception):
-  """Root of every error raised by jaxckpt."""
+  """Root of every error raised by jaxckpt. Its message is printable text: a name from
+  a checkpoint or a peer in it (an escape sequence, a newline) is shown escaped, so
+  no traceback, log line or command's error writes control sequences to a terminal."""
+
+  def __str__(self) -> str:
+    return shown(super().__str__())
 
 
 class UnsupportedLeafError(JaxckptError, TypeError):

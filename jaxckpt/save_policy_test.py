@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxckpt as jc
-from jaxckpt import errors
+from jaxckpt import errors, universal
 from jaxckpt.host.store import InProcessStore
 
 
@@ -67,7 +67,7 @@ def test_an_odd_busy_skip_is_said_at_info_and_a_pattern_of_them_warns(caplog):
 def test_due_save_waits_instead_of_skipping(tmp_path, caplog):
   opts = jc.CheckpointOptions(max_snapshots=2, save_interval_steps=1, persist_interval_steps=4,
                               on_busy="skip", timeout_secs=0.5)
-  store = GatedStore(max_snapshots=2, host_memory_limit_bytes=1 << 26)
+  store = GatedStore(max_snapshots=2, host_memory_limit_bytes=1 << 26, storage=universal)
   mgr = jc.CheckpointManager(str(tmp_path), opts, store=store)
   try:
     x = np.arange(1000, dtype=np.float32)

@@ -12,7 +12,8 @@ import uuid
 import jax
 import psutil
 
-from jaxckpt.agent import _parity, _paths
+from jaxckpt import universal
+from jaxckpt.agent import _parity_config, _paths
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore, InProcessStore
@@ -20,6 +21,22 @@ from jaxckpt.net import _kv, _wire
 from jaxckpt.options import CheckpointOptions, default_host_memory_limit_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def open_store(options: CheckpointOptions, persist: _persist.PersistConfig | None, *,
+               store: HostStore | None, run_id: str | None, run: str) -> HostStore:
+  """The manager's store: ``store`` if given (told to persist as ``persist`` says), else
+  the one ``options`` ask for, for the run ``run``; in a job of several processes with
+  agents, the job's other agents found and the persists a lost agent held rebuilt."""
+  if store is not None:
+    if persist is not None:
+      store.persist_to(persist)        # every store persists what it holds
+    return store
+  store = make_store(options, persist, run)
+  if options.agent is not None and jax.process_count() > 1:
+    store.discover(timeout_secs=options.timeout_secs)
+    store.recover_persists(jax.process_index(), run_id=run_id)
+  return store
 
 
 def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | None,
@@ -37,7 +54,7 @@ def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | Non
   _check_room(limit, None if a is None else a.run_root or _paths.default_run_root())
   if a is None:
     return InProcessStore(max_snapshots=options.max_snapshots,
-                          host_memory_limit_bytes=limit, persist=persist)
+                          host_memory_limit_bytes=limit, persist=persist, storage=universal)
   p = options.parity
   if p is not None:
     from jaxckpt.parity import codec, placement  # pylint: disable=import-outside-toplevel  (numba, ~0.5 s: only with parity)
@@ -50,7 +67,7 @@ def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | Non
     root = a.run_root or _paths.default_run_root()
     secret = _kv.agree_kept("agent_secret", _paths.held_secret(root, a.job_name),
                             _wire.new_secret, timeout_secs=options.timeout_secs)
-  parity = None if p is None else _parity.ParityConfig(p.group_size, p.parity,
+  parity = None if p is None else _parity_config.ParityConfig(p.group_size, p.parity,
                                                        options.timeout_secs).to_obj()
   return AgentStore(a, host=host, max_snapshots=options.max_snapshots, limit_bytes=limit,
                     persist=None if persist is None else persist.to_obj(), parity=parity,
@@ -91,7 +108,7 @@ def persistence(directory: str | None, options: CheckpointOptions, *, writes: bo
   if directory is None or not writes:
     return None, None
   if create or os.path.isdir(directory) or "://" in directory:
-    _persist.check_directory(directory, timeout_secs=options.timeout_secs)
+    universal.check_directory(directory, timeout_secs=options.timeout_secs)
   config = _persist.PersistConfig(   # (retention is the trainer's keep policy: no gc here)
       directory, options.persist_interval_steps or options.save_interval_steps,
       None, options.timeout_secs, hold_until_committed=options.parity is not None)

@@ -144,6 +144,14 @@ def file_size(path: str) -> int:
     return 0
 
 
+def inode(path: str) -> int | None:
+  """``path``'s inode (None if it is gone)."""
+  try:
+    return os.stat(path).st_ino
+  except OSError:
+    return None
+
+
 def allocate(path: str, nbytes: int, *, host: int) -> None:
   """Sizes a slot file to ``nbytes`` with memory that exists now (not a sparse file:
   a full /dev/shm would kill the trainer writing through its map with SIGBUS)."""

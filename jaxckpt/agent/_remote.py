@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.agent import _parity, _paths
+from jaxckpt.agent import _parity_recovery, _paths
 from jaxckpt.agent._paths import read_address
 from jaxckpt.agent._protocol import Client
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, box_shape,
@@ -178,7 +178,7 @@ def _rebuilt_pieces(clients: dict[int, Client], step: int, pieces: list[Any]) ->
     return []
   from jaxckpt.restore._read import BufferPiece  # pylint: disable=import-outside-toplevel  (JAX: trainer side only; the agent process imports this module)
   have = {p.manifest.process_index: p for p in pieces}   # their bytes are not read twice
-  rebuilt = _parity.recover(clients, step, lost, have=have)
+  rebuilt = _parity_recovery.recover(clients, step, lost, have=have)
   logger.info("step %d: rebuilt the snapshots of lost hosts %s from parity", step, lost)
   return [BufferPiece(manifest, buf, private=True) for manifest, buf in rebuilt.values()]
 

@@ -1,5 +1,5 @@
 """Every request a snapshot agent takes, one frozen dataclass each: the one table
-that the trainer's client (``agent/client.py``, ``agent/_parity.py``, ``jaxckpt
+that the trainer's client (``agent/client.py``, ``agent/_parity_*.py``, ``jaxckpt
 agent ...``) and the agent's server (``agent/_server.py``) share.
 
 A request travels as its fields and its ``op`` in a sealed message

@@ -26,12 +26,19 @@ import psutil
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.agent import _parity, _paths, _protocol, _requests
+from jaxckpt.agent import _parity_config, _parity_worker, _paths, _protocol, _requests
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.net import _bulk, _wire
 
 logger = logging.getLogger("jaxckpt.agent")
+
+
+def _storage() -> _persist.PersistStorage:
+  """The universal format, where this agent persists: imported by the persist thread
+  when a persist runs (it imports JAX), never by an agent that does not persist."""
+  from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+  return universal
 
 
 @dataclasses.dataclass
@@ -52,15 +59,20 @@ class _Slot:
   # afresh costs ~0.1 s of page faults.
   map: Any = None
   map_path: str | None = None
+  map_ino: int | None = None
 
   @property
   def path(self) -> str:
     return _paths.slot_file(self.dir, self.index, self.gen)
 
   def read_map(self, size: int) -> Any:
-    if self.map is None or self.map_path != self.path or len(self.map) != size:
-      with open(self.path, "rb") as f:     # a replaced map lives on while readers use it
-        self.map = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    """The kept map, once checked against its file (a short one is SIGBUS at a touch
+    past its end: it is mapped afresh, and a file still short is refused)."""
+    if (self.map is None or self.map_path != self.path or len(self.map) != size
+        or not _same_file(self.map, self.path, size, self.map_ino)):
+      self.map = None                      # a replaced map lives on while readers use it
+      self.map_ino = _paths.inode(self.path)
+      self.map = map_slot_file(self.path, size)
       self.map_path = self.path
     return self.map
 
@@ -78,6 +90,27 @@ class _Slot:
     self.map, self.map_path = None, None      # (a reader holding the old map keeps it)
     with contextlib.suppress(FileNotFoundError):
       os.unlink(old)
+
+
+def map_slot_file(path: str, size: int) -> mmap.mmap:
+  """A read-only map of ``size`` bytes of slot file ``path``; CorruptSnapshotError if the
+  file is shorter (truncated under the agent: mapping past its end would be SIGBUS)."""
+  with open(path, "rb") as f:
+    have = os.fstat(f.fileno()).st_size
+    if have < size:
+      raise errors.CorruptSnapshotError(
+          f"snapshot slot file {path} is {have} bytes, shorter than the {size} it holds: it "
+          "was truncated (a /dev/shm cleaner, a full tmpfs); its step is lost on this host")
+    return mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+
+
+def _same_file(mm: mmap.mmap, path: str, size: int, ino: int | None) -> bool:
+  """Whether map ``mm`` still covers ``size`` bytes of its file (``mm.size()``: fstat of
+  the map's own descriptor) and ``path`` still names that file (inode ``ino``)."""
+  try:
+    return mm.size() >= size and os.stat(path).st_ino == ino
+  except (OSError, ValueError):
+    return False
 
 
 # Deleted steps an agent remembers (the newest deletes).
@@ -111,7 +144,7 @@ class Agent:
     self.lock = threading.RLock()      # the persist and parity threads use it too
     self.persister = None
     self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
-    self.parity = None                 # a _parity.ParityWorker once a trainer asks for parity
+    self.parity = None                 # a _parity_worker.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
     self.replays = _wire.Replays()     # requests are applied at most once
     self.leases: dict[int, tuple[float, float]] = {}   # remote reader -> (expiry, lease secs)
@@ -205,7 +238,7 @@ class Agent:
       self._start_run(run)
     if persist and self.persister is None:
       self.persister = _persist.Persister(_persist.PersistConfig(**persist), self._pinned,
-                                          self._release_held)
+                                          self._release_held, storage=_storage)
     elif persist and self.persister.config.to_obj() != persist:
       # A trainer relaunched with other options: the persists queued and running keep
       # theirs, in the same queue (its status, fences and errors cover them all).
@@ -270,7 +303,7 @@ class Agent:
 
   def _configure_parity(self, parity: dict[str, Any]) -> None:
     """Starts the parity thread, or updates its timeouts (parity already held stays)."""
-    config = _parity.ParityConfig(**parity)
+    config = _parity_config.ParityConfig(**parity)
     if self.parity is not None and self.parity.config.options == config.options:
       self.parity.config = config
       return
@@ -278,7 +311,7 @@ class Agent:
       logger.warning("parity options changed from %s to %s; dropping the parity held",
                      self.parity.config.options, config.options)
       self.parity.close()
-    self.parity = _parity.ParityWorker(self, config)
+    self.parity = _parity_worker.ParityWorker(self, config)
 
   def op_reserve(self, pid: int, step: int, nbytes: int) -> _requests.Reserve.Reply:
     self._check_room(nbytes)
@@ -364,10 +397,12 @@ class Agent:
     shard as it wrote it (the checksums are those of the slot's bytes); every
     read (a restore, a persist, a peer's parity rebuild) verifies them again."""
     size = self.table.writing(index, step).size
-    if not 0 <= nbytes <= size:
+    have = _paths.file_size(self.slots[index].path)
+    if not 0 <= nbytes <= min(size, have):
       self._dropped([self.table.abort(index)])
       raise errors.CorruptSnapshotError(
-          f"step {step}: a commit of {nbytes} bytes into slot {index} of {size} bytes")
+          f"step {step}: a commit of {nbytes} bytes into slot {index} of {size} bytes, whose "
+          f"file holds {have} (truncated under the agent?); the snapshot is not kept")
     persist = persist_attempt is not None and self.persister is not None
     # a rollback, then the oldest; a step due for storage is held until persisted
     self._dropped(self.table.commit(index, step, hold=persist))
@@ -418,8 +453,7 @@ class Agent:
       if not s.size:
         yield manifest, b""
       else:
-        with open(self.slots[s.index].path, "rb") as f:
-          mm = mmap.mmap(f.fileno(), s.size, prot=mmap.PROT_READ)
+        mm = map_slot_file(self.slots[s.index].path, s.size)
         yield manifest, mm
     finally:
       if mm is not None:
@@ -482,8 +516,9 @@ class Agent:
   def op_open(self, pid: int, step: int,
               lease_secs: float | None = None) -> _requests.Open.Reply:
     """Pins ``step`` for local reader ``pid``, or with ``lease_secs`` (a remote
-    reader: ``handle`` gives one to every request over tcp) for a reader id of
-    its own whose pin ends with its lease, renewed by each bulk read of the step."""
+    reader: ``handle`` gives one to every open over tcp, and none to an open over
+    the local socket) for a reader id of its own whose pin ends with its lease,
+    renewed by each bulk read of the step."""
     reader = pid if lease_secs is None else -next(self._bulk_readers)
     s = self.table.pin(step, reader) or self._slot_of(step)
     if lease_secs is not None:
@@ -628,8 +663,36 @@ class Agent:
 
 
 # The lease of a pin taken over tcp without one (a reader elsewhere: its pid means
-# nothing here), renewed by its reads of the step.
-REMOTE_LEASE_SECS = 60.0
+# nothing here), renewed by its reads of the step. jaxckpt's own readers ask for theirs
+# (agent._remote.READ_LEASE_SECS); a pin that asks none holds its slot seconds, not a
+# minute, once its reader stops reading.
+REMOTE_LEASE_SECS = 10.0
+
+
+# A trainer's requests (and the agent's own CLI's): they name processes of this machine
+# by pid, so they come over the local socket only; over tcp they are refused.
+_LOCAL_ONLY = (_requests.Hello, _requests.Reserve, _requests.Preallocate, _requests.Commit,
+               _requests.Abort, _requests.Bye, _requests.Stop)
+
+
+def _by_connection(request: _requests.Request, remote: bool) -> _requests.Request:
+  """``request`` as its connection says, never as its fields say: over tcp (another
+  machine, whose pids mean nothing here) a pin is leased (``REMOTE_LEASE_SECS`` unless
+  it asks for its own) and closed by its reader id, and a trainer's request is refused;
+  over the local socket a pin is the (kernel-given) pid's, whatever lease it asks for."""
+  if remote and isinstance(request, _LOCAL_ONLY):
+    raise errors.PermissionDeniedError(
+        f"{request.op!r} is a trainer's request on this machine; it came over tcp (from "
+        "another machine, whose pids mean nothing here) and was refused: send it over the "
+        "agent's local (ipc) socket")
+  if isinstance(request, _requests.Open):
+    return dataclasses.replace(
+        request, lease_secs=(request.lease_secs or REMOTE_LEASE_SECS) if remote else None)
+  if remote and isinstance(request, _requests.Close) and request.reader is None:
+    raise errors.InvalidArgumentError(
+        f"close of step {request.step} over tcp names no reader: a pin taken over tcp is "
+        "closed by the reader id its open's reply gave, never by a pid")
+  return request
 
 
 # Requests that only look (``jaxckpt status --watch``, ``agent status``): an agent
@@ -659,8 +722,7 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
     request = _requests.decode(req)
     if peer_pid and getattr(request, "pid", None) not in (None, peer_pid):
       request = dataclasses.replace(request, pid=peer_pid)
-    if remote and isinstance(request, _requests.Open) and request.lease_secs is None:
-      request = dataclasses.replace(request, lease_secs=REMOTE_LEASE_SECS)
+    request = _by_connection(request, remote)
     handler = HANDLERS[type(request)]
     if not isinstance(request, _WATCHING):       # a watcher does not keep an agent alive
       agent.last_active = time.monotonic()

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxckpt import errors
 from jaxckpt.util import _wait
-from jaxckpt.agent import _parity, _paths, _requests
+from jaxckpt.agent import _parity_recovery, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent.jobs import same_directory
@@ -108,7 +108,7 @@ class _Fenced(Exception):
 class AgentStore(HostStore):
   """A HostStore whose slots are the shared memory of this host's agent.
 
-  ``persist`` and ``parity`` (a ``_parity.ParityConfig.to_obj()``) are handed
+  ``persist`` and ``parity`` (a ``_parity_config.ParityConfig.to_obj()``) are handed
   to the agent at hello: it then persists and exchanges parity on its own.
   """
 
@@ -126,12 +126,14 @@ class AgentStore(HostStore):
     self._limit = limit_bytes
     self._persist = persist
     self._parity = parity
-    self._maps: dict[int, tuple[str, int, np.ndarray]] = {}   # slot -> (path, size, map)
+    # slot -> (path, size, map, the mapped file's (device, inode)): checked against the
+    # file before every use (_intact), as a save writes it and as a restore reads it
+    self._maps: dict[int, tuple[str, int, np.ndarray, tuple[int, int]]] = {}
     self._maps_lock = threading.Lock()
     # Maps of slot files lent to restores (never written again): a later restore of the
     # same step reads them without a page fault a page; dropped at this trainer's next
     # reservation, so their memory goes with the restored arrays.
-    self._lent: dict[int, tuple[str, int, np.ndarray, int | None]] = {}   # + the file's inode
+    self._lent: dict[int, tuple[str, int, np.ndarray, tuple[int, int]]] = {}   # (as _maps)
     self._lending: dict[int, tuple[int, list[bool]]] = {}   # step read -> (slot, lent?)
     self._allocated: dict[int, str] = {}    # slot -> the file this trainer allocated
     self._committed: dict[int, tuple[str, SnapshotManifest]] = {}   # step -> what it sent
@@ -225,7 +227,7 @@ class AgentStore(HostStore):
     persist options: this trainer knows neither its timeout nor its hold)."""
     if not (self._parity and self._persist) or self.steps():
       return
-    universal = _persist._universal()   # pylint: disable=protected-access
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side)
     directory = self._persist["directory"]
     pending: dict[int, set[str]] = {}
     with self.job_clients() as clients:
@@ -325,7 +327,7 @@ class AgentStore(HostStore):
     if not (self._parity and self._persist):
       raise errors.UnrecoverableLossError("parity is off: nothing else holds the piece")
     config = _persist.PersistConfig(**self._persist)
-    universal = _persist._universal()   # pylint: disable=protected-access
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side)
     if universal.committed_by(config.directory, step) is not None:
       return        # it ended on storage before its agent died (the status was stale)
     if self.host != 0 and not universal.missing_parts(config.directory, step, attempt,
@@ -341,7 +343,8 @@ class AgentStore(HostStore):
         raise errors.UnrecoverableLossError(f"host {self.host}'s piece of step {step} was not "
                                             "rebuilt")
       check()
-      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check)
+      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check,
+                            storage=universal)
 
   # Requests that mean the same to a new agent: one the dead agent never
   # answered is sent again to its replacement.
@@ -397,7 +400,7 @@ class AgentStore(HostStore):
     if not self._parity:                  # this trainer's job keeps no parity
       return {}
     with self.job_clients() as clients:
-      return _parity.survey(clients)
+      return _parity_recovery.survey(clients)
 
   def step_manifest(self, step: int) -> SnapshotManifest | None:
     """Any agent's manifest of ``step`` (each records every leaf), else one of the
@@ -454,10 +457,15 @@ class AgentStore(HostStore):
     with self._maps_lock:
       self._lent.clear()
 
-  def _map(self, index: int, path: str, size: int, *, allocate: bool = False) -> np.ndarray:
+  def _map(self, index: int, path: str, size: int, *, allocate: bool = False,
+           write: bool = False) -> np.ndarray:
     """Slot ``index``'s file, mapped once and kept across saves and restores (a
     fresh map of tmpfs pays a page fault per page; a kept one none); ``allocate``
-    gives a new, sparse file its memory first."""
+    gives a new, sparse file its memory first. A kept map is used only while its
+    file is intact (:func:`_intact`: the same file, at least ``size`` long): a file
+    truncated or replaced under it (a /dev/shm cleaner, a full tmpfs) would kill
+    this process with SIGBUS at its first touch. ``write`` (a save's slot) then
+    allocates the file again and maps it afresh; a read raises CorruptSnapshotError."""
     if size == 0:                      # a state with no array bytes (only scalars)
       return np.empty(0, np.uint8)
     with self._maps_lock:
@@ -468,13 +476,27 @@ class AgentStore(HostStore):
         del self._maps[index]
         cached = None
     if cached is not None and not allocate:
-      return cached[2]
+      why = _intact(cached[2], path, cached[3], size)
+      if why is None:
+        return cached[2]
+      with self._maps_lock:
+        if self._maps.get(index) is cached:
+          del self._maps[index]
+      if not write:
+        raise errors.CorruptSnapshotError(f"the snapshot file {path} {why}")
+      logger.warning("%s: snapshot slot file %s %s; allocating it again for this save",
+                     self.who, path, why)
+      allocate = True
     del cached
+    if write and not allocate and _paths.file_size(path) < size:
+      logger.warning("%s: snapshot slot file %s is shorter than its %d bytes (truncated); "
+                     "allocating it again for this save", self.who, path, size)
+      allocate = True
     if allocate:      # memory that exists now: a full /dev/shm must not SIGBUS our copy
       _paths.allocate(path, size, host=self.host)
-    buf = _map_file(path, size)
+    buf, ident = _map_file(path, size)
     with self._maps_lock:
-      self._maps[index] = (path, size, buf)
+      self._maps[index] = (path, size, buf, ident)
       if allocate:
         self._allocated[index] = path
     return buf
@@ -492,15 +514,13 @@ class AgentStore(HostStore):
                       late=lambda: f"no slot of {self.who} freed up for step {step}")
     except errors.SnapshotTimeoutError:
       return None                           # HostStore.reserve's contract: None, not an error
-    with self._maps_lock:
-      cached = self._maps.get(r.index)
     fresh = r.fresh and self._allocated.get(r.index) != r.path    # not allocated by us
-    warm = cached is not None and cached[:2] == (r.path, r.size) and not fresh
-    # A slot not mapped yet (or a new file) is allocated and mapped when the background
-    # copy first reads ``slot.buffer``: never on the save path.
-    return Slot(r.index, step, cached[2] if warm else None, nbytes,
-                opener=None if warm else functools.partial(self._map, r.index, r.path, r.size,
-                                                           allocate=fresh))
+    # A slot not mapped yet (or a new file) is allocated and mapped, and a kept map
+    # checked against its file, when the background copy first reads ``slot.buffer``:
+    # never on the save path.
+    return Slot(r.index, step, None, nbytes,
+                opener=functools.partial(self._map, r.index, r.path, r.size, allocate=fresh,
+                                         write=True))
 
   def preallocate(self, nbytes: int) -> None:
     """Sizes the agent's free slots for ``nbytes`` and allocates, maps and touches
@@ -508,7 +528,7 @@ class AgentStore(HostStore):
     self.ensure_alive()
     self._drop_lent()
     for index, path, size, fresh in self.call("preallocate", nbytes=nbytes).slots:
-      _populate(self._map(index, path, size, allocate=fresh))
+      _populate(self._map(index, path, size, allocate=fresh, write=True))
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
@@ -627,14 +647,15 @@ class AgentStore(HostStore):
       if lent:      # the map is the restored arrays' now: its memory goes with the last of
         with self._maps_lock:             # them (and the next reservation), not with this
           if self._maps.get(r.index, ("",))[0] == r.path:       # slot's next file
-            self._lent[r.index] = (*self._maps.pop(r.index), _inode(r.path))
+            self._lent[r.index] = self._maps.pop(r.index)
       with contextlib.suppress(errors.AgentUnavailableError):   # (its reply is taken by the
         self._client.post("close", pid=os.getpid(), step=step,   # next request: a restore
                           index=r.index, lend=bool(lent))          # does not wait for it)
 
   def _read_map(self, r: _requests.Open.Reply, manifest: SnapshotManifest) -> np.ndarray:
-    """The pinned slot's memory, through the map kept for it; a missing or short
-    file is corrupt."""
+    """The pinned slot's memory, through the map kept for it; a missing, short or
+    replaced file is corrupt (CorruptSnapshotError: the restore reads the next tier),
+    never a SIGBUS."""
     if not manifest.nbytes:
       return np.empty(0, np.uint8)
     where = f"step {manifest.step}: the snapshot file {r.path}"
@@ -644,15 +665,23 @@ class AgentStore(HostStore):
           "truncated (restore another tier)")
     with self._maps_lock:
       lent = self._lent.get(r.index)
-    if (lent is not None and lent[:2] == (r.path, r.size) and lent[3] is not None
-        and lent[3] == _inode(r.path)):  # (the same file: not a new agent's of that name)
-      return lent[2]                   # (the agent never writes a lent file again)
+    if lent is not None and lent[:2] == (r.path, r.size):
+      why = _intact(lent[2], r.path, lent[3], manifest.nbytes)
+      if why is None:                  # (the agent never writes a lent file again)
+        return lent[2]
+      with self._maps_lock:            # (a new agent's file of that name, or a truncated one)
+        if self._lent.get(r.index) is lent:
+          del self._lent[r.index]
     try:
-      return self._map(r.index, r.path, r.size)
+      buf = self._map(r.index, r.path, r.size)
     except (OSError, ValueError) as e:
       if isinstance(e, errors.JaxckptError):
-        raise
+        raise errors.CorruptSnapshotError(f"step {manifest.step}: {e} (restore another "
+                                          "tier)") from None
       raise errors.CorruptSnapshotError(f"{where} cannot be mapped ({e})") from None
+    if (why := _intact(buf, r.path, None, manifest.nbytes)) is not None:
+      raise errors.CorruptSnapshotError(f"{where} {why} (restore another tier)")
+    return buf
 
   def lend(self, step: int, buffer: Any) -> bool:
     """Restored arrays keep views of ``buffer`` (``step``'s slot, pinned by
@@ -680,24 +709,42 @@ class AgentStore(HostStore):
       self._client.close()
 
 
-def _inode(path: str) -> int | None:
+def _intact(buf: np.ndarray, path: str, ident: tuple[int, int] | None, need: int) -> str | None:
+  """Why the map ``buf`` of ``path`` must not be touched, or None: its file (the one
+  mapped, by the map's own descriptor: fstat) is shorter than ``need`` bytes (a page
+  past its end is SIGBUS), or ``path`` now names another file than ``ident``."""
   try:
-    return os.stat(path).st_ino
-  except OSError:
-    return None
+    size = buf.base.obj.size()          # fstat of the mapped file (frombuffer's base: a view)
+  except (AttributeError, OSError, ValueError):
+    size = None
+  if size is not None and size < need:
+    return f"is {size} bytes, shorter than the {need} mapped: it was truncated"
+  if ident is not None:
+    try:
+      st = os.stat(path)
+    except OSError as e:
+      return f"is gone ({e.strerror})"
+    if (st.st_dev, st.st_ino) != ident:
+      return "was replaced by another file"
+  return None
 
 
 _MADV_POPULATE_WRITE = 23       # Linux 5.14+ (Python's mmap module names it from 3.13)
 
 
-def _map_file(path: str, size: int) -> np.ndarray:
+def _map_file(path: str, size: int) -> tuple[np.ndarray, tuple[int, int]]:
   """A shared, writable map of ``size`` bytes of ``path`` (huge pages where the run
-  root's tmpfs allows them)."""
+  root's tmpfs allows them), and the mapped file's (device, inode)."""
   with open(path, "r+b") as f:
+    st = os.fstat(f.fileno())
+    if st.st_size < size:              # (mmap would map past the end: SIGBUS at first touch)
+      raise errors.CorruptSnapshotError(
+          f"the snapshot file {path} is {st.st_size} bytes, shorter than its slot's {size}: "
+          "it was truncated")
     mm = mmap.mmap(f.fileno(), size)
   with contextlib.suppress(OSError, AttributeError, ValueError):
     mm.madvise(mmap.MADV_HUGEPAGE)
-  return np.frombuffer(mm, np.uint8)
+  return np.frombuffer(mm, np.uint8), (st.st_dev, st.st_ino)
 
 
 def _populate(buf: np.ndarray) -> None:

@@ -14,7 +14,7 @@ from jaxckpt.agent import _paths as agent_paths
 from jaxckpt.agent import jobs
 from jaxckpt.universal import _commit
 from jaxckpt.universal import _layout as lay
-from jaxckpt.universal.cli import not_a_checkpoint_root
+from jaxckpt.universal.cli import not_a_checkpoint_root, say
 
 _DELETE_HELP = """Delete a step from a checkpoint directory, for good, as
 CheckpointManager.delete() does: first every snapshot agent of this machine's
@@ -53,7 +53,7 @@ def delete_command(args: argparse.Namespace) -> int:
   missing = local is not None and not os.path.exists(local)     # no persist has written yet
   why = None if missing else not_a_checkpoint_root(args.directory, args.step, "delete")
   if why:
-    print(f"jaxckpt delete: {why}", file=sys.stderr)
+    say(f"jaxckpt delete: {why}", err=True)
     return 2
   if args.step < 0:
     print(f"jaxckpt delete: --step must be >= 0, got {args.step}", file=sys.stderr)
@@ -75,12 +75,12 @@ def delete_command(args: argparse.Namespace) -> int:
     if not missing:
       _commit.discard_step(args.directory, args.step)
   except errors.JaxckptError as e:
-    print(f"jaxckpt delete: {e}", file=sys.stderr)
+    say(f"jaxckpt delete: {e}", err=True)
     return 2
   where = ("storage" if args.step in stored else "nothing of it was on storage yet" if missing
            else "its uncommitted data on storage")
   print(f"deleted step {args.step} of {args.directory} ({where})")
   for f in fenced:
-    print(f"  job {f.job}: {len(f.agents)} agents told; hosts {sorted(f.dropped)} dropped it "
+    say(f"  job {f.job}: {len(f.agents)} agents told; hosts {sorted(f.dropped)} dropped it "
           f"from host memory; the persist of hosts {sorted(f.persisting)} stopped uncommitted")
   return 0

@@ -25,7 +25,7 @@ import jaxckpt as jc
 import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.util import _wait
-from jaxckpt.agent import _parity, _paths
+from jaxckpt.agent import _parity_config, _paths
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
 from jaxckpt.parity.placement import StripeLayout
@@ -66,7 +66,7 @@ class Cluster:
     self.root, self.job, self.empty, self.persist = root, job, empty, persist
     self.options = jc.ParityOptions(group_size=4, parity=parity)
     # Small sub-blocks: each stripe is pulled and encoded in several ranges, the last padded.
-    self.config = _parity.ParityConfig(4, parity, timeout_secs, sub_block_bytes=320).to_obj()
+    self.config = _parity_config.ParityConfig(4, parity, timeout_secs, sub_block_bytes=320).to_obj()
     self.stores = [self._store(h) for h in range(HOSTS)]
 
   def _store(self, h: int) -> AgentStore:
@@ -508,7 +508,7 @@ def test_parity_on_a_one_host_job_is_refused_at_manager_creation(sandbox):
 def test_a_group_too_small_for_its_parity_fails_fast_with_the_reason(sandbox):
   # 2 hosts, parity 2: the agents refuse it; wait_until_protected says why at once.
   root, job = sandbox
-  config = _parity.ParityConfig(4, 2, 60.0).to_obj()
+  config = _parity_config.ParityConfig(4, 2, 60.0).to_obj()
   stores = [AgentStore(jc.AgentOptions(job_name=job, run_root=root), host=h, max_snapshots=2,
                        limit_bytes=1 << 30, parity=config) for h in range(2)]
   try:
@@ -539,7 +539,7 @@ def test_parity_needs_agents():
 
 def test_memory_budget_counts_parity_slots(sandbox):
   root, job = sandbox
-  config = _parity.ParityConfig(4, 1).to_obj()
+  config = _parity_config.ParityConfig(4, 1).to_obj()
   store = AgentStore(jc.AgentOptions(job_name=job, run_root=root), host=0, max_snapshots=2,
                      limit_bytes=1 << 20, parity=config)
   try:

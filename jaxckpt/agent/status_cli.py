@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths, jobs
+from jaxckpt.util._text import shown
 
 _HELP = """Show a job's snapshot agents on every host: pid, address, alive, the steps each
 holds in host memory, the newest step its parity group protects, the steps it
@@ -75,7 +76,12 @@ def _size(n: float) -> str:
 
 
 def row(a: jobs.AgentView) -> dict[str, str]:
-  """One agent's cells, as the table shows them."""
+  """One agent's cells, as the table shows them (escaped: an agent's and a peer's
+  addresses and names are data, see :func:`jaxckpt.util._text.shown`)."""
+  return {c: shown(v) for c, v in _cells(a).items()}
+
+
+def _cells(a: jobs.AgentView) -> dict[str, str]:
   if not a.alive:
     return {"host": str(a.host), "pid": str(a.pid), "address": a.address, "alive": "NO",
             **{c: "" for c in COLUMNS[4:]}}
@@ -93,12 +99,13 @@ def title(st: jobs.JobStatus) -> str:
   here = sum(a.local for a in st.agents)
   dirs = sorted({a.directory for a in st.agents if a.directory})
   where = f", persisting to {', '.join(dirs)}" if dirs else ", not persisting"
-  return (f"job {st.job}: {len(st.agents)} agents ({here} on this machine, found from "
-          f"{st.run_root}){where}")
+  return shown(f"job {st.job}: {len(st.agents)} agents ({here} on this machine, found from "
+               f"{st.run_root}){where}")
 
 
 def problems(st: jobs.JobStatus) -> list[str]:
-  return [f"host {a.host} (pid {a.pid}, {a.address}): {a.error}" for a in st.agents if a.error]
+  return [shown(f"host {a.host} (pid {a.pid}, {a.address}): {a.error}")
+          for a in st.agents if a.error]
 
 
 def plain(statuses: list[jobs.JobStatus]) -> str:
@@ -115,19 +122,23 @@ def plain(statuses: list[jobs.JobStatus]) -> str:
 
 
 def rich_view(statuses: list[jobs.JobStatus], stamp: str) -> Any:
-  """The view as rich renderables (a table per job), for a terminal."""
+  """The view as rich renderables (a table per job), for a terminal. Every text is a
+  ``rich.text.Text``, never markup: a directory named ``sweep[lr=0.1]`` or ``exp[/b]``
+  is shown as it is."""
   from rich.console import Group  # pylint: disable=import-outside-toplevel  (a terminal only)
   from rich.table import Table  # pylint: disable=import-outside-toplevel
+  from rich.text import Text  # pylint: disable=import-outside-toplevel
   parts: list[Any] = []
   for st in statuses:
-    t = Table(title=title(st), title_justify="left", caption=stamp, caption_justify="left")
+    t = Table(title=Text(title(st)), title_justify="left", caption=Text(stamp),
+              caption_justify="left")
     for c in COLUMNS:
       t.add_column(c, justify="right" if c in ("host", "pid", "protected") else "left")
     for a in st.agents:
       r = row(a)
-      t.add_row(*[r[c] for c in COLUMNS], style=None if a.alive else "bold red")
+      t.add_row(*[Text(r[c]) for c in COLUMNS], style=None if a.alive else "bold red")
     parts.append(t)
-    parts += [f"[red]! {p}[/red]" for p in problems(st)]
+    parts += [Text(f"! {p}", style="red") for p in problems(st)]
   return Group(*parts)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxckpt import capture
+from jaxckpt import capture, universal
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
 from jaxckpt.tree import Leaf
@@ -85,5 +85,5 @@ def save_step(directory: str, step: int, leaves: Sequence[Leaf], planner: Any, *
   try:
     return save(directory, step, leaves, planner, attempt=attempt, **kwargs)
   except BaseException:
-    _persist.discard_quietly(directory, step, attempt)
+    _persist.discard_quietly(universal, directory, step, attempt)
     raise

@@ -12,11 +12,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from jaxckpt import errors
 from jaxckpt.core import _schedule
 from jaxckpt.core._ledger import Ledger
+
+if TYPE_CHECKING:
+  from jaxckpt.host.store import HostStore, PersistStatus
+  from jaxckpt.options import CheckpointOptions
 
 # on_busy="skip" in a one-process job waits this fraction of the loop's time since the last
 # save (at most SKIP_GRACE_MAX_SECS) for a copy that is nearly done before it skips a save.
@@ -39,8 +43,8 @@ class SaveFlow:
     log_entry: the manager's ``logger=`` sink, ``(event, step, t0, **figures)``.
   """
 
-  def __init__(self, schedule: _schedule.Schedule, store: Any, ledger: Ledger,
-               directory: str | None, *, options: Any, where: str,
+  def __init__(self, schedule: _schedule.Schedule, store: HostStore, ledger: Ledger,
+               directory: str | None, *, options: CheckpointOptions, where: str,
                log_entry: Callable[..., None]) -> None:
     self.schedule, self.store, self.ledger = schedule, store, ledger
     self.directory, self.where = directory, where
@@ -165,7 +169,7 @@ class SaveFlow:
     self.ended(status)
     self.ledger.persist_lag(status, self.directory)
 
-  def ended(self, status: Any) -> None:
+  def ended(self, status: PersistStatus) -> None:
     """Forgets the due steps whose persist ended (persisted, failed or fenced), measuring
     each by the loop's own time it ran beside (a persist the loop mostly waited for,
     in ``wait_until_*``, sets no pace); a trainer with an agent says when its step is

@@ -24,6 +24,9 @@ import threading
 import time
 from typing import Any, Iterable
 
+import jax
+import numpy as np
+
 from jaxckpt.host import _persist
 
 logger = logging.getLogger("jaxckpt.manager")
@@ -145,6 +148,23 @@ class Ledger:
       rec = self.record(info.step)
       if rec.dropped is None:
         rec.kept, rec.time, rec.metrics = True, info.time, info.metrics
+
+  def saving(self, step: int, metadata: dict[str, Any] | None, *, when: datetime.datetime,
+             metrics: Any, due: bool, write_metrics: bool = True) -> dict[str, Any]:
+    """``step`` is being saved at ``when`` with ``metrics`` (``due``: a checkpoint, saved
+    for storage, that the keep policy ranks); returns ``metadata`` with what a relaunch
+    ranks it by: its time (a checkpoint's) and metrics."""
+    if metrics is not None:              # numpy and jax scalars as Python numbers (JSON)
+      metrics = jax.tree.map(lambda x: np.asarray(x).item() if hasattr(x, "dtype") else x,
+                             metrics)
+    rec = self.record(step)
+    rec.time, rec.metrics, rec.kept = when, metrics, due
+    out = dict(metadata or {})
+    if due:
+      out[TIME_KEY] = when.timestamp()
+    if metrics is not None and write_metrics:
+      out[METRICS_KEY] = metrics
+    return out
 
   def kept(self) -> list[StepInfo]:
     """The checkpoints the keep policy ranks, oldest first (none dropped)."""

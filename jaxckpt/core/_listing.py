@@ -16,7 +16,7 @@ import datetime
 import logging
 from typing import Any, Callable
 
-from jaxckpt import errors
+from jaxckpt import errors, universal
 from jaxckpt.core._ledger import EPOCH, METRICS_KEY, TIME_KEY, Ledger, StepInfo
 from jaxckpt.core._policy import Policy
 from jaxckpt.host.store import HostStore
@@ -91,6 +91,9 @@ class Listing:
     if self.policy.records:
       infos = [self._info(s) for s in sorted(set(stored) | set(held)) if s not in led.dropped()]
       led.found(i for i in infos if i.step in stored or i.time is not EPOCH)
+    found = universal.orbax_found(self.directory)
+    if found:
+      logger.info("%s", found)
 
   def _info(self, step: int) -> StepInfo:
     try:

@@ -16,19 +16,18 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from jaxckpt import capture, errors, tree, universal
 from jaxckpt.agent import _factory
 from jaxckpt.capture import _storage_only
 from jaxckpt.core import _deletes, _flow, _identity, _listing, _policy, _schedule
-from jaxckpt.core._ledger import METRICS_KEY, TIME_KEY, Ledger
+from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._persists import Persists
 from jaxckpt.host.store import HostStore
 from jaxckpt.net import _kv
 from jaxckpt.options import CheckpointOptions, check_step, default_copy_threads
 from jaxckpt.restore import _read, _tiers
-from jaxckpt.util import _preemption, _wait
+from jaxckpt.util import _preemption
 
 logger = logging.getLogger("jaxckpt.manager")
 
@@ -70,20 +69,11 @@ class CoreManager:
     where = "the in-process store" if options.agent is None else "the snapshot agent"
     self._persists = Persists(self.ledger, None if config is None else directory,
                               self._process, where)
-    self._store = store or _factory.make_store(options, config,
-                                                 _identity.run_name(directory))
-    if store is not None and config is not None:
-      store.persist_to(config)         # every store persists what it holds
-    if store is None and options.agent is not None and self._process[1] > 1:
-      self._store.discover(timeout_secs=options.timeout_secs)
-      self._store.recover_persists(self._process[0], run_id=run_id)
+    self._store = _factory.open_store(options, config, store=store, run_id=run_id,
+                                      run=_identity.run_name(directory))
     self._planner = capture.Planner()
-    self._schedule = _schedule.Schedule(
-        process=self._process, on_busy=options.on_busy,
-        persist_interval=_persist_interval(config, options),
-        timeout_secs=options.timeout_secs,
-        channel=None if self._process[1] == 1 else _kv.Channel(
-            "schedule", timeout_secs=options.timeout_secs))
+    self._schedule = _schedule.for_manager(options, self._process,
+                                           persists=config is not None)
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-save")
     self._pool.submit(int)        # its thread starts here, not in the first save (~8 ms)
     threads = options.copy_threads or default_copy_threads()
@@ -107,9 +97,6 @@ class CoreManager:
                                     parity=options.parity is not None,
                                     settle=self.wait_until_snapshotted)
     self.listing.load()
-    found = universal.orbax_found(directory)
-    if found:
-      logger.info("%s", found)
 
   @property
   def stats(self) -> Any:
@@ -212,17 +199,8 @@ class CoreManager:
       when = datetime.datetime.fromtimestamp(float(_kv.broadcast_from_0(
           f"save_time/{step}", lambda: repr(when.timestamp()),
           timeout_secs=self.options.timeout_secs)), tz=datetime.timezone.utc)
-    if metrics is not None:
-      metrics = jax.tree.map(lambda x: np.asarray(x).item() if hasattr(x, "dtype") else x,
-                             metrics)
-    rec = led.record(step)
-    rec.time, rec.metrics, rec.kept = when, metrics, due
-    out = dict(metadata or {})
-    if due:                           # a checkpoint: ranked now, and after a relaunch
-      out[TIME_KEY] = when.timestamp()
-    if metrics is not None and self.rules.write_metrics:
-      out[METRICS_KEY] = metrics
-    return out
+    return led.saving(step, metadata, when=when, metrics=metrics, due=due,
+                      write_metrics=self.rules.write_metrics)
 
   def _saved(self, step: int, started: bool, t0: float) -> bool:
     """After ``save(step)``: the steps the keep policy drops, a blocking save's wait,
@@ -357,16 +335,11 @@ class CoreManager:
     if step is None and not attempts:
       return
     step = max(attempts) if step is None else step
-    timeout = timeout_secs or self.options.timeout_secs
     t0 = time.perf_counter()
     try:
-      self._persists.wait_stored(self._store, step, timeout)
+      self._persists.wait_stored(self._store, step, timeout_secs or self.options.timeout_secs)
     finally:
       self._schedule.blocked(time.perf_counter() - t0)      # not the loop's own time
-    _wait.until(lambda: step not in self._store.persist_status().pending,   # its job's end
-                timeout_secs=timeout, late=lambda: (
-                    f"step {step} is on {self.directory!r} but {self._persists.where} still "
-                    f"reports its persist as running after {timeout} s"))
     self._flow.note_lag()
 
   def protected_steps(self) -> list[int]:
@@ -489,11 +462,3 @@ class CoreManager:
       self.close()
     except Exception:  # pylint: disable=broad-except  (the process ends next; say why)
       logger.exception("closing the manager before the SIGTERM deadline failed")
-
-
-def _persist_interval(config: Any, options: CheckpointOptions) -> int | None:
-  """The schedule's persist interval: 0 persists nothing, None follows the measurements."""
-  if config is None:
-    return 0
-  return options.persist_interval_steps or (
-      None if options.host_snapshots else options.save_interval_steps)

@@ -139,7 +139,7 @@ class Persists:
     _wait.until(committed, timeout_secs=timeout, late=late, poll_secs=0.02, max_poll_secs=0.5)
 
   def _who(self, steps: list[int], attempts: dict[int, str]) -> str:
-    return "; ".join(_persist.who_is_late(self.directory, s, attempts[s], self.process[1])
+    return "; ".join(universal.who_is_late(self.directory, s, attempts[s], self.process[1])
                      for s in steps if s in attempts)
 
   def wait_stored(self, store: HostStore, step: int, timeout: float) -> None:
@@ -171,8 +171,12 @@ class Persists:
       return False
 
     def late() -> str:
-      who = _persist.who_is_late(directory, step, attempt, self.process[1])
+      who = universal.who_is_late(directory, step, attempt, self.process[1])
       return (f"step {step} was not persisted to {directory!r} within {timeout} s: {who} "
               f"(persist attempt {attempt!r})")
     _wait.until(stored, timeout_secs=timeout, late=late)
     led.on_storage(step)
+    _wait.until(lambda: step not in store.persist_status().pending,   # its job's end
+                timeout_secs=timeout, late=lambda: (
+                    f"step {step} is on {directory!r} but {self.where} still reports its "
+                    f"persist as running after {timeout} s"))

@@ -50,9 +50,13 @@ import dataclasses
 import json
 import math
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from jaxckpt import errors
+
+if TYPE_CHECKING:
+  from jaxckpt.net._kv import Channel
+  from jaxckpt.options import CheckpointOptions
 
 EPOCH_CALLS = 4
 COPY_MARGIN = 1.25
@@ -157,7 +161,7 @@ class Schedule:
   """
 
   def __init__(self, *, process: tuple[int, int], on_busy: str, persist_interval: int | None,
-               timeout_secs: float, channel: Any = None,
+               timeout_secs: float, channel: Channel | None = None,
                clock: Callable[[], float] = time.perf_counter) -> None:
     self.index, self.count = process
     self.on_busy = on_busy
@@ -321,3 +325,17 @@ class Schedule:
     self.channel.delete(f"r/{epoch}")
     if epoch >= 4:
       self.channel.delete(f"p/{epoch - 4}")
+
+
+def for_manager(options: CheckpointOptions, process: tuple[int, int], *, persists: bool) -> Schedule:
+  """The schedule of a manager with ``options`` (``persists``: it has a directory):
+  ``persist_interval_steps``, or the measurements' pace (host snapshots) or every
+  saved step (storage-only), or nothing to persist; agreed through the job's
+  key-value store in a job of several processes."""
+  from jaxckpt.net import _kv  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side only; this module's plan runs without it)
+  interval = (0 if not persists else options.persist_interval_steps or (
+      None if options.host_snapshots else options.save_interval_steps))
+  return Schedule(process=process, on_busy=options.on_busy, persist_interval=interval,
+                  timeout_secs=options.timeout_secs,
+                  channel=None if process[1] == 1 else _kv.Channel(
+                      "schedule", timeout_secs=options.timeout_secs))

@@ -5,14 +5,16 @@ is well formed: a buggy (or compromised) member could send a heartbeat without a
 group or a step that is not an int. :func:`parse` turns a verified header into
 one typed request, or raises InvalidArgumentError naming the field, what it
 should be and what came; the lighthouse refuses such a message with that reason
-and changes nothing.
+and changes nothing. Names (group ids, addresses) are printable text, and a failure's
+reason is escaped (:func:`jaxckpt.util._text.shown`): the lighthouse logs and relays
+them to terminals.
 
 >>> parse({"op": "heartbeat", "group": "g0"})
 Heartbeat(group='g0')
 >>> parse({"op": "ready", "group": 3})
 Traceback (most recent call last):
 ...
-jaxckpt.errors.InvalidArgumentError: 'ready' needs group: a string of 1 to 256 characters, got 3
+jaxckpt.errors.InvalidArgumentError: 'ready' needs group: a string of 1 to 256 printable characters, got 3
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Union
 
 from jaxckpt import errors
 from jaxckpt.ft._quorum import Member
+from jaxckpt.util._text import shown
 
 _MAX_NAME = 256                 # group ids, addresses
 _MAX_VIEW = 64                  # a view key (see _quorum.view_key: 32 hex digits)
@@ -117,8 +120,8 @@ def _quorum(h: dict[str, Any]) -> QuorumRequest:
   if not _is_int(rid, 0, _MAX_INT):
     raise _bad("quorum", "request_id", "an int in [0, 2**63)", rid)
   view = h.get("view", "")
-  if not isinstance(view, str) or len(view) > _MAX_VIEW:
-    raise _bad("quorum", "view", f"a string of at most {_MAX_VIEW} characters", view)
+  if not isinstance(view, str) or len(view) > _MAX_VIEW or not view.isprintable():
+    raise _bad("quorum", "view", f"a string of at most {_MAX_VIEW} printable characters", view)
   ask = h.get("ask")
   if ask is not None and not _is_int(ask, 0, _MAX_INT):
     raise _bad("quorum", "ask", "absent or an int in [0, 2**63)", ask)
@@ -130,14 +133,17 @@ def _quorum(h: dict[str, Any]) -> QuorumRequest:
 
 def _failed(h: dict[str, Any]) -> Failed:
   q, why, blame = h.get("q"), h.get("why"), h.get("blame")
-  if not (isinstance(q, str) and 1 <= len(q) <= _MAX_QUORUM_ID):
-    raise _bad("failed", "q", f"a string of 1 to {_MAX_QUORUM_ID} characters", q)
+  if not (isinstance(q, str) and 1 <= len(q) <= _MAX_QUORUM_ID and q.isprintable()):
+    raise _bad("failed", "q", f"a string of 1 to {_MAX_QUORUM_ID} printable characters", q)
   if not (isinstance(why, str) and len(why) <= _MAX_WHY):
     raise _bad("failed", "why", f"a string of at most {_MAX_WHY} characters", why)
   if not (isinstance(blame, (list, tuple)) and len(blame) <= _MAX_BLAME
-          and all(isinstance(g, str) and 1 <= len(g) <= _MAX_NAME for g in blame)):
-    raise _bad("failed", "blame", f"a list of at most {_MAX_BLAME} group ids", blame)
-  return Failed(_name(h, "failed", "group"), q, why, tuple(blame))
+          and all(isinstance(g, str) and 1 <= len(g) <= _MAX_NAME and g.isprintable()
+                  for g in blame)):
+    raise _bad("failed", "blame",
+               f"a list of at most {_MAX_BLAME} group ids of printable characters", blame)
+  # the reason is free text the lighthouse logs and relays to every member: escaped
+  return Failed(_name(h, "failed", "group"), q, shown(why), tuple(blame))
 
 
 def _member(obj: Any) -> Member:
@@ -147,8 +153,9 @@ def _member(obj: Any) -> Member:
   fields = list(obj) + [""] * (5 - len(obj))
   gid, address, step, digest, ring = fields
   for name, value, lo in (("group_id", gid, 1), ("address", address, 1), ("ring_address", ring, 0)):
-    if not (isinstance(value, str) and lo <= len(value) <= _MAX_NAME):
-      raise _bad("quorum", f"member.{name}", f"a string of {lo} to {_MAX_NAME} characters", value)
+    if not (isinstance(value, str) and lo <= len(value) <= _MAX_NAME and value.isprintable()):
+      raise _bad("quorum", f"member.{name}",
+                 f"a string of {lo} to {_MAX_NAME} printable characters", value)
   if not _is_int(step, 0, _MAX_INT):
     raise _bad("quorum", "member.step", "an int in [0, 2**63)", step)
   if not _is_int(digest, 0, _MAX_DIGEST):
@@ -158,8 +165,8 @@ def _member(obj: Any) -> Member:
 
 def _name(h: dict[str, Any], op: str, field: str) -> str:
   value = h.get(field)
-  if not (isinstance(value, str) and 1 <= len(value) <= _MAX_NAME):
-    raise _bad(op, field, f"a string of 1 to {_MAX_NAME} characters", value)
+  if not (isinstance(value, str) and 1 <= len(value) <= _MAX_NAME and value.isprintable()):
+    raise _bad(op, field, f"a string of 1 to {_MAX_NAME} printable characters", value)
   return value
 
 

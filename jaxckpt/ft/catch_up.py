@@ -29,11 +29,11 @@ import jax
 import numpy as np
 
 from jaxckpt import errors
+from jaxckpt.arrays import _assemble
 from jaxckpt.ft import _peer
 from jaxckpt.ft.ring import DigestLog, GradientRing, RingEntry
 from jaxckpt.host.snapshot import relative_slices
 from jaxckpt.net import _wire
-from jaxckpt.restore import _assemble
 
 HostLeaves = Mapping[str, np.ndarray]
 """A state's leaves on the host, keyed by ``jax.tree_util.keystr`` of their tree path."""

@@ -16,7 +16,7 @@ import pytest
 from jaxckpt import cli, errors
 from jaxckpt import goodput as sim
 from jaxckpt.errors import JaxckptError
-from jaxckpt.goodput import MODES, Mode, SimulationConfig, simulate, sweep
+from jaxckpt.goodput import MODES, Mode, SimulationConfig, simulate, simulator, sweep
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -209,7 +209,7 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_docstring_examples_and_explain_state_every_input():
-  assert doctest.testmod(sim).failed == 0
+  assert doctest.testmod(simulator).failed == 0
   text = sim.explain()
   for f in dataclasses.fields(SimulationConfig):
     assert f"--{f.name.replace('_', '-')} = {f.default!r}" in text
@@ -217,7 +217,7 @@ def test_docstring_examples_and_explain_state_every_input():
   assert "44%" in text and "80%" in text and "10 min" in text and "3 min" in text
   for name in ("accelerator_mtbf_hours=33_000", "job_restart_secs=570", "replica_groups=12",
                "rejoin_stall_secs=25", "checkpoint_interval_secs=300"):
-    assert name in sim.__doc__
+    assert name in simulator.__doc__
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,6 +12,10 @@ so its part records and data never mix with another attempt's. An error is
 kept (typed, with its cause) and handed to the trainer, which raises it from
 its next ``save()``, ``wait_until_finished()``, ``wait_until_persisted()`` or
 ``close()``.
+
+The writes go through the storage handed in (:class:`PersistStorage`: the
+universal format, ``jaxckpt.universal``): this module imports nothing above
+the host tier, and an agent that never persists never imports JAX.
 """
 
 from __future__ import annotations
@@ -20,26 +24,39 @@ import concurrent.futures
 import dataclasses
 import errno
 import logging
-import os
-import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable, Protocol
+
+import numpy as np
 
 from jaxckpt import errors
 from jaxckpt.host.snapshot import SnapshotManifest
-from jaxckpt.util import _wait
 
 logger = logging.getLogger(__name__)
 
 
-def _universal() -> Any:
-  """The universal format's package, imported on first use: it imports JAX (through
-  ``jaxckpt.tree``), and an agent that never persists must not pay for that. The
-  one function-level import of this module."""
-  import jaxckpt.universal  # pylint: disable=import-outside-toplevel
-  return jaxckpt.universal
+class PersistStorage(Protocol):
+  """What a persist needs of storage: write a process's part, commit (process 0),
+  wait for process 0's commit, gc, and remove a losing attempt. The universal
+  format's package (``jaxckpt.universal``) is the one implementation; whoever
+  runs a persister hands it in (the agent, the trainer's in-process store)."""
+
+  def write_process_shards(self, directory: str, manifest: SnapshotManifest, buffer: np.ndarray, *,
+                           attempt: str) -> None: ...
+
+  def commit_step(self, directory: str, step: int, *, process_count: int, timeout_secs: float,
+                  attempt: str, check: Callable[[], None] = ...) -> None: ...
+
+  def wait_committed(self, directory: str, step: int, attempt: str, process_index: int,
+                     process_count: int, *, timeout_secs: float,
+                     check: Callable[[], None] = ...) -> None: ...
+
+  def gc_steps(self, directory: str, *, max_to_keep: int,
+               keep: Iterable[int] = ()) -> list[int]: ...
+
+  def discard_attempt(self, directory: str, step: int, attempt: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,44 +156,26 @@ _TRANSIENT = frozenset({None, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRE
                         errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
-def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: Any, attempt: str,
-                 check: Callable[[], None]) -> None:
-  """Writes this process's part of ``attempt`` and, as process 0, commits the step
-  and runs gc: what every persist does (a Persister's, and one rebuilt from
-  parity after a lost agent). With ``hold_until_committed`` (parity on) any
-  other process then waits for that commit, so that it holds its snapshot (and
-  the parity that rebuilds a lost peer's) until the step is on storage whole.
+def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: np.ndarray, attempt: str,
+                 check: Callable[[], None], *, storage: PersistStorage) -> None:
+  """Writes this process's part of ``attempt`` to ``storage`` and, as process 0,
+  commits the step and runs gc: what every persist does (a Persister's, and one
+  rebuilt from parity after a lost agent). With ``hold_until_committed`` (parity
+  on) any other process then waits for that commit, so that it holds its snapshot
+  (and the parity that rebuilds a lost peer's) until the step is on storage whole.
   ``check`` raises to stop it before the commit marker."""
-  universal = _universal()
-  universal.write_process_shards(config.directory, manifest, buffer, attempt=attempt)
+  storage.write_process_shards(config.directory, manifest, buffer, attempt=attempt)
   check()
   if manifest.process_index != 0:
     if config.hold_until_committed:
-      universal.wait_committed(config.directory, manifest.step, attempt, manifest.process_index,
-                               manifest.process_count, timeout_secs=config.timeout_secs,
-                               check=check)
+      storage.wait_committed(config.directory, manifest.step, attempt, manifest.process_index,
+                             manifest.process_count, timeout_secs=config.timeout_secs,
+                             check=check)
     return
-  universal.commit_step(config.directory, manifest.step, process_count=manifest.process_count,
-                        timeout_secs=config.timeout_secs, attempt=attempt, check=check)
+  storage.commit_step(config.directory, manifest.step, process_count=manifest.process_count,
+                      timeout_secs=config.timeout_secs, attempt=attempt, check=check)
   if config.max_to_keep:
-    universal.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(manifest.step,))
-
-
-def who_is_late(directory: str, step: int, attempt: str, process_count: int) -> str:
-  """Why persist ``attempt`` of ``step`` is not on storage yet: the processes whose
-  part is missing there, or process 0's commit (what a timeout names). Storage is
-  asked for a few seconds at most: a wait that ran out raises on time even when
-  storage does not answer."""
-  u = _universal()
-  try:
-    missing = u.missing_parts(directory, step, attempt, process_count,
-                              timeout_secs=u.LATE_PROBE_SECS)
-  except (OSError, ValueError) as e:       # (a storage that does not answer now)
-    return f"step {step}: which parts are missing is unknown ({type(e).__name__}: {e})"
-  if missing:
-    return (f"step {step}: processes {missing} of {process_count} (their agents or "
-            "trainers) did not write their part")
-  return f"step {step}: every process wrote its part but process 0 did not commit it"
+    storage.gc_steps(config.directory, max_to_keep=config.max_to_keep, keep=(manifest.step,))
 
 
 class Cancelled(Exception):
@@ -201,7 +200,9 @@ class Persister:
   hold=True)``) and calls :meth:`submit`; ``open_step(step)`` must return a
   context manager yielding the step's (manifest, buffer) with its slot pinned,
   and ``release(step)`` is called once the persist has ended, whatever its
-  outcome, so the store can hand the slot out again.
+  outcome, so the store can hand the slot out again. ``storage()`` returns the
+  storage to write to (:class:`PersistStorage`); it is called on the persist
+  thread when a persist runs, so a process that never persists never loads it.
 
   :meth:`fence` cancels every attempt of a step submitted so far (a delete, or
   a rollback that dropped it): a queued one never starts, a running one never
@@ -210,11 +211,13 @@ class Persister:
   """
 
   def __init__(self, config: PersistConfig,
-               open_step: Callable[[int], ContextManager[tuple[SnapshotManifest, Any]]],
-               release: Callable[[int], None] = lambda step: None) -> None:
+               open_step: Callable[[int], ContextManager[tuple[SnapshotManifest, np.ndarray]]],
+               release: Callable[[int], None] = lambda step: None, *,
+               storage: Callable[[], PersistStorage]) -> None:
     self.config = config
     self._open_step = open_step
     self._release = release
+    self._storage = storage
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-persist")
     self._lock = threading.Lock()
     self._jobs: dict[str, _Job] = {}          # attempt -> job, queued or running
@@ -296,14 +299,15 @@ class Persister:
                   directory, nbytes / 2**20, secs, nbytes / max(secs, 1e-9) / 1e9, attempt)
     except Cancelled:
       if job.process_index == 0:  # process 0 owns the attempt's data: only it removes it
-        discard_quietly(directory, step, attempt)
+        discard_quietly(self._storage(), directory, step, attempt)
       with self._lock:
         self.cancelled += 1
       logger.info("step %d: persist attempt %s cancelled (the step was deleted or rolled "
                   "back)", step, attempt)
     except Exception as e:  # pylint: disable=broad-except  (handed to the trainer)
       if job.process_index == 0:  # (another's failure is process 0's to clean up: it may
-        discard_quietly(directory, step, attempt)   # still commit) never the committed data
+        # still commit) never the committed data
+        discard_quietly(self._storage(), directory, step, attempt)
       if job.cancelled:
         logger.info("step %d: fenced persist attempt %s ended: %s", step, attempt, e)
         return
@@ -325,7 +329,8 @@ class Persister:
       try:
         with self._open_step(step) as (manifest, buffer):
           job.process_index = manifest.process_index
-          persist_part(config, manifest, buffer, attempt, lambda: self._check(job))
+          persist_part(config, manifest, buffer, attempt, lambda: self._check(job),
+                       storage=self._storage())
           return manifest.nbytes
       except errors.StorageError as e:
         if e.errno not in _TRANSIENT or time.monotonic() + pause > deadline or job.cancelled:
@@ -371,178 +376,12 @@ class Persister:
       self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def discard_quietly(directory: str, step: int, attempt: str) -> None:
+def discard_quietly(storage: PersistStorage, directory: str, step: int, attempt: str) -> None:
   """Removes what a losing attempt wrote (best effort: it is unreachable anyway)."""
   try:
-    _universal().discard_attempt(directory, step, attempt)
+    storage.discard_attempt(directory, step, attempt)
   except errors.StepExistsError:
     pass                          # it committed (a later stage failed): keep it
   except Exception as e:  # pylint: disable=broad-except
     logger.warning("step %d: could not remove attempt %s from %s: %s", step, attempt,
                    directory, e)
-
-
-def check_directory(directory: str, *, timeout_secs: float) -> None:
-  """Fails now, not in a background write, if ``directory`` cannot hold checkpoints.
-
-  A local directory is created if missing and must take a test file; a URL's
-  store must answer a listing within ``timeout_secs``.
-
-  Raises:
-    InvalidArgumentError: an empty directory string.
-    StorageError: naming the path and the cause (errno) and what to do.
-  """
-  if not isinstance(directory, str) or not directory.strip():
-    raise errors.InvalidArgumentError(
-        f"directory={directory!r} is empty; pass a path or a URL (s3://bucket/prefix), or "
-        "None for host snapshots only")
-  _layout = _universal()._layout
-  local = _layout.local_path(directory)
-  if local is None:
-    kv = _layout.open_kvstore(directory, timeout_secs=timeout_secs)
-    _layout.storage_result(kv.list(_layout.prefix_range(_layout.COMMITS_PREFIX)),
-                           "listing the steps", directory, timeout_secs)
-    return
-  try:
-    os.makedirs(local, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=".jaxckpt-probe-", dir=local)
-    try:
-      os.write(fd, b"x")
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-      os.unlink(probe)
-  except OSError as e:
-    raise errors.StorageError(
-        e.errno, f"checkpoint directory {local!r} cannot be written ({e.strerror}); "
-        "choose a writable directory", local) from None
-
-
-class Attempts:
-  """A trainer's persist attempts and the waits for them.
-
-  Each save due for storage gets an attempt id that every process of the job gives
-  alike (:func:`attempt_id`); a failure reported by the store is raised once, in
-  the trainer, as the jaxckpt error it was. ``where`` names the store in messages
-  (this process's, or its snapshot agent).
-  """
-
-  def __init__(self, config: PersistConfig | None, run_id: str | None,
-               process: tuple[int, int], where: str) -> None:
-    self.config, self.run_id, self.process, self.where = config, run_id, process, where
-    self.by_step: dict[int, str] = {}        # step -> this run's newest persist attempt
-    self._counts: dict[int, int] = {}
-    self.told: set[str] = set()              # attempts whose failure was raised
-    self.on_storage: set[int] = (set() if config is None
-                                 else set(_universal().all_steps(config.directory)))
-
-  @property
-  def directory(self) -> str | None:
-    return None if self.config is None else self.config.directory
-
-  def new(self, step: int) -> str:
-    """This run's next persist attempt of ``step`` (the same on every process)."""
-    nth = self._counts.get(step, 0)
-    self._counts[step] = nth + 1
-    attempt = self.by_step[step] = attempt_id(self.run_id, step, nth)
-    return attempt
-
-  def refuse_existing(self, step: int, store: Any, error: Callable[[str], Exception]) -> None:
-    """Raises ``error(message)`` if ``step`` is committed on storage or on its way there: a
-    step saved again never leaves two tiers holding different bytes."""
-    directory = self.directory
-    if directory is None or (step not in self.on_storage and step not in self.by_step):
-      return
-    universal = _universal()
-    if step in universal.all_steps(directory):
-      where = (f"is already committed in {directory!r} (persist attempt "
-               f"{universal.committed_by(directory, step)!r})")
-    elif step in store.persist_status(ask=False).pending:
-      where = "is already being persisted (its first save)"
-    else:                                     # deleted since (gc, delete), or never stored
-      self.on_storage.discard(step)
-      return
-    raise error(f"save(step={step}): step {step} {where}; a step is saved once (no two tiers "
-                f"may hold different bytes under one step), so nothing was saved. Delete it "
-                f"first (mgr.delete({step})), or save another step")
-
-  def raise_errors(self, store: Any, *, ask_agent: bool = True) -> None:
-    """Raises the first error of a background persist (this process's or its agent's).
-
-    Without ``ask_agent`` (``save()``: no request on the save path) an agent's
-    errors are those its commit replies brought back.
-    """
-    if self.config is not None:
-      self.raise_failed(store.persist_errors(ask=ask_agent))
-
-  def raise_failed(self, failed: list[PersistError]) -> None:
-    failed = [e for e in failed if e.attempt not in self.told]   # raised once only
-    self.told.update(e.attempt for e in failed)
-    earlier = [e for e in failed if not of_run(e.attempt, self.run_id)]
-    for e in earlier:         # an earlier run's (its agent outlived it): not this run's save
-      logger.error("a persist of step %d by an earlier run (attempt %s) failed: %s; that "
-                   "step is not on storage", e.step, e.attempt, e.message)
-    failed = [e for e in failed if e not in earlier]
-    if failed:
-      where = f"process {self.process[0]}" + ("" if "agent" not in self.where
-                                               else ", in its snapshot agent")
-      first = failed[0].exception(f"{where}, to {self.directory!r}")
-      for other in failed[1:]:
-        logger.error("also: persisting step %d failed: %s", other.step, other.message)
-      raise first
-
-  def wait_ended(self, store: Any, timeout: float, what: str) -> None:
-    """Waits until the store's persists of the steps this manager saved for
-    storage have ended (persisted, failed or fenced), then raises the first failure."""
-    want = {s for s, a in self.by_step.items() if a not in self.told}
-    failed: list[PersistError] = []
-
-    def ended() -> bool:
-      failed.extend(store.persist_errors())
-      return not want & set(store.persist_status().pending)
-
-    def late() -> str:
-      self.raise_failed(failed)          # a failure said first: it is why, not the wait
-      left = sorted(want & set(store.persist_status(ask=False).pending))
-      who = "; ".join(who_is_late(self.directory, s, self.by_step[s], self.process[1])
-                      for s in left if s in self.by_step)
-      return (f"{what}: steps {left} were not persisted to {self.directory!r} within {timeout} "
-              f"s: {who} ({self.where} of process {self.process[0]} goes on trying)")
-    if want:
-      _wait.until(ended, timeout_secs=timeout, late=late)
-    self.raise_failed(failed)
-
-  def wait_stored(self, store: Any, step: int, timeout: float) -> None:
-    """Waits until ``step`` is committed on storage by this manager's attempt.
-
-    Raises:
-      StepExistsError: another writer committed ``step`` first.
-      StepNotFoundError: this manager never saved ``step`` for storage and it is not there.
-      SnapshotTimeoutError: naming the processes whose part is missing.
-    """
-    universal, directory = _universal(), self.directory
-    attempt = self.by_step.get(step)
-
-    def stored() -> bool:
-      self.raise_errors(store)
-      if step in universal.all_steps(directory):
-        by = universal.committed_by(directory, step)
-        if attempt is None or by == attempt:
-          return True
-        self.told.add(attempt)
-        raise errors.StepExistsError(
-            f"step {step} is already committed in {directory!r} by persist attempt "
-            f"{by!r}, not by this manager's ({attempt!r}): another writer got there first; "
-            "this manager's snapshot of it was not stored")
-      if attempt is None:
-        raise errors.StepNotFoundError(
-            f"wait_until_persisted(step={step}): this manager never saved step {step} for "
-            f"storage and it is not on {directory!r}")
-      return False
-
-    def late() -> str:
-      who = who_is_late(directory, step, attempt, self.process[1])
-      return (f"step {step} was not persisted to {directory!r} within {timeout} s: {who} "
-              f"(persist attempt {attempt!r})")
-    _wait.until(stored, timeout_secs=timeout, late=late)
-    self.on_storage.add(step)

@@ -51,18 +51,20 @@ def _agent_opts(tmp_path, **kw):
                     "--run-root", root], check=False, timeout=60, capture_output=True)
 
 
-def test_a_rollback_resave_of_a_persisted_step_is_refused_and_storage_keeps_it(storage_dir):
+def test_a_rollback_resave_of_a_persisted_step_starts_a_new_timeline_on_storage(storage_dir):
+  """After restore(step=2), saving step 4 again is the new timeline's: the old step 4 is
+  deleted from storage before anything is captured (it was refused before, so the new
+  timeline could never persist its own step 4)."""
   with jc.CheckpointManager(storage_dir, jc.CheckpointOptions(max_snapshots=3)) as mgr:
     for step in (2, 4):
       mgr.save(step, _state(step))
       mgr.wait_until_persisted(step)
     mgr.restore(step=2, target=_state(0))                 # roll back
-    with pytest.raises(errors.StepExistsError, match=r"save\(step=4\): step 4 is already "
-                       r"committed .* nothing was saved"):
-      mgr.save(4, _state(40))
+    assert mgr.save(4, _state(40), force=True)             # the new timeline's step 4
+    mgr.wait_until_persisted(4)
     assert mgr.save(6, _state(6))                         # the new timeline goes on
     mgr.wait_until_persisted(6)
-  np.testing.assert_array_equal(_stored(storage_dir, 4)["['w']"], np.full((16, 4), 4.0))
+  np.testing.assert_array_equal(_stored(storage_dir, 4)["['w']"], np.full((16, 4), 40.0))
   np.testing.assert_array_equal(_stored(storage_dir, 6)["['w']"], np.full((16, 4), 6.0))
 
 
@@ -138,7 +140,7 @@ def test_a_peer_fenced_while_it_waits_for_the_commit_removes_nothing(storage_dir
   config = _persist.PersistConfig(storage_dir, 3, timeout_secs=60.0, hold_until_committed=True)
   released = []
   peer = _persist.Persister(config, lambda step: contextlib.nullcontext(parts[1]),
-                            released.append)
+                            released.append, storage=lambda: u)
   try:
     peer.submit(3, "a")
     _wait.until(lambda: u.missing_parts(storage_dir, 3, "a", of=[1]) == [], timeout_secs=60,
@@ -306,3 +308,57 @@ def test_a_persist_status_names_each_attempts_directory_and_reads_an_older_agent
   # its directory is unknown, which recover_persists reads as the asking trainer's own.
   old = _persist.PersistStatus.from_obj({"pending": [5], "attempts": [[5, "r1-s5-1"]]})
   assert old.attempts == ((5, "r1-s5-1", ""),)
+
+
+class _CountingStorage:
+  """The universal format, as a persister is handed it, counting the calls it gets."""
+
+  def __init__(self):
+    self.calls = []
+
+  def __getattr__(self, name):
+    fn = getattr(u, name)
+
+    def call(*args, **kw):
+      self.calls.append(name)
+      return fn(*args, **kw)
+    return call
+
+
+def test_a_persister_writes_through_the_storage_handed_in_and_loads_it_only_to_persist(tmp_path):
+  # The host tier imports nothing above it: its writer is handed in, and loaded only
+  # when a persist runs (an agent that never persists never imports JAX for it).
+  d = str(tmp_path / "ckpt")
+  storage, loads = _CountingStorage(), []
+  w = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+  part = _fixtures.host_snapshots(7, {"w": w})[0]
+  persister = _persist.Persister(_persist.PersistConfig(d, 1, max_to_keep=1),
+                                 lambda step: contextlib.nullcontext(part),
+                                 storage=lambda: loads.append(1) or storage)
+  try:
+    assert loads == []
+    persister.submit(7, "r1-s7-0")
+    assert persister.wait_idle(60) and persister.take_errors() == []
+    assert loads and storage.calls == ["write_process_shards", "commit_step", "gc_steps"]
+    assert u.committed_by(d, 7) == "r1-s7-0"
+    stored = u.open_step(d, 7).read("w")
+    assert stored.dtype == w.dtype and stored.tobytes() == w.tobytes()
+  finally:
+    persister.close(10)
+
+
+def test_an_in_process_store_made_without_storage_refuses_to_persist_and_says_how(tmp_path):
+  from jaxckpt.host.store import InProcessStore  # pylint: disable=import-outside-toplevel
+  d = str(tmp_path / "ckpt")
+  bare = InProcessStore(max_snapshots=1, host_memory_limit_bytes=1 << 20)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"made without storage, so it cannot persist to '.*ckpt': make it with "
+                           r"InProcessStore\(\.\.\., storage=jaxckpt\.universal\)"):
+    bare.persist_to(_persist.PersistConfig(d, 1))
+  bare.close()
+  opts = jc.CheckpointOptions(max_snapshots=1, timeout_secs=60)
+  store = InProcessStore(max_snapshots=1, host_memory_limit_bytes=1 << 26, storage=u)
+  with jc.CheckpointManager(d, opts, store=store) as mgr:
+    mgr.save(3, {"w": np.arange(6.0)})
+    mgr.wait_until_finished()
+  np.testing.assert_array_equal(u.open_step(d, 3).read("['w']"), np.arange(6.0))

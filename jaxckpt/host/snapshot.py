@@ -214,12 +214,21 @@ class SnapshotManifest:
 
   @classmethod
   def from_obj(cls, o: dict[str, Any]) -> "SnapshotManifest":
+    """The manifest ``o`` describes (JSON from another process: an agent, a peer),
+    its numbers checked (:func:`check_numbers`): CorruptSnapshotError if impossible."""
     check_manifest_version(o)
-    return cls(step=int(o["step"]), nbytes=int(o["nbytes"]),
-               process_index=int(o.get("process_index", 0)),
-               process_count=int(o.get("process_count", 1)),
-               metadata=dict(o.get("metadata") or {}),
-               leaves=tuple(LeafRecord.from_obj(x) for x in o["leaves"]))
+    try:
+      m = cls(step=int(o["step"]), nbytes=int(o["nbytes"]),
+              process_index=int(o.get("process_index", 0)),
+              process_count=int(o.get("process_count", 1)),
+              metadata=dict(o.get("metadata") or {}),
+              leaves=tuple(LeafRecord.from_obj(x) for x in o["leaves"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise errors.CorruptSnapshotError(
+          f"snapshot manifest of step {o.get('step')!r} is damaged ({type(e).__name__}: "
+          f"{e}); restore another tier or step") from None
+    check_numbers(m)
+    return m
 
   def to_json(self) -> str:
     text = self.json_renderer(self) if self.json_renderer is not None else None
@@ -232,6 +241,48 @@ class SnapshotManifest:
   @property
   def paths(self) -> tuple[str, ...]:
     return tuple(leaf.path for leaf in self.leaves)
+
+
+# What a snapshot can be (:func:`check_numbers`): ranks and dimensions as tensorstore
+# allows them, bytes within int64 with room to spare.
+MAX_RANK = 32
+MAX_DIM = 2**62 - 2
+MAX_BYTES = 2**62
+
+
+def check_numbers(m: SnapshotManifest) -> None:
+  """Raises CorruptSnapshotError unless every number of ``m`` is possible: the buffer's
+  size, each array leaf's shape, and each shard's box inside that shape, its offset
+  and size inside the buffer and its size that of its box. A manifest comes from
+  another process (a peer's agent): its numbers are data, never used unchecked (a
+  negative offset would read other bytes, a huge one size a buffer)."""
+  def bad(why: str) -> errors.CorruptSnapshotError:
+    return errors.CorruptSnapshotError(
+        f"snapshot manifest of step {m.step} (process {m.process_index}) is damaged: {why}; "
+        "restore another tier or step")
+
+  total = m.nbytes
+  if not (0 <= total <= MAX_BYTES and 1 <= m.process_count <= 2**31
+          and 0 <= m.process_index < m.process_count):
+    raise bad(f"buffer of {total} bytes, process {m.process_index} of {m.process_count}")
+  for leaf in m.leaves:
+    if leaf.kind not in ARRAY_KINDS:
+      continue
+    shape = leaf.shape
+    if len(shape) > MAX_RANK or any(type(d) is not int or not 0 <= d <= MAX_DIM for d in shape):
+      raise bad(f"leaf {leaf.path!r} has shape {list(shape)}")
+    itemsize = leaf.numpy_dtype.itemsize
+    for sh in leaf.shards:
+      n, index = itemsize, sh.index
+      if len(index) != len(shape):
+        raise bad(f"leaf {leaf.path!r} of shape {list(shape)} has a shard at {list(index)}")
+      for (lo, hi), d in zip(index, shape):
+        if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= d:
+          raise bad(f"leaf {leaf.path!r} of shape {list(shape)} has a shard at {list(index)}")
+        n *= hi - lo
+      if sh.nbytes != n or not 0 <= sh.offset <= total - n:
+        raise bad(f"leaf {leaf.path!r}: its shard at {list(index)} ({n} bytes) is said to "
+                  f"be {sh.nbytes} bytes at offset {sh.offset} of a {total}-byte buffer")
 
 
 def manifest_obj(text: str | bytes) -> dict[str, Any]:

@@ -15,14 +15,15 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from jaxckpt import errors
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host._persist import PersistConfig, PersistError, PersistStatus  # noqa: F401  (the store's names)
-from jaxckpt.host.snapshot import SnapshotManifest, aligned_empty
+from jaxckpt.host._persist import PersistStorage
+from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, aligned_empty
 
 
 @dataclasses.dataclass(eq=False)
@@ -35,15 +36,45 @@ class Slot:
 
   index: int
   step: int
-  _buffer: Any         # writable, at least ``nbytes`` long (np.uint8 array or mmap)
+  _buffer: np.ndarray | None    # writable uint8, at least ``nbytes`` long (memory or a map)
   nbytes: int
-  opener: Callable[[], Any] | None = None
+  opener: Callable[[], np.ndarray] | None = None
 
   @property
-  def buffer(self) -> Any:
+  def buffer(self) -> np.ndarray:
     if self._buffer is None and self.opener is not None:
       self._buffer, self.opener = self.opener(), None
     return self._buffer
+
+
+class Piece(Protocol):
+  """One saving process's snapshot of a step, as a restore reads it: held here
+  (``restore._read.BufferPiece``) or by another host's agent (``agent._remote.RemotePiece``,
+  ``remote``: read ahead over the network by ``fetch``)."""
+
+  manifest: SnapshotManifest
+  bytes_read: int
+  remote: bool
+
+  def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None: ...
+  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
+  def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
+  def span(self, start: int, nbytes: int) -> np.ndarray | None: ...
+
+
+class ParityReport(Protocol):
+  """What the job's agents say about the parity of one step they protect
+  (``agent._parity_recovery.StepParity``)."""
+
+  step: int
+  process_count: int
+  held: set[int]          # hosts whose agent holds the step's snapshot
+  done: set[int]          # hosts whose agent holds all of its parity for the step
+  errors: dict[int, str]  # host -> why its parity of the step failed
+
+  @property
+  def protected(self) -> bool: ...
+  def check(self) -> None: ...
 
 
 class HostStore(abc.ABC):
@@ -70,10 +101,11 @@ class HostStore(abc.ABC):
     """Committed steps, oldest first."""
 
   @abc.abstractmethod
-  def read(self, step: int) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, Any]]:
+  def read(self, step: int
+           ) -> contextlib.AbstractContextManager[tuple[SnapshotManifest, np.ndarray]]:
     """Pins ``step`` and yields its manifest and buffer until the context exits."""
 
-  def lend(self, step: int, buffer: Any) -> bool:
+  def lend(self, step: int, buffer: np.ndarray) -> bool:
     """Promises that ``buffer`` (``step``'s, as pinned by ``read``) is never
     written again, so restored arrays may keep views of it (XLA:CPU adopts host
     buffers); False if this store cannot (its slots are reused in place) or
@@ -134,12 +166,12 @@ class HostStore(abc.ABC):
     with self.read(step) as (manifest, _):
       return manifest
 
-  def parity_steps(self) -> dict[int, Any]:
-    """``{step: _parity.StepParity}`` of the steps the job's agents protect (none here)."""
+  def parity_steps(self) -> dict[int, ParityReport]:
+    """What the job's agents say of each step they protect (none here)."""
     return {}
 
   def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
-                   have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
+                   have: list[Piece], stack: contextlib.ExitStack) -> list[Piece]:
     """The pieces of ``step`` held elsewhere in the job (each pinned until ``stack``
     closes) and, with ``rebuild``, those of lost hosts rebuilt from parity;
     ``have`` are the pieces found so far. This process's store is the whole story
@@ -190,12 +222,18 @@ class InProcessStore(HostStore):
   restored array lives, its whole old slot does too: up to one snapshot of
   memory beyond ``host_memory_limit_bytes`` per lent slot. Which slot holds
   what is decided by the shared :class:`jaxckpt.host._slots.SlotTable`.
+
+  It persists (``persist`` or :meth:`persist_to`) through ``storage``, the
+  universal format (``jaxckpt.universal``) that its maker hands in; made without
+  it, it holds snapshots only.
   """
 
   _OWNER = 0          # the one writer (this process)
 
   def __init__(self, *, max_snapshots: int, host_memory_limit_bytes: int,
-               persist: PersistConfig | None = None) -> None:
+               persist: PersistConfig | None = None,
+               storage: PersistStorage | None = None) -> None:
+    self._storage = storage
     self._limit = host_memory_limit_bytes
     self._table = _slots.SlotTable(max_snapshots)
     self._buffers: list[np.ndarray | None] = [None] * len(self._table)
@@ -212,7 +250,14 @@ class InProcessStore(HostStore):
       raise errors.InvalidArgumentError(
           f"this in-process store persists to {self._persister.config.directory!r} already; "
           "one store per manager")
-    self._persister = _persist.Persister(config, self.read, self._release)
+    storage = self._storage
+    if storage is None:
+      raise errors.InvalidArgumentError(
+          f"this in-process store was made without storage, so it cannot persist to "
+          f"{config.directory!r}: make it with InProcessStore(..., storage=jaxckpt.universal), "
+          "or pass directory=None")
+    self._persister = _persist.Persister(config, self.read, self._release,
+                                         storage=lambda: storage)
 
   def _check_budget(self, nbytes: int) -> None:
     _slots.check_budget(slots=len(self._table), nbytes=nbytes, limit_bytes=self._limit,
@@ -296,13 +341,13 @@ class InProcessStore(HostStore):
             "(it will not commit)")
     return d is not None
 
-  def lend(self, step: int, buffer: Any) -> bool:
+  def lend(self, step: int, buffer: np.ndarray) -> bool:
     with self._cv:
       i = next((i for i, b in enumerate(self._buffers) if b is buffer), None)
       return i is not None and self._table.lend(i)     # False: the caller copies instead
 
   @contextlib.contextmanager
-  def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
+  def read(self, step: int) -> Iterator[tuple[SnapshotManifest, np.ndarray]]:
     with self._cv:
       s = self._table.pin(step, self._OWNER)
       if s is None:

@@ -15,13 +15,14 @@ import jax
 import numpy as np
 
 from jaxckpt import errors
+from jaxckpt.arrays._assemble import device_boxes, make_array
 from jaxckpt.host._spans import Spans, span_checksums
+from jaxckpt.host.store import Piece
 from jaxckpt.host.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
                               copy_and_hash, full_box, shard_view, verify_shard)
-from jaxckpt.restore._assemble import device_boxes, make_array
-from jaxckpt.universal._progress import LogProgress
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
+from jaxckpt.util._progress import LogProgress
 
 logger = logging.getLogger(__name__)
 
@@ -52,32 +53,18 @@ class RestoreInfo:
   skipped: tuple[tuple[int, str], ...] = ()
 
 
-class Piece(Protocol):
-  """One saving process's snapshot of a step, as a restore reads it: held here
-  (:class:`BufferPiece`) or by another host's agent (``agent._remote.RemotePiece``,
-  ``remote``: read ahead over the network by ``fetch``)."""
-
-  manifest: SnapshotManifest
-  bytes_read: int
-  remote: bool
-
-  def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None: ...
-  def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
-  def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
-  def span(self, start: int, nbytes: int) -> np.ndarray | None: ...
-
-
 class Source(Protocol):
   """A step on one tier, as :func:`restore_tree` reads it."""
 
   step: int
-  leaves: Sequence[LeafRecord]
 
+  @property
+  def leaves(self) -> Sequence[LeafRecord]: ...
   @property
   def bytes_read(self) -> int: ...
   def prefetch(self, needed: dict[int, set[Box]]) -> None: ...
   def reader(self, i: int, *, private: bool = True,
-             boxes: Any = None) -> Callable[[Box], np.ndarray]: ...
+             boxes: set[Box] | None = None) -> Callable[[Box], np.ndarray]: ...
 
 
 class LeafMetadata(NamedTuple):
@@ -91,7 +78,7 @@ class LeafMetadata(NamedTuple):
   kind: str
   shape: tuple[int, ...]
   dtype: str
-  sharding: Any = None
+  sharding: dict[str, Any] | None = None
   value: Any = None
   key_impl: str | None = None
 
@@ -125,7 +112,7 @@ class BufferPiece:
 
   remote = False
 
-  def __init__(self, manifest: SnapshotManifest, buffer: Any, *, private: bool = False,
+  def __init__(self, manifest: SnapshotManifest, buffer: np.ndarray, *, private: bool = False,
                lend: Callable[[], bool] | None = None) -> None:
     self.manifest = manifest
     self.buffer = buffer
@@ -210,7 +197,7 @@ def _verify_pool() -> concurrent.futures.ThreadPoolExecutor:
 def _balanced(items: list[tuple[LeafRecord, ShardRecord]], n: int
               ) -> list[list[tuple[LeafRecord, ShardRecord]]]:
   """``items`` in at most ``n`` batches of about equal bytes (largest first)."""
-  batches: list[list[Any]] = [[] for _ in range(min(n, len(items)))]
+  batches: list[list[tuple[LeafRecord, ShardRecord]]] = [[] for _ in range(min(n, len(items)))]
   load = [0] * len(batches)
   for item in sorted(items, key=lambda x: -x[1].nbytes):
     i = load.index(min(load))
@@ -251,7 +238,7 @@ class HostSource:
         f.result()
 
   def reader(self, i: int, *, private: bool = True,
-             boxes: Any = None) -> Callable[[Box], np.ndarray]:
+             boxes: set[Box] | None = None) -> Callable[[Box], np.ndarray]:
     """``read_region(box)`` for leaf ``i``: verified values of ``box``.
 
     With ``private`` (what XLA:CPU and numpy targets need: both keep the array
@@ -272,13 +259,13 @@ class HostSource:
                              path=rec.path)
     return read_region
 
-  def _shards(self, i: int) -> list[tuple[Any, LeafRecord, ShardRecord]]:
+  def _shards(self, i: int) -> list[tuple[Piece, LeafRecord, ShardRecord]]:
     """Every (piece, its record of leaf ``i``, shard) of leaf ``i``."""
     return [(p, p.manifest.leaves[i], s) for p in self.pieces for s in p.manifest.leaves[i].shards]
 
 
-def _serving(shards: Sequence[tuple[Any, LeafRecord, ShardRecord]],
-             box: Box) -> list[tuple[Any, LeafRecord, ShardRecord]]:
+def _serving(shards: Sequence[tuple[Piece, LeafRecord, ShardRecord]],
+             box: Box) -> list[tuple[Piece, LeafRecord, ShardRecord]]:
   """The shards a read of ``box`` uses: the one stored as exactly ``box``, else
   every one overlapping it."""
   exact = next((x for x in shards if x[2].index == box), None)
@@ -316,7 +303,7 @@ def restore_tree(source: Source, target: Any, *, partial: bool = False) -> Any:
   return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def _leaf_value(source: Any, i: int, rec: LeafRecord, t: TargetLeaf | None,
+def _leaf_value(source: Source, i: int, rec: LeafRecord, t: TargetLeaf | None,
                 needed: set[Box] | None) -> Any:
   if rec.kind == "scalar":
     return scalar_from_json(rec.value)

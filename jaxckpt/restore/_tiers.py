@@ -6,7 +6,7 @@ a step is restorable when the agents of all its saving processes hold it,
 and a restoring process reads the pieces it needs from whichever agents hold
 them (its own through shared memory, others' over the network). With parity
 on, a step that lost some hosts is still restorable when the survivors' parity
-rebuilds them (tier "parity", ``jaxckpt.agent._parity``).
+rebuilds them (tier "parity", ``jaxckpt.agent._parity_recovery``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import time
 from typing import Any, Callable, Iterator
 
 import jax
+import numpy as np
 
 from jaxckpt import errors, universal
-from jaxckpt.util import _wait
-from jaxckpt.host.snapshot import LeafRecord
+from jaxckpt.util import _progress, _wait
+from jaxckpt.host.snapshot import Box, LeafRecord
 from jaxckpt.tree import scalar_from_json
-from jaxckpt.host.store import HostStore
+from jaxckpt.host.store import HostStore, ParityReport, Piece
 from jaxckpt.net import _kv
 from jaxckpt.restore import _read
-from jaxckpt.universal import _progress
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def storage_steps(directory: str | None) -> list[int]:
   return universal.stored_steps(directory)
 
 
-def parity_steps(store: HostStore) -> dict[int, Any]:
+def parity_steps(store: HostStore) -> dict[int, ParityReport]:
   """What the job's agents say about the parity of each step they protect."""
   return store.parity_steps()
 
@@ -56,7 +56,7 @@ def protected_steps(store: HostStore) -> list[int]:
 
 def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
   """Polls the agents until ``step`` is protected; the timeout names the late hosts."""
-  last: list[Any] = [None]
+  last: list[ParityReport | None] = [None]
 
   def protected() -> bool:
     sp = last[0] = parity_steps(store).get(step)
@@ -137,6 +137,7 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
   through ``read(target, partial)`` (orbax's forms build their target from the step's
   metadata first); else the step is read onto ``target``."""
   t0 = time.perf_counter()
+  source: _read.Source
   if step is not None and onto is None and jax.process_count() == 1:   # held here whole:
     local = _read_local(store, step, target, partial)    # nothing else to ask
     if local is not None:
@@ -154,7 +155,7 @@ def restore(store: HostStore, directory: str | None, step: int | None, target: A
       if onto is None:
         out, tier, source = _read_step(store, directory, chosen, tier, target, partial)
       else:
-        got: list[tuple[Any, _read.Tier, Any]] = []
+        got: list[tuple[Any, _read.Tier, _read.Source]] = []
 
         def read(t: Any, p: bool, s: int = chosen, tr: _read.Tier = tier) -> Any:
           got.append(_read_step(store, directory, s, tr, t, p))
@@ -209,7 +210,8 @@ def _said(info: _read.RestoreInfo) -> None:
               _progress.rate(info.nbytes, info.seconds))
 
 
-def _read_local(store: HostStore, step: int, target: Any, partial: bool) -> Any:
+def _read_local(store: HostStore, step: int, target: Any, partial: bool
+                ) -> tuple[Any, _read.HostSource] | None:
   """``step`` read from this store alone when it holds the whole step (one saving
   process): (the tree, the source); None otherwise, or when its read fails (the
   full path then says why, and falls back to storage)."""
@@ -229,13 +231,13 @@ def _read_local(store: HostStore, step: int, target: Any, partial: bool) -> Any:
 
 
 def _read_step(store: HostStore, directory: str | None, step: int, tier: _read.Tier,
-               target: Any, partial: bool) -> tuple[Any, _read.Tier, Any]:
+               target: Any, partial: bool) -> tuple[Any, _read.Tier, _read.Source]:
   """``step`` read onto ``target`` from ``tier``, or from storage if that tier
   fails and storage holds it: (the tree, the tier used, the source read)."""
   if tier is not _read.Tier.STORAGE:
     try:
       with host_pieces(store, step, rebuild=tier is _read.Tier.PARITY) as pieces:
-        source: Any = _read.HostSource(pieces)
+        source: _read.Source = _read.HostSource(pieces)
         out = jax.block_until_ready(_read.restore_tree(source, target, partial=partial))
       return out, tier, source
     except (errors.CorruptSnapshotError, errors.UnrecoverableLossError) as e:
@@ -335,7 +337,8 @@ def choose_step(store: HostStore, directory: str | None, step: int | None, *,
   return step, tier
 
 
-def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, list[Any], dict]:
+def describe(store: HostStore, directory: str | None, step: int
+             ) -> tuple[str, list[LeafRecord | universal.LeafInfo], dict[str, Any]]:
   """What ``metadata(step)`` reads, from the first tier that has it: (the tier, the
   leaf records, the user metadata). A manifest of any saving process serves
   (each records every leaf): this host's, another host's agent's, or the copy
@@ -345,8 +348,12 @@ def describe(store: HostStore, directory: str | None, step: int) -> tuple[str, l
     StepNotFoundError: no tier of the job holds ``step`` (naming what they hold).
   """
   if step in store.steps():
-    with store.read(step) as (manifest, _):
-      return "host", list(manifest.leaves), manifest.metadata
+    try:
+      with store.read(step) as (manifest, _):
+        return "host", list(manifest.leaves), manifest.metadata
+    except DAMAGE as e:               # (a truncated slot file): the next tier says it
+      logger.warning("step %d: this host's snapshot cannot be read (%s); its metadata comes "
+                     "from the next tier", step, e)
   held = complete_steps(store)
   rebuilt = [] if step in held else rebuildable_steps(held, store)
   if step in held or step in rebuilt:
@@ -376,7 +383,7 @@ def step_metadata(store: HostStore, directory: str | None, step: int
   return tier, {r.path: leaf_metadata(r) for r in leaves}, dict(meta)
 
 
-def leaf_metadata(rec: Any) -> _read.LeafMetadata:
+def leaf_metadata(rec: LeafRecord | universal.LeafInfo) -> _read.LeafMetadata:
   """What ``metadata()`` says of a saved leaf (a host LeafRecord or a stored LeafInfo)."""
   return _read.LeafMetadata(rec.kind, tuple(rec.shape), rec.dtype, rec.sharding,
                             scalar_from_json(rec.value), rec.key_impl)
@@ -397,11 +404,12 @@ class StorageSource:
   def bytes_read(self) -> int:
     return self.reader_.bytes_read
 
-  def prefetch(self, needed: Any) -> None:
+  def prefetch(self, needed: dict[int, set[Box]]) -> None:
     """Nothing: each reader fetches its boxes at once."""
     del needed
 
-  def reader(self, i: int, *, private: bool = True, boxes: Any = None):
+  def reader(self, i: int, *, private: bool = True,
+             boxes: set[Box] | None = None) -> Callable[[Box], np.ndarray]:
     """``read_region(box)`` for leaf ``i``: every stored chunk read once, verified
     (reads are fresh arrays: always private); ``boxes`` are fetched at once."""
     del private
@@ -418,12 +426,12 @@ def agree(step: int, *, timeout_secs: float) -> int:
 
 
 @contextlib.contextmanager
-def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterator[list[Any]]:
+def host_pieces(store: HostStore, step: int, *, rebuild: bool = False) -> Iterator[list[Piece]]:
   """This host's piece first (if it holds one), then the pieces the job holds
   elsewhere for the other saving processes of ``step``; with ``rebuild``, the
   pieces of lost hosts rebuilt from parity (checksum-verified) as local buffers."""
   with contextlib.ExitStack() as stack:
-    pieces = []
+    pieces: list[Piece] = []
     local_index = None
     try:
       manifest, buffer = stack.enter_context(store.read(step))

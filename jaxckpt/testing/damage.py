@@ -1,12 +1,12 @@
 """Damage a committed step on storage on purpose (tests, the chaos soak): one
 byte of one stored element flipped, as a failing disk or a bad write would; or
-its manifest rewritten and resealed, as a writer holding the storage's
-credentials (or another jaxckpt version) would."""
+its manifest rewritten and resealed (to claim an impossible leaf, say), as a
+writer holding the storage's credentials (or another jaxckpt version) would. On
+a local directory or any kvstore URL (``s3://`` too)."""
 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -32,19 +32,20 @@ def flip_stored_byte(directory: str, step: int, leaf: str, index: Sequence[int])
   store[where].write(value).result(timeout=lay.REQUEST_TIMEOUT_SECS)
 
 
-def _committed(directory: str, step: int) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
-  """Committed ``step``'s commit marker path, manifest path, marker and manifest."""
-  key = os.path.join(directory, lay.commit_key(step))
-  with open(key) as f:
-    marker = json.load(f)
-  path = os.path.join(directory, lay.manifest_key(step, marker.get("attempt")))
-  with open(path) as f:
-    return key, path, marker, json.load(f)
+def _committed(directory: str, step: int) -> tuple[Any, str, str, dict[str, Any], dict[str, Any]]:
+  """Committed ``step``'s store, marker key, manifest key, marker and manifest (a local
+  directory or any kvstore URL: ``s3://`` too)."""
+  kv = lay.open_kvstore(directory)
+  key = lay.commit_key(step)
+  marker = json.loads(kv.read(key).result(timeout=lay.REQUEST_TIMEOUT_SECS).value)
+  path = lay.manifest_key(step, marker.get("attempt"))
+  body = kv.read(path).result(timeout=lay.REQUEST_TIMEOUT_SECS).value
+  return kv, key, path, marker, json.loads(body)
 
 
 def stored_manifest(directory: str, step: int) -> dict[str, Any]:
   """Committed ``step``'s manifest, as JSON."""
-  return _committed(directory, step)[3]
+  return _committed(directory, step)[4]
 
 
 def reseal_manifest(directory: str, step: int,
@@ -52,11 +53,22 @@ def reseal_manifest(directory: str, step: int,
   """Rewrites committed ``step``'s manifest and commit marker as ``edit(manifest,
   marker)`` leaves them (JSON, edited in place), the marker carrying the new
   manifest's checksum: only what the manifest says can refuse it."""
-  key, path, marker, doc = _committed(directory, step)
+  kv, key, path, marker, doc = _committed(directory, step)
   edit(doc, marker)
   body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-  with open(path, "wb") as f:
-    f.write(body)
+  kv.write(path, body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   marker["manifest_xxh3"] = snap.checksum(body)
-  with open(key, "w") as f:
-    json.dump(marker, f)
+  kv.write(key, json.dumps(marker).encode()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+
+
+def claim_impossible_leaf(directory: str, step: int, leaf: str) -> None:
+  """Reseals committed ``step`` so that ``leaf`` claims 2^40 x 2^40 elements in one chunk
+  (its shape, layout and checksum table consistent with that): a manifest no restore
+  can size anything by, which must be damage like any other."""
+  def edit(doc: dict[str, Any], marker: dict[str, Any]) -> None:
+    del marker
+    rec, = [r for r in doc["leaves"] if r["path"] == leaf]
+    rank = max(1, len(rec["shape"]))
+    rec["shape"] = rec["chunk_shape"] = rec["inner_chunk_shape"] = [2**40] * rank
+    rec["chunks"] = {".".join(["0"] * rank): next(iter(rec["chunks"].values()))}
+  reseal_manifest(directory, step, edit)

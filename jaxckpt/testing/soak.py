@@ -24,9 +24,12 @@ faults are injected one at a time:
   nor the relaunched job ever (counted as *resurrected*).
 - ``restart``: every trainer stops after the same step, closes and exits; the
   job is relaunched.
-- ``second_manager`` and ``damage_newest``: see :mod:`jaxckpt.testing.soak_faults`
-  (a second manager beside a running one must be refused; a damaged newest step
-  on storage must be skipped by the relaunch's restore).
+- ``second_manager``, ``damage_newest``, ``impossible_newest``, ``truncate_slots``,
+  ``dead_claim`` and ``stray_tcp``: see :mod:`jaxckpt.testing.soak_faults` (a
+  second manager beside a running one must be refused; a damaged or impossible
+  newest step on storage must be skipped by the relaunch's restore; truncated slot
+  files are damage, never SIGBUS; a killed writer's claim lapses; a trainer's
+  requests over tcp are refused).
 
 Each relaunch restores the newest step, and each trainer compares every shard it
 restored with the reference (:class:`soak_worker.Reference`, the same seed)
@@ -75,14 +78,16 @@ from jaxckpt.testing import processes, soak_faults
 from jaxckpt.testing.soak_worker import Reference
 
 KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart",
-         "second_manager", "damage_newest")
+         "second_manager", "damage_newest", "impossible_newest", "truncate_slots",
+         "dead_claim", "stray_tcp")
 # The faults that can destroy a committed snapshot: the others leave every agent alive.
-DESTRUCTIVE = ("kill_agent", "lose_host", "damage_newest")
+DESTRUCTIVE = ("kill_agent", "lose_host", "damage_newest", "impossible_newest",
+               "truncate_slots")
 # The faults after which the job goes on without a relaunch.
-IN_PLACE = ("s3_pause", "kill_agent", "second_manager")
+IN_PLACE = ("s3_pause", "kill_agent", "second_manager", "dead_claim", "stray_tcp")
 HOSTS = 4
 PERSIST_INTERVAL = 5
-SHORT_STEPS = 75            # the short form's length (CI; benchmarks/soak.py --quick)
+SHORT_STEPS = 110           # the short form's length (CI; benchmarks/soak.py --quick)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -334,6 +339,10 @@ class Soak:
     self.damaged_skipped = 0                    # relaunches that skipped them, as they should
     self.second_tries = 0
     self.second_managers: collections.Counter[str] = collections.Counter()
+    self.persist_interval = PERSIST_INTERVAL
+    self.truncations: collections.Counter[str] = collections.Counter()   # truncate_slots
+    self.dead_claims: collections.Counter[str] = collections.Counter()   # dead_claim
+    self.stray: collections.Counter[str] = collections.Counter()         # stray_tcp
     self.skipped = 0
     self.agent_restarts = 0
     self.restart_secs: list[float] = []
@@ -533,8 +542,16 @@ class Soak:
       soak_faults.second_manager(self, info)
     elif fault.kind == "damage_newest":
       soak_faults.damage_newest(self, info)
-    if fault.kind in ("s3_pause", "second_manager") or (fault.kind == "kill_agent"
-                                                         and not relaunch):
+    elif fault.kind == "impossible_newest":
+      soak_faults.impossible_newest(self, info)
+    elif fault.kind == "truncate_slots":
+      soak_faults.truncate_slots(self, info, h)
+    elif fault.kind == "dead_claim":
+      soak_faults.dead_claim(self, info)
+    elif fault.kind == "stray_tcp":
+      soak_faults.stray_tcp(self, info)
+    if fault.kind in ("s3_pause", "second_manager", "dead_claim", "stray_tcp") or (
+        fault.kind == "kill_agent" and not relaunch):
       self.base = self.job.progress()
     else:
       info.update({k: self.recoveries[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
@@ -699,6 +716,9 @@ class Soak:
         "second_managers": {"tries": self.second_tries, **dict(self.second_managers)},
         "damaged_newest": {"damaged": len(self.damaged), "damaged_steps": sorted(self.damaged),
                            "skipped_by_the_relaunch": self.damaged_skipped},
+        "truncated_slots": dict(self.truncations),
+        "dead_claims": dict(self.dead_claims),
+        "stray_tcp": dict(self.stray),
         "checks": self.checks,
         "storage_steps_verified": len(stored), "storage_wrong": storage_wrong,
         "unplanned_failures": self.unplanned,

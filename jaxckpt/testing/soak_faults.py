@@ -1,5 +1,5 @@
-"""The chaos soak's fault kinds of issue 32 (:mod:`jaxckpt.testing.soak` runs them),
-and the place where other checks join its run.
+"""The chaos soak's fault kinds of issues 32 and 40 (:mod:`jaxckpt.testing.soak` runs
+them), and the place where other checks join its run.
 
 - ``second_manager``: at one step every trainer tries a second manager of its
   job and host beside the running one; each must be refused, naming the first,
@@ -8,6 +8,20 @@ and the place where other checks join its run.
   (agents killed, run roots removed) and one byte of the newest step on storage
   is flipped; the relaunch must skip that step (saying so) and restore the one
   before, bit for bit, and the job saves the damaged step's number again.
+- ``impossible_newest`` (issue 40): as ``damage_newest``, but the newest step's
+  manifest is resealed to claim a 2^40 x 2^40 leaf in one chunk (shape, layout
+  and checksum table consistent): an impossible step is damage like any other.
+- ``truncate_slots`` (issue 40): the job stops cleanly and a /dev/shm cleaner
+  truncates every slot file of one machine's agent; the relaunch must restore
+  (no trainer dies of SIGBUS: a damaged piece is read from the next tier, going
+  back to a stored step if need be), bit for bit, and save into those slots again.
+- ``dead_claim`` (issue 40): a writer killed while it committed the next step but
+  one due for storage left its claim on it; the job goes on and that step is
+  committed within seconds of its persist (the claim lapses), the claim removed.
+- ``stray_tcp`` (issue 40): a process holding the job's secret sends every agent,
+  over tcp, a trainer's requests naming pid 1 (reserve, hello, bye, preallocate,
+  stop): each must be refused, and an open without a lease must come back leased;
+  the job goes on untouched.
 
 :data:`CHECKS` holds checks that run once per soak, after its schedule, each
 returning counts for the soak's JSON (``checks``): ``skewed_clock``, a replacement
@@ -16,9 +30,12 @@ replica group on a clock 45 s behind (its quorums form, replays are refused).
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
 import signal
+import time
 from typing import Any, Callable
 
 from jaxckpt.testing import processes
@@ -53,9 +70,10 @@ def second_manager(soak: Any, info: dict[str, Any]) -> None:
   info["second_managers_refused"] = refused
 
 
-def damage_newest(soak: Any, info: dict[str, Any]) -> None:
-  """Stops the job, wipes every machine's memory, flips a byte of the newest stored
-  step and relaunches: the restore must skip that step for the one before."""
+def damage_newest(soak: Any, info: dict[str, Any], *, how: str = "flip") -> None:
+  """Stops the job, wipes every machine's memory, damages the newest stored step
+  (``how``: a byte flipped, or its manifest resealed to claim an impossible leaf) and
+  relaunches: the restore must skip that step for the one before."""
   from jaxckpt import universal  # pylint: disable=import-outside-toplevel
   from jaxckpt.testing import damage  # pylint: disable=import-outside-toplevel
   job = soak.job
@@ -72,18 +90,111 @@ def damage_newest(soak: Any, info: dict[str, Any]) -> None:
     soak.launch(fresh=False, cause="damage_newest", expect_min=None, progress=progress)
     return
   newest = stored[-1]
-  damage.flip_stored_byte(soak.directory, newest, "['w']", (soak.rows // 2, 1))
+  if how == "flip":
+    damage.flip_stored_byte(soak.directory, newest, "['w']", (soak.rows // 2, 1))
+  else:
+    damage.claim_impossible_leaf(soak.directory, newest, "['w']")
+  info["damage"] = how
   saved = [v for v in soak.versions if v[1] == newest]
   soak.damaged.update([max(saved)] if saved else [])   # the version on storage
   info["damaged_step"] = newest
-  soak.launch(fresh=False, cause="damage_newest", expect_min=stored[-2], expect_not=newest,
+  soak.launch(fresh=False, cause=info["kind"], expect_min=stored[-2], expect_not=newest,
               progress=progress)
   skipped = {tuple(t.damaged_skipped) for t in soak.job.trainers}
   if skipped == {(newest,)}:
     soak.damaged_skipped += 1
   else:
-    soak.wrong.append(f"damage_newest: step {newest} was damaged; the trainers' restores "
+    soak.wrong.append(f"{info['kind']}: step {newest} was damaged; the trainers' restores "
                       f"skipped {sorted(skipped)}")
+
+
+def impossible_newest(soak: Any, info: dict[str, Any]) -> None:
+  """:func:`damage_newest` with the newest stored step claiming an impossible leaf."""
+  damage_newest(soak, info, how="impossible")
+
+
+def truncate_slots(soak: Any, info: dict[str, Any], host: int) -> None:
+  """Stops the job, truncates every slot file of machine ``host``'s agent (as a /dev/shm
+  cleaner would) and relaunches: every trainer must restore, bit for bit (a trainer
+  that died of SIGBUS is an unplanned failure), and go on saving into those slots."""
+  from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+  from jaxckpt.agent import _paths  # pylint: disable=import-outside-toplevel
+  progress = soak.stop_job("restart")
+  where = _paths.agent_dir(soak.machine(host)[0], soak.job_name, host)
+  files = sorted(glob.glob(os.path.join(where, "slot*.bin")))
+  for path in files:
+    os.truncate(path, 0)
+  info.update(host=host, truncated_files=len(files))
+  stored = [s for s in universal.all_steps(soak.directory) if s <= progress]
+  soak.truncations["truncations"] += 1
+  soak.launch(fresh=False, cause="truncate_slots", expect_min=stored[-1] if stored else None,
+              progress=progress)
+  if all(t.restored is not None and t.restored[2] == "ok" for t in soak.job.trainers):
+    soak.truncations["relaunches_restored"] += 1
+  target = soak.job.progress() + 3          # and it saves into the truncated slots again
+  soak.job.send(f"GO {target}")
+  soak.job.wait(lambda: soak.job.progress() >= target, 300, f"the job to reach step {target}")
+
+
+def dead_claim(soak: Any, info: dict[str, Any]) -> None:
+  """Leaves a killed writer's commit claim on the next step but one due for storage; the
+  job goes on, and that step must be committed (the claim lapsing, and removed)."""
+  from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+  from jaxckpt.universal import _layout as lay  # pylint: disable=import-outside-toplevel
+  job, interval = soak.job, soak.persist_interval
+  due = (job.progress() // interval + 2) * interval       # no persist of it has begun
+  kv = lay.open_kvstore(soak.directory)
+  key = lay.claims_prefix(due) + "w-killed-mid-commit"
+  kv.write(key, json.dumps({"attempt": "w-killed-mid-commit", "at": time.time(),
+                            "renewal": 1}).encode()).result(timeout=60)
+  soak.dead_claims["planted"] += 1
+  job.send(f"GO {due + 2}")
+  job.wait(lambda: job.progress() >= due, 300, f"the job to pass step {due}")
+  t0, deadline = time.monotonic(), time.monotonic() + 180
+  while due not in universal.all_steps(soak.directory) and time.monotonic() < deadline:
+    time.sleep(0.5)
+  committed = due in universal.all_steps(soak.directory)
+  left = kv.list(lay.prefix_range(lay.claims_prefix(due))).result(timeout=60)
+  info.update(claimed_step=due, committed=committed, claims_left=len(left),
+              committed_secs_after_the_job_passed=round(time.monotonic() - t0, 1))
+  if committed and not left:
+    soak.dead_claims["committed"] += 1
+  else:
+    soak.wrong.append(f"dead_claim: step {due} (claimed by a killed writer) "
+                      + ("is not on storage" if not committed else f"left claims {left}"))
+
+
+def stray_tcp(soak: Any, info: dict[str, Any]) -> None:
+  """Sends every agent, over tcp with the job's secret, a trainer's requests naming pid 1
+  (each must be refused) and an open without a lease (it must come back leased)."""
+  from jaxckpt import errors  # pylint: disable=import-outside-toplevel
+  from jaxckpt.agent import _paths, _protocol  # pylint: disable=import-outside-toplevel
+  requests = [("reserve", {"pid": 1, "step": 10**6, "nbytes": 64}), ("hello", {"pid": 1}),
+              ("bye", {"pid": 1}), ("preallocate", {"nbytes": 64}), ("stop", {})]
+  for i in range(len(soak.job.trainers)):
+    root = soak.machine(i)[0]
+    with open(_paths.address_file(_paths.agent_dir(root, soak.job_name, i))) as f:
+      address = json.load(f)
+    client = _protocol.Client.of(address, who=f"a stray client of machine {i}'s agent",
+                                 timeout_secs=20, secret=_paths.job_secret(root, soak.job_name))
+    try:
+      for op, args in requests:
+        try:
+          client.call(op, **args)
+          soak.stray["accepted"] += 1
+          soak.wrong.append(f"stray_tcp: machine {i}'s agent accepted {op!r} over tcp")
+        except errors.PermissionDeniedError:
+          soak.stray["refused"] += 1
+      held = [s for s, _, _ in client.call("held")[0].held]
+      if held:
+        r = client.call("open", pid=1, step=held[-1])[0]
+        soak.stray["leased_opens" if r.reader is not None else "unleased_opens"] += 1
+        client.call("close", pid=1, step=held[-1], index=r.index, reader=r.reader)
+    finally:
+      client.close()
+  info.update(refused=soak.stray["refused"], accepted=soak.stray["accepted"])
+  target = soak.job.progress() + 2           # the job goes on untouched
+  soak.job.wait(lambda: soak.job.progress() >= target, 300, f"the job to reach step {target}")
 
 
 def run_checks() -> dict[str, Any]:

@@ -22,8 +22,9 @@ def test_the_numpy_reference_is_the_step_the_trainers_run():
 
 
 def test_the_schedule_is_seeded_and_has_every_kind():
-  a, b = soak.plan(7, 10, short=True), soak.plan(7, 10, short=True)
-  assert a == b and len(a) == 10 and {f.kind for f in a[:len(soak.KINDS)]} == set(soak.KINDS)
+  n = len(soak.KINDS) + 2
+  a, b = soak.plan(7, n, short=True), soak.plan(7, n, short=True)
+  assert a == b and len(a) == n and {f.kind for f in a[:len(soak.KINDS)]} == set(soak.KINDS)
   assert all(6 <= f.pause_secs <= 9 for f in a if f.kind == "s3_pause")
   assert all(20 <= f.pause_secs <= 30 for f in soak.plan(7, 10, short=False)
              if f.kind == "s3_pause")
@@ -33,7 +34,8 @@ def test_the_schedule_is_seeded_and_has_every_kind():
 def test_the_short_form_loses_process_0s_machine_and_a_long_run_every_machine(seed):
   lost = [f.host for f in soak.plan(seed, len(soak.KINDS), short=True) if f.kind == "lose_host"]
   assert lost[:1] == [0], lost
-  lost = [f.host for f in soak.plan(seed, 12, short=False) if f.kind == "lose_host"]
+  lost = [f.host for f in soak.plan(seed, len(soak.KINDS) + soak.HOSTS - 1, short=False)
+          if f.kind == "lose_host"]
   assert set(lost) == set(range(soak.HOSTS)), lost
 
 
@@ -55,6 +57,13 @@ def test_chaos_soak_short_form_loses_nothing_and_restores_exactly(tmp_path):
   tries = out["second_managers"]["tries"]
   assert out["second_managers"]["refused_naming_the_first"] == soak.HOSTS * tries >= 4, report
   assert out["damaged_newest"]["skipped_by_the_relaunch"] == out["damaged_newest"]["damaged"]
+  assert out["damaged_newest"]["damaged"] >= 2, report      # a flipped byte, an impossible leaf
+  truncated = out["truncated_slots"]                        # damage, never SIGBUS
+  assert truncated["relaunches_restored"] == truncated["truncations"] >= 1, report
+  assert out["dead_claims"].get("committed") == out["dead_claims"]["planted"] >= 1, report
+  stray = out["stray_tcp"]                                  # a trainer's requests over tcp
+  assert stray["refused"] >= 5 * soak.HOSTS and not stray.get("accepted"), report
+  assert stray.get("leased_opens", 0) >= 1 and not stray.get("unleased_opens"), report
   # a relaunch (and its checked restore) after every fault but an S3 stop, a killed agent
   # and a second manager
   assert out["restores"] >= 5 and out["storage_steps_verified"] >= 1, report

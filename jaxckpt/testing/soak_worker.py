@@ -327,7 +327,13 @@ def _reported(e: BaseException, errors) -> bool:
   that failed (raised from a later call), or an agent that died (the next save
   starts a new one)."""
   return isinstance(e, errors.JaxckptError) and (
-      isinstance(e, errors.AgentUnavailableError) or str(e).startswith("persisting step "))
+      isinstance(e, errors.AgentUnavailableError) or _persist_failure(e))
+
+
+def _persist_failure(e: BaseException) -> bool:
+  """Whether ``e`` is a persist's failure (its message, without an OSError's errno)."""
+  text = e.strerror if isinstance(e, OSError) and e.errno and e.strerror else str(e)
+  return text.startswith("persisting step ")
 
 
 def _save(mgr, step: int, state: dict, errors) -> bool:
@@ -355,7 +361,7 @@ def _save(mgr, step: int, state: dict, errors) -> bool:
       raise
     say(f"SAVE_ERROR {step} {type(e).__name__}: {e}".replace("\n", " | "))
     # an earlier step's persist (raised after this snapshot committed), or this snapshot's own
-    return saved and str(e).startswith("persisting step ")
+    return saved and _persist_failure(e)
   return saved
 
 

@@ -4,6 +4,11 @@ Write (every process): :func:`write_process_shards`; commit (process 0):
 :func:`commit_step`; read: :func:`open_step` and :func:`restore_arrays` onto
 any sharding; housekeeping: :func:`all_steps`, :func:`latest_step`,
 :func:`gc_steps`, :func:`discard_step`; single writer: :func:`write_leaves`.
+The persister of the host tier (``jaxckpt.host._persist``) writes through this
+package, handed in as its storage (:func:`write_process_shards`,
+:func:`commit_step`, :func:`wait_committed`, :func:`gc_steps`,
+:func:`discard_attempt`); :func:`check_directory` probes a directory first, and
+:func:`who_is_late` says why a persist is not on storage yet.
 Steps an orbax CheckpointManager wrote in the same directory are read where they
 lie: :func:`stored_steps` lists both kinds, :func:`open_stored` opens either,
 :func:`check_not_orbax` refuses to write one, :func:`discard_step` and
@@ -26,7 +31,9 @@ from jaxckpt.universal._commit import read_json
 from jaxckpt.universal._commit import stored_steps
 from jaxckpt.universal._commit import write_json
 from jaxckpt.universal._commit import wait_committed
+from jaxckpt.universal._commit import who_is_late
 from jaxckpt.universal._layout import LATE_PROBE_SECS
+from jaxckpt.universal._layout import check_directory
 from jaxckpt.universal._manifest import LeafInfo
 from jaxckpt.universal._orbax_read import OrbaxStepReader
 from jaxckpt.universal._orbax_read import open_stored
@@ -54,6 +61,7 @@ __all__ = [
     "RegionReader",
     "StepReader",
     "all_steps",
+    "check_directory",
     "check_not_orbax",
     "commit_step",
     "committed_by",
@@ -73,6 +81,7 @@ __all__ = [
     "stored_steps",
     "write_json",
     "wait_committed",
+    "who_is_late",
     "new_attempt",
     "open_step",
     "restore_arrays",

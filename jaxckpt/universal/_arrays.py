@@ -16,6 +16,7 @@ from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
 from jaxckpt.universal import _failures
 from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _local
 from jaxckpt.universal import _manifest as man
 
 
@@ -55,8 +56,14 @@ def _spec(directory: str, step: int, info: man.LeafInfo) -> dict[str, Any]:
 
 
 def open_for_read(directory: str, step: int, info: man.LeafInfo) -> ts.TensorStore:
-  """The stored zarr array of a committed leaf (raw: reads are not verified here)."""
+  """The stored zarr array of a committed leaf (raw: reads are not verified here). In
+  a local directory every file of it is checked first to be a regular file reached
+  through real directories (no link out of the checkpoint, no FIFO that never answers)."""
   spec = _spec(directory, step, info)
+  local = lay.local_path(directory)
+  if local is not None:
+    _local.check_tree(local, f"{lay.step_dir(step)}arrays/{info.array}/",
+                      where=f"step {step}: leaf {info.path!r}")
   with _failures.reading(f"step {step}: the zarr array of leaf {info.path!r} in {directory!r}",
                          lambda cause: (f"step {step}: zarr array of leaf {info.path!r} cannot "
                                         f"be opened ({cause}); the step is damaged: restore "
@@ -86,7 +93,7 @@ def open_for_write(directory: str, step: int,
     if "ALREADY_EXISTS" not in str(e) and "already exists" not in str(e):
       raise errors.StorageError(
           f"step {step}: cannot create the array of leaf {info.path!r} in {directory!r}: "
-          f"{e}") from None
+          f"{lay.ts_error(e)}") from None
   del spec["metadata"]
   store = ts.open(spec, open=True, context=lay.context()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if tuple(store.shape) != info.shape or str(store.dtype.name) != (info.storage_dtype or info.dtype):

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from jaxckpt import errors
+from jaxckpt.universal import _layout as lay
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 TIMEOUT_SECS = 600.0
@@ -92,7 +93,7 @@ def _with_context(e: BaseException, what: str) -> BaseException:
   if isinstance(e, errors.JaxckptError):
     return e
   code = re.search(r"os_error_code='(\d+)'", str(e))
-  msg = f"writing {what} to storage failed: {e}"
+  msg = f"writing {what} to storage failed: {lay.ts_error(e)}"
   err = errors.StorageError(int(code.group(1)), msg) if code else errors.StorageError(msg)
   err.__cause__ = e
   return err

@@ -22,7 +22,8 @@ import logging
 import os
 import random
 import re
-import shutil
+import shlex
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -36,6 +37,7 @@ from jaxckpt.universal import _arrays
 from jaxckpt.universal import _failures
 from jaxckpt.universal import _orbax_steps
 from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _local
 from jaxckpt.universal import _manifest as man
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,14 @@ def read_marker(kv: ts.KvStore, directory: str, step: int) -> dict[str, Any] | N
   if marker is not None and (not isinstance(marker, dict) or marker.get("step") != step):
     raise errors.CorruptSnapshotError(
         f"the commit marker of step {step} in {directory!r} is damaged ({marker!r}); "
-        f"restore another step, or discard_step({directory!r}, {step})")
+        f"restore another step, or delete it: {delete_command(directory, step)}")
   return marker
+
+
+def delete_command(directory: str, step: int) -> str:
+  """The command that deletes ``step`` for good (fencing the job's agents too): what an
+  error about a damaged or clashing step tells its user to run."""
+  return shlex.join(["jaxckpt", "delete", directory, "--step", str(step)])
 
 
 def committed_by(directory: str, step: int) -> str | None:
@@ -121,7 +129,14 @@ def wait_committed(directory: str, step: int, attempt: str, process_index: int,
 
 def check_not_committed(kv: ts.KvStore, directory: str, step: int, attempt: str) -> None:
   """Raises StepExistsError if ``step`` is committed already (a committed step is
-  never written again, by another attempt or by the one that committed it)."""
+  never written again, by another attempt or by the one that committed it), and
+  PermissionDeniedError if a local step's directory is a link (nothing is written
+  through it)."""
+  local = lay.local_root(kv)
+  if local is not None:
+    for prefix in (lay.attempt_dir(step, attempt), f"{lay.step_dir(step)}arrays/{attempt}/"):
+      _local.check_dirs(local, prefix, writing=True,
+                        where=f"writing step {step} (attempt {attempt!r}) to {directory!r}")
   marker = read_marker(kv, directory, step)
   if marker is not None:
     raise _exists(directory, step, marker, attempt)
@@ -134,7 +149,7 @@ def _exists(directory: str, step: int, marker: dict[str, Any], attempt: str) -> 
       f"step {step} is already committed in {directory!r} by persist attempt "
       f"{marker.get('attempt')!r}{when}; a committed step is never written again, so "
       f"this attempt ({attempt!r}) wrote nothing over it. Another job or an older timeline (before a rollback) owns "
-      f"it: delete it first (jaxckpt.universal.discard_step({directory!r}, {step})) or "
+      f"it: delete it first ({delete_command(directory, step)}) or "
       "persist into another directory")
 
 
@@ -150,7 +165,7 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int | 
   deadline = time.monotonic() + timeout_secs
   kv = lay.open_kvstore(directory, timeout_secs=timeout_secs)
   wanted = list(of) if process_count is None else range(process_count)
-  reads = [(i, kv.read(lay.part_key(step, i, attempt))) for i in wanted]
+  reads = [(i, lay.read(kv, lay.part_key(step, i, attempt))) for i in wanted]
   missing = []
   for i, r in reads:
     try:
@@ -160,6 +175,22 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int | 
     if state != "value":
       missing.append(i)
   return missing
+
+
+def who_is_late(directory: str, step: int, attempt: str, process_count: int) -> str:
+  """Why persist ``attempt`` of ``step`` is not on storage yet: the processes whose
+  part is missing there, or process 0's commit (what a timeout names). Storage is
+  asked for ``LATE_PROBE_SECS`` at most: a wait that ran out raises on time even when
+  storage does not answer."""
+  try:
+    missing = missing_parts(directory, step, attempt, process_count,
+                            timeout_secs=lay.LATE_PROBE_SECS)
+  except (OSError, ValueError) as e:       # (a storage that does not answer now)
+    return f"step {step}: which parts are missing is unknown ({type(e).__name__}: {e})"
+  if missing:
+    return (f"step {step}: processes {missing} of {process_count} (their agents or "
+            "trainers) did not write their part")
+  return f"step {step}: every process wrote its part but process 0 did not commit it"
 
 
 def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
@@ -172,7 +203,7 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
 
   def all_written() -> list[dict[str, Any]] | None:
     waiting = missing()
-    reads = [kv.read(lay.part_key(step, i, attempt)) for i in waiting]   # all at once
+    reads = [lay.read(kv, lay.part_key(step, i, attempt)) for i in waiting]   # all at once
     for i, read in zip(waiting, reads):
       obj = lay.json_of(read, lay.part_key(step, i, attempt), kv)
       if obj is not None:
@@ -354,66 +385,173 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
   kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
           "process_count": process_count, "committed_at": time.time()}
-  with _claimed(kv, directory, step, attempt, timeout_secs):
+  with _claimed(kv, directory, step, attempt, timeout_secs) as claim:
     check()
     check_not_committed(kv, directory, step, attempt)
+    claim.check_held()
     _write_marker(kv, directory, step, mine)
   log.info("step %d committed in %s by attempt %s (%d leaves, %d processes)", step,
            directory, attempt, len(merged), process_count)
 
 
+#: A writer renews its claim on a step this often while it holds it ...
+CLAIM_RENEW_SECS = 1.0
+#: ... and another writer takes a claim it has watched stay unchanged this long for the
+#: claim of a writer that died (a SIGKILL mid-commit leaves it on storage).
+CLAIM_LAPSE_SECS = 6.0
+#: A wait for other writers' claims that lasts longer than this is logged (whom, why).
+CLAIM_WAIT_LOGGED_SECS = 2.0
+
+
+class _Claim:
+  """This writer's claim on a step (``claims/<attempt>``), renewed on a thread of its
+  own while it is held: each renewal changes it, so the other writers of the step
+  tell a live claim from a dead writer's by watching it (their own clocks, never
+  this host's), and a dead writer's claim lapses within ``CLAIM_LAPSE_SECS``."""
+
+  def __init__(self, kv: ts.KvStore, key: str, attempt: str, step: int) -> None:
+    self.kv, self.key, self.attempt, self.step = kv, key, attempt, step
+    self.renewals = 0
+    self.renewed = 0.0                 # monotonic time of the last renewal on storage
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def put(self) -> None:
+    self.renewals += 1
+    body = {"attempt": self.attempt, "at": time.time(), "renewal": self.renewals,
+            "renew_secs": CLAIM_RENEW_SECS, "lapse_secs": CLAIM_LAPSE_SECS}
+    self.kv.write(self.key, json.dumps(body).encode()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    self.renewed = time.monotonic()
+
+  def hold(self) -> None:
+    """Renews the claim every ``CLAIM_RENEW_SECS`` until :meth:`release`."""
+    def renew() -> None:
+      while not self._stop.wait(CLAIM_RENEW_SECS):
+        try:
+          self.put()
+        except (OSError, ValueError, TimeoutError) as e:   # check_held says it, if it matters
+          log.warning("step %d: renewing the commit claim of attempt %s failed: %s", self.step,
+                      self.attempt, e)
+    self._thread = threading.Thread(target=renew, daemon=True,
+                                    name=f"jaxckpt-claim-{self.step}")
+    self._thread.start()
+
+  def check_held(self) -> None:
+    """Raises StorageError unless the claim was renewed well within its lapse (a writer
+    stalled past it may have been taken for dead: it must not write a marker)."""
+    age = time.monotonic() - self.renewed
+    if age > CLAIM_LAPSE_SECS / 2:
+      raise errors.StorageError(
+          f"commit of step {self.step} (attempt {self.attempt!r}): its claim was last renewed "
+          f"{age:.1f} s ago, past half its {CLAIM_LAPSE_SECS} s lapse (storage too slow to "
+          "answer, or this process stalled): another writer may take it for a dead one's, so "
+          "this attempt commits nothing; it may be tried again")
+
+  def release(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+
+
 @contextlib.contextmanager
 def _claimed(kv: ts.KvStore, directory: str, step: int, attempt: str,
-             timeout_secs: float) -> Iterator[None]:
+             timeout_secs: float) -> Iterator[_Claim]:
   """Holds the right to write ``step``'s marker: mutual exclusion of the writers of
   one step on any store that reads its own writes and lists them (no compare-and-swap).
 
   Each writer puts ``claims/<attempt>`` and then lists the claims: it goes on only
-  if it sees no other live claim, and keeps its claim until its marker is
-  written. Of two writers that overlap, the later one's listing sees the
-  earlier claim (or, once that claim is gone, its marker), so at most one
-  writes a marker; two that see each other both step back, delete their claim
-  and retry after a random pause. A claim older than ``timeout_secs`` is a
-  crashed writer's and is ignored.
+  if it sees no other live claim, and keeps its claim, renewed every
+  ``CLAIM_RENEW_SECS``, until its marker is written. Of two writers that overlap, the
+  later one's listing sees the earlier claim (or, once that claim is gone, its
+  marker), so at most one writes a marker; two that see each other both step back,
+  delete their claim and retry after a random pause. A claim this writer has seen
+  unchanged for ``CLAIM_LAPSE_SECS`` is a dead writer's (killed mid-commit): it is
+  removed, so a relaunched writer of the step goes on within seconds. A wait of more
+  than ``CLAIM_WAIT_LOGGED_SECS`` is logged, naming whom it waits for.
   """
   key = lay.claims_prefix(step) + attempt
-  deadline = time.monotonic() + timeout_secs
+  claim = _Claim(kv, key, attempt, step)
+  seen: dict[str, tuple[bytes, float]] = {}   # another claim -> (its body, since when seen)
+  start = time.monotonic()
+  deadline, logged = start + timeout_secs, False
   pause = 0.05
   while True:
-    kv.write(key, json.dumps({"attempt": attempt, "at": time.time()}).encode()).result(
-        timeout=lay.REQUEST_TIMEOUT_SECS)
-    others = _live_claims(kv, step, key, timeout_secs)
+    claim.put()
+    others = _live_claims(kv, directory, step, key, seen)
     if not others:
       break
-    _delete(kv, key)
+    _delete_key(kv, key, f"withdrawing the commit claim of step {step}")
     check_not_committed(kv, directory, step, attempt)
+    waited = time.monotonic() - start
     if time.monotonic() > deadline:
       raise errors.SnapshotTimeoutError(
           f"commit of step {step} (attempt {attempt!r}) in {directory!r}: other writers "
-          f"{others} kept claiming the step for {timeout_secs} s")
+          f"{others} kept claiming the step for {timeout_secs} s (their claims were renewed: "
+          "they live; a dead writer's claim lapses within "
+          f"{CLAIM_LAPSE_SECS} s)")
+    if not logged and waited > CLAIM_WAIT_LOGGED_SECS:
+      logged = True
+      log.warning(
+          "commit of step %d (attempt %s) in %s: waiting %.0f s so far for the claims of "
+          "attempts %s on the step (another writer commits it now; a claim that stays unchanged "
+          "for %.0f s is a dead writer's and is removed)", step, attempt, directory, waited,
+          others, CLAIM_LAPSE_SECS)
     time.sleep(random.uniform(pause, 2 * pause))
-    pause = min(2 * pause, 1.0)
+    pause = min(2 * pause, CLAIM_RENEW_SECS)
+  claim.hold()
   try:
-    yield
+    yield claim
   finally:
-    _delete(kv, key)
+    claim.release()
+    _delete_key(kv, key, f"withdrawing the commit claim of step {step}")
 
 
-def _live_claims(kv: ts.KvStore, step: int, mine: str, max_age_secs: float) -> list[str]:
+def _live_claims(kv: ts.KvStore, directory: str, step: int, mine: str,
+                 seen: dict[str, tuple[bytes, float]]) -> list[str]:
+  """The attempts of the other claims on ``step`` that live: new to this writer, changed
+  (renewed) since it last looked, or unchanged for less than ``CLAIM_LAPSE_SECS`` of
+  its own clock. A lapsed one (its writer died) is removed."""
   keys = kv.list(lay.prefix_range(lay.claims_prefix(step))).result(
       timeout=lay.REQUEST_TIMEOUT_SECS)
   live = []
-  for k in (k.decode() for k in keys):
+  now = time.monotonic()
+  for k in (k.decode(errors="replace") for k in keys):
     if k == mine:
       continue
-    claim = lay.read_json(kv, k)
-    if claim is not None and time.time() - float(claim.get("at", 0)) < max_age_secs:
-      live.append(claim.get("attempt"))
+    got = lay.read(kv, k).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    if got.state != "value":
+      continue                       # (gone since the listing: its writer finished)
+    body = bytes(got.value)
+    try:
+      who = json.loads(body).get("attempt")
+    except (ValueError, AttributeError):
+      who = None
+    who = who if isinstance(who, str) else k.rsplit("/", 1)[-1]
+    before = seen.get(k)
+    if before is None or before[0] != body:
+      seen[k] = (body, now)            # new, or renewed since: its writer lives
+      live.append(who)
+    elif now - before[1] < CLAIM_LAPSE_SECS:
+      live.append(who)
+    else:
+      log.warning("commit of step %d in %s: the claim of attempt %r was not renewed for %.0f s: "
+                  "its writer died mid-commit; removing it", step, directory, who, now - before[1])
+      _delete_key(kv, k, f"removing a dead writer's commit claim on step {step}")
+      seen.pop(k, None)
   return live
 
 
 def _delete(kv: ts.KvStore, key: str) -> None:
   kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+
+
+def _delete_key(kv: ts.KvStore, key: str, what: str) -> None:
+  """Deletes one key; in a local directory its name only, never through a link."""
+  local = lay.local_root(kv)
+  if local is None:
+    _delete(kv, key)
+  else:
+    _local.remove(local, key, what=what)
 
 
 def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any]) -> None:
@@ -425,28 +563,39 @@ def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any
   """
   key = lay.commit_key(step)
   try:
-    absent = kv.read(key).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    absent = lay.read(kv, key).result(timeout=lay.REQUEST_TIMEOUT_SECS)
     if absent.state != "value":
       kv.write(key, json.dumps(mine).encode(), if_equal=absent.stamp.generation).result(
           timeout=lay.REQUEST_TIMEOUT_SECS)
   except (ValueError, TimeoutError) as e:
     raise errors.StorageError(
-        f"writing the commit marker of step {step} to {directory!r} failed: {e}") from None
+        f"writing the commit marker of step {step} to {directory!r} failed: "
+        f"{lay.ts_error(e)}") from None
   won = read_marker(kv, directory, step)
   if won is None or won.get("attempt") != mine["attempt"]:
     raise _exists(directory, step, won or {}, mine["attempt"])
 
 
 def all_steps(directory: str) -> list[int]:
-  """Committed steps in ``directory``, ascending."""
+  """Committed steps in ``directory``, ascending (a marker's name is the step, in
+  ASCII digits as :func:`~jaxckpt.universal._layout.commit_key` writes it; any
+  other name there is not a step).
+
+  Raises:
+    CorruptSnapshotError: ``commits/`` of a local directory is a link (never listed
+      through).
+  """
   kv = lay.open_kvstore(directory)
+  local = lay.local_root(kv)
+  if local is not None:
+    _local.check_dirs(local, lay.COMMITS_PREFIX, where=f"listing the steps of {directory!r}")
   keys = lay.storage_result(kv.list(lay.prefix_range(lay.COMMITS_PREFIX)), "listing the steps",
                             directory)
   steps = []
   for key in keys:
-    name = key.decode()[len(lay.COMMITS_PREFIX):]
-    if name.endswith(".json") and name[:-5].isdigit():
-      steps.append(int(name[:-5]))
+    name = key.decode(errors="replace")
+    if _MARKER.fullmatch(name) and name == lay.commit_key(int(name[len(lay.COMMITS_PREFIX):-5])):
+      steps.append(int(name[len(lay.COMMITS_PREFIX):-5]))
   return sorted(steps)
 
 
@@ -463,6 +612,10 @@ def stored_steps(directory: str) -> list[int]:
   return sorted(set(own) | set(orbax))
 
 
+_MARKER = re.compile(re.escape(lay.COMMITS_PREFIX) + r"[0-9]{10,20}\.json", re.ASCII)
+_STEP_NAME = re.compile(r"step_([0-9]{10,20})", re.ASCII)
+
+
 def latest_step(directory: str) -> int | None:
   """The newest committed step, or None if there is none."""
   steps = all_steps(directory)
@@ -473,7 +626,8 @@ def quarantine_step(directory: str, step: int, reason: str) -> None:
   """Sets committed ``step`` aside as damaged: its commit marker moves to
   ``quarantine/<step>.json`` with ``reason``, so no listing or restore picks it
   and the job may save the step again; its data stays for inspection (until
-  :func:`discard_step`). A no-op if the step is not committed."""
+  :func:`discard_step`). A no-op if the step is not committed. In a local
+  directory nothing is written or removed through a link (PermissionDeniedError)."""
   kv = lay.open_kvstore(directory)
   try:
     marker = read_marker(kv, directory, step)
@@ -482,9 +636,13 @@ def quarantine_step(directory: str, step: int, reason: str) -> None:
   if marker is None:
     return
   record = dict(marker, reason=reason[:2000], quarantined_at=time.time())
+  local = lay.local_root(kv)
+  what = f"setting step {step} of {directory!r} aside"
+  if local is not None:        # (the record's directory is written through: no link there)
+    _local.check_dirs(local, lay.quarantine_key(step), where=what, writing=True)
   kv.write(lay.quarantine_key(step), json.dumps(record).encode()).result(
       timeout=lay.REQUEST_TIMEOUT_SECS)
-  _delete(kv, lay.commit_key(step))
+  _delete_key(kv, lay.commit_key(step), what)
   log.warning("step %d in %s set aside as damaged (%s): %s", step, directory,
               lay.quarantine_key(step), reason)
 
@@ -505,23 +663,43 @@ def discard_step(directory: str, step: int, *, todelete_subdir: str | None = Non
   step directory (exactly that: ``_orbax_steps.discard_orbax_step``). With
   ``todelete_subdir`` (orbax's option) a local directory's step is moved into
   ``directory/todelete_subdir/`` instead, for a reaper to remove later; on an
-  object store it is deleted (as orbax does on GCS)."""
+  object store it is deleted (as orbax does on GCS).
+
+  In a local directory a delete never follows a link: a step directory (or a
+  marker, or anything in the step) that is a link, a FIFO or a hard link loses
+  its name only, and what it points to stays (see :mod:`jaxckpt.universal._local`).
+
+  Raises:
+    PermissionDeniedError: a directory the delete passes through (``commits/``,
+      ``quarantine/``, ``todelete_subdir``) is a link: nothing is deleted through it.
+  """
   _orbax_steps.discard_orbax_step(directory, step, todelete_subdir=todelete_subdir)
-  kv = lay.open_kvstore(directory)
-  kv.delete_range(ts.KvStore.KeyRange(lay.commit_key(step), lay.commit_key(step) + "\0")).result()
-  _delete(kv, lay.quarantine_key(step))
-  prefix = lay.step_dir(step)
   local = lay.local_path(directory)
-  if todelete_subdir and local is not None and os.path.isdir(os.path.join(local, prefix)):
-    into = os.path.join(local, todelete_subdir)
-    os.makedirs(into, exist_ok=True)
-    os.replace(os.path.join(local, prefix), os.path.join(into, prefix.rstrip("/")))
+  if local is not None:
+    _discard_local(directory, local, step, todelete_subdir)
     return
-  kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
-  if local is not None:  # the file kvstore leaves empty directories behind
-    shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
-    with contextlib.suppress(OSError):       # the last step gone: an empty directory again
-      os.rmdir(os.path.join(local, lay.COMMITS_PREFIX))
+  kv = lay.open_kvstore(directory)
+  _delete(kv, lay.commit_key(step))
+  _delete(kv, lay.quarantine_key(step))
+  kv.delete_range(lay.prefix_range(lay.step_dir(step))).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+
+
+def _discard_local(directory: str, local: str, step: int, todelete_subdir: str | None) -> None:
+  """:func:`discard_step` of a local directory: names removed, never through a link."""
+  if not os.path.isdir(local):
+    return
+  what = f"deleting step {step} of {directory!r}"
+  _local.remove(local, lay.commit_key(step), what=what)
+  try:
+    _local.remove(local, lay.quarantine_key(step), what=what)
+  except errors.PermissionDeniedError as e:   # (a planted quarantine/ link: never followed)
+    log.warning("%s", e)
+  prefix = lay.step_dir(step).rstrip("/")
+  if todelete_subdir:
+    _local.rename(local, prefix, todelete_subdir, what=what)
+  else:
+    _local.remove(local, prefix, what=what)
+  _local.rmdir_if_empty(local, lay.COMMITS_PREFIX)   # the last step gone: an empty directory again
 
 
 def unlist_steps(directory: str, steps: Iterable[int]) -> None:
@@ -529,29 +707,36 @@ def unlist_steps(directory: str, steps: Iterable[int]) -> None:
   exists (:func:`all_steps`); :func:`discard_step` then deletes their data. A
   rollback unlists every step of the abandoned timeline first, so that a crash
   while their data goes never leaves one of them listed."""
-  kv = lay.open_kvstore(directory)
+  local = lay.local_path(directory)
+  kv = None if local is not None else lay.open_kvstore(directory)
   for step in sorted(steps, reverse=True):
-    _delete(kv, lay.commit_key(step))
+    if local is not None:        # a name removed, never through a link
+      _local.remove(local, lay.commit_key(step), what=f"unlisting step {step} of {directory!r}")
+    else:
+      _delete(kv, lay.commit_key(step))
 
 
 def discard_attempt(directory: str, step: int, attempt: str) -> None:
   """Deletes what one persist attempt wrote of ``step`` (never the committed data:
-  refuses if the marker names this attempt)."""
+  refuses if the marker names this attempt); in a local directory never through a link."""
   kv = lay.open_kvstore(directory)
   marker = read_marker(kv, directory, step)
   if marker is not None and marker.get("attempt") == attempt:
     raise errors.StepExistsError(
         f"attempt {attempt!r} committed step {step} in {directory!r}; discard_step deletes it")
+  local = lay.local_root(kv)
   for prefix in (lay.attempt_dir(step, attempt), f"{lay.step_dir(step)}arrays/{attempt}/"):
-    kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
-    local = lay.local_path(directory)
-    if local is not None:
-      shutil.rmtree(os.path.join(local, prefix), ignore_errors=True)
+    if local is None:
+      kv.delete_range(lay.prefix_range(prefix)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    else:
+      _local.remove(local, prefix, what=f"removing attempt {attempt!r} of step {step} from "
+                    f"{directory!r}")
 
 
 def discard_uncommitted(directory: str, *, keep: Iterable[int] = ()) -> list[int]:
   """Deletes what unfinished saves left in a local ``directory``: the steps that have
   data but no commit marker (except those in ``keep``: a save may be writing them).
+  A step directory that is a link, a file or a FIFO loses its name only.
   On an object store it does nothing (an unfinished attempt's keys are its own and
   never read; listing every key to find them would cost more than they do).
   Returns the steps deleted."""
@@ -560,12 +745,14 @@ def discard_uncommitted(directory: str, *, keep: Iterable[int] = ()) -> list[int
     return []
   committed, protected = set(all_steps(directory)), set(keep)
   orbax = {os.path.basename(p) for p in _orbax_steps.orbax_steps(directory).values()}
-  doomed = sorted(int(n[len("step_"):]) for n in os.listdir(local)
-                  if re.fullmatch(r"step_\d+", n) and int(n[len("step_"):]) not in committed
+  doomed = sorted(int(m.group(1)) for n in os.listdir(local)
+                  if (m := _STEP_NAME.fullmatch(n)) and n == lay.step_dir(int(m.group(1)))[:-1]
+                  and int(m.group(1)) not in committed
                   and n not in orbax)             # (orbax's step_prefix="step" names its so)
   doomed = [s for s in doomed if s not in protected]
   for step in doomed:
-    shutil.rmtree(os.path.join(local, lay.step_dir(step)), ignore_errors=True)
+    what = f"removing the unfinished save of step {step} from {directory!r}"
+    _local.remove(local, lay.step_dir(step), what=what)
     log.info("removed the unfinished save of step %d from %s", step, directory)
   return doomed
 

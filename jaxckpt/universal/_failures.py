@@ -26,6 +26,7 @@ import re
 from typing import Callable, Iterator
 
 from jaxckpt import errors
+from jaxckpt.universal import _layout as lay
 
 #: tensorstore (absl) status codes that a damaged step gives: its bytes or files are wrong.
 DAMAGE_CODES = frozenset({"DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT",
@@ -92,8 +93,9 @@ def proves_damage(error: BaseException) -> bool:
 
 
 def detail(error: BaseException) -> str:
-  """The error's text, cut to a readable length (tensorstore quotes whole specs and bodies)."""
-  text = " ".join(str(error).split())
+  """The error's text, cut to a readable length (tensorstore quotes whole specs and bodies:
+  the spec it appends is dropped, :func:`jaxckpt.universal._layout.ts_error`)."""
+  text = " ".join(lay.ts_error(error).split())
   return text if len(text) <= _DETAIL_CHARS else text[:_DETAIL_CHARS] + " ..."
 
 

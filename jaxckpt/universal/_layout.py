@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import re
+import tempfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ import xxhash
 
 from jaxckpt import errors
 from jaxckpt.host.snapshot import Box, box_shape, dtype_from_name
+from jaxckpt.universal import _local
 
 COMMITS_PREFIX = "commits/"
 INNER_CHUNK_TARGET_BYTES = 4 << 20
@@ -99,6 +101,15 @@ def context() -> ts.Context:
                      "file_io_concurrency": {"limit": 32}})
 
 
+_SPEC = re.compile(r"\s*\[(?:tensorstore_spec|source locations)='.*'\]", re.S)
+
+
+def ts_error(e: BaseException) -> str:
+  """A tensorstore error as a message may carry it: without the spec tensorstore
+  appends (~1 KB of JSON that names nothing the message does not)."""
+  return _SPEC.sub("", str(e))
+
+
 #: The longest one storage request may take before it is an error naming the store.
 REQUEST_TIMEOUT_SECS = 120.0
 #: The longest a wait that ran out spends asking storage who was late (a storage that
@@ -116,13 +127,48 @@ def storage_result(future: Any, what: str, directory: str,
         f"{what} at {directory!r} took over {timeout_secs} s; is the store reachable "
         "(endpoint: AWS_ENDPOINT_URL for S3-compatible stores; credentials)?") from None
   except ValueError as e:
-    raise errors.StorageError(f"{what} at {directory!r} failed: {e}") from None
+    raise errors.StorageError(f"{what} at {directory!r} failed: {ts_error(e)}") from None
 
 
 def open_kvstore(directory: str, *, timeout_secs: float = REQUEST_TIMEOUT_SECS) -> ts.KvStore:
   return storage_result(ts.KvStore.open(kvstore_spec(directory), context=context()),
                         "opening storage", directory, timeout_secs)
 
+
+
+def check_directory(directory: str, *, timeout_secs: float) -> None:
+  """Fails now, not in a background write, if ``directory`` cannot hold checkpoints.
+
+  A local directory is created if missing and must take a test file; a URL's
+  store must answer a listing within ``timeout_secs``.
+
+  Raises:
+    InvalidArgumentError: an empty directory string.
+    StorageError: naming the path and the cause (errno) and what to do.
+  """
+  if not isinstance(directory, str) or not directory.strip():
+    raise errors.InvalidArgumentError(
+        f"directory={directory!r} is empty; pass a path or a URL (s3://bucket/prefix), or "
+        "None for host snapshots only")
+  local = local_path(directory)
+  if local is None:
+    kv = open_kvstore(directory, timeout_secs=timeout_secs)
+    storage_result(kv.list(prefix_range(COMMITS_PREFIX)), "listing the steps", directory,
+                   timeout_secs)
+    return
+  try:
+    os.makedirs(local, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".jaxckpt-probe-", dir=local)
+    try:
+      os.write(fd, b"x")
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(probe)
+  except OSError as e:
+    raise errors.StorageError(
+        e.errno, f"checkpoint directory {local!r} cannot be written ({e.strerror}); "
+        "choose a writable directory", local) from None
 
 def prefix_range(prefix: str) -> ts.KvStore.KeyRange:
   """Every key that starts with ``prefix``."""
@@ -193,9 +239,28 @@ def check_array_path(array: Any, attempt: str | None, *, where: str) -> None:
         "another step")
 
 
+def local_root(kv: ts.KvStore) -> str | None:
+  """The filesystem path of a local ``kv`` (its root, ending in ``/``), else None."""
+  try:
+    url = kv.url
+  except NotImplementedError:           # (an s3 store with an endpoint has no URL form)
+    return None
+  return kv.path if url.startswith("file://") else None
+
+
+def read(kv: ts.KvStore, key: str) -> Any:
+  """``kv.read(key)`` started, once a local key is known to be a regular file reached
+  through real directories (a link or a FIFO planted there is refused first:
+  CorruptSnapshotError, see :mod:`jaxckpt.universal._local`)."""
+  root = local_root(kv)
+  if root is not None:
+    _local.check_key(root, key, where=f"reading {key!r} in {root!r}")
+  return kv.read(key)
+
+
 def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:
   """Reads one JSON object, or None if the key is missing."""
-  return json_of(kv.read(key), key, kv)
+  return json_of(read(kv, key), key, kv)
 
 
 def json_of(read: Any, key: str, kv: ts.KvStore) -> dict[str, Any] | None:

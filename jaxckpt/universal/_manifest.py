@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib.resources
 import json
+import math
 from typing import Any, Callable
 
 import fastjsonschema
@@ -23,6 +24,15 @@ from jaxckpt.tree import scalar_from_json, scalar_to_json
 FORMAT = "jaxckpt.universal"
 VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3_64"
+
+# What a stored leaf can be (:func:`check_leaf_numbers`): a manifest's numbers past
+# these are impossible, refused before anything is sized by them. Ranks and
+# dimensions as tensorstore allows them; bytes within int64 with room to spare; a
+# chunk (one stored object, a process's shard at most) that no host holds.
+MAX_RANK = 32
+MAX_DIM = 2**62 - 2
+MAX_LEAF_BYTES = 2**62
+MAX_CHUNK_BYTES = 2**48
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +91,7 @@ class LeafInfo:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * self.numpy_dtype.itemsize if self.is_array else 0
+    return math.prod(self.shape) * self.numpy_dtype.itemsize if self.is_array else 0
 
   def to_obj(self) -> dict[str, Any]:
     o = dataclasses.asdict(self)
@@ -98,6 +108,40 @@ class LeafInfo:
                inner_chunk_shape=tup(o.get("inner_chunk_shape")),
                chunks=dict(o.get("chunks") or {}), sharding=o.get("sharding"),
                value=o.get("value"), key_impl=o.get("key_impl"))
+
+
+def check_leaf_numbers(leaf: dict[str, Any], where: str) -> None:
+  """Raises CorruptSnapshotError unless an array leaf's numbers (from a manifest: data,
+  see the module's bounds) are possible: a rank and dimensions tensorstore allows,
+  at most ``MAX_LEAF_BYTES`` in all and ``MAX_CHUNK_BYTES`` a chunk, inner chunks
+  of 1 up to their chunk's size, a dtype this jaxckpt knows (ManifestError if not:
+  another version's). Python integers throughout: nothing overflows."""
+  shape, chunk = leaf.get("shape"), leaf.get("chunk_shape")
+  inner = leaf.get("inner_chunk_shape")
+
+  def dims(v: Any, lo: int) -> bool:
+    return (isinstance(v, list) and len(v) <= MAX_RANK and all(
+        isinstance(d, int) and not isinstance(d, bool) and lo <= d <= MAX_DIM for d in v))
+
+  why = None
+  if not (dims(shape, 0) and dims(chunk, 1) and dims(inner, 1)
+          and len(shape) == len(chunk) == len(inner)):
+    why = (f"shape {shape!r}, chunk layout {chunk!r} and inner chunks {inner!r} are not "
+           f"{MAX_RANK} or fewer dimensions of 0 to {MAX_DIM} (chunks from 1) of one rank")
+  elif any(i > c for i, c in zip(inner, chunk)):
+    why = f"its inner chunks {inner} are larger than its chunks {chunk}"
+  else:
+    itemsize = dtype_from_name(str(leaf.get("dtype"))).itemsize
+    total, per_chunk = math.prod(shape) * itemsize, math.prod(chunk) * itemsize
+    if total > MAX_LEAF_BYTES:
+      why = f"its shape {shape} holds {total} bytes, more than any leaf can ({MAX_LEAF_BYTES})"
+    elif per_chunk > MAX_CHUNK_BYTES:
+      why = (f"its chunk {chunk} holds {per_chunk} bytes, more than any stored chunk can "
+             f"({MAX_CHUNK_BYTES})")
+  if why is not None:
+    raise errors.CorruptSnapshotError(
+        f"{where}: {why}; the manifest is damaged or forged, so nothing was sized by it: "
+        "restore another step")
 
 
 @functools.lru_cache(maxsize=1)

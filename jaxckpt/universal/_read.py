@@ -23,9 +23,9 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import errors
+from jaxckpt.arrays import _assemble
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
-from jaxckpt.restore import _assemble
 from jaxckpt.universal import _arrays, _budget, _commit, _failures
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _lazy
@@ -317,7 +317,7 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
         f"step {step} in {directory!r}: its commit marker names attempt {attempt!r}, not a "
         "key-safe name; the marker is damaged or forged: restore another step")
   with _failures.reading(f"step {step}: its manifest in {directory!r}"):
-    body = kv.read(lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+    body = lay.read(kv, lay.manifest_key(step, attempt)).result(timeout=lay.REQUEST_TIMEOUT_SECS)
   if body.state != "value" or snap.checksum(body.value) != marker.get("manifest_xxh3"):
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: the manifest of attempt {attempt!r} is missing or "
@@ -337,9 +337,11 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
 
 
 def _check_chunk_table(leaf: dict[str, Any], where: str) -> None:
-  """The leaf's shape, chunk layout and table of chunk checksums agree (one checksum
-  per chunk of the grid): a manifest whose shape was changed is refused before a
-  read sizes anything by it."""
+  """The leaf's numbers are possible (:func:`man.check_leaf_numbers`) and its shape,
+  chunk layout and table of chunk checksums agree (one checksum per chunk of the
+  grid): a manifest whose shape was changed is refused before a read sizes anything
+  by it."""
+  man.check_leaf_numbers(leaf, where)
   shape, chunk = leaf.get("shape") or [], leaf.get("chunk_shape") or []
   inner = leaf.get("inner_chunk_shape") or []
   grid = lay.chunk_grid(shape, chunk) if len(chunk) == len(shape) else None

@@ -21,10 +21,11 @@ import tensorstore as ts
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box, SnapshotManifest
-from jaxckpt.universal import _arrays, _budget, _commit, _progress
+from jaxckpt.universal import _arrays, _budget, _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 from jaxckpt.universal import _orbax_steps
+from jaxckpt.util import _progress
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ def _put(kv: ts.KvStore, directory: str, key: str, body: bytes, what: str) -> No
         errno.ETIMEDOUT, f"writing the {what} to {directory!r} took over "
         f"{lay.REQUEST_TIMEOUT_SECS} s", key) from None
   except ValueError as e:
-    raise errors.StorageError(f"writing the {what} to {directory!r} ({key}) failed: {e}") from None
+    raise errors.StorageError(
+        f"writing the {what} to {directory!r} ({key}) failed: {lay.ts_error(e)}") from None
 
 
 def write_leaves(directory: str, step: int, leaves: Mapping[str, man.LeafInfo],

@@ -20,7 +20,8 @@ from jaxckpt.universal import _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _read
 from jaxckpt.universal import _saved_items as items
-from jaxckpt.universal._progress import Progress, human_bytes  # noqa: F401  (re-exported)
+from jaxckpt.util._progress import Progress, human_bytes  # noqa: F401  (re-exported)
+from jaxckpt.util._text import shown
 
 _INSPECT_HELP = """Show a committed step of a universal-format checkpoint directory: the tree
 of leaves with shapes, dtypes and sizes, the step, the saving mesh and
@@ -28,13 +29,17 @@ PartitionSpec of each leaf, chunk layout and user metadata, and the items of a
 step saved with orbax's Composite as the user saved them (a JsonSave item as
 its JSON, a Grain iterator's state as its fields). DIR is the checkpoint's root
 (it holds commits/ and step_NNNNNNNNNN/ directories): a local path or a
-tensorstore URL (gs://, s3://, file://). Reads manifests and item rows only."""
+tensorstore URL (gs://, s3://, file://). Reads manifests and item rows only.
+Without --step, a newest step that cannot be opened is named (with the command
+that deletes it) and the newest intact step is shown, exit 1."""
 
 _VERIFY_HELP = """Read every chunk of every leaf of a committed step and check it against the
 checksums in its manifest (xxh3-64 per chunk, crc32c per inner chunk).
-Exits 0 if all is intact, 1 naming each damaged leaf and chunk, 2 if the
-step cannot be opened at all or storage refused or did not answer a read (not
-damage: nothing is said of the bytes). Shows a progress bar on a terminal (plain lines
+Exits 0 if all is intact, 1 naming each damaged leaf and chunk (with
+--all-steps, also each step that cannot be opened: every other step is still
+checked), 2 if the one step asked for cannot be opened at all, or storage refused
+or did not answer a read (not damage: nothing is said of the bytes); the command that
+deletes a damaged step is named. Shows a progress bar on a terminal (plain lines
 otherwise) and the time and rate at the end."""
 
 
@@ -223,71 +228,130 @@ def _item_lines(saved: dict[str, Any]) -> list[str]:
   return lines
 
 
+def _newest_intact(args: argparse.Namespace) -> tuple[_read.StepReader, list[tuple[int, str]]]:
+  """The step to show without ``--step``: the newest one that opens, and the newer ones
+  that do not (each with why); the newest step's error if none opens."""
+  damaged: list[tuple[int, str]] = []
+  steps = _commit.all_steps(args.directory)
+  for step in reversed(steps):
+    try:
+      return _open(args, step), damaged
+    except (errors.CorruptSnapshotError, errors.ManifestError) as e:
+      damaged.append((step, str(e)))
+  if damaged:
+    raise errors.CorruptSnapshotError(
+        f"no committed step of {args.directory!r} can be opened (steps {steps}); the newest: "
+        f"{damaged[0][1]}")
+  return _open(args, None), damaged      # (none committed: says so)
+
+
+def _advice(directory: str, steps: list[int]) -> str:
+  return ("to remove a damaged step for good: "
+          + "; ".join(_commit.delete_command(directory, s) for s in sorted(steps)))
+
+
 def inspect_command(args: argparse.Namespace) -> int:
-  """Prints the tree of one step, and its items as saved; returns the exit code."""
+  """Prints the tree of one step, and its items as saved; returns the exit code. Without
+  ``--step`` a damaged newest step is named and the newest intact one shown (exit 1)."""
   if (why := not_a_checkpoint_root(args.directory, args.step)):
-    print(f"jaxckpt inspect: {why}", file=sys.stderr)
+    say(f"jaxckpt inspect: {why}", err=True)
     return 2
   try:
-    reader = _open(args, args.step)
+    if args.step is None:
+      reader, skipped = _newest_intact(args)
+    else:
+      reader, skipped = _open(args, args.step), []
     saved, damaged = _items(reader)
   except errors.JaxckptError as e:
-    print(f"jaxckpt inspect: {e}", file=sys.stderr)
+    damage = isinstance(e, (errors.CorruptSnapshotError, errors.ManifestError))
+    advice = f"; {_advice(args.directory, [args.step])}" if damage and args.step is not None else ""
+    say(f"jaxckpt inspect: {e}{advice}", err=True)
     return 2
+  for step, why in skipped:
+    say(f"jaxckpt inspect: DAMAGED step {step}: {why}", err=True)
+  if skipped:
+    say(f"jaxckpt inspect: showing step {reader.step}, the newest that is intact; "
+        + _advice(args.directory, [s for s, _ in skipped]), err=True)
   for line in damaged:
-    print(f"jaxckpt inspect: DAMAGED {line}", file=sys.stderr)
+    say(f"jaxckpt inspect: DAMAGED {line}", err=True)
+  bad = 1 if damaged or skipped else 0
   if args.json:
     print(json.dumps({"step": reader.step, "metadata": reader.metadata, "items": saved,
                       "leaves": [i.to_obj() for i in reader.leaves.values()]}, indent=1))
-    return 1 if damaged else 0
+    return bad
   total = sum(i.nbytes for i in reader.leaves.values())
   steps = _commit.all_steps(args.directory)
-  print(f"{args.directory}: step {reader.step} (committed steps: {steps})")
-  print(f"written by {reader.process_count} process(es); {len(reader.leaves)} leaves, "
-        f"{human_bytes(total)}")
+  say(f"{args.directory}: step {reader.step} (committed steps: {steps})")
+  say(f"written by {reader.process_count} process(es); {len(reader.leaves)} leaves, "
+      f"{human_bytes(total)}")
   own = reader.metadata
   if isinstance(own.get(items.TIME_KEY), (int, float)):
     when = datetime.datetime.fromtimestamp(own[items.TIME_KEY], tz=datetime.timezone.utc)
-    print(f"saved at {when:%Y-%m-%d %H:%M:%S} UTC")
+    say(f"saved at {when:%Y-%m-%d %H:%M:%S} UTC")
   if own.get(items.METRICS_KEY) is not None:
-    print(f"metrics: {json.dumps(own[items.METRICS_KEY], sort_keys=True)}")
+    say(f"metrics: {json.dumps(own[items.METRICS_KEY], sort_keys=True)}")
   meta = {k: v for k, v in own.items() if not k.startswith(items.OWN_PREFIX)}
   if meta:
-    print(f"metadata: {json.dumps(meta, sort_keys=True)}")
+    say(f"metadata: {json.dumps(meta, sort_keys=True)}")
   row_items = {items.path_of(n): k for n, k in items.kinds(reader.metadata).items()
                if k != items.PYTREE and n in saved}
-  print("\n".join(_tree_lines(reader, row_items)))
+  say(*_tree_lines(reader, row_items))
   if saved:
-    print("\n".join(_item_lines(saved)))
-  return 1 if damaged else 0
+    say(*_item_lines(saved))
+  return bad
 
 
 def verify_command(args: argparse.Namespace) -> int:
-  """Checks every chunk of one step (or all); returns the exit code."""
+  """Checks every chunk of one step (or of every step: a step that cannot be opened is
+  reported damaged and the others are checked); returns the exit code."""
   if (why := not_a_checkpoint_root(args.directory, args.step, "verify")):
-    print(f"jaxckpt verify: {why}", file=sys.stderr)
+    say(f"jaxckpt verify: {why}", err=True)
     return 2
+  step = args.step
   try:
-    steps = _commit.all_steps(args.directory) if args.all_steps else [args.step]
-    readers = [_open(args, s) for s in steps]
+    if args.all_steps:
+      steps: list[Any] = _commit.all_steps(args.directory)
+    else:
+      step = _commit.latest_step(args.directory) if step is None else step
+      steps = [_open(args, step)]
   except errors.JaxckptError as e:
-    print(f"jaxckpt verify: {e}", file=sys.stderr)
+    damage = isinstance(e, (errors.CorruptSnapshotError, errors.ManifestError))
+    advice = f"; {_advice(args.directory, [step])}" if damage and step is not None else ""
+    say(f"jaxckpt verify: {e}{advice}", err=True)
     return 2
-  bad = 0
-  for reader in readers:
+  damaged = []
+  for step in steps:
+    try:
+      reader = step if isinstance(step, _read.StepReader) else _open(args, step)
+    except (errors.CorruptSnapshotError, errors.ManifestError) as e:
+      say(f"DAMAGED step {step}: {e}")
+      damaged.append(step)
+      continue
+    except errors.StorageError as e:        # refused or unanswered: not damage, not verified
+      say(f"jaxckpt verify: step {step} was not verified: {e}", err=True)
+      return 2
     total = sum(i.nbytes for i in reader.leaves.values())
     try:
       with progress(args, total, f"verify step {reader.step}") as bar:
         problems = _read.verify_step(reader, progress=bar)
     except errors.StorageError as e:        # refused or unanswered: not damage, not verified
-      print(f"jaxckpt verify: step {reader.step} was not verified: {e}", file=sys.stderr)
+      say(f"jaxckpt verify: step {reader.step} was not verified: {e}", err=True)
       return 2
     for line in problems:
-      print(f"DAMAGED step {reader.step}: {line}")
-    if not problems:
-      print(f"step {reader.step}: OK ({len(reader.leaves)} leaves, {bar.summary('verified')})")
-    bad += len(problems)
-  return 1 if bad else 0
+      say(f"DAMAGED step {reader.step}: {line}")
+    if problems:
+      damaged.append(reader.step)
+    else:
+      say(f"step {reader.step}: OK ({len(reader.leaves)} leaves, {bar.summary('verified')})")
+  if damaged:
+    say(f"jaxckpt verify: {_advice(args.directory, damaged)}", err=True)
+  return 1 if damaged else 0
+
+
+def say(*lines: Any, err: bool = False) -> None:
+  """Prints each line, every character a terminal would act on escaped: names and
+  values in a checkpoint are data (:func:`jaxckpt.util._text.shown`)."""
+  print("\n".join(shown(str(line)) for line in lines), file=sys.stderr if err else sys.stdout)
 
 
 def progress(args: argparse.Namespace, total: int, desc: str) -> Progress:
@@ -302,7 +366,27 @@ def run(prog: str, description: str, register_fn: Callable[[Any], None],
   parser = argparse.ArgumentParser(prog=prog, description=description)
   register_fn(parser.add_subparsers(dest="command", required=True))
   args: Any = parser.parse_args(argv)
-  return args.handler(args)
+  return until_stdout_closes(lambda: args.handler(args))
+
+
+# The exit code of a command whose reader went away (as a command killed by SIGPIPE).
+STDOUT_CLOSED = 141
+
+
+def until_stdout_closes(command: Callable[[], int]) -> int:
+  """Runs ``command``; if its reader closes stdout (``jaxckpt inspect DIR | head -1``),
+  it ends quietly with :data:`STDOUT_CLOSED`, never a BrokenPipeError traceback."""
+  try:
+    code = command()
+    sys.stdout.flush()
+    return code
+  except BrokenPipeError:
+    # Python flushes stdout again at exit: point it at /dev/null first, so that the
+    # flush of what is left is silent too.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return STDOUT_CLOSED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

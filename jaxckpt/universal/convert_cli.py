@@ -13,7 +13,7 @@ from typing import Sequence
 from jaxckpt import errors
 from jaxckpt.universal import _read
 from jaxckpt.universal import convert as cv
-from jaxckpt.universal.cli import human_bytes, not_a_checkpoint_root, progress, run
+from jaxckpt.universal.cli import human_bytes, not_a_checkpoint_root, progress, run, say
 
 _CONVERT_HELP = """Write a converted copy of a committed step of a universal-format checkpoint.
 
@@ -115,14 +115,14 @@ _EXPECTED = (errors.JaxckptError, FileNotFoundError, FileExistsError)
 
 
 def _fail(command: str, e: BaseException) -> int:
-  print(f"jaxckpt {command}: {e}", file=sys.stderr)
+  say(f"jaxckpt {command}: {e}", err=True)
   return 2
 
 
 def _src_problem(command: str, src: str, step: int | None) -> int | None:
   """Exit 2 with the reason if ``src`` is not a checkpoint's root (a step directory, a file)."""
   if (why := not_a_checkpoint_root(src, step, command)):
-    print(f"jaxckpt {command}: {why}", file=sys.stderr)
+    say(f"jaxckpt {command}: {why}", err=True)
     return 2
   return None
 
@@ -137,7 +137,7 @@ def convert_command(args: argparse.Namespace) -> int:
     if args.dry_run:
       for path, info in view.leaves.items():
         what = f"{info.dtype} {list(info.shape)}" if info.is_array else f"= {info.scalar!r}"
-        print(f"  {path}  {what}")
+        say(f"  {path}  {what}")
       print(f"{len(view.leaves)} leaves, {human_bytes(cv.total_nbytes(view))}")
       return 0
     with progress(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:

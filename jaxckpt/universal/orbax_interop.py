@@ -39,6 +39,7 @@ from jaxckpt.tree import nest, path_keys  # pylint: disable=unused-import (publi
 from jaxckpt.universal import _commit
 from jaxckpt.universal import _failures
 from jaxckpt.universal import _layout as lay
+from jaxckpt.universal import _local
 from jaxckpt.universal import _manifest as man
 from jaxckpt.universal import _orbax_steps
 from jaxckpt.universal import _read
@@ -70,8 +71,12 @@ class _Source:
 
 
 def _not_importable(orbax_dir: str) -> str | None:
-  """Why ``orbax_dir`` is not a directory import_orbax reads (a jaxckpt checkpoint, or a step or
-  item directory inside an orbax CheckpointManager directory), naming what to pass; or None."""
+  """Why ``orbax_dir`` is not a directory import_orbax reads (it does not exist, a jaxckpt
+  checkpoint, or a step or item directory inside an orbax CheckpointManager directory), naming
+  what to pass; or None."""
+  if not os.path.lexists(orbax_dir):
+    return (f"{orbax_dir!r} does not exist; pass the directory of an orbax checkpoint (a "
+            "CheckpointManager directory, or one StandardCheckpointer save)")
   up = orbax_dir
   for _ in range(4):                 # a jaxckpt checkpoint, or a directory inside one
     if os.path.isdir(os.path.join(up, lay.COMMITS_PREFIX)):
@@ -104,6 +109,14 @@ def _step_items(orbax_dir: str, step: int | None
                 ) -> tuple[int | None, dict[str, tuple], dict[str, Any]]:
   """The step (None for a bare checkpointer save), its items (``{name: (kind, dir,
   handler)}``, kind None for an item import_orbax cannot read) and its metadata."""
+  if not os.path.lexists(orbax_dir):
+    raise errors.StepNotFoundError(
+        f"{orbax_dir!r} does not exist; pass the directory of an orbax checkpoint (a "
+        "CheckpointManager directory, or one StandardCheckpointer save)")
+  if not os.path.isdir(orbax_dir):
+    raise errors.InvalidArgumentError(
+        f"{orbax_dir!r} is not a directory; pass the directory of an orbax checkpoint (a "
+        "CheckpointManager directory, or one StandardCheckpointer save)")
   if (why := _not_importable(orbax_dir)):
     raise errors.InvalidArgumentError(why)
   if os.path.exists(os.path.join(orbax_dir, "_METADATA")):
@@ -186,8 +199,20 @@ def _pick(found: int | None, items: dict[str, tuple], step_meta: dict[str, Any],
         f"at a time with --item NAME (items: {sorted(items)})")
   if not items:
     raise errors.ManifestError(f"orbax step {found} in {where!r} holds no items")
+  _check_no_links(where, found is None, [d for _, d, _ in items.values()])
   single = item is not None or list(items) in ([""], ["default"])
   return _Source(found, items, single, step_meta, metrics_dir)
+
+
+def _check_no_links(orbax_dir: str, bare: bool, item_dirs: list[str]) -> None:
+  """Refuses (CorruptSnapshotError) a source whose step directory holds a link or a
+  special file anywhere: an import reads the checkpoint's own files, never what a link
+  in it points to (a downloaded checkpoint's link to its user's files would be copied
+  into the new one, or a FIFO would never answer)."""
+  for d in {orbax_dir if bare else os.path.dirname(i) for i in item_dirs}:
+    rel = os.path.relpath(d, orbax_dir)
+    _local.check_tree(orbax_dir, "" if rel == "." else rel + "/",
+                      where=f"importing the orbax checkpoint {orbax_dir!r}")
 
 
 def _open_orbax_array(item_dir: str, name: str, use_zarr3: bool) -> ts.TensorStore:
@@ -409,7 +434,7 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     raise errors.StepAlreadyExistsError(
         f"step {dst_step} is already in {dst_dir!r} (imported before?); import into another "
         f"step (dst_step=, --dst-step) or directory, or delete it first "
-        f"(jaxckpt.universal.discard_step({dst_dir!r}, {dst_step}))")
+        f"({_commit.delete_command(dst_dir, dst_step)})")
   got = _read_source(source, orbax_dir, progress, layout)
   metadata = dict(got.metadata)
   metadata["imported_from"] = {

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import jaxckpt.universal as u
-from jaxckpt.universal import _fixtures, _progress, cli, convert_cli
+from jaxckpt.universal import _fixtures, cli, convert_cli
+from jaxckpt.util import _progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 W = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)      # 64 KiB

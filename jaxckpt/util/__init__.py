@@ -1,2 +1,3 @@
 """Small process-level helpers of the trainer and the agent: the one wait with a deadline
-(``_wait``) and the preemption notice (``_preemption``)."""
+(``_wait``), the preemption notice (``_preemption``), and the progress of long reads and
+writes (``_progress``: a bar on a terminal, log lines otherwise). No JAX."""
