@@ -147,6 +147,30 @@ def test_wait_until_persisted_raises_on_time_when_storage_hangs(s3_server):
     m.wait_until_finished()
     assert universal.all_steps(d) == [1]
 
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core/_listing.Listing.all_steps lists storage at every call (a LIST with the 120 s "
+    "request timeout), not the ledger's record of what is stored, so it blocks while "
+    "storage does not answer"))
+def test_all_steps_answers_from_the_ledger_while_storage_hangs(s3_server):
+  """Issue 38: all_steps() and latest_step() read the ledger (orbax's answer from memory).
+  With the S3 server stopped, a loop's latest_step() blocked for the 120 s request
+  timeout and then raised a StorageError, although the manager knows steps 1 and 2."""
+  d = s3_server.url(uuid.uuid4().hex[:12])
+  with jc.CheckpointManager(d, _options(timeout_secs=120)) as m:
+    for s in (1, 2):
+      assert m.save(s, _state(s))
+    m.wait_until_finished()
+    answers: list = []
+    with s3_server.paused():
+      asking = threading.Thread(target=lambda: answers.append((m.all_steps(), m.latest_step())))
+      asking.start()
+      asking.join(20)
+      on_time = not asking.is_alive()
+    asking.join(300)                     # storage answers again
+    assert on_time, "all_steps() still waited for storage after 20 s"
+    assert answers == [([1, 2], 2)], answers
+
 # -- one run per agent: a new run never sees the previous run's snapshots -------------------------
 
 _RUN1 = """
