@@ -283,16 +283,18 @@ def _option(name: str, value: str) -> Any:
 
 @scenario
 def options_differ_in_value(job: Job) -> None:
-  """Every process gives option NAME, process ``i`` the ``i``-th of ``--variant``
-  NAME=V0,V1,...: every process is refused at construction, naming the option."""
+  """For each NAME=V0,V1 of ``--variant`` (separated by ``;``) a manager whose process
+  ``i`` is given option NAME's ``i``-th value: each is refused at construction on every
+  process, naming the option (REFUSED), or ACCEPTED."""
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel
-  name, values = job.a.variant.split("=")
-  kw = {name: _option(name, values.split(",")[job.me])}
-  try:
-    jc.CheckpointManager(job.a.directory or None, job.options(agent=False, **kw)).close()
-    say("ACCEPTED")
-  except jc.errors.InvalidArgumentError as e:
-    say("REFUSED", str(e).replace("\n", " "))
+  for item in job.a.variant.split(";"):
+    name, values = item.split("=")
+    kw = {name: _option(name, values.split(",")[job.me])}
+    try:
+      jc.CheckpointManager(job.a.directory or None, job.options(agent=False, **kw)).close()
+      say("ACCEPTED", name)
+    except jc.errors.InvalidArgumentError as e:
+      say("REFUSED", str(e).replace("\n", " "))
 
 
 def main(argv: list[str] | None = None) -> int:
