@@ -20,6 +20,7 @@ import pytest
 import jaxckpt as jc
 from jaxckpt import errors, universal
 from jaxckpt.testing import processes
+from jaxckpt.util import _wait
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,17 +221,10 @@ def test_a_new_run_sees_nothing_of_the_previous_run_s_unfinished_persists(s3_ser
         m2.wait_until_snapshotted()
         assert m2.all_steps() == [1]
       m2.wait_until_finished()                       # storage answers again
-    _wait_until(lambda: universal.all_steps(d1) == [2], 120, f"run 1's step 2 on {d1}")
+    _wait.until(lambda: universal.all_steps(d1) == [2], timeout_secs=120,
+                late=lambda: f"run 1's agent did not store its step 2 on {d1}", max_poll_secs=0.5)
     with jc.CheckpointManager(d1, _options()) as m:
       np.testing.assert_array_equal(m.restore(2, _state(0))["w"], _state(2)["w"])
-
-
-def _wait_until(condition, timeout_secs: float, what: str) -> None:
-  deadline = time.monotonic() + timeout_secs
-  while not condition():
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"{what}: not within {timeout_secs} s")
-    time.sleep(0.1)
 
 
 # -- a step the keep policy dropped never comes back ---------------------------------------------
@@ -271,7 +265,8 @@ def test_a_step_dropped_while_its_persist_runs_stays_dropped_through_a_kill(s3_s
         trainer.wait_for("SAVED", 120)
         trainer.kill()
     # the agent persists oldest first: once step 2 is stored, step 1's persist has ended
-    _wait_until(lambda: 2 in universal.all_steps(d), 120, f"step 2 on {d}")
+    _wait.until(lambda: 2 in universal.all_steps(d), timeout_secs=120,
+                late=lambda: f"the agent did not store step 2 on {d}", max_poll_secs=0.5)
     with jc.CheckpointManager(d, _options(agent=agent, max_to_keep=1)) as m:
       assert m.all_steps() == [2]
       with pytest.raises(errors.StepNotFoundError):
