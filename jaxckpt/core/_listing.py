@@ -4,8 +4,9 @@ knows them.
 ``all_steps()`` is the step in flight, the steps the job holds complete on the host
 tier (or can rebuild from parity), and the stored steps this manager knows
 (those on storage when it started or was reloaded, and those it stored since),
-with the steps this manager saved for storage from their save on (another process
-may commit them a little later), less the steps the keep policy dropped. The
+with the steps this manager saved for storage from their save on while their
+persist runs (another process may commit them a little later), less the steps the
+keep policy dropped. The
 stored steps' time and metrics are read once, at start and on ``reload()``, for the
 keep policy to rank.
 """
@@ -48,8 +49,9 @@ class Listing:
       held |= set(_tiers.rebuildable_steps(sorted(held), self.store))
     stored = set(_tiers.storage_steps(self.directory))
     led.listed.update(held)
-    on_its_way = {s for s, a in led.attempts().items()
-                  if a not in led.told and s not in led.stored}
+    pending = set(self.store.persist_status().pending)
+    on_its_way = {s for s, a in led.attempts().items()          # saved for storage, its persist
+                  if a not in led.told and s not in led.stored and s in pending}   # not ended
     led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
     for s in led.listed & stored:
       led.stored.add(s)
