@@ -13,11 +13,18 @@ agent tells its group peers when its own parity of a step is done
 that step while it is the newest such (``SlotTable.protect``), so a lost host
 can always be rebuilt to some step while the newer ones wait for their parity.
 
-Restore side (:func:`survey`, :func:`recover`): which steps the survivors can
-rebuild, and the rebuilt, checksum-verified snapshots of lost hosts.
+Restore side (:func:`survey`, :func:`recover`, :func:`rebuild`): which steps the
+survivors can rebuild, the rebuilt, checksum-verified snapshots of lost hosts, and
+the byte ranges of them that a restore onto another mesh needs.
 
-Hosts are the saving processes: parity needs each agent's host id to equal
-its trainer's ``jax.process_index()`` (the default).
+Hosts are the saving processes of a step: its parity group, stripes, pieces and
+``parity_done`` messages name them by the step's process indices (each agent's
+record of a step keeps the index its trainer saved it as, and the parity options it
+was made with). An agent reaches a peer through the job's map of its current
+processes' agents (``Agent.peers``, from ``AgentStore.discover``), so a relaunched job
+whose machines run other process indices than before (another number of processes)
+still finds the agents that hold an earlier run's steps; without a map (one machine,
+no ``jax.distributed``) through the run root, where the host id is the process index.
 """
 
 from __future__ import annotations
@@ -95,6 +102,8 @@ class Record:
   error: str | None = None
   seq: int = 0                                 # the agent's commit count when it committed
   group: tuple[int, ...] = ()                  # the parity group's hosts (this one too)
+  index: int = -1                              # the process that saved it here, of the step's
+  config: ParityConfig | None = None           # the options its parity is made with
 
 
 def _warm_up(config: ParityConfig) -> None:
@@ -151,10 +160,12 @@ class ParityWorker:
 
   # -- called by the agent, under its lock ------------------------------------
 
-  def on_commit(self, step: int, manifest: str) -> None:
-    """Schedules the parity of a just-committed step; returns at once."""
+  def on_commit(self, step: int, manifest: str, process: tuple[int, int]) -> None:
+    """Schedules the parity of a just-committed step (saved by ``process`` = (index,
+    count) of its job); returns at once."""
     self._seq += 1
-    rec = self.records[step] = Record(step, time.monotonic(), seq=self._seq)
+    rec = self.records[step] = Record(step, time.monotonic(), seq=self._seq, index=process[0],
+                                      process_count=process[1], config=self.config)
     self._newest = step
     self._pool.submit(self._run, rec, SnapshotManifest.from_json(manifest), manifest)
 
@@ -175,8 +186,16 @@ class ParityWorker:
     if not (rec.state == "done" and rec.group and self.records.get(rec.step) is rec):
       return
     done, mine = self._peers_done.get(rec.step, {}), _digest(rec)
-    if all(mine in done.get(h, ()) for h in rec.group if h != self.agent.host):
+    if all(mine in done.get(h, ()) for h in rec.group if h != rec.index):
       self.agent.protected(rec.step)
+
+  def reconfigure(self, config: ParityConfig) -> None:
+    """Later steps' parity is made with ``config``; the parity held keeps the options
+    it was made with (a relaunch with other options, or on another number of
+    processes, still rebuilds the steps it restores)."""
+    if config.options != self.config.options:
+      self._pool.submit(_warm_up, config)
+    self.config = config
 
   def drop(self, step: int) -> None:
     """Forgets a dropped step's parity (its slot is reused once no thread writes it)."""
@@ -196,15 +215,16 @@ class ParityWorker:
     return self.config.parity * -(-nbytes // k)
 
   def status(self) -> dict[str, Any]:
-    return {"steps": [[r.step, r.state, r.secs, r.error, r.process_count]
+    return {"steps": [[r.step, r.state, r.secs, r.error, r.process_count, r.index,
+                       r.config.group_size, r.config.parity]
                       for r in sorted(self.records.values(), key=lambda r: r.step)],
             "bytes": self.bytes_held(), "config": self.config.to_obj()}
 
   def info(self, step: int) -> dict[str, Any]:
     rec = self._done(step)
-    return {"process_count": rec.process_count, "config": self.config.to_obj(),
+    return {"process_count": rec.process_count, "config": rec.config.to_obj(),
             "manifests": rec.manifests, "checksums": rec.checksums,
-            "stripes": sorted(rec.blocks)}
+            "stripes": sorted(rec.blocks), "index": rec.index}
 
   def block_at(self, step: int, stripe: int) -> tuple[str, int, int, int]:
     """Where the parity block of ``stripe`` of ``step`` lies: (file, its size,
@@ -255,9 +275,9 @@ class ParityWorker:
     unprotected, which only keeps an older step longer)."""
     digest = _digest(rec)
     for h in rec.group:
-      if h != self.agent.host:
+      if h != rec.index:
         try:
-          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=self.agent.host,
+          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=rec.index,
                     digest=digest)
         except Exception as e:  # pylint: disable=broad-except  (never ends the parity thread)
           logger.warning("step %d: telling host %d its parity is done failed: %s", rec.step, h, e)
@@ -274,19 +294,16 @@ class ParityWorker:
   def _protect(self, rec: Record, manifest: SnapshotManifest, manifest_json: str) -> None:
     me, n = manifest.process_index, manifest.process_count
     self.process_count = rec.process_count = n
-    if me != self.agent.host:
-      raise errors.InvalidArgumentError(
-          f"parity needs the agent's host id to equal the saving process index, but host "
-          f"{self.agent.host} got the snapshot of process {me}; leave AgentOptions.host_id "
-          "unset (it defaults to jax.process_index())")
-    _lib().check_hosts(n, self.config.options)
-    group = next(g for g in _lib().groups(n, self.config.group_size) if me in g)
+    self._check_reachable(me)
+    options = rec.config.options
+    _lib().check_hosts(n, options)
+    group = next(g for g in _lib().groups(n, options.group_size) if me in g)
     rec.group = tuple(group)
     rec.manifests = self._gather(rec, group, me, manifest_json)
     sizes = [0] * n
     for h, js in rec.manifests.items():
       sizes[h] = SnapshotManifest.from_json(js).nbytes
-    layout = _lib().StripeLayout.build(sizes, self.config.options)
+    layout = _lib().StripeLayout.build(sizes, options)
     mine = layout.parity_pieces(me)
     if not sum(p.nbytes for p in mine):
       return                  # this host holds no parity of the step (its group's data is elsewhere)
@@ -296,6 +313,26 @@ class ParityWorker:
       self._encode(rec, layout, mine, buf)
     finally:
       del buf
+
+  def _check_reachable(self, me: int) -> None:
+    """Refuses a step whose process index its peers cannot reach this agent by: the
+    job's map names another agent for it (the step is of a run whose processes the
+    map no longer describes), or, with no map, this agent's host id is another."""
+    peers = self.agent.peers
+    if peers:
+      mine = peers.get(me)
+      if mine is None or mine.get("pid") != os.getpid():
+        raise errors.InvalidArgumentError(
+            f"this agent (host {self.agent.host}) got the snapshot of process {me}, but the "
+            f"job's agents map process {me} to "
+            + (f"the agent at {mine.get('tcp')}" if mine else "no agent")
+            + " (a run of the job with other processes): its parity is given up")
+    elif me != self.agent.host:
+      raise errors.InvalidArgumentError(
+          f"parity needs the agent's host id to equal the saving process index when the "
+          f"job published no map of its agents, but host {self.agent.host} got the snapshot "
+          f"of process {me}; leave AgentOptions.host_id unset (the job then agrees which "
+          "agent serves each process)")
 
   def _encode(self, rec: Record, layout: StripeLayout, mine: tuple[Piece, ...],
               buf: np.ndarray) -> None:
@@ -309,7 +346,7 @@ class ParityWorker:
       block, k = stripe.block_bytes, len(stripe.data)
       out = buf[off:off + block]
       hashes = [xxhash.xxh3_64() for _ in range(k)]
-      rs = _lib().codec.codec(k, len(stripe.parity))
+      rs = _lib().codec.codec(k, len(stripe.parity))   # (the layout's, the record's options)
       sub = self.config.sub_block_bytes
       for lo in range(0, block, sub):
         hi = min(block, lo + sub)
@@ -387,6 +424,7 @@ class ParityWorker:
         if r is None:
           continue
         if r.manifest is not None:
+          _check_saved_by(r.manifest, h, rec.process_count, step)
           out[h] = r.manifest
         elif ((r.newest is None or r.newest > step)
               and time.monotonic() - start > ahead_for):
@@ -438,6 +476,18 @@ class ParityWorker:
                        timeout_secs=self.config.timeout_secs, secret=self.agent.secret)
     self._peers[host] = (info["pid"], client)
     return client
+
+
+def _check_saved_by(manifest: str, index: int, count: int, step: int) -> None:
+  """Raises StepNotFoundError unless ``manifest`` is of process ``index`` of a job of
+  ``count`` processes: the agent the job's map names for ``index`` holds the step of
+  another run of the job, where it served another process."""
+  m = SnapshotManifest.from_json(manifest)
+  if (m.process_index, m.process_count) != (index, count):
+    raise errors.StepNotFoundError(
+        f"the agent the job maps process {index} to holds step {step} as process "
+        f"{m.process_index} of {m.process_count}, not of {count}: the job runs on other "
+        f"processes now, so step {step} cannot be protected")
 
 
 def _ck(piece: Piece, value: str) -> list[Any]:
@@ -496,57 +546,77 @@ class StepParity:
 
 
 def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
-  """Steps that some live agent holds parity (or a parity record) for."""
+  """Steps that some live agent holds parity (or a parity record) for, by the step's
+  process indices (an agent's record says which process saved the step there, and
+  with which parity options). Records of another run of the job that saved the same
+  step on another number of processes are left out (the first count seen stands)."""
   out: dict[int, StepParity] = {}
-  held: dict[int, set[int]] = {}
+  held: dict[int, dict[int, set[int]]] = {}    # step -> count -> indices
   for c in clients.values():
-    host = c.host
     try:
       status = c.call("parity_status")[0]
-      for step, index, _ in c.call("held")[0].held:
-        held.setdefault(step, set()).add(index)
+      here = c.call("held")[0].held
     except errors.AgentUnavailableError as e:
       logger.warning("skipping %s: %s", c.who, e)
       continue
+    for step, index, count in here:
+      held.setdefault(step, {}).setdefault(count, set()).add(index)
     if status.config is None:
       continue
     cfg = ParityConfig(**status.config)
-    for step, state, _, error, count in status.steps:
-      if count:
-        sp = out.setdefault(step, StepParity(step, count, cfg.options))
-        if state == "done":
-          sp.done.add(host)
-        elif error:
-          sp.errors[host] = error
+    index_of = {step: index for step, index, _ in here}
+    for entry in status.steps:
+      step, state, _, error, count = entry[:5]
+      if not count:
+        continue
+      index = entry[5] if len(entry) > 5 else index_of.get(step, c.host)   # (an older agent's)
+      options = (cfg.options if len(entry) < 8 else
+                 _lib().ParityOptions(group_size=entry[6], parity=entry[7]))
+      sp = out.setdefault(step, StepParity(step, count, options))
+      if sp.process_count != count:
+        continue
+      if state == "done":
+        sp.done.add(index)
+      elif error:
+        sp.errors[index] = error
   for step, sp in out.items():
-    sp.held = held.get(step, set())
+    sp.held = held.get(step, {}).get(sp.process_count, set())
   return out
 
 
-def recover(clients: dict[int, Client], step: int, lost: list[int],
-            have: dict[int, Any] | None = None) -> dict[int, tuple[SnapshotManifest, np.ndarray]]:
-  """Rebuilds the snapshots of ``lost`` hosts of ``step`` from the survivors.
+@dataclasses.dataclass
+class Survivors:
+  """What the live agents keep to rebuild a step's lost hosts: its stripe layout, every
+  saving process's manifest, each piece's checksum, and the agent that was each
+  process for the step (by the step's process index)."""
 
-  ``have`` maps saving process indices to the pieces of ``step`` the caller
-  already holds or is about to read (``BufferPiece``, ``RemotePiece``): data
-  chunks are taken from them (``span``) instead of being read a second time.
+  step: int
+  layout: StripeLayout
+  manifests: dict[int, str]
+  checksums: dict[Piece, str]
+  holders: dict[int, Client]
 
-  Every fetched piece and every rebuilt piece is checked against the checksum
-  saved when the parity was made (a corrupted survivor is left out while
-  others can stand in); the caller checks each shard against its manifest
-  checksum again before use.
+
+def survivors(clients: dict[int, Client], step: int, lost: list[int],
+              count: int | None = None) -> Survivors:
+  """The survivors' parity records of ``step`` (saved by ``count`` processes: records
+  of another run's step of that number are left out).
 
   Raises:
-    UnrecoverableLossError: too many hosts lost, or too few survivors answer.
-    CorruptSnapshotError: too few survivors pass their checksums.
+    UnrecoverableLossError: no live agent holds parity of the step, none the
+      manifest of a lost host, or a group lost more hosts than its parity.
   """
-  infos, holders = {}, {}     # holders: host id -> the agent that was that host for ``step``
+  infos, holders = {}, {}     # by the process index each agent had for ``step``
   for c in clients.values():
     try:
-      infos[c.host] = c.call("parity_info", step=step)[0]
-      holders[c.host] = c
+      info = c.call("parity_info", step=step)[0]
     except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
       logger.info("step %d: %s has no parity to offer: %s", step, c.who, e)
+      continue
+    if count is not None and info.process_count != count:
+      continue
+    index = c.host if info.index is None else info.index      # (an older agent's reply)
+    infos[index], holders[index] = info, c
   if not infos:
     raise errors.UnrecoverableLossError(
         f"step {step}: no live agent holds parity of it; cannot rebuild hosts {lost}")
@@ -558,7 +628,7 @@ def recover(clients: dict[int, Client], step: int, lost: list[int],
     manifests.update({int(h): js for h, js in info.manifests.items()})
     for stripe, slot, host, start, stop, value in info.checksums:
       checksums[_lib().Piece(host, stripe, slot, start, stop)] = value
-  sizes = [0] * first["process_count"]
+  sizes = [0] * first.process_count
   for h, js in manifests.items():
     sizes[h] = SnapshotManifest.from_json(js).nbytes
   missing = [h for h in lost if h not in manifests]
@@ -566,17 +636,89 @@ def recover(clients: dict[int, Client], step: int, lost: list[int],
     raise errors.UnrecoverableLossError(
         f"step {step}: no survivor holds the manifest of lost hosts {missing}")
   layout = _lib().StripeLayout.build(sizes, cfg.options)
-  pieces = {h: (have or {}).get(SnapshotManifest.from_json(js).process_index)
-            for h, js in manifests.items()}
-  rebuilt = _lib().recover_hosts(layout, lost, _fetcher(holders, layout, step, pieces), checksums)
-  return {h: (SnapshotManifest.from_json(manifests[h]), buf) for h, buf in rebuilt.items()}
+  _lib().check_recoverable(layout, lost)
+  return Survivors(step, layout, manifests, checksums, holders)
 
 
+def recover(clients: dict[int, Client], step: int, lost: list[int],
+            have: dict[int, Any] | None = None, *, count: int | None = None,
+            known: Survivors | None = None, read: list[int] | None = None
+            ) -> dict[int, tuple[SnapshotManifest, np.ndarray]]:
+  """Rebuilds the whole snapshots of ``lost`` hosts of ``step`` from the survivors.
+
+  ``have`` maps saving process indices to the pieces of ``step`` the caller
+  already holds or is about to read (``BufferPiece``, ``RemotePiece``): data
+  chunks are taken from them (``span``) instead of being read a second time.
+  ``known``: the survivors' records, if the caller has them (:func:`survivors`);
+  ``read[0]`` counts the bytes read from agents.
+
+  Every fetched piece and every rebuilt piece is checked against the checksum
+  saved when the parity was made (a corrupted survivor is left out while
+  others can stand in); the caller checks each shard against its manifest
+  checksum again before use.
+
+  Raises:
+    UnrecoverableLossError: too many hosts lost, or too few survivors answer.
+    CorruptSnapshotError: too few survivors pass their checksums.
+  """
+  s = known or survivors(clients, step, lost, count)
+  pieces = {h: (have or {}).get(h) for h in s.manifests}
+  rebuilt = _lib().recover_hosts(s.layout, lost, _fetcher(s.holders, s.layout, step, pieces,
+                                                          read), s.checksums)
+  return {h: (SnapshotManifest.from_json(s.manifests[h]), buf) for h, buf in rebuilt.items()}
+
+
+def rebuild_ranges(s: Survivors, lost: list[int], wanted: dict[int, list[tuple[int, int]]],
+                   out: dict[int, np.ndarray], have: dict[int, Any]) -> int:
+  """Rebuilds byte ranges ``wanted[h]`` of lost hosts' snapshots into ``out[h]``
+  (``jaxckpt.parity.rebuild_ranges``: only the same ranges of their stripes are read,
+  from the caller's pieces in ``have`` where they already hold them, else from the
+  survivors' agents, each agent's ranges in one read). Unverified: the caller checks
+  each rebuilt shard against its manifest. Returns the bytes read from agents."""
+  read, lock = [0], threading.Lock()
+
+  def fetch(host: int, items: Any) -> list[np.ndarray] | None:     # (hosts at once)
+    got, snap, par = [None] * len(items), [], {}
+    piece = have.get(host)
+    for i, (p, lo, hi) in enumerate(items):
+      if p.slot >= len(s.layout.stripes[p.stripe].data):
+        par.setdefault(p.stripe, []).append((i, lo, hi - lo))
+        continue
+      a, b = p.start + lo, min(p.start + hi, p.stop)
+      cached = None if piece is None or a >= b else piece.span(a, b - a, read=False)
+      if a >= b:
+        got[i] = np.empty(0, np.uint8)
+      elif cached is not None:
+        got[i] = cached
+      else:
+        snap.append((i, a, b - a))
+    c = s.holders.get(host) or getattr(piece, "client", None)
+    if c is None:
+      return None if snap or par else got
+    try:
+      for (i, _, _), data in zip(snap, c.read("snapshot", s.step, [(a, n) for _, a, n in snap])
+                                 if snap else []):
+        got[i] = data
+      for stripe, ranges in par.items():
+        blocks = c.read("parity", s.step, [(lo, n) for _, lo, n in ranges], stripe=stripe)
+        for (i, _, _), data in zip(ranges, blocks):
+          got[i] = data
+    except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
+      logger.warning("step %d: %s could not serve its pieces' ranges: %s", s.step, c.who, e)
+      return None
+    with lock:
+      read[0] += sum(n for _, _, n in snap) + sum(n for r in par.values() for _, _, n in r)
+    return got
+
+  _lib().rebuild_ranges(s.layout, lost, wanted, fetch, out)
+  return read[0]
 def _fetcher(holders: dict[int, Client], layout: StripeLayout, step: int,
-             pieces: dict[int, Any]) -> Callable[[Piece], Any]:
+             pieces: dict[int, Any], read: list[int] | None = None) -> Callable[[Piece], Any]:
   """Fetches a survivor's piece: a data chunk of its snapshot (from the
   caller's ``pieces`` where they hold it, else from the agent that was its host
-  for ``step``) or a parity block."""
+  for ``step``) or a parity block; ``read[0]`` counts what agents sent."""
+  lock = threading.Lock()
+
   def fetch(piece: Piece) -> Any:
     data_piece = piece.slot < len(layout.stripes[piece.stripe].data)
     if data_piece and piece.nbytes == 0:
@@ -596,5 +738,8 @@ def _fetcher(holders: dict[int, Client], layout: StripeLayout, step: int,
     except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
       logger.warning("step %d: could not fetch %s: %s", step, piece, e)
       return None
+    if read is not None:
+      with lock:
+        read[0] += data.size
     return data
   return fetch

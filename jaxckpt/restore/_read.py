@@ -53,17 +53,20 @@ class RestoreInfo:
 
 class Piece(Protocol):
   """One saving process's snapshot of a step, as a restore reads it: held here
-  (:class:`BufferPiece`) or by another host's agent (``agent._remote.RemotePiece``,
-  ``remote``: read ahead over the network by ``fetch``)."""
+  (:class:`BufferPiece`), by another host's agent (``agent._remote.RemotePiece``,
+  ``remote``: read ahead over the network by ``fetch``), or a lost host's, rebuilt
+  from the survivors' parity as it is read (``agent._remote.RebuiltPiece``,
+  ``rebuilt``: read ahead after the others, whose bytes its rebuild may use)."""
 
   manifest: SnapshotManifest
   bytes_read: int
   remote: bool
+  rebuilt: bool
 
   def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None: ...
   def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
   def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
-  def span(self, start: int, nbytes: int) -> np.ndarray | None: ...
+  def span(self, start: int, nbytes: int, *, read: bool = True) -> np.ndarray | None: ...
 
 
 class Source(Protocol):
@@ -123,6 +126,7 @@ class BufferPiece:
   """
 
   remote = False
+  rebuilt = False
 
   def __init__(self, manifest: SnapshotManifest, buffer: Any, *, private: bool = False,
                lend: Callable[[], bool] | None = None) -> None:
@@ -160,8 +164,10 @@ class BufferPiece:
       self._mark_read(shard)
     return shard_view(self.buffer, shard, leaf.numpy_dtype)
 
-  def span(self, start: int, nbytes: int) -> np.ndarray:
-    """Raw bytes ``[start, start + nbytes)`` of the snapshot (a view; unverified)."""
+  def span(self, start: int, nbytes: int, *, read: bool = True) -> np.ndarray:
+    """Raw bytes ``[start, start + nbytes)`` of the snapshot (a view; unverified;
+    here already, whatever ``read`` says)."""
+    del read
     return np.frombuffer(self.buffer, np.uint8, count=nbytes, offset=start)
 
   def is_private(self) -> bool:
@@ -233,14 +239,16 @@ class HostSource:
   def prefetch(self, needed: dict[int, set[Box]]) -> None:
     """Reads ahead, in one transfer per remote piece, every shard the regions
     ``needed`` (leaf index -> boxes) will read (see ``reader``), and verifies
-    local pieces' shards on every core."""
+    local pieces' shards on every core; then rebuilds the shards of lost hosts'
+    pieces it needs (their stripes' ranges of the others already read are not
+    read again)."""
     wanted: dict[int, list[tuple[LeafRecord, ShardRecord]]] = {}
     for i, boxes in needed.items():
       shards = self._shards(i)
       for box in boxes:
         for p, leaf, s in _serving(shards, box):
           wanted.setdefault(id(p), []).append((leaf, s))
-    remote = [p for p in self.pieces if id(p) in wanted and p.remote]
+    remote = [p for p in self.pieces if id(p) in wanted and p.remote and not p.rebuilt]
     with concurrent.futures.ThreadPoolExecutor(max(1, len(remote))) as pool:   # hosts at once
       futures = [pool.submit(p.fetch, wanted[id(p)]) for p in remote]
       for p in self.pieces:
@@ -248,6 +256,9 @@ class HostSource:
           p.fetch(wanted[id(p)])
       for f in futures:
         f.result()
+    for p in self.pieces:
+      if id(p) in wanted and p.rebuilt:
+        p.fetch(wanted[id(p)])
 
   def reader(self, i: int, *, private: bool = True,
              boxes: Any = None) -> Callable[[Box], np.ndarray]:

@@ -1,0 +1,191 @@
+"""A job relaunched on another number of processes restores from its surviving agents and
+parity (issue 42 item 4), never from storage, though storage holds the step too.
+
+Machines are run roots and loopback addresses of their own (nothing shared between them);
+which machine runs which process index is the launcher's choice, and changes at each
+relaunch. One chain reuses the machines' agents across the cases: a 4-process job saves;
+machine 1 is lost for good, and the job comes back on 3 processes, then on 2 (a surviving
+machine left out of the job: its agent still serves), then grows back to 4 (two new
+machines). :mod:`jaxckpt.testing.resize_worker` runs each process's side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+from jaxckpt.agent import jobs
+from jaxckpt.testing import processes, resize_worker
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROWS, COLS = 48, 64
+
+
+def machine(root: str, m: int) -> tuple[str, str]:
+  """Machine ``m``'s own run root and loopback address."""
+  return os.path.join(root, f"machine{m}"), f"127.0.1.{m + 1}"
+
+
+@contextlib.contextmanager
+def launch(machines: list[int], root: str, job: str, directory: str, *args: str):
+  """One process on each of ``machines`` (process i on ``machines[i]``); killed on exit."""
+  port, procs = processes.free_port(), []
+  try:
+    for i, m in enumerate(machines):
+      run_root, address = machine(root, m)
+      procs.append(processes.Proc(
+          ["-m", "jaxckpt.testing.resize_worker", "--port", str(port), "--num-processes",
+           str(len(machines)), "--process-id", str(i), "--run-root", run_root, "--tcp-host",
+           address, "--job", job, "--directory", directory, "--rows", str(ROWS), "--cols",
+           str(COLS), *args], cwd=REPO))
+    yield procs
+  finally:
+    for p in procs:
+      p.__exit__(None, None, None)
+
+
+def finish(procs, timeout: float = 300) -> list[str]:
+  """Every process's output once it printed DONE; any failure shows every output."""
+  outs = []
+  for i, p in enumerate(procs):
+    try:
+      outs.append(p.finish(timeout))
+    except (TimeoutError, RuntimeError) as e:
+      for q in procs:
+        q.kill()
+      raise AssertionError(f"process {i}: {e}\n" + "\n".join(
+          f"--- process {j}:\n" + "".join(q.lines)[-3000:] + (q.p.stdout.read() or "")[-3000:]
+          for j, q in enumerate(procs) if j != i)) from None
+  for i, out in enumerate(outs):
+    assert "DONE" in out and "ERROR" not in out, f"process {i}:\n{out[-4000:]}"
+  return outs
+
+
+def said(out: str, word: str) -> list[list[str]]:
+  return [ln.split()[1:] for ln in out.splitlines() if ln.startswith(word + " ")]
+
+
+def lose(root: str, m: int) -> None:
+  """Machine ``m`` is gone for good: its agent SIGKILLed (by pid: ours), its run root wiped."""
+  run_root, _ = machine(root, m)
+  for pid in processes.agent_pids(run_root):
+    os.kill(pid, signal.SIGKILL)
+    processes.wait_gone(pid, 30, f"the agent of machine {m}")
+  shutil.rmtree(run_root)
+
+
+def agents_on(root: str, job: str, machines: list[int]) -> dict[int, int]:
+  """How many live agents of the job each machine runs."""
+  return {m: len(jobs.job_agents(machine(root, m)[0], job)) for m in machines}
+
+
+def served(root: str, job: str, m: int) -> int:
+  """What machine ``m``'s agents have sent other processes, as its `jaxckpt status` says."""
+  return sum(a.served_bytes for a in jobs.job_status(machine(root, m)[0], job).agents if a.local)
+
+
+# -- what each process needs: the saved shards its devices' regions overlap -------------------
+
+def boxes(n: int) -> dict[str, list[list[tuple[int, int]]]]:
+  """Each process's device regions of every leaf, in a job of ``n`` processes of 2 devices."""
+  d = 2 * n
+  rows = [(ROWS * i // d, ROWS * (i + 1) // d) for i in range(d)]
+  cols = [(ROWS * i // d, ROWS * (i + 1) // d) for i in range(d)]
+  full = {"w": [(0, ROWS), (0, COLS)], "u": [(0, COLS // 4), (0, ROWS)], "rep": [(0, 7)]}
+  out = {}
+  for p in range(n):
+    out[p] = {"w": [[rows[2 * p + j], full["w"][1]] for j in (0, 1)],
+              "u": [[full["u"][0], cols[2 * p + j]] for j in (0, 1)],
+              "rep": [full["rep"]]}
+  return out
+
+
+def shard_bytes(leaf: str, box: list[tuple[int, int]]) -> int:
+  return int(np.prod([b - a for a, b in box])) * 4
+
+
+def needed_from(old: int, new: int, h: int, p: int) -> int:
+  """Bytes of old process ``h``'s shards that new process ``p``'s regions overlap (a shard is
+  read whole: it is the unit of verification; a replicated leaf is saved by process 0)."""
+  total = 0
+  for leaf, mine in boxes(old)[h].items():
+    if leaf == "rep" and h != 0:
+      continue
+    for shard in mine:
+      if any(all(a < d and c < b for (a, b), (c, d) in zip(shard, want))
+             for want in boxes(new)[p][leaf]):
+        total += shard_bytes(leaf, shard)
+  return total
+
+
+def snapshot_bytes(old: int, h: int) -> int:
+  return sum(shard_bytes(leaf, s) for leaf, mine in boxes(old)[h].items()
+             if leaf != "rep" or h == 0 for s in mine)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_job_shrinks_and_grows_restoring_from_its_surviving_agents(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  with processes.agent_sandbox("jr") as (root, job):
+    with launch([0, 1, 2, 3], root, job, directory, "--phase", "save", "--steps", "1", "2"
+                ) as procs:
+      for out in finish(procs):
+        assert said(out, "SAVED") == [["2"]]
+
+    # 4 -> 3: machine 1 is lost for good, no spare; every survivor gets another index.
+    lose(root, 1)
+    order = [2, 3, 0]
+    with launch(order, root, job, directory, "--phase", "relaunch") as procs:
+      outs = finish(procs)
+    for p, out in enumerate(outs):
+      (step, tier, ok, _, _), = said(out, "RESTORED")
+      assert (step, tier, ok) == ("2", "parity", "ok"), (p, out[-3000:])
+    # each machine's process kept the agent there (no second one took its memory)
+    assert agents_on(root, job, order) == {2: 1, 3: 1, 0: 1}
+    read = {m: int(said(out, "SERVED")[1][0]) - int(said(out, "SERVED")[0][0])
+            for m, out in zip(order, outs)}
+    # Each survivor sends the shards of its own that a process on another machine needs
+    # (each once to each), and for the lost host's shards a process needs, the same
+    # ranges of the one piece of each of their stripes it holds: at most a byte for each
+    # byte rebuilt (a whole-host rebuild on every process sent 15,552, 15,360 and 13,908).
+    lost_needed = sum(needed_from(4, 3, 1, p) for p in range(3))
+    for m in order:
+      own = sum(needed_from(4, 3, [0, 1, 2, 3].index(m), p) for p, q in enumerate(order)
+                if q != m)
+      assert own <= read[m] <= own + lost_needed, (m, read[m], own, lost_needed)
+
+    # 4 -> 2: machine 0 is left out of the job (its agent still up); it serves its piece.
+    before = served(root, job, 0)
+    order = [3, 2]
+    with launch(order, root, job, directory, "--phase", "relaunch", "--save", "3") as procs:
+      outs = finish(procs)
+    for p, out in enumerate(outs):
+      (step, tier, ok, _, _), = said(out, "RESTORED")
+      assert (step, tier, ok) == ("2", "parity", "ok"), (p, out[-3000:])
+      assert said(out, "PROTECTED") == [["3"]]
+    assert agents_on(root, job, [0, 2, 3]) == {0: 1, 2: 1, 3: 1}
+    own = sum(needed_from(4, 2, 0, p) for p in range(2))
+    lost_needed = sum(needed_from(4, 2, 1, p) for p in range(2))
+    assert own <= served(root, job, 0) - before <= own + lost_needed
+
+    # 2 -> 4: two new machines; the two that hold step 3 run other indices than they saved.
+    order = [2, 4, 3, 5]
+    with launch(order, root, job, directory, "--phase", "relaunch", "--save", "4") as procs:
+      outs = finish(procs)
+    for p, out in enumerate(outs):
+      (step, tier, ok, _, _), = said(out, "RESTORED")
+      assert (step, tier, ok) == ("3", "host", "ok"), (p, out[-3000:])
+      assert said(out, "PROTECTED") == [["4"]]
+    assert agents_on(root, job, order) == {2: 1, 4: 1, 3: 1, 5: 1}
+    saved_by = {3: 0, 2: 1}                   # machine -> its process in the 2-process job
+    for m, h in saved_by.items():
+      out = outs[order.index(m)]
+      got = int(said(out, "SERVED")[1][0]) - int(said(out, "SERVED")[0][0])
+      want = sum(needed_from(2, 4, h, p) for p, q in enumerate(order) if q != m)
+      assert got == want, (m, got, want)

@@ -1,0 +1,180 @@
+"""One process of a job that saves, or is relaunched on another number of processes
+and restores (issue 42 item 4: the resized relaunch test and ``benchmarks/resized_restore.py``).
+
+  python -m jaxckpt.testing.resize_worker --port P --num-processes N --process-id I \
+      --run-root R --tcp-host 127.0.1.M --job J --directory D --phase save|relaunch ...
+
+Each process is a "machine" of its own (its own run root and loopback address, so its own
+snapshot agent); which machine runs which process index is the launcher's choice, and a
+relaunch may give a machine another index than before. Phases:
+
+- ``save``: saves ``--steps`` (each persisted to ``--directory`` when given), waits until
+  the last is protected by parity, closes the manager (its agent outlives it) and exits.
+- ``relaunch``: a new manager restores the newest step onto this job's mesh (``--restores``
+  times, each printed), reading no storage unless the host tiers cannot serve it; with
+  ``--storage-restores`` it then times restores of the same step from storage (a manager
+  without agents); with ``--save S`` it then saves step S and waits until it is protected.
+
+Printed lines (the test and the benchmark read them): ``SERVED n`` (the bytes this machine's
+agents had sent other processes: before the first restore and after every process's
+restore), ``RESTORED step tier ok|BAD:... nbytes secs``, ``STORAGE secs``, ``PROTECTED s``,
+then ``DONE`` or ``ERROR type: message``. The state is a function of the step: random
+float32 matrices sharded over every device of the job (rows of one, columns of another), a
+replicated leaf and a non-array one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from jaxckpt.testing import processes
+
+
+def say(*words: object) -> None:
+  print(*words, flush=True)
+
+
+def expected(step: int, rows: int, cols: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(step)
+  return {"w": rng.standard_normal((rows, cols), dtype=np.float32),
+          "u": rng.standard_normal((cols // 4, rows), dtype=np.float32),
+          "rep": rng.integers(0, 2**31, (7,), dtype=np.int32)}
+
+
+class Job:
+  """This process's view of the job: its options, state and barriers."""
+
+  def __init__(self, a: argparse.Namespace) -> None:
+    import jax  # pylint: disable=import-outside-toplevel
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    self.a, self.jax = a, jax
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    self.shardings = {"w": NamedSharding(mesh, P("x")), "u": NamedSharding(mesh, P(None, "x")),
+                      "rep": NamedSharding(mesh, P())}
+
+  def options(self, *, agent: bool = True) -> Any:
+    import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+    return jc.CheckpointOptions(
+        handle_sigterm=False, timeout_secs=120.0, max_snapshots=2,
+        persist_interval_steps=1 if self.a.directory else None,
+        agent=jc.AgentOptions(job_name=self.a.job, run_root=self.a.run_root,
+                              tcp_host=self.a.tcp_host) if agent else None,
+        parity=jc.ParityOptions(group_size=4, parity=self.a.parity) if agent else None)
+
+  def state(self, step: int) -> dict[str, Any]:
+    vals = expected(step, self.a.rows, self.a.cols)
+    out = {k: self.jax.make_array_from_callback(v.shape, self.shardings[k], lambda i, v=v: v[i])
+           for k, v in vals.items()}
+    return {**out, "data": {"position": step}}
+
+  def target(self) -> dict[str, Any]:
+    vals = expected(0, self.a.rows, self.a.cols)
+    out = {k: self.jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.shardings[k])
+           for k, v in vals.items()}
+    return {**out, "data": {"position": 0}}
+
+  def check(self, out: dict[str, Any], step: int) -> str:
+    """"ok" if ``out`` is ``step``'s state bit for bit, else what differs."""
+    vals = expected(step, self.a.rows, self.a.cols)
+    for k, v in vals.items():
+      if out[k].sharding != self.shardings[k]:
+        return f"BAD:{k}.sharding"
+      for s in out[k].addressable_shards:
+        if np.asarray(s.data).tobytes() != v[s.index].tobytes():
+          return f"BAD:{k}{s.index}"
+    return "ok" if out["data"] == {"position": step} else f"BAD:data={out['data']}"
+
+  def barrier(self, name: str) -> None:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(name)
+
+  def served(self) -> int:
+    """Bytes this machine's agents of the job have sent other processes so far."""
+    from jaxckpt.agent import jobs  # pylint: disable=import-outside-toplevel
+    st = jobs.job_status(self.a.run_root, self.a.job)
+    return sum(a.served_bytes for a in st.agents if a.local)
+
+
+def save(job: Job) -> None:
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  with jc.CheckpointManager(job.a.directory or None, job.options()) as mgr:
+    for s in job.a.steps:
+      assert mgr.save(s, job.state(s), force=True)
+      mgr.wait_until_finished()
+    mgr.wait_until_protected(job.a.steps[-1])
+    say("SAVED", job.a.steps[-1])
+
+
+def relaunch(job: Job) -> None:
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory or None, job.options())
+  say("STARTED")
+  say("SERVED", job.served())
+  job.barrier("before restore")
+  for _ in range(job.a.restores):
+    out = mgr.restore(target=job.target())
+    r = mgr.last_restore
+    say("RESTORED", r.step, r.tier, job.check(out, r.step), r.nbytes, f"{r.seconds:.6f}")
+    del out
+  job.barrier("restored")
+  say("SERVED", job.served())
+  job.barrier("served")
+  if job.a.storage_restores:
+    with jc.CheckpointManager(job.a.directory, job.options(agent=False)) as direct:
+      for _ in range(job.a.storage_restores):
+        t0 = time.perf_counter()
+        out = direct.restore(step=mgr.last_restore.step, target=job.target())
+        secs = time.perf_counter() - t0
+        assert direct.last_restore.tier == "storage"
+        say("STORAGE", direct.last_restore.step, job.check(out, direct.last_restore.step),
+            f"{secs:.6f}")
+        del out
+  if job.a.save is not None:
+    assert mgr.save(job.a.save, job.state(job.a.save), force=True)
+    mgr.wait_until_finished()
+    mgr.wait_until_protected(job.a.save)
+    say("PROTECTED", job.a.save)
+  mgr.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser()
+  processes.add_job_arguments(p)
+  p.add_argument("--run-root", required=True)
+  p.add_argument("--tcp-host", required=True)
+  p.add_argument("--job", required=True)
+  p.add_argument("--directory", default="")
+  p.add_argument("--phase", required=True, choices=["save", "relaunch"])
+  p.add_argument("--rows", type=int, default=48)
+  p.add_argument("--cols", type=int, default=64)
+  p.add_argument("--parity", type=int, default=1)
+  p.add_argument("--steps", type=int, nargs="*", default=[1, 2])
+  p.add_argument("--restores", type=int, default=1)
+  p.add_argument("--storage-restores", type=int, default=0)
+  p.add_argument("--save", type=int, default=None)
+  a = p.parse_args(argv)
+  try:
+    processes.join_job(a)
+    import jax  # pylint: disable=import-outside-toplevel
+    {"save": save, "relaunch": relaunch}[a.phase](Job(a))
+    say("DONE")
+    jax.distributed.shutdown()
+  except BaseException as e:  # pylint: disable=broad-except  (said, then a hard exit)
+    say(f"ERROR {type(e).__name__}: {e}".replace("\n", " | "))
+    traceback.print_exc(file=sys.stdout)
+    sys.stdout.flush()
+    os._exit(3)
+  sys.stdout.flush()
+  os._exit(0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
