@@ -42,7 +42,7 @@ import xxhash
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths, _requests
-from jaxckpt.agent._protocol import Client
+from jaxckpt.agent._protocol import Client, each
 from jaxckpt.host.snapshot import SnapshotManifest, checksum
 
 if TYPE_CHECKING:
@@ -552,13 +552,9 @@ def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
   step on another number of processes are left out (the first count seen stands)."""
   out: dict[int, StepParity] = {}
   held: dict[int, dict[int, set[int]]] = {}    # step -> count -> indices
-  for c in clients.values():
-    try:
-      status = c.call("parity_status")[0]
-      here = c.call("held")[0].held
-    except errors.AgentUnavailableError as e:
-      logger.warning("skipping %s: %s", c.who, e)
-      continue
+  said = each(clients, lambda c: (c.call("parity_status")[0], c.call("held")[0].held))
+  for key, (status, here) in sorted(said.items()):
+    c = clients[key]
     for step, index, count in here:
       held.setdefault(step, {}).setdefault(count, set()).add(index)
     if status.config is None:

@@ -16,7 +16,7 @@ import numpy as np
 from jaxckpt import errors
 from jaxckpt.agent import _parity, _paths
 from jaxckpt.agent._paths import read_address
-from jaxckpt.agent._protocol import Client
+from jaxckpt.agent._protocol import Client, each
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, aligned_empty,
                                    box_shape, shard_view, verify_shard)
 
@@ -150,12 +150,7 @@ def complete_steps_of(clients: dict[int, Client]) -> list[int]:
   An agent that does not answer is left out (with a warning): its pieces count as lost.
   """
   seen: dict[tuple[int, int], set[int]] = {}
-  for c in clients.values():
-    try:
-      held = c.call("held")[0].held
-    except errors.AgentUnavailableError as e:
-      logger.warning("skipping %s: %s", c.who, e)
-      continue
+  for held in each(clients, lambda c: c.call("held")[0].held).values():
     for step, index, count in held:
       seen.setdefault((step, count), set()).add(index)
   complete = [s for (s, count), idx in seen.items() if idx == set(range(count))]

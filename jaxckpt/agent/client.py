@@ -33,7 +33,7 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.agent import _parity, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
-from jaxckpt.agent._protocol import Client
+from jaxckpt.agent._protocol import Client, each
 from jaxckpt.agent.jobs import same_directory
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import SnapshotManifest
@@ -437,17 +437,12 @@ class AgentStore(HostStore):
   def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
                    have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
     clients = stack.enter_context(self.job_clients())
-    opened = []
-    for c in clients.values():
-      if c.pid == self.pid and local_index is not None:
-        continue                             # this host's own piece is read from its memory
-      try:
-        piece = open_remote_piece(c, step, stack)
-      except errors.AgentUnavailableError as e:
-        logger.warning("step %d: skipping %s (its pieces count as lost): %s", step, c.who, e)
-        continue
-      if piece is not None:
-        opened.append(piece)
+    others = {k: c for k, c in clients.items()   # (this host's own piece is read from its memory)
+              if not (c.pid == self.pid and local_index is not None)}
+    pins = contextlib.ExitStack()
+    stack.push(pins)          # (unpinned with the rest: pins taken on the asking threads)
+    opened = [p for _, p in sorted(each(others, lambda c: open_remote_piece(c, step, pins)).items())
+              if p is not None]
     # The pieces of one run of the job: this host's piece's, else the size most pieces
     # have (an agent of a run on another number of processes may hold the same step).
     counts = [p.manifest.process_count for p in [*have, *opened]]

@@ -11,72 +11,19 @@ machines). :mod:`jaxckpt.testing.resize_worker` runs each process's side.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
-
 import numpy as np
 import pytest
 
 from jaxckpt.agent import jobs
 from jaxckpt.testing import processes, resize_worker
+from jaxckpt.testing.resize_worker import finish, lose, machine, said
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS, COLS = 48, 64
 
 
-def machine(root: str, m: int) -> tuple[str, str]:
-  """Machine ``m``'s own run root and loopback address."""
-  return os.path.join(root, f"machine{m}"), f"127.0.1.{m + 1}"
-
-
-@contextlib.contextmanager
 def launch(machines: list[int], root: str, job: str, directory: str, *args: str):
-  """One process on each of ``machines`` (process i on ``machines[i]``); killed on exit."""
-  port, procs = processes.free_port(), []
-  try:
-    for i, m in enumerate(machines):
-      run_root, address = machine(root, m)
-      procs.append(processes.Proc(
-          ["-m", "jaxckpt.testing.resize_worker", "--port", str(port), "--num-processes",
-           str(len(machines)), "--process-id", str(i), "--run-root", run_root, "--tcp-host",
-           address, "--job", job, "--directory", directory, "--rows", str(ROWS), "--cols",
-           str(COLS), *args], cwd=REPO))
-    yield procs
-  finally:
-    for p in procs:
-      p.__exit__(None, None, None)
-
-
-def finish(procs, timeout: float = 300) -> list[str]:
-  """Every process's output once it printed DONE; any failure shows every output."""
-  outs = []
-  for i, p in enumerate(procs):
-    try:
-      outs.append(p.finish(timeout))
-    except (TimeoutError, RuntimeError) as e:
-      for q in procs:
-        q.kill()
-      raise AssertionError(f"process {i}: {e}\n" + "\n".join(
-          f"--- process {j}:\n" + "".join(q.lines)[-3000:] + (q.p.stdout.read() or "")[-3000:]
-          for j, q in enumerate(procs) if j != i)) from None
-  for i, out in enumerate(outs):
-    assert "DONE" in out and "ERROR" not in out, f"process {i}:\n{out[-4000:]}"
-  return outs
-
-
-def said(out: str, word: str) -> list[list[str]]:
-  return [ln.split()[1:] for ln in out.splitlines() if ln.startswith(word + " ")]
-
-
-def lose(root: str, m: int) -> None:
-  """Machine ``m`` is gone for good: its agent SIGKILLed (by pid: ours), its run root wiped."""
-  run_root, _ = machine(root, m)
-  for pid in processes.agent_pids(run_root):
-    os.kill(pid, signal.SIGKILL)
-    processes.wait_gone(pid, 30, f"the agent of machine {m}")
-  shutil.rmtree(run_root)
+  return resize_worker.launch(machines, root, job, directory, "--rows", str(ROWS), "--cols",
+                              str(COLS), *args)
 
 
 def agents_on(root: str, job: str, machines: list[int]) -> dict[int, int]:

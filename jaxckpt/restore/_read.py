@@ -18,7 +18,8 @@ from jaxckpt import errors
 from jaxckpt.host._spans import Spans, span_checksums
 from jaxckpt.host.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
-                              copy_and_hash, full_box, shard_view, verify_shard)
+                              copy_and_hash, full_box, relative_slices, shard_view,
+                              verify_shard)
 from jaxckpt.restore._assemble import device_boxes, make_array
 from jaxckpt.universal._progress import LogProgress
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
@@ -267,7 +268,10 @@ class HostSource:
     With ``private`` (what XLA:CPU and numpy targets need: both keep the array
     they are given) the result is memory nothing writes again; without it
     (accelerator targets, which copy), a box stored whole may come back as a
-    view of the snapshot, valid while the step is pinned.
+    view of the snapshot, valid while the step is pinned. A box that is a run of
+    whole rows of one shard read from another host (or rebuilt) is a view of it
+    (that memory is this restore's own; a job on more processes than saved the
+    step splits each saved shard so).
     """
     del boxes                  # host memory: remote pieces are read ahead by ``prefetch``
     rec = self.leaves[i]
@@ -277,6 +281,9 @@ class HostSource:
       if len(found) == 1 and found[0][2].index == box:
         p, leaf, s = found[0]
         return p.shard_private(leaf, s) if private else p.shard_array(leaf, s)
+      if len(found) == 1 and found[0][0].remote and _rows_of(box, found[0][2].index):
+        p, leaf, s = found[0]
+        return p.shard_private(leaf, s)[relative_slices(box, s.index)]
       return assemble_region(box, rec.numpy_dtype,
                              [(s.index, p.shard_array(leaf, s)) for p, leaf, s in found],
                              path=rec.path)
@@ -293,6 +300,12 @@ def _serving(shards: Sequence[tuple[Any, LeafRecord, ShardRecord]],
   every one overlapping it."""
   exact = next((x for x in shards if x[2].index == box), None)
   return [exact] if exact else [x for x in shards if box_intersection(x[2].index, box) is not None]
+
+
+def _rows_of(box: Box, shard: Box) -> bool:
+  """Whether ``box`` is a run of whole rows of ``shard`` (a contiguous part of it)."""
+  return (len(box) > 0 and shard[0][0] <= box[0][0] and box[0][1] <= shard[0][1]
+          and tuple(box[1:]) == tuple(shard[1:]))
 
 
 def _leaf_bytes(rec: LeafRecord) -> int:

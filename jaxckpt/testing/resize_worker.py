@@ -26,22 +26,93 @@ replicated leaf and a non-array one.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
+import shutil
+import signal
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from jaxckpt.testing import processes
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -- the launcher's side (the test and the benchmark) ------------------------------------------
+
+def machine(root: str, m: int) -> tuple[str, str]:
+  """Machine ``m``'s own run root under ``root`` and its loopback address."""
+  return os.path.join(root, f"machine{m}"), f"127.0.1.{m + 1}"
+
+
+@contextlib.contextmanager
+def launch(machines: list[int], root: str, job: str, directory: str, *args: str,
+           env: dict[str, str] | None = None) -> Iterator[list[processes.Proc]]:
+  """One process of a new job on each of ``machines`` (process i on ``machines[i]``),
+  each with this module's ``args``; every one is killed on exit."""
+  port, procs = processes.free_port(), []
+  try:
+    for i, m in enumerate(machines):
+      run_root, address = machine(root, m)
+      procs.append(processes.Proc(
+          ["-m", "jaxckpt.testing.resize_worker", "--port", str(port), "--num-processes",
+           str(len(machines)), "--process-id", str(i), "--run-root", run_root, "--tcp-host",
+           address, "--job", job, "--directory", directory, *args], cwd=REPO, env=env))
+    yield procs
+  finally:
+    for p in procs:
+      p.__exit__(None, None, None)
+
+
+def finish(procs: list[processes.Proc], timeout_secs: float = 300) -> list[str]:
+  """Every process's output once it printed DONE; a failure raises AssertionError with
+  every process's output."""
+  outs = []
+  for i, p in enumerate(procs):
+    try:
+      outs.append(p.finish(timeout_secs))
+    except (TimeoutError, RuntimeError) as e:
+      for q in procs:
+        q.kill()
+      raise AssertionError(f"process {i}: {e}\n" + "\n".join(
+          f"--- process {j}:\n" + "".join(q.lines)[-3000:] + (q.p.stdout.read() or "")[-3000:]
+          for j, q in enumerate(procs) if j != i)) from None
+  for i, out in enumerate(outs):
+    if "DONE" not in out.splitlines() or said(out, "ERROR"):
+      raise AssertionError(f"process {i}:\n{out[-4000:]}")
+  return outs
+
+
+def said(out: str, word: str) -> list[list[str]]:
+  """The words after ``word`` of each line of ``out`` that starts with it."""
+  return [ln.split()[1:] for ln in out.splitlines() if ln.startswith(word + " ")]
+
+
+def lose(root: str, m: int) -> None:
+  """Machine ``m`` is gone for good: its agents SIGKILLed (by pid: the launcher's own
+  sandbox), its run root wiped."""
+  run_root, _ = machine(root, m)
+  for pid in processes.agent_pids(run_root):
+    os.kill(pid, signal.SIGKILL)
+    processes.wait_gone(pid, 30, f"the agent of machine {m}")
+  shutil.rmtree(run_root)
+
+
+# -- one process of the job ----------------------------------------------------------------
 
 
 def say(*words: object) -> None:
   print(*words, flush=True)
 
 
+@functools.lru_cache(maxsize=2)
 def expected(step: int, rows: int, cols: int) -> dict[str, np.ndarray]:
+  """Step ``step``'s state, the same on every process (random: nothing compresses it)."""
   rng = np.random.default_rng(step)
   return {"w": rng.standard_normal((rows, cols), dtype=np.float32),
           "u": rng.standard_normal((cols // 4, rows), dtype=np.float32),
@@ -53,7 +124,7 @@ class Job:
 
   def __init__(self, a: argparse.Namespace) -> None:
     import jax  # pylint: disable=import-outside-toplevel
-    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel  (after join_job)
     self.a, self.jax = a, jax
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
