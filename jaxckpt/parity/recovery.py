@@ -18,6 +18,7 @@ what it rebuilt (each shard against its manifest's checksum) and falls back to
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -204,7 +205,8 @@ def rebuild_ranges(layout: StripeLayout, lost_hosts: Sequence[int],
         lo, hi = max(a, piece.start), min(b, piece.stop)
         if lo < hi:
           need.setdefault(piece.stripe, []).append((lo - piece.start, hi - piece.start))
-  plan = {sid: _merged(ranges) for sid, ranges in need.items()}
+  # Each range cut where a data piece ends (past its end a piece is zeros: never read)
+  plan = {sid: _cut(_merged(ranges), layout.stripes[sid]) for sid, ranges in need.items()}
   used: dict[int, list[Piece]] = {}               # stripe -> the survivors read for it
   got: dict[tuple[Piece, int, int], np.ndarray] = {}
   down: set[int] = set()                          # hosts that could not serve
@@ -228,8 +230,9 @@ def rebuild_ranges(layout: StripeLayout, lost_hosts: Sequence[int],
             "instead")
       used[sid] = have
       for p in have:
-        asks.setdefault(p.host, []).extend((p, lo, hi) for lo, hi in ranges
-                                           if (p, lo, hi) not in got)
+        asks.setdefault(p.host, []).extend(
+            (p, lo, hi) for lo, hi in ranges
+            if (p, lo, hi) not in got and not (_is_data(stripe, p) and lo >= p.nbytes))
     asks = {h: a for h, a in asks.items() if a}
     if not asks:
       break
@@ -242,10 +245,31 @@ def rebuild_ranges(layout: StripeLayout, lost_hosts: Sequence[int],
       for (p, lo, hi), buf in zip(asks[h], bufs):
         arr = codec_lib.as_u8(buf, name=f"range [{lo}, {hi}) of {p}")
         fetched += arr.size
-        got[(p, lo, hi)] = padded(arr, hi - lo)
-  for sid, ranges in plan.items():
-    _decode_ranges(layout.stripes[sid], lost, ranges, used[sid], got, out)
+        got[(p, lo, hi)] = padded(arr, hi - lo)     # (cut at its end: its size already)
+  # Ranges decode side by side, each writing its own bytes of ``out`` (the codec leaves
+  # the GIL).
+  with concurrent.futures.ThreadPoolExecutor(_STRIPES_AT_ONCE) as pool:
+    for f in [pool.submit(_decode_range, layout.stripes[sid], lo, hi, used[sid], got, out)
+              for sid, ranges in plan.items() for lo, hi in ranges]:
+      f.result()
   return fetched
+
+
+def _is_data(stripe: Stripe, piece: Piece) -> bool:
+  return piece.slot < len(stripe.data)
+
+
+def _cut(ranges: list[tuple[int, int]], stripe: Stripe) -> list[tuple[int, int]]:
+  """``ranges`` of ``stripe``'s blocks cut where a data piece ends inside one."""
+  ends = sorted({p.nbytes for p in stripe.data})
+  out = []
+  for lo, hi in ranges:
+    for end in ends:
+      if lo < end < hi:
+        out.append((lo, end))
+        lo = end
+    out.append((lo, hi))
+  return out
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -259,20 +283,33 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
   return [(lo, hi) for lo, hi in out]
 
 
-def _decode_ranges(stripe: Stripe, lost: set[int], ranges: list[tuple[int, int]],
-                   used: list[Piece], got: Mapping[tuple[Piece, int, int], np.ndarray],
-                   out: Mapping[int, np.ndarray]) -> None:
-  """Each range of ``stripe``'s lost data pieces, decoded from the ``used`` survivors."""
+@functools.lru_cache(maxsize=8)
+def _zeros(nbytes: int) -> np.ndarray:
+  """A read-only block of zeros (the bytes of a data piece past its end)."""
+  out = np.zeros(nbytes, np.uint8)
+  out.flags.writeable = False
+  return out
+
+
+def _decode_range(stripe: Stripe, lo: int, hi: int, used: list[Piece],
+                  got: Mapping[tuple[Piece, int, int], np.ndarray],
+                  out: Mapping[int, np.ndarray]) -> None:
+  """Range ``[lo, hi)`` of ``stripe``'s data pieces that ``out`` wants, decoded from the
+  ``used`` survivors: straight into ``out`` where the range lies in the piece, else
+  through a scratch block (the piece ends inside it, or nobody wants that piece)."""
   k = len(stripe.data)
-  rs = codec_lib.codec(k, len(stripe.parity))
-  for lo, hi in ranges:
-    blocks: list[np.ndarray | None] = [None] * len(stripe.pieces)
-    for p in used:
-      blocks[p.slot] = got[(p, lo, hi)]
-    rebuilt = {p.slot: np.empty(hi - lo, np.uint8) for p in stripe.data if blocks[p.slot] is None}
-    rs.decode_into(blocks, rebuilt)
-    for p in stripe.data:
-      if p.host in out and p.slot in rebuilt:
-        a, b = p.start + lo, min(p.start + hi, p.stop)
-        if a < b:
-          out[p.host][a:b] = rebuilt[p.slot][:b - a]
+  blocks: list[np.ndarray | None] = [None] * len(stripe.pieces)
+  for p in used:
+    blocks[p.slot] = (_zeros(hi - lo) if _is_data(stripe, p) and lo >= p.nbytes
+                      else got[(p, lo, hi)])
+  into: dict[int, np.ndarray] = {}
+  for p in stripe.data:
+    if blocks[p.slot] is None:
+      whole = p.host in out and p.start + hi <= p.stop
+      into[p.slot] = (out[p.host][p.start + lo:p.start + hi] if whole
+                      else np.empty(hi - lo, np.uint8))
+  codec_lib.codec(k, len(stripe.parity)).decode_into(blocks, into)
+  for p in stripe.data:
+    a, b = p.start + lo, min(p.start + hi, p.stop)
+    if p.host in out and p.slot in into and a < b and b - a < hi - lo:
+      out[p.host][a:b] = into[p.slot][:b - a]
