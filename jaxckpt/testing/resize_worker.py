@@ -187,22 +187,26 @@ def save(job: Job) -> None:
 def relaunch(job: Job) -> None:
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel
   mgr = jc.CheckpointManager(job.a.directory or None, job.options())
+  target = job.target()
   say("STARTED")
   say("SERVED", job.served())
-  job.barrier("before restore")
-  for _ in range(job.a.restores):
-    out = mgr.restore(target=job.target())
+  for i in range(job.a.restores):       # (each timed from a barrier: no process waits for
+    job.barrier(f"restore {i}")         # another's checks at the step's agreement)
+    t0 = time.perf_counter()
+    out = mgr.restore(target=target)
+    secs = time.perf_counter() - t0
     r = mgr.last_restore
-    say("RESTORED", r.step, r.tier, job.check(out, r.step), r.nbytes, f"{r.seconds:.6f}")
+    say("RESTORED", r.step, r.tier, job.check(out, r.step), r.nbytes, f"{secs:.6f}")
     del out
   job.barrier("restored")
   say("SERVED", job.served())
   job.barrier("served")
   if job.a.storage_restores:
     with jc.CheckpointManager(job.a.directory, job.options(agent=False)) as direct:
-      for _ in range(job.a.storage_restores):
+      for i in range(job.a.storage_restores):
+        job.barrier(f"storage restore {i}")
         t0 = time.perf_counter()
-        out = direct.restore(step=mgr.last_restore.step, target=job.target())
+        out = direct.restore(step=mgr.last_restore.step, target=target)
         secs = time.perf_counter() - t0
         assert direct.last_restore.tier == "storage"
         say("STORAGE", direct.last_restore.step, job.check(out, direct.last_restore.step),
