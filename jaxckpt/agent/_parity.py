@@ -13,7 +13,7 @@ agent tells its group peers when its own parity of a step is done
 that step while it is the newest such (``SlotTable.protect``), so a lost host
 can always be rebuilt to some step while the newer ones wait for their parity.
 
-Restore side (:func:`survey`, :func:`recover`, :func:`rebuild`): which steps the
+Restore side (:func:`survey`, :func:`recover`, :func:`rebuild_ranges`): which steps the
 survivors can rebuild, the rebuilt, checksum-verified snapshots of lost hosts, and
 the byte ranges of them that a restore onto another mesh needs.
 
@@ -548,9 +548,9 @@ class StepParity:
 def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
   """Steps that some live agent holds parity (or a parity record) for, by the step's
   process indices (an agent's record says which process saved the step there, and
-  with which parity options). Records of another run of the job that saved the same
-  step on another number of processes are left out (the first count seen stands)."""
-  out: dict[int, StepParity] = {}
+  with which parity options). Where another run of the job saved the same step on
+  another number of processes, the size whose snapshots more agents hold stands."""
+  out: dict[tuple[int, int], StepParity] = {}
   held: dict[int, dict[int, set[int]]] = {}    # step -> count -> indices
   said = each(clients, lambda c: (c.call("parity_status")[0], c.call("held")[0].held))
   for key, (status, here) in sorted(said.items()):
@@ -568,16 +568,14 @@ def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
       index = entry[5] if len(entry) > 5 else index_of.get(step, c.host)   # (an older agent's)
       options = (cfg.options if len(entry) < 8 else
                  _lib().ParityOptions(group_size=entry[6], parity=entry[7]))
-      sp = out.setdefault(step, StepParity(step, count, options))
-      if sp.process_count != count:
-        continue
+      sp = out.setdefault((step, count), StepParity(step, count, options))
       if state == "done":
         sp.done.add(index)
       elif error:
         sp.errors[index] = error
-  for step, sp in out.items():
-    sp.held = held.get(step, {}).get(sp.process_count, set())
-  return out
+  for (step, count), sp in out.items():
+    sp.held = held.get(step, {}).get(count, set())
+  return {sp.step: sp for sp in sorted(out.values(), key=lambda sp: (sp.step, len(sp.held)))}
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -511,6 +512,8 @@ class AgentStore(HostStore):
     secs = min(_PROBE_SECS, self.opts.request_timeout_secs)
 
     def answers(info: dict[str, Any]) -> bool:
+      if not _listening(info["tcp"], secs):    # (a refused port says so at once; ZeroMQ
+        return False                            # would wait out the timeout)
       c = Client.of(info, who=f"snapshot agent of job {self.opts.job_name!r} host "
                     f"{info.get('host')} at {info['tcp']}", timeout_secs=secs, secret=self.secret)
       try:
@@ -756,6 +759,16 @@ class AgentStore(HostStore):
       self._maps.clear()
       self._lent.clear()
       self._client.close()
+
+
+def _listening(endpoint: str, timeout_secs: float) -> bool:
+  """Whether something accepts TCP connections at ``tcp://HOST:PORT``."""
+  host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_secs):
+      return True
+  except (OSError, ValueError):
+    return False
 
 
 def _inode(path: str) -> int | None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.agent import jobs
+from jaxckpt.agent._factory import choose_agents
 from jaxckpt.testing import processes, resize_worker
 from jaxckpt.testing.resize_worker import finish, lose, machine, said
 
@@ -136,3 +137,30 @@ def test_a_job_shrinks_and_grows_restoring_from_its_surviving_agents(tmp_path):
       got = int(said(out, "SERVED")[1][0]) - int(said(out, "SERVED")[0][0])
       want = sum(needed_from(2, 4, h, p) for p, q in enumerate(order) if q != m)
       assert got == want, (m, got, want)
+
+
+def _said(*machines, fixed=None):
+  """What each process says of its machine: the (host id, address) of the agents there."""
+  return [{"fixed": None if fixed is None else fixed[p], "here": [list(a) for a in m]}
+          for p, m in enumerate(machines)]
+
+
+@pytest.mark.parametrize("said, want", [
+    # a new job: no agents anywhere, each names its own
+    (_said([], [], []), [0, 1, 2]),
+    # relaunched in the same order: each keeps the agent named for it
+    (_said([(0, "a")], [(1, "b")]), [0, 1]),
+    # 4 -> 3 on machines 2, 3, 0: each keeps its machine's agent, whatever index it served
+    (_said([(2, "c")], [(3, "d")], [(0, "a")]), [2, 3, 0]),
+    # 2 -> 4 on machines 1, new, 0, new: new machines' agents are named for their index
+    (_said([(1, "b")], [], [(0, "a")], []), [1, 1, 0, 3]),
+    # one machine of several processes (a shared run root): an agent every process sees is
+    # nobody's to take over; the one named for a process is still its own
+    (_said(*[[(0, "a"), (1, "b"), (3, "d")]] * 3), [0, 1, 2]),
+    # a machine with two agents of the job: which one is ambiguous, so a new one
+    (_said([(0, "a")], [(2, "c"), (3, "d")]), [0, 1]),
+    # AgentOptions.host_id wins, and its agent is nobody else's
+    (_said([(5, "e")], [(5, "e")], fixed=[5, None]), [5, 1]),
+])
+def test_each_process_keeps_its_machines_agent_when_no_other_process_sees_it(said, want):
+  assert choose_agents(said) == want
