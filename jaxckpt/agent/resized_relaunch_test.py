@@ -76,6 +76,29 @@ def snapshot_bytes(old: int, h: int) -> int:
              if leaf != "rep" or h == 0 for s in mine)
 
 
+def relaunched(root: str, job: str, directory: str, order: list[int], step: int, tier: str,
+               save: int | None = None) -> dict[int, str]:
+  """Process i of a relaunched job on machine ``order[i]`` restores ``step`` from ``tier``
+  bit for bit (then saves and protects ``save``), each machine running one agent:
+  each process's output, by machine."""
+  args = ["--phase", "relaunch"] + ([] if save is None else ["--save", str(save)])
+  with launch(order, root, job, directory, *args) as procs:
+    outs = finish(procs)
+  for p, out in enumerate(outs):
+    (got, got_tier, ok, _, _), = said(out, "RESTORED")
+    assert (got, got_tier, ok) == (str(step), tier, "ok"), (p, out[-3000:])
+    assert said(out, "PROTECTED") == ([] if save is None else [[str(save)]])
+  # each machine's process kept the agent there: no second one took its memory
+  assert agents_on(root, job, order) == {m: 1 for m in order}
+  return dict(zip(order, outs))
+
+
+def sent(out: str) -> int:
+  """What the process's machine's agent sent other processes during the restore."""
+  before, after = said(out, "SERVED")
+  return int(after[0]) - int(before[0])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_job_shrinks_and_grows_restoring_from_its_surviving_agents(tmp_path):
@@ -89,54 +112,29 @@ def test_a_job_shrinks_and_grows_restoring_from_its_surviving_agents(tmp_path):
     # 4 -> 3: machine 1 is lost for good, no spare; every survivor gets another index.
     lose(root, 1)
     order = [2, 3, 0]
-    with launch(order, root, job, directory, "--phase", "relaunch") as procs:
-      outs = finish(procs)
-    for p, out in enumerate(outs):
-      (step, tier, ok, _, _), = said(out, "RESTORED")
-      assert (step, tier, ok) == ("2", "parity", "ok"), (p, out[-3000:])
-    # each machine's process kept the agent there (no second one took its memory)
-    assert agents_on(root, job, order) == {2: 1, 3: 1, 0: 1}
-    read = {m: int(said(out, "SERVED")[1][0]) - int(said(out, "SERVED")[0][0])
-            for m, out in zip(order, outs)}
+    outs = relaunched(root, job, directory, order, 2, "parity")
     # Each survivor sends the shards of its own that a process on another machine needs
     # (each once to each), and for the lost host's shards a process needs, the same
     # ranges of the one piece of each of their stripes it holds: at most a byte for each
     # byte rebuilt (a whole-host rebuild on every process sent 15,552, 15,360 and 13,908).
     lost_needed = sum(needed_from(4, 3, 1, p) for p in range(3))
     for m in order:
-      own = sum(needed_from(4, 3, [0, 1, 2, 3].index(m), p) for p, q in enumerate(order)
-                if q != m)
-      assert own <= read[m] <= own + lost_needed, (m, read[m], own, lost_needed)
+      own = sum(needed_from(4, 3, m, p) for p, q in enumerate(order) if q != m)
+      assert own <= sent(outs[m]) <= own + lost_needed, (m, sent(outs[m]), own, lost_needed)
 
     # 4 -> 2: machine 0 is left out of the job (its agent still up); it serves its piece.
     before = served(root, job, 0)
-    order = [3, 2]
-    with launch(order, root, job, directory, "--phase", "relaunch", "--save", "3") as procs:
-      outs = finish(procs)
-    for p, out in enumerate(outs):
-      (step, tier, ok, _, _), = said(out, "RESTORED")
-      assert (step, tier, ok) == ("2", "parity", "ok"), (p, out[-3000:])
-      assert said(out, "PROTECTED") == [["3"]]
-    assert agents_on(root, job, [0, 2, 3]) == {0: 1, 2: 1, 3: 1}
+    relaunched(root, job, directory, [3, 2], 2, "parity", save=3)
     own = sum(needed_from(4, 2, 0, p) for p in range(2))
     lost_needed = sum(needed_from(4, 2, 1, p) for p in range(2))
     assert own <= served(root, job, 0) - before <= own + lost_needed
 
     # 2 -> 4: two new machines; the two that hold step 3 run other indices than they saved.
     order = [2, 4, 3, 5]
-    with launch(order, root, job, directory, "--phase", "relaunch", "--save", "4") as procs:
-      outs = finish(procs)
-    for p, out in enumerate(outs):
-      (step, tier, ok, _, _), = said(out, "RESTORED")
-      assert (step, tier, ok) == ("3", "host", "ok"), (p, out[-3000:])
-      assert said(out, "PROTECTED") == [["4"]]
-    assert agents_on(root, job, order) == {2: 1, 4: 1, 3: 1, 5: 1}
-    saved_by = {3: 0, 2: 1}                   # machine -> its process in the 2-process job
-    for m, h in saved_by.items():
-      out = outs[order.index(m)]
-      got = int(said(out, "SERVED")[1][0]) - int(said(out, "SERVED")[0][0])
+    outs = relaunched(root, job, directory, order, 3, "host", save=4)
+    for m, h in {3: 0, 2: 1}.items():         # machine -> its process in the 2-process job
       want = sum(needed_from(2, 4, h, p) for p, q in enumerate(order) if q != m)
-      assert got == want, (m, got, want)
+      assert sent(outs[m]) == want, (m, sent(outs[m]), want)
 
 
 def _said(*machines, fixed=None):

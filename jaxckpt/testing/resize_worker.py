@@ -33,7 +33,6 @@ import shutil
 import signal
 import sys
 import time
-import traceback
 from typing import Any, Iterator
 
 import numpy as np
@@ -153,19 +152,14 @@ class Job:
     return {**out, "data": {"position": 0}}
 
   def check(self, out: dict[str, Any], step: int) -> str:
-    """"ok" if ``out`` is ``step``'s state bit for bit, else what differs."""
-    vals = expected(step, self.a.rows, self.a.cols)
-    for k, v in vals.items():
-      if out[k].sharding != self.shardings[k]:
-        return f"BAD:{k}.sharding"
-      for s in out[k].addressable_shards:
-        if np.asarray(s.data).tobytes() != v[s.index].tobytes():
-          return f"BAD:{k}{s.index}"
-    return "ok" if out["data"] == {"position": step} else f"BAD:data={out['data']}"
+    """"ok" if ``out`` is ``step``'s state bit for bit on this job's mesh, else what differs."""
+    wrong = [k for k, sharding in self.shardings.items() if out[k].sharding != sharding]
+    if wrong:
+      return f"BAD:{wrong[0]}.sharding"
+    return processes.differs(out, expected(step, self.a.rows, self.a.cols), {"position": step})
 
   def barrier(self, name: str) -> None:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    multihost_utils.sync_global_devices(name)
+    processes.barrier(name)
 
   def served(self) -> int:
     """Bytes this machine's agents of the job have sent other processes so far."""
@@ -223,10 +217,7 @@ def relaunch(job: Job) -> None:
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)
-  p.add_argument("--run-root", required=True)
-  p.add_argument("--tcp-host", required=True)
-  p.add_argument("--job", required=True)
-  p.add_argument("--directory", default="")
+  processes.add_machine_arguments(p)
   p.add_argument("--phase", required=True, choices=["save", "relaunch"])
   p.add_argument("--rows", type=int, default=48)
   p.add_argument("--cols", type=int, default=64)
@@ -236,19 +227,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--storage-restores", type=int, default=0)
   p.add_argument("--save", type=int, default=None)
   a = p.parse_args(argv)
-  try:
-    processes.join_job(a)
-    import jax  # pylint: disable=import-outside-toplevel
-    {"save": save, "relaunch": relaunch}[a.phase](Job(a))
-    say("DONE")
-    jax.distributed.shutdown()
-  except BaseException as e:  # pylint: disable=broad-except  (said, then a hard exit)
-    say(f"ERROR {type(e).__name__}: {e}".replace("\n", " | "))
-    traceback.print_exc(file=sys.stdout)
-    sys.stdout.flush()
-    os._exit(3)
-  sys.stdout.flush()
-  os._exit(0)
+  processes.run_job(a, lambda: {"save": save, "relaunch": relaunch}[a.phase](Job(a)))
+  return 0
 
 
 if __name__ == "__main__":
