@@ -22,6 +22,7 @@ from typing import Any, Union
 
 from jaxckpt import errors
 from jaxckpt.ft._quorum import Member
+from jaxckpt.ft._terms import Terms
 
 _MAX_NAME = 256                 # group ids, addresses
 _MAX_VIEW = 64                  # a view key (see _quorum.view_key: 32 hex digits)
@@ -35,6 +36,8 @@ _MAX_BLAME = 8                  # groups a failure report names
 @dataclasses.dataclass(frozen=True, slots=True)
 class Heartbeat:
   group: str
+  step: int | None = None       # the step the group is at (it goes on without asking while its quorum holds)
+  lineage: str | None = None    # the quorum it goes on with (its id at the lighthouse that formed it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,6 +58,7 @@ class QuorumRequest:
   view: str
   ask: int | None               # the first request id of the member's ask (its resends repeat it)
   held: int | None = None       # how many members the view it holds has (None: not said)
+  terms: Terms | None = None    # what it must agree on with the job (None: an older client)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,7 +98,13 @@ def request_id_of(header: Any) -> int | None:
 
 
 def _heartbeat(h: dict[str, Any]) -> Heartbeat:
-  return Heartbeat(_name(h, "heartbeat", "group"))
+  step = h.get("step")
+  if step is not None and not _is_int(step, 0, _MAX_INT):
+    raise _bad("heartbeat", "step", "absent or an int in [0, 2**63)", step)
+  lineage = h.get("q")
+  if lineage is not None and not (isinstance(lineage, str) and 1 <= len(lineage) <= _MAX_QUORUM_ID):
+    raise _bad("heartbeat", "q", f"absent or a string of 1 to {_MAX_QUORUM_ID} characters", lineage)
+  return Heartbeat(_name(h, "heartbeat", "group"), step, lineage)
 
 
 def _ready(h: dict[str, Any]) -> Ready:
@@ -125,7 +135,13 @@ def _quorum(h: dict[str, Any]) -> QuorumRequest:
   held = h.get("held")
   if held is not None and not _is_int(held, 0, _MAX_INT):
     raise _bad("quorum", "held", "absent or an int in [0, 2**63)", held)
-  return QuorumRequest(rid, _member(h.get("member")), view, ask, held)
+  terms = h.get("terms")
+  if terms is not None:
+    try:
+      terms = Terms.from_wire(terms)
+    except errors.InvalidArgumentError as e:
+      raise _bad("quorum", "terms", str(e), terms) from None
+  return QuorumRequest(rid, _member(h.get("member")), view, ask, held, terms)
 
 
 def _failed(h: dict[str, Any]) -> Failed:
@@ -141,11 +157,11 @@ def _failed(h: dict[str, Any]) -> Failed:
 
 
 def _member(obj: Any) -> Member:
-  want = "a list [group_id, address, step, digest, ring_address]"
-  if not isinstance(obj, (list, tuple)) or len(obj) not in (4, 5):
+  want = "a list [group_id, address, step, digest, ring_address, batches]"
+  if not isinstance(obj, (list, tuple)) or len(obj) not in (4, 5, 6):
     raise _bad("quorum", "member", want, obj)
-  fields = list(obj) + [""] * (5 - len(obj))
-  gid, address, step, digest, ring = fields
+  fields = list(obj) + [""] * (5 - min(5, len(obj))) + [0] * (6 - max(5, len(obj)))
+  gid, address, step, digest, ring, batches = fields
   for name, value, lo in (("group_id", gid, 1), ("address", address, 1), ("ring_address", ring, 0)):
     if not (isinstance(value, str) and lo <= len(value) <= _MAX_NAME):
       raise _bad("quorum", f"member.{name}", f"a string of {lo} to {_MAX_NAME} characters", value)
@@ -153,7 +169,9 @@ def _member(obj: Any) -> Member:
     raise _bad("quorum", "member.step", "an int in [0, 2**63)", step)
   if not _is_int(digest, 0, _MAX_DIGEST):
     raise _bad("quorum", "member.digest", "an int in [0, 2**64)", digest)
-  return Member(group_id=gid, address=address, step=step, digest=digest, ring_address=ring)
+  if not _is_int(batches, 0, _MAX_INT):
+    raise _bad("quorum", "member.batches", "an int in [0, 2**63)", batches)
+  return Member(group_id=gid, address=address, step=step, digest=digest, ring_address=ring, batches=batches)
 
 
 def _name(h: dict[str, Any], op: str, field: str) -> str:
