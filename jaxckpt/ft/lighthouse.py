@@ -91,6 +91,7 @@ _RESCAN_SECS = 0.01                # how stale the set of live groups not yet as
 _CHECK_SECS = 0.05                 # how often the members of the attempt in flight are checked for heartbeats
 _NOTICE_SECS = 0.25                # a group out of the attempt is told so at most this often
 _CLOSE_GRACE_SECS = 0.05           # a closed heartbeat connection counts unless its group left in this time
+_BEAT_LAG_STEPS = 8                # steps a ring that goes on without asking may be ahead of its heartbeats
 Peer = tuple  # (socket, ZeroMQ identity, connection fd): where a message came from, where its answer goes
 
 
@@ -604,19 +605,22 @@ class Lighthouse:
     (The attempt is named ``lineage`` or ``lineage@step``: the ring goes on with the quorum
     this lighthouse formed, step after step, without asking.)"""
     lineage = report.q.partition("@")[0]
-    if lineage != self._quorum_id or report.group not in self._last_members:
-      key = (report.group, report.q)
-      if key not in self._reported and lineage != self._quorum_id:   # (found during an outage)
-        self._reported[key] = report.why
-        while len(self._reported) > 256:
-          self._reported.pop(next(iter(self._reported)))
-        logger.warning("lighthouse at %s: group %s reports a failure of quorum %s's attempt, which "
-                       "this lighthouse did not see (the control plane was away): %s; out: %s",
-                       self.address, report.group, report.q, report.why, list(report.blame))
-        for g in report.blame:            # (not waited for by the next quorum)
-          if g != report.group and g not in self._pending:
-            self._last_seen[g] = -math.inf
-        self._waiting = None
+    known = lineage == self._quorum_id and report.group in self._last_members
+    key = (report.group, report.q)
+    if (not known or self._adopted) and key not in self._reported:
+      # Found while this lighthouse was away or did not lead (an outage, a new leader).
+      self._reported[key] = report.why
+      while len(self._reported) > 256:
+        self._reported.pop(next(iter(self._reported)))
+      logger.warning("lighthouse at %s: group %s reports a failure of quorum %s's attempt, which "
+                     "this lighthouse did not see (the control plane was away, or another "
+                     "lighthouse led): %s; out: %s", self.address, report.group, report.q, report.why,
+                     list(report.blame))
+      for g in report.blame:              # (not waited for by the next quorum)
+        if g != report.group and g not in self._pending:
+          self._last_seen[g] = -math.inf
+      self._waiting = None
+    if not known:
       return                              # (an older attempt's report: nothing left to end)
     why = f"group {report.group} failed quorum {report.q}'s attempt: {report.why}"
     for g in report.blame:
@@ -719,11 +723,13 @@ class Lighthouse:
     self._waiting = None
 
   def _newest_step(self) -> int | None:
-    """The job's step as far as this lighthouse knows: its last quorum's, or the median the
-    members of the ring in flight name in their heartbeats (they go on without asking)."""
-    steps = sorted(self._beat_steps[g] for g in self._inflight if g in self._beat_steps)
-    beat = steps[len(steps) // 2] if steps else None
-    return max((s for s in (self._last_step, beat) if s is not None), default=None)
+    """The newest step a group may claim, less one: the last quorum's step, or, while the
+    ring in flight goes on without asking, the newest its members name in their heartbeats
+    (which lag the ring by up to a few steps: ``_BEAT_LAG_STEPS``)."""
+    beat = max((self._beat_steps[g] for g in self._inflight if g in self._beat_steps), default=None)
+    if beat is not None and (self._last_step is None or beat > self._last_step):
+      return beat + _BEAT_LAG_STEPS
+    return self._last_step
 
   def _call_back(self, now: float) -> None:
     """While a group waits to join (a request pending, or a member catching up is ready),

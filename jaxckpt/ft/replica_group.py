@@ -521,6 +521,8 @@ class ReplicaGroup:
   def _aborted_by_lighthouse(self, quorum_id: str, why: str, blame: tuple[str, ...]) -> None:
     """The lighthouse ended the attempt of ``quorum_id`` (a member is out, or the job moved
     on): the attempt in flight of that quorum and the next one it would go on with."""
+    if len(self._ended) >= 64:            # (the lineages of long ago cannot come back)
+      self._ended.clear()
     self._ended.add(quorum_id)
     reason = f"the lighthouse ended quorum {quorum_id}'s attempt: {why}"
     self._links.fail(quorum_id, reason, blame)
