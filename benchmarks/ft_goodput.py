@@ -1,6 +1,8 @@
-"""Replica groups against a synchronous restart, under one fault schedule (issue 33).
+"""Replica groups against a synchronous restart, under one fault schedule (issues 33, 42).
 
-Both jobs are real processes on this machine: a ``jaxckpt lighthouse`` process
+Both jobs are real processes on this machine: the control plane (``--control-plane
+etcd``, the default: a 3-member etcd cluster and three ``jaxckpt lighthouse --etcd``
+replicas that elect a leader; ``lighthouse``: one ``jaxckpt lighthouse`` process)
 and G replica groups (``--groups``, default 3), each a process with 2 CPU
 devices training the toy MLP (:mod:`jaxckpt.ft._toy`, adam) with
 ``--step-secs`` of simulated compute per step, snapshotting every committed
@@ -19,8 +21,14 @@ Each group warms its save path before it joins, as examples/train_flax.py does.
 
 The fault schedule, one ``--window`` apart after a fault-free window: SIGKILL of
 the last group (and its restart), SIGSTOP of the second group for
-``--stop-secs``, and a lighthouse outage (SIGKILL of its process, a new one on
-the same port ``--outage-secs`` later). Prints one JSON object: per job the
+``--stop-secs``; with etcd, SIGKILL of an etcd member (restarted a window later),
+of the leading lighthouse replica and of a following one (each restarted 2 s
+later, as a follower); and a whole control-plane outage (SIGKILL of every
+lighthouse process, new ones on the same ports ``--outage-secs`` later). Each
+ft row's ``stall_over_median_step`` is the healthy groups' longest step in the
+window less the median step, in median steps (the issue's bar for a control-plane
+process: at most 1). ``replacement`` sets the killed and replaced group's cost
+to the healthy groups against the synchronous job's loss for the same kill. Prints one JSON object: per job the
 fraction of wall time spent making steps (steps advanced x the fault-free mean
 step / wall time), steps lost per fault (window / mean step - steps advanced
 in it), the outage as measured (from the kill until the new lighthouse
@@ -353,6 +361,8 @@ def _ft_details(job: Job, logs: dict[str, list[dict[str, Any]]], fault: dict[str
       max((r for g in healthy for r in logs[g] if r.get("committed") and r["t1"] < fault["at"]),
           key=lambda r: r["t1"])])
   out["longest_healthy_step_s"] = round(max(gaps), 3) if gaps else None
+  if gaps:
+    out["stall_over_median_step"] = round((max(gaps) - median) / median, 2)
   failed = [r for r in rows if not r["committed"]]
   if victim is not None:
     # Detection: until every survivor gave the attempt up (its failed attempt ended); none

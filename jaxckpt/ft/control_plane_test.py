@@ -156,19 +156,21 @@ def test_groups_train_through_the_loss_of_any_control_plane_process_and_a_whole_
     median = statistics.median(d for g in groups for d, _ in commit_gaps(job.records(g)))
     marks = {}
 
-    def after(what, steps=8):
+    def after(what, steps=30):                           # (longer than a dead leader's lease)
       at = job.max_step("g0")
-      job.wait(f"8 steps after {what}", lambda: min(job.max_step(g) for g in ("g0", "g1")) >= at + steps, 60)
+      job.wait(f"{steps} steps after {what}", lambda: min(job.max_step(g) for g in ("g0", "g1")) >= at + steps, 60)
+      if what in marks:
+        marks[what] = (marks[what], time.time())
 
     marks["etcd member"] = time.time()
     etcd_cluster.kill(1)
-    after("the kill of an etcd member")
+    after("etcd member")
     etcd_cluster.restart(1)
     leader = replicas.leader()
     assert leader is not None
     marks["leader"] = time.time()
     replicas.kill(leader)
-    after("the kill of the leading lighthouse")
+    after("leader")
     deadline = time.monotonic() + 30
     while replicas.leader() in (None, leader):           # a follower takes over (its lease: 1 s)
       assert time.monotonic() < deadline, "no follower took the lead"
@@ -176,7 +178,7 @@ def test_groups_train_through_the_loss_of_any_control_plane_process_and_a_whole_
     marks["outage"] = time.time()
     for i in range(3):                                    # the whole control plane
       replicas.kill(i)
-    after("the whole control plane's loss")
+    after("outage")
     # A membership change during the outage waits for the control plane and says so.
     os.kill(procs["g2"].pid, signal.SIGKILL)
     procs["g2"].wait(timeout=10)
@@ -202,9 +204,9 @@ def test_groups_train_through_the_loss_of_any_control_plane_process_and_a_whole_
   consumed = sorted({r["batch"] for g in groups for r in job.records(g) if r["committed"] and r["contributed"]})
   assert consumed == list(range(len(consumed))), [b for a, b in zip(consumed, consumed[1:]) if b != a + 1][:5]
   # Each kill cost the groups at most about one median step (slack for this shared 2-core machine).
-  for what, at in marks.items():
+  for what, (start, end) in marks.items():
     for g in ("g0", "g1"):
-      gap = _max_gap(job, g, at, at + 8 * median + 3)
+      gap = _max_gap(job, g, start, end)
       assert gap <= 2 * median + 0.7, (what, g, gap, median)
   # The failure found during the outage reached the control plane when it was back.
   assert "reports a failure of quorum" in replicas.stderr(), replicas.stderr()[-3000:]
