@@ -7,8 +7,8 @@ one typed request, or raises InvalidArgumentError naming the field, what it
 should be and what came; the lighthouse refuses such a message with that reason
 and changes nothing.
 
->>> parse({"op": "heartbeat", "group": "g0"})
-Heartbeat(group='g0')
+>>> parse({"op": "heartbeat", "group": "g0", "step": 7, "q": "5b12a215-4"})
+Heartbeat(group='g0', step=7, lineage='5b12a215-4')
 >>> parse({"op": "ready", "group": 3})
 Traceback (most recent call last):
 ...

@@ -254,7 +254,7 @@ class Lighthouse:
     self._conn_group: dict[tuple[zmq.Socket, int], str] = {}  # and back
     self._closing: dict[str, float] = {}   # groups whose heartbeat connection closed, and when
     self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
-    self._call_backs = _intake.AnswerLimiter(_NOTICE_SECS)
+    self._called_back_at = -math.inf      # when the ring in flight was last called back
     self._called_back = False             # whether the ring in flight was asked to ask again
     self._beat_steps: dict[str, int] = {} # the step each group's last heartbeat named
     self._lineage_of: dict[str, str] = {} # the quorum each group goes on with (its heartbeats, or formed here)
@@ -735,17 +735,19 @@ class Lighthouse:
     """While a group waits to join (a request pending, or a member catching up is ready),
     tells the members of the ring in flight, which go on with their quorum without asking,
     to ask again (a ``call_back`` on each one's heartbeat connection, until it asks)."""
-    if self._passive or not self._inflight or self._quorum_id is None:
+    if (self._passive or not self._inflight or self._quorum_id is None
+        or now - self._called_back_at < _NOTICE_SECS):      # (cheap: runs after every batch)
       return
     if not self._pending and not any(g not in self._behind for g in self._last_members
                                      if g not in self._inflight and self._is_live(g, now)):
       return
+    self._called_back_at = now
     if not self._called_back:             # (the stragglers' wait counts from now)
       self._called_back = True
       for g in self._inflight:
         self._inflight[g] = now
     for g in self._inflight:
-      if g not in self._pending and self._call_backs.allow(g, now):
+      if g not in self._pending:
         peer = self._beat_peers.get(g)
         if peer is not None:
           _wire.send(peer[0], [peer[1], *_wire.seal(self._key, {"op": "call_back", "q": self._quorum_id})])

@@ -117,6 +117,8 @@ def assert_consistent(job: Job, groups: list[str]) -> dict[int, str]:
   batches = [b for b, _ in consumed]
   dupes = [b for b, n in collections.Counter(batches).items() if n > 1]
   assert not dupes, f"batches consumed twice: {dupes[:10]}"
+  gaps = sorted(set(range(len(batches))) - set(batches))
+  assert not gaps, f"batches skipped: {gaps[:10]}"        # (issue 42: none trained twice or skipped)
   return {s: next(iter(fps)) for s, fps in by_step.items()}
 
 
