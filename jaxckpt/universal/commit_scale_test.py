@@ -70,3 +70,30 @@ def test_a_commit_of_many_processes_costs_about_one_plain_decode_of_their_part_r
     ratios.append((time.process_time() - t0) / plain)
   assert universal.all_steps(d) == [1]
   assert min(ratios) < 1.5, ratios
+
+
+def test_a_chunk_two_processes_hashed_differently_is_refused_and_one_hashed_alike_merges(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  import pytest  # pylint: disable=import-outside-toplevel
+  from jaxckpt import errors, universal  # pylint: disable=import-outside-toplevel
+  from jaxckpt.testing.scale import write_simulated_parts  # pylint: disable=import-outside-toplevel
+  from jaxckpt.universal import _layout as lay  # pylint: disable=import-outside-toplevel
+
+  def parts(d, checksum):
+    attempt = write_simulated_parts(d, 2, leaves=3)
+    kv = lay.open_kvstore(d)
+    key = lay.part_key(1, 1, attempt)
+    doc = json.loads(kv.read(key).result().value)
+    theirs = json.loads(kv.read(lay.part_key(1, 0, attempt)).result().value)["leaves"][2]["chunks"]
+    doc["leaves"][2]["chunks"].update({k: checksum or v for k, v in theirs.items()})   # (process 0's chunk too)
+    kv.write(key, json.dumps(doc).encode()).result()
+    return attempt
+
+  d = str(tmp_path / "same")
+  universal.commit_step(d, 1, process_count=2, timeout_secs=30, attempt=parts(d, None))
+  assert universal.all_steps(d) == [1]
+  d = str(tmp_path / "differ")
+  with pytest.raises(errors.CorruptSnapshotError, match=r"chunk 0\.0 of leaf \"\['w0002'\]\" has checksum "
+                     r"0123456789abcdef on process 1 but [0-9a-f]{16} on process 0; replicas differ"):
+    universal.commit_step(d, 1, process_count=2, timeout_secs=30, attempt=parts(d, "0123456789abcdef"))
+  assert universal.all_steps(d) == []
