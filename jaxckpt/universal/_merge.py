@@ -85,7 +85,7 @@ class Part(msgspec.Struct, forbid_unknown_fields=True):
 
 _DECODER = msgspec.json.Decoder(Part)
 _TABLE = msgspec.json.Decoder(dict[str, str])
-_INDEX = r"(?:0|[1-9][0-9]*)"
+_INDEX = r"(?:0|[1-9][0-9]{0,17})"              # (a chunk index of int64, with no leading zero)
 _CHECKSUMS = re.compile(r"(?:[0-9a-f]{16}\n)*")   # the schema's chunk checksum, one per line
 
 
@@ -252,10 +252,10 @@ def complete(chunks: dict[str, str], grid: tuple[int, ...]) -> bool:
   text = "\n".join(chunks) + "\n"
   if not form.fullmatch(text):
     return False
-  try:
-    index = np.array(text.replace("\n", ".").split(".")[:-1], dtype=np.int64).reshape(n, ndim)
-  except (OverflowError, ValueError):
+  index = np.fromstring(text.replace("\n", " ").replace(".", " "), dtype=np.int64, sep=" ")  # (in C)
+  if index.size != n * ndim:
     return False
+  index = index.reshape(n, ndim)
   bound = np.asarray(grid if grid else (1,), dtype=np.int64)
   # Canonical keys (no leading zeros), n of them, distinct (dict keys), each inside the grid:
   # that is every key of the grid.
