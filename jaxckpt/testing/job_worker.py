@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 import numpy as np
@@ -73,16 +72,10 @@ class Job:
 
   def check(self, out: dict[str, Any], step: int) -> str:
     """"ok" if ``out`` is ``step``'s state bit for bit, else what differs."""
-    vals = expected(step)
-    for k, v in vals.items():
-      for s in out[k].addressable_shards:
-        if np.asarray(s.data).tobytes() != v[s.index].tobytes():
-          return f"BAD:{k}{s.index}"
-    return "ok" if out["data"] == {"position": step} else f"BAD:data={out['data']}"
+    return processes.differs(out, expected(step), {"position": step})
 
   def barrier(self, name: str) -> None:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    multihost_utils.sync_global_devices(name)
+    processes.barrier(name)
 
 
 # -- scenarios ------------------------------------------------------------------------------
@@ -300,26 +293,12 @@ def options_differ_in_value(job: Job) -> None:
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)
-  p.add_argument("--run-root", required=True)
-  p.add_argument("--tcp-host", required=True)
-  p.add_argument("--job", required=True)
-  p.add_argument("--directory", default="")
+  processes.add_machine_arguments(p)
   p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
   p.add_argument("--variant", default="")
   a = p.parse_args(argv)
-  try:
-    processes.join_job(a)
-    import jax  # pylint: disable=import-outside-toplevel
-    SCENARIOS[a.scenario](Job(a))
-    say("DONE")
-    jax.distributed.shutdown()
-  except BaseException as e:  # pylint: disable=broad-except  (said, then a hard exit)
-    say(f"ERROR {type(e).__name__}: {e}".replace("\n", " | "))
-    traceback.print_exc(file=sys.stdout)
-    sys.stdout.flush()
-    os._exit(3)
-  sys.stdout.flush()
-  os._exit(0)
+  processes.run_job(a, lambda: SCENARIOS[a.scenario](Job(a)))
+  return 0
 
 
 if __name__ == "__main__":
