@@ -225,6 +225,71 @@ def options_differ(job: Job) -> None:
     say("REFUSED", str(e).replace("\n", " "))
 
 
+@scenario
+def deleted_elsewhere(job: Job) -> None:
+  """Steps 1 and 2 stored; process 0's machine runs ``jaxckpt delete DIR --step 1`` (as the
+  guide has it: beside a running job, through its agents); then step 3 is saved and
+  every process waits for it (WAITED, or TIMEOUT with the message)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory, job.options(parity=False, persist_interval_steps=1,
+                                                         on_busy="wait", timeout_secs=15))
+  for s in (1, 2):
+    assert mgr.save(s, job.state(s))
+  mgr.wait_until_finished()
+  job.barrier("stored")
+  if job.me == 0:
+    done = subprocess.run([sys.executable, "-m", "jaxckpt", "delete", job.a.directory,
+                           "--step", "1", "--run-root", job.a.run_root, "--job-name", job.a.job],
+                          capture_output=True, text=True, check=False, timeout=120)
+    say("CLI", done.returncode, (done.stdout + done.stderr).replace("\n", " ")[-300:])
+  job.barrier("deleted")
+  assert mgr.save(3, job.state(3))
+  for what, call in (("WAITED", mgr.wait_until_finished), ("CLOSED", mgr.close)):
+    try:
+      call()
+      say(what, jc.universal.all_steps(job.a.directory))
+    except jc.errors.SnapshotTimeoutError as e:
+      say("TIMEOUT", str(e).replace("\n", " "))
+  job.barrier("closed")
+
+
+def _every(n: int) -> Callable[[int], bool]:
+  """A save policy that a per-host configuration file parametrizes (a closure: its
+  name is the same whatever ``n`` is)."""
+  def should_save(step: int) -> bool:
+    return step % n == 0
+  return should_save
+
+
+def _option(name: str, value: str) -> Any:
+  """``--variant`` values as the option takes them (``int`` for the plain ones)."""
+  import datetime  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  n = int(value)
+  policies = ocp.checkpoint_managers
+  return {"keep_time_interval": lambda: datetime.timedelta(hours=n),
+          "should_save_fn": lambda: _every(n),
+          "preservation_policy": lambda: policies.AnyPreservationPolicy([policies.LatestN(n)]),
+          }.get(name, lambda: n)()
+
+
+@scenario
+def options_differ_in_value(job: Job) -> None:
+  """For each NAME=V0,V1 of ``--variant`` (separated by ``;``) a manager whose process
+  ``i`` is given option NAME's ``i``-th value: each is refused at construction on every
+  process, naming the option (REFUSED), or ACCEPTED."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  for item in job.a.variant.split(";"):
+    name, values = item.split("=")
+    kw = {name: _option(name, values.split(",")[job.me])}
+    try:
+      jc.CheckpointManager(job.a.directory or None, job.options(agent=False, **kw)).close()
+      say("ACCEPTED", name)
+    except jc.errors.InvalidArgumentError as e:
+      say("REFUSED", str(e).replace("\n", " "))
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)

@@ -110,7 +110,8 @@ def wait_committed(directory: str, step: int, attempt: str, process_index: int,
 
   def late() -> str:
     try:
-      missing = missing_parts(directory, step, attempt, process_count)
+      missing = missing_parts(directory, step, attempt, process_count,
+                              timeout_secs=lay.LATE_PROBE_SECS)
       parts = f"; the parts of processes {missing} are missing" if missing else ""
     except (OSError, ValueError) as e:        # (a storage that does not answer now)
       parts = f"; which parts are missing is unknown ({type(e).__name__})"
@@ -150,27 +151,44 @@ def _exists(directory: str, step: int, marker: dict[str, Any], attempt: str) -> 
 
 
 def missing_parts(directory: str, step: int, attempt: str, process_count: int | None = None,
-                  *, of: Iterable[int] = ()) -> list[int]:
+                  *, of: Iterable[int] = (),
+                  timeout_secs: float = lay.REQUEST_TIMEOUT_SECS) -> list[int]:
   """The processes of ``attempt`` (``range(process_count)``, or those ``of``) whose
-  part records of ``step`` are not on storage."""
-  kv = lay.open_kvstore(directory)
+  part records of ``step`` are not on storage.
+
+  Raises:
+    TimeoutError: storage did not answer within ``timeout_secs`` (all reads together).
+  """
+  deadline = time.monotonic() + timeout_secs
+  kv = lay.open_kvstore(directory, timeout_secs=timeout_secs)
   wanted = list(of) if process_count is None else range(process_count)
   reads = [(i, lay.read(kv, lay.part_key(step, i, attempt))) for i in wanted]
-  return [i for i, r in reads if r.result(timeout=lay.REQUEST_TIMEOUT_SECS).state != "value"]
-
+  missing = []
+  for i, r in reads:
+    try:
+      state = r.result(timeout=max(0.0, deadline - time.monotonic())).state
+    except TimeoutError:
+      raise TimeoutError(f"storage did not answer within {timeout_secs} s") from None
+    if state != "value":
+      missing.append(i)
+  return missing
 
 
 def who_is_late(directory: str, step: int, attempt: str, process_count: int) -> str:
   """Why persist ``attempt`` of ``step`` is not on storage yet: the processes whose
-  part is missing there, or process 0's commit (what a timeout names)."""
+  part is missing there, or process 0's commit (what a timeout names). Storage is
+  asked for ``LATE_PROBE_SECS`` at most: a wait that ran out raises on time even when
+  storage does not answer."""
   try:
-    missing = missing_parts(directory, step, attempt, process_count)
+    missing = missing_parts(directory, step, attempt, process_count,
+                            timeout_secs=lay.LATE_PROBE_SECS)
   except (OSError, ValueError) as e:       # (a storage that does not answer now)
     return f"step {step}: which parts are missing is unknown ({type(e).__name__}: {e})"
   if missing:
     return (f"step {step}: processes {missing} of {process_count} (their agents or "
             "trainers) did not write their part")
   return f"step {step}: every process wrote its part but process 0 did not commit it"
+
 
 def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
                     process_count: int, timeout_secs: float,
