@@ -43,13 +43,7 @@ def _saved(directory: str, steps) -> None:
 
 # -- a restore is a rollback only for the save that follows it -----------------------------------
 
-_STALE_RESTORE = (
-    "core/_deletes.Deletes.timeline keeps ledger.restored after saves that went forward "
-    "(only a rollback clears it), so any later save of a step <= the newest one is taken for "
-    "a rollback to the long-past restore and deletes every step after it")
 
-
-@pytest.mark.xfail(strict=True, reason=_STALE_RESTORE)
 def test_a_retried_save_in_a_resumed_run_deletes_nothing(tmp_path):
   """The usual resume (restore(None) at start), five good steps, then a save that fails on a
   bad leaf and is retried at the same step: the retry deleted steps 31-35 from every tier
@@ -70,7 +64,7 @@ def test_a_retried_save_in_a_resumed_run_deletes_nothing(tmp_path):
     assert universal.all_steps(directory) == list(range(28, 37))
 
 
-@pytest.mark.xfail(strict=True, reason=_STALE_RESTORE)
+
 def test_an_older_save_long_after_a_restore_is_refused_not_a_rollback(tmp_path):
   """guide.md: 'A save of an older step *without* such a restore is refused while storage
   holds newer steps'. A restore at start followed by saves forward is not such a restore:
@@ -118,9 +112,6 @@ def test_wait_until_finished_raises_on_time_when_storage_hangs(s3_server, with_a
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/_persists.Persists.wait_stored polls universal.all_steps (a listing with the 120 s "
-    "request timeout) with no bound of its own, so one unanswered listing outlasts the wait"))
 def test_wait_until_persisted_raises_on_time_when_storage_hangs(s3_server):
   """wait_until_persisted(1, timeout_secs=2) with the S3 server stopped raised after the
   listing's 120 s request timeout (a StorageError), not after 2 s (plus the few seconds
@@ -149,10 +140,6 @@ def test_wait_until_persisted_raises_on_time_when_storage_hangs(s3_server):
     assert universal.all_steps(d) == [1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/_listing.Listing.all_steps lists storage at every call (a LIST with the 120 s "
-    "request timeout), not the ledger's record of what is stored, so it blocks while "
-    "storage does not answer"))
 def test_all_steps_answers_from_the_ledger_while_storage_hangs(s3_server):
   """Issue 38: all_steps() and latest_step() read the ledger (orbax's answer from memory).
   With the S3 server stopped, a loop's latest_step() blocked for the 120 s request
@@ -192,10 +179,8 @@ time.sleep(600)
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "agent/_server.Agent._start_run frees only the previous run's steps whose persist is not "
-    "running; the others stay in the slot table, listed and restored by the new run, and the "
-    "new run's first commit drops them as a 'rollback' (SlotTable.commit drops committed steps "
-    ">= the new step), fencing the previous run's persists: its steps never reach its storage"))
+    "agent/_server.Agent._start_run keeps the previous run's steps whose persist runs in the "
+    "slot table as the new run's (fixed with the slot table's run tags)"))
 def test_a_new_run_sees_nothing_of_the_previous_run_s_unfinished_persists(s3_server, tmp_path):
   """A sweep script keeps the job name: run 1's trainer (on S3) is killed while its agent
   still persists step 2 (storage stopped answering), and run 2 starts at once in its own
@@ -246,11 +231,6 @@ time.sleep(600)
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: a step the keep policy drops while its persist runs is deleted only once that "
-    "persist ends (Deletes.collect); a trainer killed before then leaves it to the agent, "
-    "which stores it, and the relaunch (Listing.load) lists and restores it without applying "
-    "the keep policy to what it found"))
 def test_a_step_dropped_while_its_persist_runs_stays_dropped_through_a_kill(s3_server, tmp_path):
   """max_to_keep=1 with the agent: steps 1 and 2 are saved while storage is slow (stopped),
   so step 1 is dropped while its persist runs; the trainer is killed. Its agent stores both
@@ -275,10 +255,6 @@ def test_a_step_dropped_while_its_persist_runs_stays_dropped_through_a_kill(s3_s
       assert universal.all_steps(d) == [2]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/_manager.CoreManager.restore checks the ledger's dropped steps only for "
-    "restore(None); restore(step=N) of a dropped step whose persist still runs reads it "
-    "from the host tier"))
 def test_a_step_the_keep_policy_dropped_is_not_restored_by_name(s3_server):
   """max_to_keep=1, storage slow (stopped): after save(2), all_steps() == [2], yet
   restore(step=1) returned step 1 from host memory; orbax's manager raises for a step it
@@ -294,9 +270,6 @@ def test_a_step_the_keep_policy_dropped_is_not_restored_by_name(s3_server):
     assert m.all_steps() == [2] == universal.all_steps(d)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/_identity.run_name keeps a file:// URL as it is (only local paths are made "
-    "canonical), so the agent takes the same directory for another run and frees its snapshots"))
 def test_the_same_directory_as_a_file_url_resumes_from_the_agent(tmp_path):
   """A relaunch names the run's directory as file:///... (storage reads it as the same
   directory): it found nothing, the agent having freed the run's snapshots as another run's."""
@@ -322,10 +295,6 @@ def _loss(metrics: dict) -> float:
   return metrics["loss"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/_listing.Listing._info ranks a stored step whose metadata read was refused as a "
-    "step without metrics (time: the epoch), and the keep policy deletes such steps for "
-    "good when keep_checkpoints_without_metrics=False"))
 def test_a_refused_metadata_read_at_relaunch_deletes_nothing():
   """best_fn (min loss), max_to_keep=2, keep_checkpoints_without_metrics=False: steps 10 (loss
   1.0, the best) and 20 (loss 5.0) are stored. The relaunch's read of step 10's manifest is

@@ -44,10 +44,6 @@ def test_processes_with_other_options_are_refused_at_start(tmp_path, variant):
 _VALUES = {"keep_time_interval": "1,2", "should_save_fn": "2,3", "preservation_policy": "2,5"}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/_identity._describe writes a timedelta, a list inside a policy, a closure, a lambda "
-    "and a functools.partial by their type or qualified name only, so values that differ "
-    "compare equal and the job is accepted"))
 def test_processes_whose_options_differ_only_in_value_are_refused(tmp_path):
   """A per-host configuration file gives process 0 keep_time_interval=1 h and process 1
   2 h, should_save_fn=every(2) and every(3) (one closure, other values), or orbax's
@@ -66,11 +62,6 @@ def test_processes_whose_options_differ_only_in_value_are_refused(tmp_path):
       assert f"{name}: process 0 has" in said and "processes [1] have" in said, said
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: an attempt seen committed stays 'unanswered' in the ledger (only failed and "
-    "fenced attempts are marked told), so Persists._wait_committed on every process but 0 "
-    "waits again, at every wait and at close, for every step it ever persisted to be "
-    "committed: one marker read per such step, and a timeout once one was deleted"))
 def test_a_step_deleted_beside_the_running_job_is_not_waited_for(tmp_path):
   """guide.md: `jaxckpt delete DIR --step N` runs beside a job (it reaches the job's
   agents). Steps 1 and 2 stored, step 1 deleted that way, step 3 saved: process 1's

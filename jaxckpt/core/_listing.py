@@ -40,6 +40,7 @@ class Listing:
                *, parity: bool, settle: Callable[[], None]) -> None:
     self.store, self.ledger, self.directory, self.policy = store, ledger, directory, policy
     self.parity, self.settle = parity, settle
+    self._unlisted = False            # storage's listing did not answer last time
 
   def all_steps(self) -> list[int]:
     led = self.ledger
@@ -47,7 +48,7 @@ class Listing:
     held = set(_tiers.complete_steps(self.store))
     if self.parity:
       held |= set(_tiers.rebuildable_steps(sorted(held), self.store))
-    stored = set(_tiers.storage_steps(self.directory))
+    stored = self._stored()
     led.listed.update(held)
     pending = set(self.store.persist_status().pending)
     on_its_way = {s for s, a in led.attempts().items()          # saved for storage, its persist
@@ -58,6 +59,20 @@ class Listing:
     listed = flight | held | (led.listed & stored) | on_its_way
     led.prune(listed)
     return sorted(listed - set(led.dropped()))
+
+  def _stored(self) -> set[int]:
+    """The stored steps: storage's listing, asked for at most ``LATE_PROBE_SECS``; while
+    storage does not answer, the ledger's record of them (said at WARNING, once an outage)."""
+    try:
+      stored = set(_tiers.storage_steps(self.directory, timeout_secs=universal.LATE_PROBE_SECS))
+    except errors.StorageError as e:
+      if not self._unlisted:
+        logger.warning("storage does not answer its listing (%s); the steps are listed as this "
+                       "manager last knew them until it does", e)
+      self._unlisted = True
+      return set(self.ledger.listed)
+    self._unlisted = False
+    return stored
 
   def best_step(self) -> int | None:
     """The best kept step by ``best_fn``, else the newest; None if none has metrics."""
@@ -92,16 +107,24 @@ class Listing:
     led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
     if self.policy.records:
       infos = [self._info(s) for s in sorted(set(stored) | set(held)) if s not in led.dropped()]
-      led.found(i for i in infos if i.step in stored or i.time is not EPOCH)
+      led.found(i for i in infos if i is not None and (i.step in stored or i.time is not EPOCH))
+    if self.policy.to_remove is not None:   # what the run's keep policy dropped stays dropped
+      led.drop(self.policy.to_remove(led.kept()), "retention")
     found = universal.orbax_found(self.directory)
     if found:
       logger.info("%s", found)
 
-  def _info(self, step: int) -> StepInfo:
+  def _info(self, step: int) -> StepInfo | None:
+    """``step``'s time and metrics (a damaged step's: none); None if storage refused or
+    did not answer now: such a step is left out of the keep policy's ranking (never
+    dropped for it), and ranked at the next reload."""
     try:
       meta = self.step_metadata(step)[2]
-    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError,
-            errors.StorageError) as e:
+    except errors.StorageError as e:
+      logger.warning("step %d: its time and metrics cannot be read now (%s); it is kept, "
+                     "and left out of the keep policy's ranking until a reload()", step, e)
+      return None
+    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
       logger.warning("step %d: its time and metrics cannot be read (%s)", step, e)
       return StepInfo(step, EPOCH, None)
     t = meta.get(TIME_KEY)

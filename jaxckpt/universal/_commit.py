@@ -531,21 +531,23 @@ def _write_marker(kv: ts.KvStore, directory: str, step: int, mine: dict[str, Any
     raise _exists(directory, step, won or {}, mine["attempt"])
 
 
-def all_steps(directory: str) -> list[int]:
+def all_steps(directory: str, *, timeout_secs: float = lay.REQUEST_TIMEOUT_SECS) -> list[int]:
   """Committed steps in ``directory``, ascending (a marker's name is the step, in
   ASCII digits as :func:`~jaxckpt.universal._layout.commit_key` writes it; any
-  other name there is not a step).
+  other name there is not a step). ``timeout_secs`` bounds the listing (a wait
+  asks with the time it has left).
 
   Raises:
     CorruptSnapshotError: ``commits/`` of a local directory is a link (never listed
       through).
+    StorageError: storage did not answer within ``timeout_secs``, or refused.
   """
-  kv = lay.open_kvstore(directory)
+  kv = lay.open_kvstore(directory, timeout_secs=timeout_secs)
   local = lay.local_root(kv)
   if local is not None:
     _local.check_dirs(local, lay.COMMITS_PREFIX, where=f"listing the steps of {directory!r}")
   keys = lay.storage_result(kv.list(lay.prefix_range(lay.COMMITS_PREFIX)), "listing the steps",
-                            directory)
+                            directory, timeout_secs)
   steps = []
   for key in keys:
     name = key.decode(errors="replace")
@@ -554,11 +556,11 @@ def all_steps(directory: str) -> list[int]:
   return sorted(steps)
 
 
-def stored_steps(directory: str) -> list[int]:
+def stored_steps(directory: str, *, timeout_secs: float = lay.REQUEST_TIMEOUT_SECS) -> list[int]:
   """Every step stored in ``directory``, ascending: those jaxckpt committed and those an
   orbax CheckpointManager finalized there (``_orbax_steps``). A step both hold is
   jaxckpt's (a warning names orbax's directory, left as it is)."""
-  own = all_steps(directory)
+  own = all_steps(directory, timeout_secs=timeout_secs)
   orbax = _orbax_steps.orbax_steps(directory)
   for step in set(own) & set(orbax):
     _orbax_steps.warn_once(directory, step, "step %d is both a jaxckpt step and orbax's %s in "
