@@ -126,9 +126,10 @@ class Persists:
       except errors.StorageError as e:
         unanswered[:] = [e]
         return False
+      dropped = self.ledger.dropped()
       for step, attempt in list(left.items()):
-        if attempt in self.ledger.told:           # fenced (deleted, dropped) meanwhile
-          del left[step]
+        if attempt in self.ledger.told or step in dropped:   # fenced, deleted or dropped
+          del left[step]                  # (every process drops alike: process 0 deletes it)
           continue
         if step not in stored:
           continue
