@@ -33,6 +33,15 @@ def s3_server():
     yield server
 
 
+@pytest.fixture(scope="session")
+def etcd_cluster():
+  """A 3-member etcd cluster on loopback for the whole session (every member killed by pid
+  at the end). Fails, never skips, without Debian's etcd-server (.ci/run installs it)."""
+  from jaxckpt.testing.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
+  with EtcdCluster(3) as cluster:
+    yield cluster
+
+
 @pytest.fixture(params=["file", "s3"])
 def storage_dir(request, tmp_path):
   """A fresh checkpoint directory: a local path, or a prefix on the S3 server."""

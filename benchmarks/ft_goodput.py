@@ -1,6 +1,8 @@
-"""Replica groups against a synchronous restart, under one fault schedule (issue 33).
+"""Replica groups against a synchronous restart, under one fault schedule (issues 33, 42).
 
-Both jobs are real processes on this machine: a ``jaxckpt lighthouse`` process
+Both jobs are real processes on this machine: the control plane (``--control-plane
+etcd``, the default: a 3-member etcd cluster and three ``jaxckpt lighthouse --etcd``
+replicas that elect a leader; ``lighthouse``: one ``jaxckpt lighthouse`` process)
 and G replica groups (``--groups``, default 3), each a process with 2 CPU
 devices training the toy MLP (:mod:`jaxckpt.ft._toy`, adam) with
 ``--step-secs`` of simulated compute per step, snapshotting every committed
@@ -19,8 +21,14 @@ Each group warms its save path before it joins, as examples/train_flax.py does.
 
 The fault schedule, one ``--window`` apart after a fault-free window: SIGKILL of
 the last group (and its restart), SIGSTOP of the second group for
-``--stop-secs``, and a lighthouse outage (SIGKILL of its process, a new one on
-the same port ``--outage-secs`` later). Prints one JSON object: per job the
+``--stop-secs``; with etcd, SIGKILL of an etcd member (restarted a window later),
+of the leading lighthouse replica and of a following one (each restarted 2 s
+later, as a follower); and a whole control-plane outage (SIGKILL of every
+lighthouse process, new ones on the same ports ``--outage-secs`` later). Each
+ft row's ``stall_over_median_step`` is the healthy groups' longest step in the
+window less the median step, in median steps (the issue's bar for a control-plane
+process: at most 1). ``replacement`` sets the killed and replaced group's cost
+to the healthy groups against the synchronous job's loss for the same kill. Prints one JSON object: per job the
 fraction of wall time spent making steps (steps advanced x the fault-free mean
 step / wall time), steps lost per fault (window / mean step - steps advanced
 in it), the outage as measured (from the kill until the new lighthouse
@@ -115,7 +123,10 @@ def worker(args: argparse.Namespace) -> int:
 # ---- the jobs --------------------------------------------------------------------------------------
 
 class Job:
-  """A lighthouse process and G group processes; every process it started is killed (by pid) in close."""
+  """The control plane's processes and G group processes; every process it started is killed
+  (by pid) in close. The control plane is one ``jaxckpt lighthouse`` process
+  (``--control-plane lighthouse``) or a 3-member etcd cluster and 3 lighthouse replicas that
+  elect a leader through it (``etcd``)."""
 
   def __init__(self, kind: str, args: argparse.Namespace, tmp: str, secret: str) -> None:
     self.kind, self.args, self.tmp = kind, args, tmp
@@ -124,8 +135,14 @@ class Job:
     self.stop_file = os.path.join(tmp, f"{kind}.stop")
     self.env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAXCKPT_JOB_SECRET=secret)
     self.env.pop("XLA_FLAGS", None)
-    self.port = _free_port()
-    self.lighthouse: subprocess.Popen | None = None
+    self.etcd = None
+    if args.control_plane == "etcd":
+      from jaxckpt.testing.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
+      self.etcd = EtcdCluster(3).__enter__()
+    self.ports = [_free_port() for _ in range(3 if self.etcd is not None else 1)]
+    self.address = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+    self.lighthouses: list[subprocess.Popen | None] = [None] * len(self.ports)
+    self.lighthouse_serving: list[float | None] = [None] * len(self.ports)
     self.procs: dict[str, subprocess.Popen] = {}
     self.faults: list[dict[str, Any]] = []
     self.restarts = 0
@@ -137,25 +154,38 @@ class Job:
     with open(path, encoding="utf-8") as f:
       return [json.loads(x) for x in f if x.endswith("}\n")]
 
-  def start_lighthouse(self) -> None:
+  def start_lighthouse(self, i: int = 0) -> None:
     min_replicas = len(self.groups) if self.kind == "sync" else 1
-    cmd = [sys.executable, "-m", "jaxckpt", "lighthouse", "--bind", f"127.0.0.1:{self.port}",
+    cmd = [sys.executable, "-m", "jaxckpt", "lighthouse", "--bind", f"127.0.0.1:{self.ports[i]}",
            "--min-replicas", str(min_replicas)]
-    err = open(os.path.join(self.tmp, f"{self.kind}-lighthouse.err"), "ab")  # pylint: disable=consider-using-with
-    self.lighthouse = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=err)
-    os.set_blocking(self.lighthouse.stdout.fileno(), False)
-    self.lighthouse_started = time.time()
-    self.lighthouse_serving: float | None = None
+    if self.etcd is not None:
+      cmd += ["--etcd", ",".join(self.etcd.endpoints), "--job", f"{self.kind}{os.getpid()}",
+              "--leader-lease", "1"]
+    err = open(os.path.join(self.tmp, f"{self.kind}-lighthouse{i}.err"), "ab")  # pylint: disable=consider-using-with
+    self.lighthouses[i] = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=err)
+    os.set_blocking(self.lighthouses[i].stdout.fileno(), False)
+    self.lighthouse_serving[i] = None
 
-  def lighthouse_up(self) -> bool:
-    """Whether the lighthouse process said it serves (its start-up, jax's import included, takes a while)."""
-    if self.lighthouse_serving is None and b"serving on" in (self.lighthouse.stdout.read() or b""):
-      self.lighthouse_serving = time.time()
-    return self.lighthouse_serving is not None
+  def lighthouse_up(self, i: int = 0) -> bool:
+    """Whether lighthouse ``i`` said it serves (its start-up, jax's import included, takes a while)."""
+    proc = self.lighthouses[i]
+    if proc is not None and self.lighthouse_serving[i] is None and b"serving on" in (proc.stdout.read() or b""):
+      self.lighthouse_serving[i] = time.time()
+    return self.lighthouse_serving[i] is not None
+
+  def leader(self) -> int | None:
+    """The lighthouse replica that leads (with etcd), by its etcd key."""
+    from jaxckpt.ft import _etcd  # pylint: disable=import-outside-toplevel
+    client = _etcd.Etcd(self.etcd.endpoints)
+    try:
+      kv = client.get(f"/jaxckpt/{self.kind}{os.getpid()}/leader")
+    finally:
+      client.close()
+    return None if kv is None else self.ports.index(int(kv.value.decode().rpartition(":")[2]))
 
   def spawn(self, g: str, resume_at_most: int | None = None) -> None:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--group", g,
-           "--lighthouse", f"127.0.0.1:{self.port}", "--job", f"{self.kind}{os.getpid()}",
+           "--lighthouse", self.address, "--job", f"{self.kind}{os.getpid()}",
            "--run-root", self.run_root, "--out", os.path.join(self.tmp, f"{self.kind}-{g}.jsonl"),
            "--stop-file", self.stop_file, "--step-secs", str(self.args.step_secs)]
     if self.args.timeout is not None:
@@ -189,7 +219,8 @@ class Job:
 
   def supervise(self) -> None:
     """The launcher: a sync job restarts every group from the newest common snapshot when any process ended."""
-    self.lighthouse_up()
+    for i in range(len(self.ports)):
+      self.lighthouse_up(i)
     if self.kind != "sync" or all(p.poll() is None for p in self.procs.values()):
       return
     noticed = time.time()
@@ -207,45 +238,69 @@ class Job:
   def close(self) -> None:
     with open(self.stop_file, "w", encoding="utf-8"):
       pass
-    for p in list(self.procs.values()) + [self.lighthouse]:
+    for p in list(self.procs.values()) + self.lighthouses:
       if p is not None:
         _kill(p)
+    if self.etcd is not None:
+      self.etcd.__exit__(None, None, None)
 
 
 def run_job(kind: str, args: argparse.Namespace, tmp: str, secret: str) -> dict[str, Any]:
   """One job under the fault schedule; its measured figures."""
   job = Job(kind, args, tmp, secret)
   schedule: list[dict[str, Any]] = []
+
+  def fault(what: str, victim: str | None = None) -> dict[str, Any]:
+    schedule.append({"kind": what, "victim": victim, "at": time.time(), "step": job.job_step()})
+    return schedule[-1]
+
+  def rest_of_window() -> None:
+    job.sleep(max(0.0, schedule[-1]["at"] + args.window - time.time()))
+
   try:
-    job.start_lighthouse()
+    for i in range(len(job.ports)):
+      job.start_lighthouse(i)
     for g in job.groups:
       job.spawn(g)
     job.wait("every group to commit 10 steps", lambda: min(job.top(g) for g in job.groups) >= 10, 300)
     start, start_step = time.time(), job.job_step()
     job.sleep(args.window)                                   # fault-free: the pace
     last = job.groups[-1]
-    schedule.append({"kind": f"SIGKILL {last} and restart", "at": time.time(), "step": job.job_step()})
+    fault(f"SIGKILL {last} and restart", last)
     _kill(job.procs[last])
     if kind == "ft":
       job.spawn(last)
-    job.sleep(args.window)
+    rest_of_window()
     stopped = job.groups[1]
-    schedule.append({"kind": f"SIGSTOP {stopped} {args.stop_secs:g} s", "at": time.time(),
-                     "step": job.job_step()})
+    fault(f"SIGSTOP {stopped} {args.stop_secs:g} s", stopped)
     pid = job.procs[stopped].pid
     os.kill(pid, signal.SIGSTOP)
     job.sleep(args.stop_secs)
     with contextlib.suppress(ProcessLookupError):
       os.kill(pid, signal.SIGCONT)
-    job.sleep(args.window - args.stop_secs)
-    schedule.append({"kind": f"lighthouse outage {args.outage_secs:g} s", "at": time.time(),
-                     "step": job.job_step()})
-    _kill(job.lighthouse)
+    rest_of_window()
+    if job.etcd is not None:
+      fault("SIGKILL of an etcd member")
+      job.etcd.kill(1)
+      rest_of_window()
+      job.etcd.restart(1)
+      for what, pick in (("the leading lighthouse", job.leader),
+                         ("a following lighthouse", lambda: next(i for i in range(3) if i != job.leader()))):
+        i = pick()
+        fault(f"SIGKILL of {what}")
+        _kill(job.lighthouses[i])
+        job.sleep(2.0)
+        job.start_lighthouse(i)                            # (back as a follower)
+        rest_of_window()
+    row = fault(f"control-plane outage {args.outage_secs:g} s")
+    for proc in job.lighthouses:
+      _kill(proc)
     job.sleep(args.outage_secs)
-    job.start_lighthouse()
-    job.wait("the new lighthouse to serve", job.lighthouse_up, 60)
-    schedule[-1]["serving"] = job.lighthouse_serving
-    job.sleep(max(0.0, schedule[-1]["at"] + args.window - time.time()))
+    for i in range(len(job.ports)):
+      job.start_lighthouse(i)
+    job.wait("the new lighthouse to serve", lambda: any(job.lighthouse_up(i) for i in range(len(job.ports))), 60)
+    row["serving"] = min(t for t in job.lighthouse_serving if t is not None)
+    rest_of_window()
     end, end_step = time.time(), job.job_step()
   finally:
     job.close()
@@ -278,7 +333,7 @@ def measure(job: Job, schedule: list[dict[str, Any]], start: float, start_step: 
            "lost_s": round(lost_s, 2), "lost_steps": round(lost_s / median, 1)}
     if job.kind == "ft":
       row.update(_ft_details(job, logs, f, t_end, median))
-    if "serving" in f:          # the outage: from the kill until the new lighthouse served
+    if "serving" in f:          # the outage: from the kill until a new lighthouse served
       row["outage_s"] = round(f["serving"] - f["at"], 2)
       row["lost_beyond_outage_s"] = round(lost_s - row["outage_s"], 2)
     out["faults"].append(row)
@@ -297,7 +352,7 @@ def _ft_details(job: Job, logs: dict[str, list[dict[str, Any]]], fault: dict[str
                 median: float) -> dict[str, Any]:
   """Detection (fault to the survivors' failed attempt), re-forming (to their next commit, less a
   step), the longest step, and for a restarted or stopped group its catch-up and rejoin."""
-  victim = fault["kind"].split()[1] if fault["kind"].startswith("SIG") else None
+  victim = fault.get("victim")
   healthy = [g for g in job.groups if g != victim]
   rows = sorted((r for g in healthy for r in logs[g] if "step" in r and fault["at"] <= r["t1"] < t_end),
                 key=lambda r: r["t1"])
@@ -306,6 +361,8 @@ def _ft_details(job: Job, logs: dict[str, list[dict[str, Any]]], fault: dict[str
       max((r for g in healthy for r in logs[g] if r.get("committed") and r["t1"] < fault["at"]),
           key=lambda r: r["t1"])])
   out["longest_healthy_step_s"] = round(max(gaps), 3) if gaps else None
+  if gaps:
+    out["stall_over_median_step"] = round((max(gaps) - median) / median, 2)
   failed = [r for r in rows if not r["committed"]]
   if victim is not None:
     # Detection: until every survivor gave the attempt up (its failed attempt ended); none
@@ -381,7 +438,7 @@ def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def goodput_inputs(ft: dict[str, Any]) -> dict[str, float]:
   """The goodput model's replica-group inputs from the ``ft`` job's medians (seconds)."""
-  group_faults = [f for f in ft["faults"] if f["fault"].startswith("SIG")]
+  group_faults = [f for f in ft["faults"] if f["fault"].startswith(("SIGKILL g", "SIGSTOP g"))]
   # (A fault whose stall outlasted its window has no detection of its own: the window's loss.)
   detect = statistics.median(f.get("detect_s", f["lost_s"]) for f in group_faults)
   reform = statistics.median(f.get("reform_s", 0.0) for f in group_faults)
@@ -390,6 +447,19 @@ def goodput_inputs(ft: dict[str, Any]) -> dict[str, float]:
   return {"failure_detection_secs": round(detect, 3), "quorum_reform_secs": round(reform, 3),
           "rejoin_stall_secs": round(max(0.0, statistics.median(rejoin)) if rejoin else 0.0, 3),
           "catch_up_secs": round(statistics.median(catch), 3) if catch else None}
+
+
+def replacement(median: dict[str, Any]) -> dict[str, Any]:
+  """A killed group replaced: what it cost the replica groups (the healthy groups' stall:
+  detection, re-forming and the rejoin step) against the synchronous job's loss for the
+  same fault (every process restarted from the newest snapshot all hold)."""
+  ft = next(f for f in median["ft"]["faults"] if f["fault"].startswith("SIGKILL g"))
+  sync = next(f for f in median["sync"]["faults"] if f["fault"].startswith("SIGKILL g"))
+  step = median["ft"]["fault_free_median_step_s"]
+  stall = ft.get("detect_s", 0.0) + ft.get("reform_s", 0.0) + max(0.0, ft.get("rejoin_step_s", step) - step)
+  return {"ft_stall_s": round(stall, 3), "ft_lost_s": ft["lost_s"], "ft_lost_steps": ft["lost_steps"],
+          "sync_lost_s": sync["lost_s"], "sync_lost_steps": sync["lost_steps"],
+          "ft_over_sync": round(ft["lost_s"] / sync["lost_s"], 3) if sync["lost_s"] > 0 else None}
 
 
 def main() -> int:
@@ -412,6 +482,9 @@ def main() -> int:
   p.add_argument("--outage-secs", type=float, default=3.0)
   p.add_argument("--runs", type=int, default=1)
   p.add_argument("--jobs", default="ft,sync")
+  p.add_argument("--control-plane", choices=("etcd", "lighthouse"), default="etcd",
+                 help="a 3-member etcd cluster and 3 lighthouse replicas (each of whose processes is "
+                      "killed once), or one lighthouse process")
   p.add_argument("--quick", action="store_true", help="25 s windows, one run")
   p.add_argument("--host", default=None, help="what to call this machine in the JSON")
   p.add_argument("--keep", action="store_true", help="keep each run's logs (printed to stderr)")
@@ -423,6 +496,7 @@ def main() -> int:
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # (so every process it started is stopped)
   secret = uuid.uuid4().hex
   result: dict[str, Any] = {"groups": args.groups, "step_secs": args.step_secs, "timeout_s": args.timeout,
+                            "control_plane": args.control_plane, "load_avg_1m": round(os.getloadavg()[0], 2),
                             "window_s": args.window, "host_cores": os.cpu_count(),
                             "host": args.host or f"{os.cpu_count()} cores, JAX on CPU", "runs": []}
   for _ in range(args.runs):
@@ -441,6 +515,8 @@ def main() -> int:
   result["median"] = {k: _median_of([r[k] for r in result["runs"]]) for k in kinds}
   if "ft" in kinds:
     result["goodput_inputs"] = goodput_inputs(result["median"]["ft"])
+  if {"ft", "sync"} <= set(kinds):
+    result["replacement"] = replacement(result["median"])
   print(json.dumps(result, indent=1))
   return 0
 

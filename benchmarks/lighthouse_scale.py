@@ -10,14 +10,18 @@ lighthouse's own share (forming the quorum, sealing and queuing G replies), and
 The *first* quorum of a job carries the whole membership to every member once;
 later ones (*steady*) carry only what each member needs. Medians of
 ``--repeats`` (a fresh lighthouse for each first quorum; steady rounds of one).
-Prints one JSON object.
+With ``--etcd``, the lighthouse is the leader of a control plane on a 3-member
+etcd cluster on loopback (:mod:`jaxckpt.ft._replicas`): each quorum is first
+recorded by a fencing transaction, which the figures then include. Prints one
+JSON object.
 
-    python benchmarks/lighthouse_scale.py [--groups 8,32,128,1024] [--repeats 3]
+    python benchmarks/lighthouse_scale.py [--groups 8,32,128,1024] [--repeats 3] [--etcd]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,14 +33,24 @@ from jaxckpt.ft.lighthouse import Lighthouse, LighthouseOptions
 from jaxckpt.ft._simulate import Round, SimulatedGroups
 
 
+ETCD: list[str] = []        # the cluster's endpoints, with --etcd
+
+
 def _options(groups: int) -> LighthouseOptions:
   return LighthouseOptions(min_replicas=groups, join_timeout=timedelta(milliseconds=10),
-                           heartbeat_timeout=timedelta(seconds=300), straggler_timeout=timedelta(seconds=300))
+                           heartbeat_timeout=timedelta(seconds=300), straggler_timeout=timedelta(seconds=300),
+                           etcd_endpoints=tuple(ETCD), job_name=f"scale{os.getpid()}-{time.monotonic_ns()}" if ETCD else "",
+                           leader_lease=timedelta(seconds=2))
 
 
 def _job(groups: int, steady: int) -> tuple[Round, list[Round]]:
   opts = _options(groups)
   with Lighthouse("127.0.0.1:0", opts) as lh, SimulatedGroups(lh, groups) as sim:
+    deadline = time.monotonic() + 30
+    while not lh.leading:                            # (with etcd: it leads once elected)
+      if time.monotonic() > deadline:
+        raise TimeoutError("the lighthouse was not elected within 30 s")
+      time.sleep(0.01)
     time.sleep(opts.join_timeout.total_seconds())   # (a quorum never forms in a new lighthouse's grace period)
     return sim.round(), [sim.round() for _ in range(steady)]
 
@@ -63,13 +77,19 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--groups", default="8,32,128,1024", help="comma-separated group counts")
   parser.add_argument("--repeats", type=int, default=3, help="medians of this many")
+  parser.add_argument("--etcd", action="store_true", help="the leader of a control plane on etcd (fenced quorums)")
   args = parser.parse_args()
   t0 = time.monotonic()
   sizes = [int(g) for g in args.groups.split(",")]
-  results = [measure(g, args.repeats) for g in sizes]
+  with contextlib.ExitStack() as stack:
+    if args.etcd:
+      from jaxckpt.testing.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
+      ETCD.extend(stack.enter_context(EtcdCluster(3)).endpoints)
+    results = [measure(g, args.repeats) for g in sizes]
   small, large = results[0], results[-1]
   print(json.dumps({
       "benchmark": "lighthouse_scale", "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+      "control_plane": "etcd leader (fenced)" if args.etcd else "lighthouse",
       "repeats": args.repeats, "results": results,
       # per-group cost at the largest G over that at the smallest: ~1 when linear, ~G_large/G_small when quadratic
       "steady_per_group_ratio": round(large["steady_us_per_group"] / small["steady_us_per_group"], 3),

@@ -218,7 +218,10 @@ def run_replica_group(args, mesh, graphdef, tx, state) -> int:
                        else jax.device_put(x, replicated),
                        {"params": state["params"], "opt_state": state["opt_state"]})
   grad_fn, apply_fn = make_ft_fns(graphdef, tx, train)
-  options = jft.ReplicaGroupOptions(ring_size=args.ring_size,
+  # What every group of the job must hold the same (refused at join otherwise): the batches
+  # come from make_batch under the job's seed.
+  options = jft.ReplicaGroupOptions(ring_size=args.ring_size, max_groups=args.max_groups,
+                                    data_order=f"make_batch(seed={args.seed})",
                                     heartbeat_interval=timedelta(milliseconds=200))
   source = jft.AgentSnapshotSource(run_root=args.agent_run_root, job_name=agent_job_name(args))
   losses = np.full((args.steps,), np.nan, np.float32)

@@ -52,11 +52,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seq-len", type=int, default=32)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
-                 help="run as one replica group of a fault-tolerant job (needs --group-id, --job-name)")
+  p.add_argument("--lighthouse", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                 help="run as one replica group of a fault-tolerant job (needs --group-id, --job-name); "
+                      "every lighthouse replica's address when the control plane runs on etcd")
   p.add_argument("--group-id", default=None, help="this replica group's unique name")
   p.add_argument("--ft-timeout", type=float, default=10.0,
                  help="replica group: the longest any wait of a step may take, in seconds")
+  p.add_argument("--max-groups", type=int, default=64,
+                 help="replica group: batch slots per step, the same in every group of the job")
   p.add_argument("--ring-size", type=int, default=16,
                  help="replica group: averaged gradients of this many recent steps kept for peers")
   p.add_argument("--sleep-per-step", type=float, default=0.0, help=argparse.SUPPRESS)

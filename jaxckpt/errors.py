@@ -72,6 +72,11 @@ class QuorumError(JaxckptError, RuntimeError):
   """A replica-group quorum could not be formed or was lost."""
 
 
+class TermsMismatchError(QuorumError, ValueError):
+  """A replica group's max_groups, data order, tree layout or averaging rule differs
+  from its job's: it is refused when it joins (the message names the field and both values)."""
+
+
 class StepExistsError(JaxckptError, FileExistsError):
   """A step is already committed in storage and would be overwritten."""
 

@@ -39,3 +39,38 @@ def test_processes_with_other_options_are_refused_at_start(tmp_path, variant):
     assert f"{name}: process 0 has None, processes [1] have {value}" in refused or (
         f"{name}: process 0 has 1, processes [1] have {value}" in refused), refused
     assert "Give every process the same CheckpointOptions" in refused
+
+
+_VALUES = {"keep_time_interval": "1,2", "should_save_fn": "2,3", "preservation_policy": "2,5"}
+
+
+def test_processes_whose_options_differ_only_in_value_are_refused(tmp_path):
+  """A per-host configuration file gives process 0 keep_time_interval=1 h and process 1
+  2 h, should_save_fn=every(2) and every(3) (one closure, other values), or orbax's
+  AnyPreservationPolicy([LatestN(2)]) and ([LatestN(5)]): each job was accepted, and its
+  processes then save or keep different steps."""
+  variant = ";".join(f"{name}={values}" for name, values in _VALUES.items())
+  with processes.agent_sandbox() as (root, job):
+    with launch(2, root, job, "options_differ_in_value", str(tmp_path / "ckpt"),
+                variant) as procs:
+      outs = finish(procs, timeout=240)
+  for i, out in enumerate(outs):
+    assert not lines(out, "ACCEPTED"), (i, lines(out, "ACCEPTED"))
+    refused = lines(out, "REFUSED")
+    assert len(refused) == len(_VALUES), (i, refused)
+    for name, said in zip(_VALUES, refused):
+      assert f"{name}: process 0 has" in said and "processes [1] have" in said, said
+
+
+def test_a_step_deleted_beside_the_running_job_is_not_waited_for(tmp_path):
+  """guide.md: `jaxckpt delete DIR --step N` runs beside a job (it reaches the job's
+  agents). Steps 1 and 2 stored, step 1 deleted that way, step 3 saved: process 1's
+  wait_until_finished and close() timed out waiting for step 1 ("processes [0, 1] of 2
+  did not write their part"), which nobody saves again."""
+  with processes.agent_sandbox() as (root, job):
+    with launch(2, root, job, "deleted_elsewhere", str(tmp_path / "ckpt"), "") as procs:
+      outs = finish(procs, timeout=240)
+  assert lines(outs[0], "CLI")[0].startswith("0 "), outs[0]
+  for i, out in enumerate(outs):
+    assert not lines(out, "TIMEOUT"), (i, lines(out, "TIMEOUT"))
+    assert lines(out, "WAITED") == lines(out, "CLOSED") == ["[2, 3]"], (i, out[-3000:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -14,6 +15,7 @@ import psutil
 
 from jaxckpt import universal
 from jaxckpt.agent import _parity_config, _paths
+from jaxckpt.agent._remote import job_agents
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore, InProcessStore
@@ -61,17 +63,76 @@ def make_store(options: CheckpointOptions, persist: _persist.PersistConfig | Non
     if a.host_id is None:                                     # hosts = this job's processes
       placement.check_hosts(jax.process_count(), p)
     codec.warm_up(p.group_size - p.parity, p.parity)
-  host = jax.process_index() if a.host_id is None else a.host_id
+  root = a.run_root or _paths.default_run_root()
+  host = a.host_id
+  if jax.process_count() > 1:
+    host = agent_hosts(root, a.job_name, a.host_id, timeout_secs=options.timeout_secs)
+  elif host is None:
+    host = jax.process_index()
   secret = None
   if jax.process_count() > 1 and a.secret is None and not os.environ.get(_paths.SECRET_ENV):
-    root = a.run_root or _paths.default_run_root()
     secret = _kv.agree_kept("agent_secret", _paths.held_secret(root, a.job_name),
                             _wire.new_secret, timeout_secs=options.timeout_secs)
   parity = None if p is None else _parity_config.ParityConfig(p.group_size, p.parity,
                                                        options.timeout_secs).to_obj()
   return AgentStore(a, host=host, max_snapshots=options.max_snapshots, limit_bytes=limit,
                     persist=None if persist is None else persist.to_obj(), parity=parity,
-                    secret=secret, owner=_owner_name(), run=run)
+                    secret=secret, owner=_owner_name(), process=jax.process_index(),
+                    run=run)
+
+
+def agent_hosts(run_root: str, job: str, host_id: int | None, *, timeout_secs: float) -> int:
+  """The host id of the agent this process of a job uses (its directory under the run
+  root), agreed by the job's processes through jax.distributed's key-value store.
+
+  Each says which live agents of the job its run root holds. A process keeps the one
+  named for its index (or ``host_id``, when set); one with none keeps its machine's
+  agent of an earlier run of the job, whatever index it served, when that agent is
+  the only one on its machine no other process sees (a relaunch on another number of
+  processes, or in another order: the machine's snapshots serve the restore, and no
+  second agent takes its memory); else its own index names a new agent.
+  """
+  here = [[h, info["tcp"]] for h, info in sorted(job_agents(run_root, job).items())]
+  said = [json.loads(v) for v in _kv.allgather(
+      f"agents_here/{job}", json.dumps({"fixed": host_id, "here": here}),
+      timeout_secs=timeout_secs, what="the snapshot agents on their machines")]
+  chosen = choose_agents(said)
+  me = jax.process_index()
+  if chosen[me] != (me if host_id is None else host_id):
+    logger.warning("process %d of %d keeps this machine's snapshot agent of job %r (host %d, "
+                   "from an earlier run of the job): the snapshots it holds serve this run",
+                   me, len(said), job, chosen[me])
+  return chosen[me]
+
+
+def choose_agents(said: list[dict]) -> list[int]:
+  """Each process's agent host id from what every process said of its machine
+  (``{"fixed": host_id or None, "here": [[host, tcp], ...]}``, in process order): see
+  :func:`agent_hosts`.
+
+  >>> choose_agents([{"fixed": None, "here": [[2, "a"]]}, {"fixed": None, "here": []},
+  ...                {"fixed": None, "here": [[0, "b"]]}])
+  [2, 1, 0]
+  """
+  seen: dict[str, int] = {}                 # tcp -> how many processes' machines hold it
+  for s in said:
+    for _, tcp in s["here"]:
+      seen[tcp] = seen.get(tcp, 0) + 1
+  chosen: list[int | None] = [None] * len(said)
+  taken: set[str] = set()
+  for p, s in enumerate(said):              # the agent named for the process (as before)
+    want = p if s["fixed"] is None else s["fixed"]
+    tcp = next((t for h, t in s["here"] if h == want), None)
+    if s["fixed"] is not None or tcp is not None:
+      chosen[p] = want
+      taken.add(tcp)
+  for p, s in enumerate(said):              # the only agent of the job on its machine
+    if chosen[p] is None:
+      mine = [(h, t) for h, t in s["here"] if seen[t] == 1 and t not in taken]
+      if len(mine) == 1 and len(s["here"]) == 1:
+        chosen[p], _ = mine[0]
+        taken.add(mine[0][1])
+  return [p if h is None else h for p, h in enumerate(chosen)]
 
 
 def _owner_name() -> str:

@@ -13,6 +13,15 @@ agent tells its group peers when its own parity of a step is done
 (``parity_done``), and once all of its group has said so the keep rule keeps
 that step while it is the newest such (``SlotTable.protect``), so a lost host
 can always be rebuilt to some step while the newer ones wait for their parity.
+
+Hosts are the saving processes of a step: its parity group, stripes, pieces and
+``parity_done`` messages name them by the step's process indices (each agent's
+record of a step keeps the index its trainer saved it as, and the parity options it
+was made with). An agent reaches a peer through the job's map of its current
+processes' agents (``Agent.peers``, from ``AgentStore.discover``), so a relaunched job
+whose machines run other process indices than before (another number of processes)
+still finds the agents that hold an earlier run's steps; without a map (one machine,
+no ``jax.distributed``) through the run root, where the host id is the process index.
 """
 
 from __future__ import annotations
@@ -66,6 +75,8 @@ class Record:
   error: str | None = None
   seq: int = 0                                 # the agent's commit count when it committed
   group: tuple[int, ...] = ()                  # the parity group's hosts (this one too)
+  index: int = -1                              # the process that saved it here, of the step's
+  config: ParityConfig | None = None           # the options its parity is made with
 
 
 def _warm_up(config: ParityConfig) -> None:
@@ -122,10 +133,12 @@ class ParityWorker:
 
   # -- called by the agent, under its lock ------------------------------------
 
-  def on_commit(self, step: int, manifest: str) -> None:
-    """Schedules the parity of a just-committed step; returns at once."""
+  def on_commit(self, step: int, manifest: str, process: tuple[int, int]) -> None:
+    """Schedules the parity of a just-committed step (saved by ``process`` = (index,
+    count) of its job); returns at once."""
     self._seq += 1
-    rec = self.records[step] = Record(step, time.monotonic(), seq=self._seq)
+    rec = self.records[step] = Record(step, time.monotonic(), seq=self._seq, index=process[0],
+                                      process_count=process[1], config=self.config)
     self._newest = step
     self._pool.submit(self._run, rec, SnapshotManifest.from_json(manifest), manifest)
 
@@ -146,8 +159,16 @@ class ParityWorker:
     if not (rec.state == "done" and rec.group and self.records.get(rec.step) is rec):
       return
     done, mine = self._peers_done.get(rec.step, {}), _digest(rec)
-    if all(mine in done.get(h, ()) for h in rec.group if h != self.agent.host):
+    if all(mine in done.get(h, ()) for h in rec.group if h != rec.index):
       self.agent.protected(rec.step)
+
+  def reconfigure(self, config: ParityConfig) -> None:
+    """Later steps' parity is made with ``config``; the parity held keeps the options
+    it was made with (a relaunch with other options, or on another number of
+    processes, still rebuilds the steps it restores)."""
+    if config.options != self.config.options:
+      self._pool.submit(_warm_up, config)
+    self.config = config
 
   def drop(self, step: int) -> None:
     """Forgets a dropped step's parity (its slot is reused once no thread writes it)."""
@@ -167,15 +188,16 @@ class ParityWorker:
     return self.config.parity * -(-nbytes // k)
 
   def status(self) -> dict[str, Any]:
-    return {"steps": [[r.step, r.state, r.secs, r.error, r.process_count]
+    return {"steps": [[r.step, r.state, r.secs, r.error, r.process_count, r.index,
+                       r.config.group_size, r.config.parity]
                       for r in sorted(self.records.values(), key=lambda r: r.step)],
             "bytes": self.bytes_held(), "config": self.config.to_obj()}
 
   def info(self, step: int) -> dict[str, Any]:
     rec = self._done(step)
-    return {"process_count": rec.process_count, "config": self.config.to_obj(),
+    return {"process_count": rec.process_count, "config": rec.config.to_obj(),
             "manifests": rec.manifests, "checksums": rec.checksums,
-            "stripes": sorted(rec.blocks)}
+            "stripes": sorted(rec.blocks), "index": rec.index}
 
   def block_at(self, step: int, stripe: int) -> tuple[str, int, int, int]:
     """Where the parity block of ``stripe`` of ``step`` lies: (file, its size,
@@ -226,9 +248,9 @@ class ParityWorker:
     unprotected, which only keeps an older step longer)."""
     digest = _digest(rec)
     for h in rec.group:
-      if h != self.agent.host:
+      if h != rec.index:
         try:
-          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=self.agent.host,
+          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=rec.index,
                     digest=digest)
         except Exception as e:  # pylint: disable=broad-except  (never ends the parity thread)
           logger.warning("step %d: telling host %d its parity is done failed: %s", rec.step, h, e)
@@ -245,19 +267,16 @@ class ParityWorker:
   def _protect(self, rec: Record, manifest: SnapshotManifest, manifest_json: str) -> None:
     me, n = manifest.process_index, manifest.process_count
     self.process_count = rec.process_count = n
-    if me != self.agent.host:
-      raise errors.InvalidArgumentError(
-          f"parity needs the agent's host id to equal the saving process index, but host "
-          f"{self.agent.host} got the snapshot of process {me}; leave AgentOptions.host_id "
-          "unset (it defaults to jax.process_index())")
-    _lib().check_hosts(n, self.config.options)
-    group = next(g for g in _lib().groups(n, self.config.group_size) if me in g)
+    self._check_reachable(me)
+    options = rec.config.options
+    _lib().check_hosts(n, options)
+    group = next(g for g in _lib().groups(n, options.group_size) if me in g)
     rec.group = tuple(group)
     rec.manifests = self._gather(rec, group, me, manifest_json)
     sizes = [0] * n
     for h, js in rec.manifests.items():
       sizes[h] = SnapshotManifest.from_json(js).nbytes
-    layout = _lib().StripeLayout.build(sizes, self.config.options)
+    layout = _lib().StripeLayout.build(sizes, options)
     mine = layout.parity_pieces(me)
     if not sum(p.nbytes for p in mine):
       return                  # this host holds no parity of the step (its group's data is elsewhere)
@@ -267,6 +286,26 @@ class ParityWorker:
       self._encode(rec, layout, mine, buf)
     finally:
       del buf
+
+  def _check_reachable(self, me: int) -> None:
+    """Refuses a step whose process index its peers cannot reach this agent by: the
+    job's map names another agent for it (the step is of a run whose processes the
+    map no longer describes), or, with no map, this agent's host id is another."""
+    peers = self.agent.peers
+    if peers:
+      mine = peers.get(me)
+      if mine is None or mine.get("pid") != os.getpid():
+        raise errors.InvalidArgumentError(
+            f"this agent (host {self.agent.host}) got the snapshot of process {me}, but the "
+            f"job's agents map process {me} to "
+            + (f"the agent at {mine.get('tcp')}" if mine else "no agent")
+            + " (a run of the job with other processes): its parity is given up")
+    elif me != self.agent.host:
+      raise errors.InvalidArgumentError(
+          f"parity needs the agent's host id to equal the saving process index when the "
+          f"job published no map of its agents, but host {self.agent.host} got the snapshot "
+          f"of process {me}; leave AgentOptions.host_id unset (the job then agrees which "
+          "agent serves each process)")
 
   def _encode(self, rec: Record, layout: StripeLayout, mine: tuple[Piece, ...],
               buf: np.ndarray) -> None:
@@ -280,7 +319,7 @@ class ParityWorker:
       block, k = stripe.block_bytes, len(stripe.data)
       out = buf[off:off + block]
       hashes = [xxhash.xxh3_64() for _ in range(k)]
-      rs = _lib().codec.codec(k, len(stripe.parity))
+      rs = _lib().codec.codec(k, len(stripe.parity))   # (the layout's, the record's options)
       sub = self.config.sub_block_bytes
       for lo in range(0, block, sub):
         hi = min(block, lo + sub)
@@ -311,7 +350,7 @@ class ParityWorker:
         self.slots.append(_ParitySlot(i, os.path.join(self.agent.dir, f"parity{i}.bin")))
         free = [self.slots[-1]]
       slot = max(free, key=lambda s: s.size >= nbytes)
-      if slot.size < nbytes or _paths.file_size(slot.path) < slot.size:   # (or truncated)
+      if slot.size < nbytes:
         _paths.allocate(slot.path, nbytes, host=self.agent.host)   # 0600, memory reserved
         slot.size = nbytes
       slot.step, rec.slot = rec.step, slot
@@ -358,6 +397,7 @@ class ParityWorker:
         if r is None:
           continue
         if r.manifest is not None:
+          _check_saved_by(r.manifest, h, rec.process_count, step)
           out[h] = r.manifest
         elif ((r.newest is None or r.newest > step)
               and time.monotonic() - start > ahead_for):
@@ -409,6 +449,18 @@ class ParityWorker:
                        timeout_secs=self.config.timeout_secs, secret=self.agent.secret)
     self._peers[host] = (info["pid"], client)
     return client
+
+
+def _check_saved_by(manifest: str, index: int, count: int, step: int) -> None:
+  """Raises StepNotFoundError unless ``manifest`` is of process ``index`` of a job of
+  ``count`` processes: the agent the job's map names for ``index`` holds the step of
+  another run of the job, where it served another process."""
+  m = SnapshotManifest.from_json(manifest)
+  if (m.process_index, m.process_count) != (index, count):
+    raise errors.StepNotFoundError(
+        f"the agent the job maps process {index} to holds step {step} as process "
+        f"{m.process_index} of {m.process_count}, not of {count}: the job runs on other "
+        f"processes now, so step {step} cannot be protected")
 
 
 def _ck(piece: Piece, value: str) -> list[Any]:

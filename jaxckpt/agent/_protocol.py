@@ -13,9 +13,11 @@ fetches), never inside msgpack.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import zmq
@@ -27,8 +29,14 @@ from jaxckpt.net import _bulk, _wire
 from jaxckpt.net._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
 
 
+logger = logging.getLogger("jaxckpt.agent.client")
+
 # How often a request to an agent on this machine checks that its pid still runs.
 _PID_POLL_SECS = 0.25
+# Agents asked at once by :func:`each`, at most.
+_AT_ONCE = 32
+
+T = TypeVar("T")
 
 
 def request(secret: bytes, op: str, args: dict[str, Any],
@@ -188,3 +196,22 @@ class Client:
         pass
       finally:
         self._reset()
+
+
+def each(clients: dict[int, Client], ask: Callable[[Client], T]) -> dict[int, T]:
+  """``ask(client)`` of every client at once (a restore asks each agent of the job:
+  one after another, each round trip would add up). An agent that does not answer
+  (AgentUnavailableError) is left out with a warning: what it holds counts as lost."""
+  if not clients:
+    return {}
+
+  def one(c: Client) -> tuple[bool, Any]:
+    try:
+      return True, ask(c)
+    except errors.AgentUnavailableError as e:
+      logger.warning("skipping %s: %s", c.who, e)
+      return False, None
+  with concurrent.futures.ThreadPoolExecutor(min(_AT_ONCE, len(clients)),
+                                             thread_name_prefix="jaxckpt-ask") as pool:
+    got = dict(zip(clients, pool.map(one, clients.values())))
+  return {k: v for k, (ok, v) in got.items() if ok}

@@ -287,8 +287,8 @@ class Manifest(Request):
 
 @_request("peers")
 class Peers(Request):
-  """The job's current agents by host id (their address records); with ``merge``,
-  only the hosts named change (a host's agent was replaced)."""
+  """The job's current agents by process index (their address records); with ``merge``,
+  only the processes named change (a process's agent was replaced)."""
   peers: dict
   merge: bool = False
 
@@ -327,7 +327,8 @@ class ParityStatus(Request):
   pass
 
   class Reply(Reply):
-    steps: list         # [step, state, secs, error, process count] each
+    steps: list         # [step, state, secs, error, process count, the process that saved
+                        # it here, group_size, parity] each (an older agent: the first five)
     bytes: int
     config: dict | None
 
@@ -343,6 +344,7 @@ class ParityInfo(Request):
     manifests: dict     # group host -> its manifest (JSON)
     checksums: list
     stripes: list
+    index: int | None = None   # the process that saved the step here (None: an older agent)
 
 
 # -- the agent itself --------------------------------------------------------------
@@ -363,6 +365,7 @@ class Status(Request):
     max_snapshots: int
     limit_bytes: int
     lease: dict | None
+    served_bytes: int = 0        # snapshot and parity bytes sent to other processes so far
     idle_secs: float | None = None           # since its last use (None: a trainer uses it)
     idle_timeout_secs: float | None = None   # it exits once idle that long
 
@@ -375,12 +378,12 @@ class Stop(Request):
 @_request("job_view")
 class JobView(Request):
   """What ``jaxckpt status`` adds to ``status``: the job's agents as this one was told of
-  them (by host id, as the job published them), where it persists, and how long the oldest
+  them (by process index, as the job published them), where it persists, and how long the oldest
   step due for storage has waited (on the agent's clock: a caller's clock may differ)."""
   pass
 
   class Reply(Reply):
-    peers: dict                  # host id (str) -> address record
+    peers: dict                  # process index (str) -> address record
     persist: dict | None         # the PersistConfig a trainer gave (directory, interval_steps)
     lag_secs: float | None       # since the oldest pending persist's step was committed
     directories: list = dataclasses.field(default_factory=list)   # every one it persists to

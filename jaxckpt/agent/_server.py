@@ -143,7 +143,8 @@ class Agent:
     self.stopping = False
     self.lock = threading.RLock()      # the persist and parity threads use it too
     self.persister = None
-    self.peers: dict[int, dict[str, Any]] = {}   # host -> address, as the job published them
+    # process index -> its agent's address, as the job's current run published them
+    self.peers: dict[int, dict[str, Any]] = {}
     self.parity = None                 # a _parity_worker.ParityWorker once a trainer asks for parity
     self._bulk_readers = itertools.count(1)
     self.replays = _wire.Replays()     # requests are applied at most once
@@ -151,6 +152,7 @@ class Agent:
     self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
     self.crowded = 0                   # reserves that found held steps in the loop's slots
     self.run: str | None = None        # the run whose snapshots it holds (its directory)
+    self.served = 0                    # bytes bulk reads sent (others' restores, parity)
 
   # -- helpers --------------------------------------------------------------
 
@@ -308,16 +310,17 @@ class Agent:
     self.lease = (pid, owner, self.generation)
 
   def _configure_parity(self, parity: dict[str, Any]) -> None:
-    """Starts the parity thread, or updates its timeouts (parity already held stays)."""
+    """Starts the parity thread, or gives it a trainer's options for later steps: the
+    parity already held keeps the options it was made with (a job relaunched with
+    other options, or on another number of processes, rebuilds what it restores)."""
     config = _parity_config.ParityConfig(**parity)
-    if self.parity is not None and self.parity.config.options == config.options:
-      self.parity.config = config
-      return
-    if self.parity is not None:
-      logger.warning("parity options changed from %s to %s; dropping the parity held",
-                     self.parity.config.options, config.options)
-      self.parity.close()
-    self.parity = _parity_worker.ParityWorker(self, config)
+    if self.parity is None:
+      self.parity = _parity_worker.ParityWorker(self, config)
+    elif self.parity.config != config:
+      if self.parity.config.options != config.options:
+        logger.info("parity options changed from %s to %s for later steps; the parity held "
+                    "keeps its own", self.parity.config.options, config.options)
+      self.parity.reconfigure(config)
 
   def op_reserve(self, pid: int, step: int, nbytes: int) -> _requests.Reserve.Reply:
     room = self._check_room(nbytes)
@@ -444,7 +447,7 @@ class Agent:
     if persist:
       self.persister.submit(step, str(persist_attempt))
     if self.parity is not None and step in self.manifests:
-      self.parity.on_commit(step, manifest)
+      self.parity.on_commit(step, manifest, self.processes[step])
     return _requests.Commit.Reply(steps=self.steps(), **self._persist_reply())
 
   def _persist_reply(self, errors: bool = True) -> dict[str, Any]:
@@ -504,10 +507,10 @@ class Agent:
     return _requests.Done()
 
   def op_peers(self, peers: dict[str, dict[str, Any]], merge: bool = False) -> _requests.Done:
-    """The job's current agents by host id (their address records), published
+    """The job's current agents by process index (their address records), published
     through the job's coordination service: parity reaches its peers there.
-    ``merge``: only the hosts named change (a trainer announces its host's new
-    agent after the old one died)."""
+    ``merge``: only the processes named change (a trainer announces its new agent
+    after the old one died)."""
     new = {int(h): dict(info) for h, info in peers.items()}
     self.peers = {**self.peers, **new} if merge else new
     return _requests.Done()
@@ -600,7 +603,8 @@ class Agent:
     if what == "parity":
       with self.lock:
         path, size, start, nbytes = self._parity_worker().block_at(step, int(header["stripe"]))
-      wanted = _checked(ranges, nbytes, f"parity of step {step}")
+        wanted = _checked(ranges, nbytes, f"parity of step {step}")
+        self.served += sum(n for _, n in wanted)
       with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
         yield [mm[start + o:start + o + n] for o, n in wanted]       # copies, taken unlocked
       return
@@ -612,7 +616,10 @@ class Agent:
       self._renew(s)
       view = memoryview(self.slots[s.index].read_map(s.size))
     try:
-      yield [view[o:o + n] for o, n in _checked(ranges, s.size, f"step {step}")]
+      wanted = _checked(ranges, s.size, f"step {step}")
+      with self.lock:
+        self.served += sum(n for _, n in wanted)
+      yield [view[o:o + n] for o, n in wanted]
     finally:
       with self.lock:
         self.table.unpin(s.index, reader)
@@ -653,7 +660,7 @@ class Agent:
                 "readers": sum(1 for r in s.pins if r != _RETIRED)} for s in self.table.slots],
         bytes=sum(s.size for s in self.table.slots) + parity_bytes,
         parity_bytes=parity_bytes, trainers=sorted(self.trainers),
-        max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
+        max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes, served_bytes=self.served,
         lease=None if self.lease is None else {"pid": self.lease[0], "owner": self.lease[1],
                                                "generation": self.lease[2]},
         idle_secs=None if self.trainers else time.monotonic() - self.last_active,

@@ -13,6 +13,7 @@ AgentUnavailableError naming the agent; nothing waits forever.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import functools
@@ -21,6 +22,7 @@ import logging
 import mmap
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +34,7 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.agent import _parity_recovery, _paths, _requests
 from jaxckpt.agent._paths import pid_alive, read_address
-from jaxckpt.agent._protocol import Client
+from jaxckpt.agent._protocol import Client, each
 from jaxckpt.agent.jobs import same_directory
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import SnapshotManifest
@@ -42,6 +44,10 @@ from jaxckpt.agent._remote import (clients_of, complete_steps_of, job_agents,
                                    open_remote_piece, _rebuilt_pieces)
 
 logger = logging.getLogger(__name__)
+
+# How long discover waits for an agent of the job's earlier run to answer (a lost
+# machine's never does).
+_PROBE_SECS = 5.0
 
 
 def wait_exited(pid: int, timeout_secs: float) -> bool:
@@ -110,16 +116,21 @@ class AgentStore(HostStore):
 
   ``persist`` and ``parity`` (a ``_parity_config.ParityConfig.to_obj()``) are handed
   to the agent at hello: it then persists and exchanges parity on its own.
+  ``host`` names the agent (its directory under the run root); ``process`` is this
+  trainer's index in its job (default ``host``): a relaunched job whose machines run
+  other indices than before keeps each machine's agent (``_factory.agent_hosts``).
   """
 
   def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
                limit_bytes: int, persist: dict[str, Any] | None = None,
                parity: dict[str, Any] | None = None, secret: str | None = None,
-               owner: str | None = None, run: str | None = None) -> None:
+               owner: str | None = None, process: int | None = None,
+               run: str | None = None) -> None:
     self.opts = opts
     self.owner = owner          # the manager this store serves: the agent's lease names it
     self.run = run              # the run it saves (its directory): another run's snapshots go
     self.host = host
+    self.process = host if process is None else process
     self.run_root = opts.run_root or _paths.default_run_root()
     self.secret = _paths.job_secret(self.run_root, opts.job_name, secret or opts.secret)
     self._max = max_snapshots
@@ -145,7 +156,11 @@ class AgentStore(HostStore):
     self._crowded = 0                       # how often it said one
     self.restarts = 0
     self.directory: list[dict[str, Any]] = []     # the job's agents on other machines
-    self._peers: dict[str, dict[str, Any]] = {}   # host id -> its current agent (discover)
+    # agents of the job's earlier run on machines outside this run (discover): they serve
+    # its first restore, until this trainer's first commit
+    self.elsewhere: list[dict[str, Any]] = []
+    self.job_size: int | None = None              # processes of the job (discover)
+    self._peers: dict[str, dict[str, Any]] = {}   # process index -> its agent (discover)
     self._fence_lock = threading.Lock()
     # (step, attempt) of the persists rebuilt here that run, and of those fenced (deleted
     # or rolled back: they must not commit)
@@ -211,7 +226,8 @@ class AgentStore(HostStore):
     take part in: it is a new agent holding nothing (the machine was lost, or the
     agent died while no trainer ran). For each step due for storage whose persist
     the job's other agents still run (one attempt: theirs, which a rollback or a
-    delete would have fenced) and that is not committed, this process's piece is
+    delete would have fenced), saved by a job of this one's size (``discover``), and
+    that is not committed, this process's piece is
     rebuilt from parity and written as the same attempt, and process 0 commits
     it: on a thread of its own, fenced by a delete or a rollback of this run. An
     agent that holds steps outlived the last run: a step it lacks it dropped on
@@ -238,11 +254,16 @@ class AgentStore(HostStore):
           continue
         try:
           status = PersistStatus.from_obj(c.call("persisted", errors=False)[0].persist)
+          counts = {s: n for s, _, n in c.call("held")[0].held}
         except errors.AgentUnavailableError as e:
           logger.warning("recovering persists: %s", e)
           continue
         for s, a, where in status.attempts:
-          if where and not same_directory(where, directory):
+          if self.job_size is not None and counts.get(s, self.job_size) != self.job_size:
+            logger.warning("step %d: not recovering its persist (attempt %s): a job of %d "
+                           "processes saved it, this one has %d", s, a, counts[s],
+                           self.job_size)
+          elif where and not same_directory(where, directory):
             logger.warning("step %d: not recovering its persist to %s (attempt %s, an earlier "
                            "run's options): this trainer persists to %s", s, where, a, directory)
           elif not _persist.of_run(a, run_id):
@@ -292,8 +313,8 @@ class AgentStore(HostStore):
       return
     old_pid = dead["pid"]
     self.directory = [a for a in self.directory if a["tcp"] != dead["tcp"]] + [self.info]
-    self._peers[str(self.host)] = self.info
-    mine = {str(self.host): self.info}
+    self._peers[str(self.process)] = self.info
+    mine = {str(self.process): self.info}
     with self.job_clients() as clients:
       for c in clients.values():
         try:
@@ -332,20 +353,21 @@ class AgentStore(HostStore):
     from jaxckpt import universal  # pylint: disable=import-outside-toplevel  (JAX: the trainer's side)
     if universal.committed_by(config.directory, step) is not None:
       return        # it ended on storage before its agent died (the status was stale)
-    if self.host != 0 and not universal.missing_parts(config.directory, step, attempt,
-                                                      of=[self.host]):
-      return        # the dead agent wrote this host's part; process 0 commits it
+    if self.process != 0 and not universal.missing_parts(config.directory, step, attempt,
+                                                         of=[self.process]):
+      return        # the dead agent wrote this process's part; process 0 commits it
     check = functools.partial(self._check_fence, step, attempt)
     with contextlib.ExitStack() as stack:
       pieces = self.other_pieces(step, None, rebuild=True, have=[], stack=stack)
-      # this host's piece, rebuilt here (another lost host's is its own process's to write)
-      piece = next((p for p in pieces if not p.remote
-                    and p.manifest.process_index == self.host), None)
+      # this process's piece, rebuilt here (another lost one's is its own process's to write)
+      piece = next((p for p in pieces if p.rebuilt
+                    and p.manifest.process_index == self.process), None)
       if piece is None:
-        raise errors.UnrecoverableLossError(f"host {self.host}'s piece of step {step} was not "
-                                            "rebuilt")
+        raise errors.UnrecoverableLossError(f"process {self.process}'s piece of step {step} "
+                                            "was not rebuilt")
+      buffer = piece.whole()
       check()
-      _persist.persist_part(config, piece.manifest, piece.buffer, attempt, check,
+      _persist.persist_part(config, piece.manifest, buffer, attempt, check,
                             storage=universal)
 
   # Requests that mean the same to a new agent: one the dead agent never
@@ -366,9 +388,10 @@ class AgentStore(HostStore):
     return list(job_agents(self.run_root, self.opts.job_name).values())
 
   def agents(self) -> list[dict[str, Any]]:
-    """Every agent of the job this store knows of: this machine's, and those the
-    other processes published (``discover``), each once."""
-    out = {a["tcp"]: a for a in self.directory}
+    """Every agent of the job this store knows of: this machine's, those the
+    other processes published (``discover``), and until this trainer's first commit
+    the earlier run's agents on machines outside this run, each once."""
+    out = {a["tcp"]: a for a in [*self.directory, *self.elsewhere]}
     out.update((a["tcp"], a) for a in self.local_agents())
     return list(out.values())
 
@@ -422,16 +445,19 @@ class AgentStore(HostStore):
   def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
                    have: list[Any], stack: contextlib.ExitStack) -> list[Any]:
     clients = stack.enter_context(self.job_clients())
+    others = {k: c for k, c in clients.items()   # (this host's own piece is read from its memory)
+              if not (c.pid == self.pid and local_index is not None)}
+    pins = contextlib.ExitStack()
+    stack.push(pins)          # (unpinned with the rest: pins taken on the asking threads)
+    opened = [p for _, p in sorted(each(others, lambda c: open_remote_piece(c, step, pins)).items())
+              if p is not None]
+    # The pieces of one run of the job: this host's piece's, else the size most pieces
+    # have (an agent of a run on another number of processes may hold the same step).
+    counts = [p.manifest.process_count for p in [*have, *opened]]
+    count = counts[0] if have else max(set(counts), key=counts.count, default=None)
     out, found = [], set() if local_index is None else {local_index}
-    for c in clients.values():
-      if c.pid == self.pid and local_index is not None:
-        continue                             # this host's own piece is read from its memory
-      try:
-        piece = open_remote_piece(c, step, stack)
-      except errors.AgentUnavailableError as e:
-        logger.warning("step %d: skipping %s (its pieces count as lost): %s", step, c.who, e)
-        continue
-      if piece is not None and piece.manifest.process_index not in found:
+    for piece in opened:
+      if piece.manifest.process_count == count and piece.manifest.process_index not in found:
         out.append(piece)
         found.add(piece.manifest.process_index)
     if rebuild:
@@ -442,16 +468,72 @@ class AgentStore(HostStore):
     """Publishes the agents of the job on this machine (its run root is private)
     through jax.distributed's key-value store and learns everyone's: restores
     read other hosts' pieces from that list, and this host's agent gets the
-    job's current agents by host id (for parity exchange). No directory is
-    shared between hosts."""
+    job's current agents by process index (for parity exchange). No directory is
+    shared between hosts.
+
+    Each process also says which agents its own agent was told of by the job's
+    earlier run (its map of that run's processes): those on machines outside this
+    run (a relaunch on fewer processes, a machine left out) that still answer join
+    the list until this trainer's first commit, so the relaunch restores from
+    them; each process asks a share of them, and the job agrees on the answers."""
     from jaxckpt.net import _kv  # pylint: disable=import-outside-toplevel  (JAX: trainer side only)
-    mine = {"own": self.info, "local": self.local_agents()}
+    mine = {"own": self.info, "local": self.local_agents(), "earlier": self._earlier()}
     everyone = [json.loads(v) for v in _kv.allgather(
         f"agents/{self.opts.job_name}", json.dumps(mine), timeout_secs=timeout_secs,
         what="their snapshot agents' addresses")]
     self.directory = [a for e in everyone for a in e["local"]]
-    self._peers = {str(e["own"]["host"]): e["own"] for e in everyone}
+    self.job_size = len(everyone)
+    self._peers = {str(p): e["own"] for p, e in enumerate(everyone)}
+    here = {a["tcp"] for a in self.directory}
+    earlier = sorted({a["tcp"]: a for e in everyone for a in e.get("earlier", [])
+                      if a["tcp"] not in here}.items())
+    if earlier:                            # (every process decides alike: same data)
+      me = next(p for p, e in enumerate(everyone) if e["own"]["tcp"] == self.info["tcp"])
+      mine_to_ask = [a for i, (_, a) in enumerate(earlier) if i % len(everyone) == me]
+      answered = [json.loads(v) for v in _kv.allgather(
+          f"agents_earlier/{self.opts.job_name}", json.dumps(self._answering(mine_to_ask)),
+          timeout_secs=timeout_secs, what="which agents of the job's earlier run answer")]
+      alive = {tcp for tcps in answered for tcp in tcps}
+      self.elsewhere = [a for tcp, a in earlier if tcp in alive]
+      if self.elsewhere:
+        logger.info("agents of the job's earlier run outside this one serve its restore: %s",
+                    ", ".join(f"host {a['host']} at {a['tcp']}" for a in self.elsewhere))
     self.call("peers", peers=self._peers)
+
+  def _earlier(self) -> list[dict[str, Any]]:
+    """The agents this host's agent was told of by the job's earlier run (none: a new
+    agent, or one that never had peers)."""
+    try:
+      peers = self.call("job_view").peers
+    except errors.JaxckptError as e:      # an agent of an older jaxckpt: nothing to add
+      logger.info("%s: no earlier peers (%s)", self.who, e)
+      return []
+    return [dict(a) for a in peers.values()
+            if isinstance(a, dict) and isinstance(a.get("tcp"), str)]
+
+  def _answering(self, records: list[dict[str, Any]]) -> list[str]:
+    """The tcp addresses of ``records`` whose agent answers with this job's secret
+    within a few seconds (a lost machine's never does), asked at once."""
+    if not records:
+      return []
+    secs = min(_PROBE_SECS, self.opts.request_timeout_secs)
+
+    def answers(info: dict[str, Any]) -> bool:
+      if not _listening(info["tcp"], secs):    # (a refused port says so at once; ZeroMQ
+        return False                            # would wait out the timeout)
+      c = Client.of(info, who=f"snapshot agent of job {self.opts.job_name!r} host "
+                    f"{info.get('host')} at {info['tcp']}", timeout_secs=secs, secret=self.secret)
+      try:
+        c.call("steps")
+        return True
+      except errors.JaxckptError as e:
+        logger.info("an agent of the job's earlier run does not answer: %s", e)
+        return False
+      finally:
+        c.close()
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(records)),
+                                               thread_name_prefix="jaxckpt-probe") as pool:
+      return [a["tcp"] for a, ok in zip(records, pool.map(answers, records)) if ok]
 
   def _drop_lent(self) -> None:
     """Forgets the maps of lent slot files before a reservation (one of them may be
@@ -539,6 +621,7 @@ class AgentStore(HostStore):
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
              persist_attempt: str | None = None) -> None:
+    self.elsewhere = []           # this run's agents hold what it may restore from now on
     if persist_attempt is not None:
       self._attempts[manifest.step] = persist_attempt
     # a new timeline from this step on (a rollback, or the step saved again): a rebuilt
@@ -620,7 +703,7 @@ class AgentStore(HostStore):
     self._fence_rebuilds(lambda s: s == step)   # a persist of it rebuilt here, too
 
     def fenced() -> bool:       # fenced at once; asked again until its persist has ended
-      r = self.call("discard", step=step, by=self.host)
+      r = self.call("discard", step=step, by=self.process)
       discarded.append(r.discarded)
       first.append(r.deleted_by)
       with self._fence_lock:
@@ -632,7 +715,7 @@ class AgentStore(HostStore):
         "commit)"))
     self._attempts.pop(step, None)
     self._discard_elsewhere(step, timeout_secs)
-    return any(discarded) or first[0] not in (None, self.host)
+    return any(discarded) or first[0] not in (None, self.process)
 
   def _discard_elsewhere(self, step: int, timeout_secs: float) -> None:
     """The job's other agents discard ``step`` as this host's delete (each fenced
@@ -643,7 +726,7 @@ class AgentStore(HostStore):
         if c.pid == self.pid:
           continue
         try:
-          _wait.until(lambda c=c: not c.call("discard", step=step, by=self.host)[0].persisting,
+          _wait.until(lambda c=c: not c.call("discard", step=step, by=self.process)[0].persisting,
                       timeout_secs=timeout_secs, poll_secs=0.01, late=lambda c=c: (
                           f"discard of step {step}: the persist that {c.who} runs of it did "
                           f"not stop within {timeout_secs} s (it will not commit)"))
@@ -726,6 +809,16 @@ class AgentStore(HostStore):
       self._maps.clear()
       self._lent.clear()
       self._client.close()
+
+
+def _listening(endpoint: str, timeout_secs: float) -> bool:
+  """Whether something accepts TCP connections at ``tcp://HOST:PORT``."""
+  host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_secs):
+      return True
+  except (OSError, ValueError):
+    return False
 
 
 def _intact(buf: np.ndarray, path: str, ident: tuple[int, int] | None, need: int) -> str | None:

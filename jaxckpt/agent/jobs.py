@@ -52,6 +52,8 @@ class AgentView:
     directories: that and where the persists still running under a trainer's earlier
       options write (a delete in any of them must reach this agent).
     trainers: pids of the trainers using it.
+    served_bytes: snapshot and parity bytes it has sent other processes (their restores,
+      their parity) since it started.
   """
   host: int
   pid: int
@@ -70,6 +72,7 @@ class AgentView:
   directory: str | None = None
   directories: list[str] = dataclasses.field(default_factory=list)
   trainers: list[int] = dataclasses.field(default_factory=list)
+  served_bytes: int = 0
   peers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict, repr=False)
   record: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)  # its address
 
@@ -132,7 +135,7 @@ def _ask(info: dict[str, Any], job: str, local: bool, secret: bytes,
   try:
     st = c.call("status")[0]
     view.held, view.bytes, view.limit_bytes = list(st.steps), st.bytes, st.limit_bytes
-    view.trainers = list(st.trainers)
+    view.trainers, view.served_bytes = list(st.trainers), st.served_bytes
     view.protected = c.call("steps")[0].protected
     persist = c.call("persisted", errors=False)[0].persist     # the trainer's errors stay queued
     view.persisted = list(persist.get("persisted", []))

@@ -110,20 +110,22 @@ class Deletes:
     newer step on storage refuses the save: the run would mix two timelines."""
     led = self.ledger
     if led.high is None or step > led.high:
-      led.high = step
+      led.high, led.restored = step, None     # forward: a restore before it is history now
       return
     if not self.policy.rollback:
       return
     fork = led.restored if led.restored is not None and led.restored < step else None
-    stored = set(_tiers.storage_steps(self.directory))
+    stored = set(_tiers.storage_steps(self.directory, timeout_secs=self.timeout))
     if fork is None:
       newer = sorted(s for s in stored if s > step)
       if newer:
+        how = (f"step {step} is the step restore() gave back: save the next one (the "
+               f"newer steps are deleted then)" if led.restored == step else
+               "to roll back, restore(step=...) the step to go back to first (the newer "
+               "steps are then deleted), or delete them, or save into another directory")
         raise errors.InvalidArgumentError(
             f"save(step={step}): {self.directory!r} holds newer steps {newer} of this run, "
-            f"so step {step} would start another timeline beside them; to roll back, "
-            f"restore(step=...) the step to go back to first (the newer steps are then "
-            f"deleted), or delete them, or save into another directory")
+            f"so step {step} would start another timeline beside them; {how}")
       return
     abandoned = sorted(s for s in stored | set(self.store.steps()) | set(led.attempts())
                        | set(_tiers.complete_steps(self.store)) if s > fork)

@@ -12,6 +12,8 @@ the previous run's snapshots).
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 import os
 from typing import Any
@@ -29,9 +31,12 @@ DECISIVE = ("max_snapshots", "save_interval_steps", "on_busy", "persist_interval
 
 def run_name(directory: str | None) -> str:
   """The run a manager's host snapshots belong to: its directory, canonical ("" for
-  none: host snapshots only, resumed by the job's name alone)."""
+  none: host snapshots only, resumed by the job's name alone); a local directory is
+  its real path however it is named (relative, ``file://``, a link, a trailing slash)."""
   if directory is None:
     return ""
+  if directory.startswith("file://"):
+    directory = directory[len("file://"):]
   if "://" in directory:
     return directory.rstrip("/")
   return os.path.realpath(directory)
@@ -46,18 +51,58 @@ def digest(options: CheckpointOptions, directory: str | None) -> dict[str, str]:
   return out
 
 
-def _describe(value: Any) -> str:
-  """A value as every process would write it: functions and policies by their
-  qualified name (their repr holds an address), sets sorted."""
-  if value is None or isinstance(value, (bool, int, float, str)):
+def _describe(value: Any, depth: int = 0) -> str:
+  """A value as every process would write it, whatever differs in it described: numbers,
+  strings, timedeltas and sets as they are; lists, tuples and dicts item by item; a
+  function by its qualified name and the values it closes over (``every(2)`` is not
+  ``every(3)``), a ``functools.partial`` by its function and arguments, an object (a
+  dataclass, an orbax policy) by its type and fields; never a repr's address."""
+  if depth > 8:
+    return "..."
+  d = lambda v: _describe(v, depth + 1)  # noqa: E731
+  if value is None or isinstance(value, (bool, int, float, str, datetime.timedelta)):
     return repr(value)
   if isinstance(value, (frozenset, set)):
-    return repr(sorted(value))
+    return "{" + ", ".join(sorted(d(v) for v in value)) + "}"
+  if isinstance(value, (list, tuple)):
+    return "[" + ", ".join(d(v) for v in value) + "]"
+  if isinstance(value, dict):
+    return "{" + ", ".join(f"{d(k)}: {d(v)}" for k, v in sorted(value.items(), key=repr)) + "}"
+  if isinstance(value, functools.partial):
+    return f"partial({d(value.func)}, {d(value.args)}, {d(value.keywords)})"
   if callable(value) and hasattr(value, "__qualname__"):
-    return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
-  if hasattr(value, "__dataclass_fields__") and not callable(value):
-    return f"{type(value).__qualname__}({', '.join(f'{k}={_describe(getattr(value, k))}' for k in value.__dataclass_fields__)})"
+    name = f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    cells = getattr(value, "__closure__", None) or ()
+    code = getattr(value, "__code__", None)
+    held = [d(c.cell_contents) if _plain(c.cell_contents) else
+            type(c.cell_contents).__qualname__ for c in cells if _filled(c)]
+    return name + (f"[{code.co_firstlineno}]" if code is not None else "") + (
+        f"({', '.join(held)})" if held else "")
+  fields = getattr(value, "__dataclass_fields__", None) or getattr(value, "__dict__", None)
+  if fields is not None:
+    return f"{type(value).__qualname__}({', '.join(f'{k}={d(getattr(value, k))}' for k in sorted(fields) if not k.startswith('__'))})"
   return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _plain(value: Any) -> bool:
+  """Whether a value a function closes over is plain data (numbers, strings, timedeltas,
+  and containers of them): described as it is; anything else (a trainer object, whose
+  fields may name this process) by its type only."""
+  if value is None or isinstance(value, (bool, int, float, str, datetime.timedelta)):
+    return True
+  if isinstance(value, (list, tuple, set, frozenset)):
+    return len(value) <= 1000 and all(_plain(v) for v in value)
+  if isinstance(value, dict):
+    return len(value) <= 1000 and all(_plain(k) and _plain(v) for k, v in value.items())
+  return False
+
+
+def _filled(cell: Any) -> bool:
+  try:
+    cell.cell_contents  # pylint: disable=pointless-statement
+    return True
+  except ValueError:                    # an empty cell
+    return False
 
 
 def agree_options(options: CheckpointOptions, directory: str | None, *,

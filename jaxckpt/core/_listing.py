@@ -4,8 +4,9 @@ knows them.
 ``all_steps()`` is the step in flight, the steps the job holds complete on the host
 tier (or can rebuild from parity), and the stored steps this manager knows
 (those on storage when it started or was reloaded, and those it stored since),
-with the steps this manager saved for storage from their save on (another process
-may commit them a little later), less the steps the keep policy dropped. The
+with the steps this manager saved for storage from their save on while their
+persist runs (another process may commit them a little later), less the steps the
+keep policy dropped. The
 stored steps' time and metrics are read once, at start and on ``reload()``, for the
 keep policy to rank.
 """
@@ -39,6 +40,7 @@ class Listing:
                *, parity: bool, settle: Callable[[], None]) -> None:
     self.store, self.ledger, self.directory, self.policy = store, ledger, directory, policy
     self.parity, self.settle = parity, settle
+    self._unlisted = False            # storage's listing did not answer last time
 
   def all_steps(self) -> list[int]:
     led = self.ledger
@@ -46,16 +48,31 @@ class Listing:
     held = set(_tiers.complete_steps(self.store))
     if self.parity:
       held |= set(_tiers.rebuildable_steps(sorted(held), self.store))
-    stored = set(_tiers.storage_steps(self.directory))
+    stored = self._stored()
     led.listed.update(held)
-    on_its_way = {s for s, a in led.attempts().items()
-                  if a not in led.told and s not in led.stored}
+    pending = set(self.store.persist_status().pending)
+    on_its_way = {s for s, a in led.attempts().items()          # saved for storage, its persist
+                  if a not in led.told and s not in led.stored and s in pending}   # not ended
     led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
     for s in led.listed & stored:
       led.stored.add(s)
     listed = flight | held | (led.listed & stored) | on_its_way
     led.prune(listed)
     return sorted(listed - set(led.dropped()))
+
+  def _stored(self) -> set[int]:
+    """The stored steps: storage's listing, asked for at most ``LATE_PROBE_SECS``; while
+    storage does not answer, the ledger's record of them (said at WARNING, once an outage)."""
+    try:
+      stored = set(_tiers.storage_steps(self.directory, timeout_secs=universal.LATE_PROBE_SECS))
+    except errors.StorageError as e:
+      if not self._unlisted:
+        logger.warning("storage does not answer its listing (%s); the steps are listed as this "
+                       "manager last knew them until it does", e)
+      self._unlisted = True
+      return set(self.ledger.listed)
+    self._unlisted = False
+    return stored
 
   def best_step(self) -> int | None:
     """The best kept step by ``best_fn``, else the newest; None if none has metrics."""
@@ -90,16 +107,24 @@ class Listing:
     led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
     if self.policy.records:
       infos = [self._info(s) for s in sorted(set(stored) | set(held)) if s not in led.dropped()]
-      led.found(i for i in infos if i.step in stored or i.time is not EPOCH)
+      led.found(i for i in infos if i is not None and (i.step in stored or i.time is not EPOCH))
+    if self.policy.to_remove is not None:   # what the run's keep policy dropped stays dropped
+      led.drop(self.policy.to_remove(led.kept()), "retention")
     found = universal.orbax_found(self.directory)
     if found:
       logger.info("%s", found)
 
-  def _info(self, step: int) -> StepInfo:
+  def _info(self, step: int) -> StepInfo | None:
+    """``step``'s time and metrics (a damaged step's: none); None if storage refused or
+    did not answer now: such a step is left out of the keep policy's ranking (never
+    dropped for it), and ranked at the next reload."""
     try:
       meta = self.step_metadata(step)[2]
-    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError,
-            errors.StorageError) as e:
+    except errors.StorageError as e:
+      logger.warning("step %d: its time and metrics cannot be read now (%s); it is kept, "
+                     "and left out of the keep policy's ranking until a reload()", step, e)
+      return None
+    except (errors.StepNotFoundError, errors.CorruptSnapshotError, errors.ManifestError) as e:
       logger.warning("step %d: its time and metrics cannot be read (%s)", step, e)
       return StepInfo(step, EPOCH, None)
     t = meta.get(TIME_KEY)

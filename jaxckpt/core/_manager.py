@@ -410,6 +410,11 @@ class CoreManager:
     if step is not None:
       step = check_step(step, "restore")
     self.wait_until_snapshotted()     # first: a step saved just now is the newest
+    why = self.ledger.dropped().get(step) if step is not None else None
+    if why is not None:
+      raise errors.StepNotFoundError(
+          f"restore(step={step}): step {step} was dropped ({why}) and is being deleted from "
+          "every tier; all_steps() lists the steps there are")
     if step is None and self.ledger.dropped():     # not one the keep policy dropped
       step = max(self.listing.all_steps(), default=None)
     out, r = _tiers.restore(self._store, self.directory, step, target, partial=partial,

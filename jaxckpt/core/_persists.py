@@ -12,6 +12,7 @@ that commit, not only for its own part).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from jaxckpt import errors, universal
@@ -103,9 +104,11 @@ class Persists:
               f"{self.process[0]} goes on trying)")
     if want:
       _wait.until(ended, timeout_secs=timeout, late=late)
+      failed.extend(store.persist_errors())   # (one said as the last persist ended)
     self.raise_failed(failed)
     if want and self.process[0] != 0:
       self._wait_committed(store, want, timeout, what)
+    self.ledger.told.update(want.values())    # settled: never waited for again
 
   def _wait_committed(self, store: HostStore, want: dict[int, str], timeout: float,
                       what: str) -> None:
@@ -113,13 +116,20 @@ class Persists:
     process's persist ended before the step is on storage)."""
     directory = self.directory
     left = dict(want)
+    deadline = time.monotonic() + timeout
+    unanswered: list[Exception] = []
 
     def committed() -> bool:
       self.raise_errors(store)
-      stored = set(universal.all_steps(directory))
+      try:                                # asked for at most the time left
+        stored = set(universal.all_steps(directory, timeout_secs=_left(deadline)))
+      except errors.StorageError as e:
+        unanswered[:] = [e]
+        return False
+      dropped = self.ledger.dropped()
       for step, attempt in list(left.items()):
-        if attempt in self.ledger.told:           # fenced (deleted, dropped) meanwhile
-          del left[step]
+        if attempt in self.ledger.told or step in dropped:   # fenced, deleted or dropped
+          del left[step]                  # (every process drops alike: process 0 deletes it)
           continue
         if step not in stored:
           continue
@@ -134,8 +144,10 @@ class Persists:
       return not left
 
     def late() -> str:
+      why = (f"storage did not answer ({unanswered[0]})" if unanswered
+             else self._who(sorted(left), left))
       return (f"{what}: steps {sorted(left)} are not committed on {directory!r} within "
-              f"{timeout} s: {self._who(sorted(left), left)}")
+              f"{timeout} s: {why}")
     _wait.until(committed, timeout_secs=timeout, late=late, poll_secs=0.02, max_poll_secs=0.5)
 
   def _who(self, steps: list[int], attempts: dict[int, str]) -> str:
@@ -152,10 +164,17 @@ class Persists:
     """
     led, directory = self.ledger, self.directory
     attempt = led.attempts().get(step)
+    deadline = time.monotonic() + timeout
+    unanswered: list[Exception] = []
 
     def stored() -> bool:
       self.raise_errors(store)
-      if step in universal.all_steps(directory):
+      try:                                # asked for at most the time left
+        listed = universal.all_steps(directory, timeout_secs=_left(deadline))
+      except errors.StorageError as e:
+        unanswered[:] = [e]
+        return False
+      if step in listed:
         by = universal.committed_by(directory, step)
         if attempt is None or by == attempt:
           return True
@@ -180,3 +199,8 @@ class Persists:
                 timeout_secs=timeout, late=lambda: (
                     f"step {step} is on {directory!r} but {self.where} still reports its "
                     f"persist as running after {timeout} s"))
+
+
+def _left(deadline: float) -> float:
+  """The time left until ``deadline`` for one storage question (at least 0.1 s)."""
+  return max(0.1, deadline - time.monotonic())

@@ -113,10 +113,10 @@ def bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 def ring_mean(leaves: Sequence[np.ndarray], rank: int, size: int, send: Send, recv: Recv,
-              pool: BufferPool | None = None) -> list[np.ndarray] | None:
-  """The mean of every participant's ``leaves`` (read-only arrays); None if a
-  hop's piece did not arrive (``recv`` returned False: a neighbour died or was
-  too late). ``pool`` reuses the flat buffer of an earlier step once unused.
+              pool: BufferPool | None = None, *, average: bool = True) -> list[np.ndarray] | None:
+  """The mean (``average=False``: the sum) of every participant's ``leaves`` (read-only
+  arrays); None if a hop's piece did not arrive (``recv`` returned False: a neighbour died
+  or was too late). ``pool`` reuses the flat buffer of an earlier step once unused.
 
   ``send(tag, segments)`` queues a piece (its bytes are ``segments`` in order,
   left untouched until the right neighbour has them) and must not block;
@@ -127,7 +127,7 @@ def ring_mean(leaves: Sequence[np.ndarray], rank: int, size: int, send: Send, re
   if size == 1:
     for off, seg in src.segments(0, src.size):
       flat[off:off + seg.size] = seg
-  elif not _ring(src, flat, rank, size, send, recv):
+  elif not _ring(src, flat, rank, size, send, recv, average):
     return None
   return unflatten(flat, leaves)
 
@@ -162,7 +162,8 @@ def _pieces(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
   return [(a, min(a + step, hi)) for a in range(lo, max(hi, lo + 1), step)]
 
 
-def _ring(src: _Source, flat: np.ndarray, rank: int, size: int, send: Send, recv: Recv) -> bool:
+def _ring(src: _Source, flat: np.ndarray, rank: int, size: int, send: Send, recv: Recv,
+          average: bool = True) -> bool:
   """The mean into ``flat``. The reduce-scatter sends its first chunk from the
   input and writes each received chunk as ``input + piece``, so every element of
   ``flat`` is written once per phase and never copied from the input first. A
@@ -185,7 +186,8 @@ def _ring(src: _Source, flat: np.ndarray, rank: int, size: int, send: Send, recv
       for off, seg in src.segments(a, b):
         np.add(seg, got[off:off + seg.size], out=flat[a + off:a + off + seg.size])  # (a + b == b + a)
   lo, hi = chunks[(rank + 1) % size]
-  np.divide(flat[lo:hi], size, out=flat[lo:hi])
+  if average:
+    np.divide(flat[lo:hi], size, out=flat[lo:hi])
   for s in range(size - 1):                                 # all-gather
     send_chunk(size - 1 + s, (rank + 1 - s) % size, from_input=False)
     for i, (a, b) in enumerate(_pieces(*chunks[(rank - s) % size], src.dtype.itemsize)):
@@ -194,10 +196,12 @@ def _ring(src: _Source, flat: np.ndarray, rank: int, size: int, send: Send, recv
   return True
 
 
-def reference_mean(contributions: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+def reference_mean(contributions: Sequence[Sequence[np.ndarray]], *, average: bool = True
+                   ) -> list[np.ndarray]:
   """What :func:`ring_mean` gives every participant, computed in one place (for
   checks): contribution ``i`` is rank ``i``'s leaves; chunk ``c`` of the flat
-  buffer is summed starting at rank ``c``, in ring order, then divided."""
+  buffer is summed starting at rank ``c``, in ring order, then divided (unless
+  ``average`` is False: the sum)."""
   size = len(contributions)
   flats = [flatten(c) for c in contributions]
   out = np.empty_like(flats[0])
@@ -205,5 +209,8 @@ def reference_mean(contributions: Sequence[Sequence[np.ndarray]]) -> list[np.nda
     acc = flats[c % size][lo:hi].copy()
     for k in range(1, size):
       np.add(acc, flats[(c + k) % size][lo:hi], out=acc)
-    np.divide(acc, size, out=out[lo:hi])
+    if average:
+      np.divide(acc, size, out=out[lo:hi])
+    else:
+      out[lo:hi] = acc
   return unflatten(out, contributions[0])

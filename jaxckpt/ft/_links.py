@@ -211,14 +211,16 @@ class Links:
       old.conn.close()
 
   def recv(self, group: str, expect: dict[str, Any], tag: int, into: np.ndarray,
-           deadline: float, *, address: str | None = None) -> Failure | None:
+           deadline: float, *, address: str | None = None,
+           heard: Callable[[dict[str, Any]], None] | None = None) -> Failure | None:
     """Reads piece ``tag`` of the attempt ``expect`` (quorum ``q``, ``step``,
     ``digest``) from ``group``'s stream into ``into``; None once it has, else why
     not. ``address`` is the ring address of ``group``'s incarnation in this
     attempt: its stream ending is a failure at once (blaming ``group``), while
     the end of an older incarnation's stream gives way to the newer one. A piece
     cut short by the timeout is skipped when the stream is read next, so the
-    stream stays in step with its sender (closed only when broken)."""
+    stream stays in step with its sender (closed only when broken). ``heard(header)``
+    is called with the header of the piece taken."""
     q = expect["q"]
     while True:
       with self._cond:
@@ -252,6 +254,8 @@ class Links:
             return Failure(f"group {group} sent piece {head['tag']} of {n} bytes where {tag} of "
                            f"{into.nbytes} was due")
           inc.read(into, wait)
+          if heard is not None:
+            heard(head)
           return None
       except _Failed as e:
         return e.failure

@@ -57,14 +57,16 @@ class Member:
   step: int
   digest: int
   ring_address: str = ""          # where its all-reduce streams arrive (see ft/_links.py)
+  batches: int = 0                # batches the job's commits before ``step`` consumed
 
   def to_wire(self) -> list[Any]:
-    return [self.group_id, self.address, self.step, self.digest, self.ring_address]
+    return [self.group_id, self.address, self.step, self.digest, self.ring_address, self.batches]
 
   @classmethod
   def from_wire(cls, obj: Sequence[Any]) -> Member:
     return cls(group_id=obj[0], address=obj[1], step=int(obj[2]), digest=int(obj[3]),
-               ring_address=str(obj[4]) if len(obj) > 4 else "")
+               ring_address=str(obj[4]) if len(obj) > 4 else "",
+               batches=int(obj[5]) if len(obj) > 5 else 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,7 +74,8 @@ class Quorum:
   """One member's view of the quorum of a step attempt.
 
   Attributes:
-    quorum_id: unique id of this quorum.
+    quorum_id: unique id of this quorum's attempt (``lineage`` itself, or, for a
+      quorum the ring went on with without asking, ``lineage@step``).
     group_id: the member this view belongs to.
     max_step: the newest step among the members.
     digest: the digest the healthy members share (see :func:`healthy_of`).
@@ -81,6 +84,10 @@ class Quorum:
     left, right: this member's ring neighbours (None when it is not healthy).
     peers: healthy members to catch up from (empty when this member is healthy).
     dropped: members of the previous quorum that are not in this one.
+    lineage: the id of the quorum the lighthouse formed (which the ring goes on
+      with, step after step, while every member commits).
+    batches: batches the job consumed before ``max_step`` (the healthy members'
+      count): this attempt's ring draws batches ``batches .. batches + len(healthy) - 1``.
   """
   quorum_id: str
   group_id: str
@@ -92,6 +99,8 @@ class Quorum:
   right: Member | None = None
   peers: tuple[Member, ...] = ()
   dropped: tuple[str, ...] = ()
+  lineage: str = ""
+  batches: int = 0
 
   @property
   def leader(self) -> str:
@@ -102,6 +111,14 @@ class Quorum:
   def in_ring(self) -> bool:
     """Whether this member is healthy, so takes part in the attempt's all-reduce."""
     return self.right is not None
+
+  def continued(self, digest: int, batches: int) -> Quorum:
+    """The quorum of the next step when every member of this one committed this one's
+    step with every healthy member: the same members, ring and ranks, one step on, named
+    ``lineage@step``. Every member derives the same one, and asks nobody."""
+    step = self.max_step + 1
+    return dataclasses.replace(self, quorum_id=f"{self.lineage}@{step}", max_step=step, digest=digest,
+                               batches=batches, dropped=())
 
   def rank(self, group_id: str) -> int:
     """Position of ``group_id`` among the members (sorted by group id)."""
@@ -156,7 +173,7 @@ class Formation:
     ring = {m.group_id: i for i, m in enumerate(healthy)}
     out = []
     head = {"id": quorum_id, "step": healthy[0].step, "digest": healthy[0].digest, "n": len(ids),
-            "view": key}
+            "view": key, "batches": healthy[0].batches}
     for rank, m in enumerate(members):
       base = held.get(m.group_id, "")
       if base not in attachments:
@@ -225,7 +242,8 @@ class View:
           quorum_id=str(wire["id"]), group_id=group_id, max_step=int(wire["step"]),
           digest=int(wire["digest"]), members=self._members, healthy=self._healthy,
           left=_member_or_none(wire.get("left")), right=_member_or_none(wire.get("right")),
-          peers=tuple(Member.from_wire(p) for p in wire.get("peers", ())), dropped=dropped)
+          peers=tuple(Member.from_wire(p) for p in wire.get("peers", ())), dropped=dropped,
+          lineage=str(wire["id"]), batches=int(wire.get("batches", 0)))
       if len(self._members) != wire["n"] or self._members[wire["rank"]] != group_id:
         raise ValueError(f"{len(self._members)} members held, {wire['n']} in the reply, rank "
                          f"{wire['rank']} for {group_id!r}")

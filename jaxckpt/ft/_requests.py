@@ -9,8 +9,8 @@ and changes nothing. Names (group ids, addresses) are printable text, and a fail
 reason is escaped (:func:`jaxckpt.util._text.shown`): the lighthouse logs and relays
 them to terminals.
 
->>> parse({"op": "heartbeat", "group": "g0"})
-Heartbeat(group='g0')
+>>> parse({"op": "heartbeat", "group": "g0", "step": 7, "q": "5b12a215-4"})
+Heartbeat(group='g0', step=7, lineage='5b12a215-4')
 >>> parse({"op": "ready", "group": 3})
 Traceback (most recent call last):
 ...
@@ -24,6 +24,7 @@ from typing import Any, Union
 
 from jaxckpt import errors
 from jaxckpt.ft._quorum import Member
+from jaxckpt.ft._terms import Terms
 from jaxckpt.util._text import shown
 
 _MAX_NAME = 256                 # group ids, addresses
@@ -38,6 +39,8 @@ _MAX_BLAME = 8                  # groups a failure report names
 @dataclasses.dataclass(frozen=True, slots=True)
 class Heartbeat:
   group: str
+  step: int | None = None       # the step the group is at (it goes on without asking while its quorum holds)
+  lineage: str | None = None    # the quorum it goes on with (its id at the lighthouse that formed it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class QuorumRequest:
   view: str
   ask: int | None               # the first request id of the member's ask (its resends repeat it)
   held: int | None = None       # how many members the view it holds has (None: not said)
+  terms: Terms | None = None    # what it must agree on with the job (None: an older client)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,7 +101,13 @@ def request_id_of(header: Any) -> int | None:
 
 
 def _heartbeat(h: dict[str, Any]) -> Heartbeat:
-  return Heartbeat(_name(h, "heartbeat", "group"))
+  step = h.get("step")
+  if step is not None and not _is_int(step, 0, _MAX_INT):
+    raise _bad("heartbeat", "step", "absent or an int in [0, 2**63)", step)
+  lineage = h.get("q")
+  if lineage is not None and not (isinstance(lineage, str) and 1 <= len(lineage) <= _MAX_QUORUM_ID):
+    raise _bad("heartbeat", "q", f"absent or a string of 1 to {_MAX_QUORUM_ID} characters", lineage)
+  return Heartbeat(_name(h, "heartbeat", "group"), step, lineage)
 
 
 def _ready(h: dict[str, Any]) -> Ready:
@@ -128,7 +138,13 @@ def _quorum(h: dict[str, Any]) -> QuorumRequest:
   held = h.get("held")
   if held is not None and not _is_int(held, 0, _MAX_INT):
     raise _bad("quorum", "held", "absent or an int in [0, 2**63)", held)
-  return QuorumRequest(rid, _member(h.get("member")), view, ask, held)
+  terms = h.get("terms")
+  if terms is not None:
+    try:
+      terms = Terms.from_wire(terms)
+    except errors.InvalidArgumentError as e:
+      raise _bad("quorum", "terms", str(e), terms) from None
+  return QuorumRequest(rid, _member(h.get("member")), view, ask, held, terms)
 
 
 def _failed(h: dict[str, Any]) -> Failed:
@@ -147,11 +163,11 @@ def _failed(h: dict[str, Any]) -> Failed:
 
 
 def _member(obj: Any) -> Member:
-  want = "a list [group_id, address, step, digest, ring_address]"
-  if not isinstance(obj, (list, tuple)) or len(obj) not in (4, 5):
+  want = "a list [group_id, address, step, digest, ring_address, batches]"
+  if not isinstance(obj, (list, tuple)) or len(obj) not in (4, 5, 6):
     raise _bad("quorum", "member", want, obj)
-  fields = list(obj) + [""] * (5 - len(obj))
-  gid, address, step, digest, ring = fields
+  fields = list(obj) + [""] * (5 - min(5, len(obj))) + [0] * (6 - max(5, len(obj)))
+  gid, address, step, digest, ring, batches = fields
   for name, value, lo in (("group_id", gid, 1), ("address", address, 1), ("ring_address", ring, 0)):
     if not (isinstance(value, str) and lo <= len(value) <= _MAX_NAME and value.isprintable()):
       raise _bad("quorum", f"member.{name}",
@@ -160,7 +176,9 @@ def _member(obj: Any) -> Member:
     raise _bad("quorum", "member.step", "an int in [0, 2**63)", step)
   if not _is_int(digest, 0, _MAX_DIGEST):
     raise _bad("quorum", "member.digest", "an int in [0, 2**64)", digest)
-  return Member(group_id=gid, address=address, step=step, digest=digest, ring_address=ring)
+  if not _is_int(batches, 0, _MAX_INT):
+    raise _bad("quorum", "member.batches", "an int in [0, 2**63)", batches)
+  return Member(group_id=gid, address=address, step=step, digest=digest, ring_address=ring, batches=batches)
 
 
 def _name(h: dict[str, Any], op: str, field: str) -> str:

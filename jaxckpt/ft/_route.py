@@ -166,3 +166,87 @@ class BeatRoute:
     for sock in (self._private, self._public):
       if sock is not None:
         sock.close(linger=200 if sent else 0)
+
+
+def addresses(address: str) -> list[str]:
+  """The lighthouse replicas' addresses in ``address`` (``HOST:PORT[,HOST:PORT...]``)."""
+  out = [a.strip() for a in address.split(",") if a.strip()]
+  if not out or any(not a.rpartition(":")[0] or not a.rpartition(":")[2].isdigit() for a in out):
+    from jaxckpt import errors  # pylint: disable=import-outside-toplevel
+    raise errors.InvalidArgumentError(
+        f"a lighthouse address must be HOST:PORT, or several separated by commas (the replicas "
+        f"of a control plane on etcd), got {address!r}")
+  return out
+
+
+class Routes:
+  """A client's way to every lighthouse replica (``HOST:PORT,...``): each message goes to
+  all of them (only the leader answers; a follower keeps what it hears, so it can take
+  over warm), and a reply is read from whichever sends it. With one address: one
+  :class:`Route`, as before."""
+
+  def __init__(self, ctx: zmq.Context, address: str, key: bytes) -> None:
+    self.address = address
+    self._routes = [Route(ctx, a, key) for a in addresses(address)]
+    self._last: Route = self._routes[0]
+
+  @property
+  def private(self) -> dict[str, int | None]:
+    """Each replica's private port, once learned."""
+    return {r.address: r.private for r in self._routes}
+
+  def send(self, frames: list[Any], deadline: float | None = None) -> bool:
+    if len(self._routes) == 1:
+      return self._routes[0].send(frames, deadline)
+    sent = False
+    for r in self._routes:       # (never held up by a replica that is down: no handshake wait)
+      sent = r.send(frames, time.monotonic()) or sent
+    return sent
+
+  def recv(self, timeout_secs: float) -> list[Any] | None:
+    if len(self._routes) == 1:
+      return self._routes[0].recv(timeout_secs)
+    ready = zmq.select([r.sock for r in self._routes], [], [], max(0.0, timeout_secs))[0]
+    for r in self._routes:
+      if r.sock in ready:
+        self._last = r
+        return _wire.recv(r.sock, 0)
+    return None
+
+  def learn(self, header: dict[str, Any]) -> bool:
+    """Moves the route the last reply came on to the private port it names."""
+    return self._last.learn(header)
+
+  def close(self) -> None:
+    for r in self._routes:
+      r.close()
+
+
+class BeatRoutes:
+  """A heartbeat's way to every lighthouse replica (see :class:`Routes`)."""
+
+  def __init__(self, ctx: zmq.Context, address: str, key: bytes) -> None:
+    self._routes = {a: BeatRoute(ctx, a, key) for a in addresses(address)}
+
+  def want(self, ports: dict[str, int | None] | int | None) -> None:
+    if not isinstance(ports, dict):
+      ports = {a: ports for a in self._routes}
+    for a, r in self._routes.items():
+      r.want(ports.get(a))
+
+  def send(self, frames: list[Any]) -> bool:
+    sent = False
+    for r in self._routes.values():
+      sent = r.send(frames) or sent
+    return sent
+
+  def recv(self, timeout_secs: float) -> list[Any] | None:
+    if len(self._routes) == 1:
+      return next(iter(self._routes.values())).recv(timeout_secs)
+    socks = [s for r in self._routes.values() for s in (r._private, r._public) if s is not None]  # pylint: disable=protected-access
+    ready = zmq.select(socks, [], [], max(0.0, timeout_secs))[0]
+    return ready[0].recv_multipart(copy=False) if ready else None
+
+  def close(self, last: list[Any] | None = None) -> None:
+    for r in self._routes.values():
+      r.close(last)

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--process-id", type=int, default=0)
   p.add_argument("--dump", default=None, help="write the final params (whole values) to this .npz")
   p.add_argument("--host", default="127.0.0.1", help="this machine's address (127.0.1.M in tests)")
+  p.add_argument("--max-groups", type=int, default=4)
+  p.add_argument("--data-order", default="default")
   args = p.parse_args(argv)
 
   import jax  # pylint: disable=import-outside-toplevel
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
   jax.block_until_ready(_toy.apply_fn(state, _toy.grad_fn(state, *_toy.batch(0))))  # compile first
   source = InMemorySnapshotSource() if jax.process_count() == 1 else None  # it is single-process only
   options = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=100), ring_size=args.ring_size,
-                                max_groups=4, lighthouse_timeout=timedelta(seconds=30), host=args.host)
+                                max_groups=args.max_groups, data_order=args.data_order,
+                                lighthouse_timeout=timedelta(seconds=30), host=args.host)
   with open(args.out, "a", encoding="utf-8") as out, ReplicaGroup(
       lighthouse=args.lighthouse, group_id=args.group, timeout=timedelta(seconds=args.timeout),
       options=options, snapshot_source=source, injector=EventInjector.from_json(args.injector)) as ft:

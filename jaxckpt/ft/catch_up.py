@@ -144,7 +144,7 @@ class CatchUpServer:
           return _peer.LATER
         return {"op": "missing", "held": list(self.ring.steps())}, ()
       return {"op": "ring_entry", "step": entry.step, "digest_before": entry.digest_before,
-              "digest_after": entry.digest_after}, entry.leaves
+              "digest_after": entry.digest_after, "batches_after": entry.batches_after}, entry.leaves
     if op == "digest":
       return {"op": "digest", "digest": self.digests.get(int(header["step"]))}, ()
     source = self.snapshots()
@@ -201,6 +201,6 @@ def fetch_ring(sender: _peer.PeerSender, address: str, start: int, digest: int, 
       return None
     header, arrays = reply
     entries.append(RingEntry(step=step, digest_before=digest, digest_after=header["digest_after"],
-                             leaves=tuple(arrays)))
+                             leaves=tuple(arrays), batches_after=int(header.get("batches_after", 0))))
     digest = header["digest_after"]
   return entries

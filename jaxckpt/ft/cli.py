@@ -48,6 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
   p.add_argument("--private-port", type=int, default=0, metavar="PORT",
                  help="port of the job's private door on the same interface (CURVE, keyed by the "
                       "secret; groups learn it from the lighthouse's replies); default 0: any free port")
+  p.add_argument("--etcd", default="", metavar="URL[,URL...]",
+                 help="serve as one replica of the job's control plane on this etcd cluster "
+                      "(http://HOST:PORT of each member): the replicas elect a leader, which forms "
+                      "the quorums; give every group every replica's address, comma-separated")
+  p.add_argument("--job", default="", metavar="NAME", help="the job the replicas serve (with --etcd)")
+  p.add_argument("--leader-lease", type=float, default=defaults.leader_lease.total_seconds(),
+                 metavar="SECS", help="the leader's etcd lease: a dead leader leads until it expires "
+                 f"(with --etcd; default {defaults.leader_lease.total_seconds():g})")
   p.add_argument("--secret-file", metavar="PATH",
                  help="file holding the job's secret (mode 0600); default: $JAXCKPT_JOB_SECRET")
   p.set_defaults(func=run_lighthouse)
@@ -59,7 +67,9 @@ def run_lighthouse(args: argparse.Namespace) -> int:
                               heartbeat_timeout=timedelta(seconds=args.heartbeat_timeout),
                               connection_timeout=timedelta(seconds=args.connection_timeout),
                               join_timeout=timedelta(seconds=args.join_timeout),
-                              straggler_timeout=timedelta(seconds=args.straggler_timeout))
+                              straggler_timeout=timedelta(seconds=args.straggler_timeout),
+                              etcd_endpoints=tuple(e for e in args.etcd.split(",") if e),
+                              job_name=args.job, leader_lease=timedelta(seconds=args.leader_lease))
   secret = _read_secret(args.secret_file) if args.secret_file else os.environ.get(_wire.SECRET_ENV)
   if not secret:
     raise errors.InvalidArgumentError(

@@ -71,7 +71,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxckpt import errors
-from jaxckpt.ft import _intake, _quorum, _replay, _requests, _route
+from jaxckpt.ft import _intake, _quorum, _replay, _replicas, _requests, _route, _terms
 from jaxckpt.ft._clients import MAX_WHY, Heartbeat, LighthouseClient, Notice
 from jaxckpt.ft._quorum import Member, Quorum, View
 
@@ -91,6 +91,7 @@ _RESCAN_SECS = 0.01                # how stale the set of live groups not yet as
 _CHECK_SECS = 0.05                 # how often the members of the attempt in flight are checked for heartbeats
 _NOTICE_SECS = 0.25                # a group out of the attempt is told so at most this often
 _CLOSE_GRACE_SECS = 0.05           # a closed heartbeat connection counts unless its group left in this time
+_BEAT_LAG_STEPS = 8                # steps a ring that goes on without asking may be ahead of its heartbeats
 Peer = tuple  # (socket, ZeroMQ identity, connection fd): where a message came from, where its answer goes
 
 
@@ -118,17 +119,35 @@ class LighthouseOptions:
       asked yet; also the grace period after a (re)start.
     straggler_timeout: how long members of the previous quorum that are still
       live but have not asked again are waited for.
+    etcd_endpoints: the etcd cluster (``http://HOST:PORT`` of each member) that
+      this lighthouse is a replica on: empty for a lighthouse of its own (one
+      machine, tests). With it, several replicas serve one job and one of them
+      leads (:mod:`jaxckpt.ft._replicas`); give every group all their addresses.
+    job_name: the job the replicas serve (its keys in etcd: ``/jaxckpt/<job_name>/``).
+    leader_lease: the leader's etcd lease: a leader that dies leads until it
+      expires (a clean exit hands over at once). Whole seconds, at least etcd's
+      shortest lease (1.5 election timeouts, rounded up).
   """
   min_replicas: int = 1
   heartbeat_timeout: timedelta = timedelta(seconds=5)
   join_timeout: timedelta = timedelta(seconds=1)
   straggler_timeout: timedelta = timedelta(seconds=60)
   connection_timeout: timedelta = timedelta(milliseconds=750)
+  etcd_endpoints: tuple[str, ...] = ()
+  job_name: str = ""
+  leader_lease: timedelta = timedelta(seconds=2)
 
   def __post_init__(self):
     if self.min_replicas < 1:
       raise errors.InvalidArgumentError(f"LighthouseOptions.min_replicas must be >= 1, got {self.min_replicas=}")
-    for name in ("heartbeat_timeout", "join_timeout", "straggler_timeout", "connection_timeout"):
+    if self.etcd_endpoints and not self.job_name:
+      raise errors.InvalidArgumentError(
+          "LighthouseOptions.job_name is needed with etcd_endpoints (the job's keys in etcd: "
+          f"/jaxckpt/<job_name>/), got {self.job_name=}")
+    if isinstance(self.etcd_endpoints, str):
+      raise errors.InvalidArgumentError(
+          f"LighthouseOptions.etcd_endpoints must be a tuple of URLs, got the string {self.etcd_endpoints!r}")
+    for name in ("heartbeat_timeout", "join_timeout", "straggler_timeout", "connection_timeout", "leader_lease"):
       value = getattr(self, name)
       if not isinstance(value, timedelta) or value <= timedelta(0):
         raise errors.InvalidArgumentError(f"LighthouseOptions.{name} must be a positive timedelta, got {value!r}")
@@ -143,6 +162,7 @@ class _Pending:
   view: str                             # the view key the member holds (see _quorum)
   ask: int | None                       # which ask of the member this is (its resends repeat it)
   held: int | None = None               # how many members that view has
+  terms: _terms.Terms | None = None     # what it must agree on with the job
 
 
 class Lighthouse:
@@ -234,6 +254,18 @@ class Lighthouse:
     self._conn_group: dict[tuple[zmq.Socket, int], str] = {}  # and back
     self._closing: dict[str, float] = {}   # groups whose heartbeat connection closed, and when
     self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
+    self._called_back_at = -math.inf      # when the ring in flight was last called back
+    self._called_back = False             # whether the ring in flight was asked to ask again
+    self._beat_steps: dict[str, int] = {} # the step each group's last heartbeat named
+    self._lineage_of: dict[str, str] = {} # the quorum each group goes on with (its heartbeats, or formed here)
+    self._adopted = False                 # whether the ring in flight's quorum was formed by another lighthouse
+    self._terms: _terms.Terms | None = None   # what every group of the job must hold the same
+    self._reported: dict[tuple[str, str], str] = {}   # failures reported for an unknown attempt
+    self.on_terms: Callable[[_terms.Terms], _terms.Terms] | None = None   # (the job's terms fixed)
+    self.before_form: Callable[[str], bool] | None = None   # (may this lighthouse form quorum q now?)
+    # A replica on etcd follows (hears, answers nobody) until it leads (see ft/_replicas.py).
+    self._passive = bool(self.options.etcd_endpoints)
+    self._candidacy: _replicas.Candidacy | None = None
     self._checked_at = 0.0
     self._flooded_at = -math.inf          # when the public port last had more queued than was read
     self._lock = threading.Lock()
@@ -254,15 +286,52 @@ class Lighthouse:
   def start(self) -> Lighthouse:
     self._started_at = time.monotonic()
     self._thread.start()
+    if self.options.etcd_endpoints:
+      self._candidacy = _replicas.Candidacy(
+          list(self.options.etcd_endpoints), self.options.job_name, self.address,
+          lease_ttl_secs=math.ceil(self.options.leader_lease.total_seconds()),
+          on_elected=self._elected, on_deposed=self._deposed)
+      self.before_form, self.on_terms = self._candidacy.fence, self._candidacy.terms
+      self._candidacy.start()
     logger.info("lighthouse serving on %s", self.address, extra={"address": self.address})
     return self
 
   def stop(self) -> None:
-    """Stops serving and releases the port (a new lighthouse may bind it at once)."""
+    """Stops serving and releases the port (a new lighthouse may bind it at once); a
+    replica that leads hands over at once (it revokes its etcd lease)."""
+    if self._candidacy is not None:
+      self._candidacy.stop()
     self._stop.set()
     if self._thread.is_alive():
       self._thread.join(timeout=5)
     self._close_sockets()
+
+  @property
+  def leading(self) -> bool:
+    """Whether this lighthouse forms the job's quorums (always, without etcd)."""
+    return not self._passive
+
+  def _elected(self) -> None:
+    """This replica leads from now: the job's terms from etcd, and the quorum the groups
+    go on with adopted from their heartbeats (a follower heard them all along)."""
+    terms = self._candidacy.stored_terms() if self._candidacy is not None else None
+    with self._lock:
+      now = time.monotonic()
+      self._passive, self._started_at = False, now
+      self._terms = terms or self._terms
+      self._quorum_id, self._inflight, self._last_members, self._adopted = None, {}, (), False
+      self._aborted, self._called_back, self._out = None, False, {}
+      ring = [(self._beat_steps.get(g, 0), self._lineage_of[g], g) for g in self._live(now)
+              if g in self._lineage_of and g not in self._pending]
+      if ring:
+        step, lineage, _ = max(ring)
+        for s, q, g in ring:
+          if q == lineage:
+            self._adopt(g, q, s, now)
+
+  def _deposed(self) -> None:
+    with self._lock:
+      self._passive = True
 
   def _close_sockets(self) -> None:
     for monitor, sock in self._monitors:
@@ -434,6 +503,11 @@ class Lighthouse:
         self._waiting = None            # (a group not seen before: who is waited for changes)
       self._last_seen[gid] = now
       self._beat_peers[gid] = peer
+      if request.step is not None:
+        self._beat_steps[gid] = request.step
+      if request.lineage is not None:
+        self._lineage_of[gid] = request.lineage
+        self._adopt(gid, request.lineage, request.step, now)
       conn = (peer[0], peer[2])
       if peer[2] >= 0 and self._beat_conn.get(gid) != conn:
         self._conn_group.pop(self._beat_conn.get(gid), None)
@@ -451,6 +525,7 @@ class Lighthouse:
       self._out.pop(request.group, None)
       self._last_seen[request.group] = now
       self._waiting = None
+      self._call_back(now)                       # (the ring asks again: it joins them there)
     elif isinstance(request, _requests.Failed):
       self._failed(request)
     elif isinstance(request, _requests.Leave):  # a group closing: not live, nobody waits for it
@@ -470,19 +545,25 @@ class Lighthouse:
 
   def _ask(self, peer: Peer, request: _requests.QuorumRequest, now: float) -> None:
     member = request.member
-    if self._last_step is not None and member.step > self._last_step + 1:
+    newest = self._newest_step()
+    if not self._passive and newest is not None and member.step > newest + 1:
       # Members advance one step per quorum: a claim beyond that is a bug or a lie,
       # and admitting it would make every honest group look behind (a stalled job).
       self._malformed.add(f"group {member.group_id!r} claims step {member.step}, the job is at "
-                          f"{self._last_step}")
+                          f"{newest}")
       self._reply(peer, {
           "op": "refused", "request_id": request.request_id,
-          "error": f"step {member.step} claimed, but the job's newest quorum was at step "
-                   f"{self._last_step}: a group can be at most one step ahead"})
+          "error": f"step {member.step} claimed, but the job is at step "
+                   f"{newest}: a group can be at most one step ahead"})
       return
+    if request.terms is not None and self._terms is not None and not self._passive:
+      why = self._refused_terms(member.group_id, request.terms)
+      if why is not None:
+        self._reply(peer, {"op": "refused", "request_id": request.request_id, "terms": True, "error": why})
+        return
     gid = member.group_id
     answered = self._answered.get(gid)
-    if answered is not None and request.ask is not None and answered[0] == request.ask:
+    if answered is not None and request.ask is not None and answered[0] == request.ask and not self._passive:
       # A resend of an ask already answered (its reply crossed it, or was lost): the same
       # answer again, never a new pending request that the next quorum would count on.
       self._reply(peer, dict(answered[1], request_id=request.request_id), answered[2])
@@ -497,13 +578,13 @@ class Lighthouse:
     if not self._pending:
       self._first_pending = now
     self._pending[gid] = _Pending(peer, request.request_id, member, old.since if old else now,
-                                  request.view, request.ask, request.held)
+                                  request.view, request.ask, request.held, request.terms)
 
   # ---- ending an attempt for every member --------------------------------------------------------------
 
   def _check_in_flight(self, now: float) -> None:
     """Members of the attempt in flight whose heartbeats stopped are out of it: the others abort it."""
-    if not self._inflight or now - self._checked_at < _CHECK_SECS:
+    if self._passive or not self._inflight or now - self._checked_at < _CHECK_SECS:
       return
     self._checked_at = now
     dead = sorted(g for g in self._inflight if not self._is_live(g, now))
@@ -520,8 +601,26 @@ class Lighthouse:
     self._abort_attempt(self._out[dead[0]], dead)
 
   def _failed(self, report: _requests.Failed) -> None:
-    """A member failed the attempt in flight: whom it blames is out of it, and the rest abort it."""
-    if report.q != self._quorum_id or report.group not in self._last_members:
+    """A member failed the attempt in flight: whom it blames is out of it, and the rest abort it.
+    (The attempt is named ``lineage`` or ``lineage@step``: the ring goes on with the quorum
+    this lighthouse formed, step after step, without asking.)"""
+    lineage = report.q.partition("@")[0]
+    known = lineage == self._quorum_id and report.group in self._last_members
+    key = (report.group, report.q)
+    if (not known or self._adopted) and key not in self._reported:
+      # Found while this lighthouse was away or did not lead (an outage, a new leader).
+      self._reported[key] = report.why
+      while len(self._reported) > 256:
+        self._reported.pop(next(iter(self._reported)))
+      logger.warning("lighthouse at %s: group %s reports a failure of quorum %s's attempt, which "
+                     "this lighthouse did not see (the control plane was away, or another "
+                     "lighthouse led): %s; out: %s", self.address, report.group, report.q, report.why,
+                     list(report.blame))
+      for g in report.blame:              # (not waited for by the next quorum)
+        if g != report.group and g not in self._pending:
+          self._last_seen[g] = -math.inf
+      self._waiting = None
+    if not known:
       return                              # (an older attempt's report: nothing left to end)
     why = f"group {report.group} failed quorum {report.q}'s attempt: {report.why}"
     for g in report.blame:
@@ -534,7 +633,7 @@ class Lighthouse:
   def _abort_attempt(self, why: str, blame: Any, skip: str | None = None) -> None:
     """Tells every member still in the attempt in flight to abort it (at once, and on each
     of its heartbeats until it asks again)."""
-    if self._aborted is not None:
+    if self._aborted is not None or self._passive:
       return
     self._aborted = (self._quorum_id, why, tuple(blame), skip)
     for g in self._inflight:
@@ -543,16 +642,21 @@ class Lighthouse:
 
   def _notify(self, gid: str, why: str, blame: Any) -> None:
     """An ``abort`` of ``gid``'s last attempt, on its heartbeat connection."""
+    if self._passive:
+      return
     peer, answered = self._beat_peers.get(gid), self._answered.get(gid)
-    if peer is None or answered is None:
+    lineage = self._lineage_of.get(gid) or (answered[1]["quorum"]["id"] if answered else None)
+    if peer is None or lineage is None:
       return
     _wire.send(peer[0], [peer[1], *_wire.seal(self._key, {
-        "op": "abort", "q": answered[1]["quorum"]["id"], "why": why[:MAX_WHY], "blame": list(blame)[:8]})])
+        "op": "abort", "q": lineage, "why": why[:MAX_WHY], "blame": list(blame)[:8]})])
 
   def _status(self, now: float) -> dict[str, Any]:
     return {"live": sorted(self._live(now)), "pending": sorted(self._pending),
             "last_members": list(self._last_members), "quorums_formed": self._quorums_formed,
-            "out": sorted(self._out),
+            "out": sorted(self._out), "terms": None if self._terms is None else self._terms.to_wire(),
+            "leading": not self._passive, "lineage": self._quorum_id,
+            "reported_failures": [[g, q, why] for (g, q), why in self._reported.items()],
             "last_form_secs": self._last_form_secs, "cpu_secs": self._cpu_secs,
             "refused": self._refusals.count,
             "malformed": self._malformed.count}
@@ -564,15 +668,102 @@ class Lighthouse:
   def _is_live(self, group: str, now: float) -> bool:
     return now - self._last_seen.get(group, -math.inf) <= self.options.heartbeat_timeout.total_seconds()
 
+  # ---- the job's terms, the ring's step, calling the ring back ---------------------------------------
+
+  def _refused_terms(self, gid: str, terms: _terms.Terms) -> str | None:
+    """Why ``gid`` cannot join under ``terms`` (None if it can; an unknown layout of the
+    job's is taken from it)."""
+    why = _terms.differ(terms, self._terms, gid)
+    if why is not None:
+      self._malformed.add(why)
+      logger.warning("lighthouse at %s refused group %s: %s", self.address, gid, why,
+                     extra={"group_id": gid})
+      return why
+    if self._terms.layout is None and terms.layout is not None:
+      self._set_terms(dataclasses.replace(self._terms, layout=terms.layout))
+    return None
+
+  def _set_terms(self, terms: _terms.Terms) -> None:
+    self._terms = terms if self.on_terms is None else self.on_terms(terms)
+
+  def _fix_terms(self) -> None:
+    """The job's terms, from the first quorum's requests if not fixed yet; pending members
+    whose terms differ are refused (with the field and both values) and not in the quorum."""
+    asking = [(g, bool(p.view), p.terms) for g, p in sorted(self._pending.items()) if p.terms is not None]
+    if self._terms is None and asking:
+      self._set_terms(_terms.chosen(asking))
+      logger.info("lighthouse at %s: the job's terms are %s", self.address, self._terms)
+    if self._terms is None:
+      return
+    for gid, _, terms in asking:
+      why = self._refused_terms(gid, terms)
+      if why is not None:
+        p = self._pending.pop(gid)
+        self._reply(p.peer, {"op": "refused", "request_id": p.request_id, "terms": True, "error": why})
+    if not self._pending:
+      self._first_pending = None
+
+  def _adopt(self, gid: str, lineage: str, step: int | None, now: float) -> None:
+    """A group goes on with quorum ``lineage`` that another lighthouse formed (this one
+    restarted, or took over as leader): its ring is in flight here too, so a group that
+    asks is not formed into a quorum without it (its members are called back first), and
+    a failure ends the attempt for every member of it."""
+    if gid in self._pending or gid in self._out:
+      return
+    if self._quorum_id is None or (self._adopted and lineage != self._quorum_id and step is not None
+                                   and step > (self._last_step or 0)):
+      self._quorum_id, self._adopted, self._aborted, self._called_back = lineage, True, None, False
+      self._inflight, self._last_members = {}, ()
+    if not self._adopted or lineage != self._quorum_id or gid in self._inflight:
+      return
+    self._inflight[gid] = now
+    self._last_members = tuple(sorted({*self._last_members, gid}))
+    if step is not None:
+      self._last_step = max(step, self._last_step or 0)
+    self._waiting = None
+
+  def _newest_step(self) -> int | None:
+    """The newest step a group may claim, less one: the last quorum's step, or, while the
+    ring in flight goes on without asking, the newest its members name in their heartbeats
+    (which lag the ring by up to a few steps: ``_BEAT_LAG_STEPS``)."""
+    beat = max((self._beat_steps[g] for g in self._inflight if g in self._beat_steps), default=None)
+    if beat is not None and (self._last_step is None or beat > self._last_step):
+      return beat + _BEAT_LAG_STEPS
+    return self._last_step
+
+  def _call_back(self, now: float) -> None:
+    """While a group waits to join (a request pending, or a member catching up is ready),
+    tells the members of the ring in flight, which go on with their quorum without asking,
+    to ask again (a ``call_back`` on each one's heartbeat connection, until it asks)."""
+    if (self._passive or not self._inflight or self._quorum_id is None
+        or now - self._called_back_at < _NOTICE_SECS):      # (cheap: runs after every batch)
+      return
+    if not self._pending and not any(g not in self._behind for g in self._last_members
+                                     if g not in self._inflight and self._is_live(g, now)):
+      return
+    self._called_back_at = now
+    if not self._called_back:             # (the stragglers' wait counts from now)
+      self._called_back = True
+      for g in self._inflight:
+        self._inflight[g] = now
+    for g in self._inflight:
+      if g not in self._pending:
+        peer = self._beat_peers.get(g)
+        if peer is not None:
+          _wire.send(peer[0], [peer[1], *_wire.seal(self._key, {"op": "call_back", "q": self._quorum_id})])
+
   # ---- forming a quorum ------------------------------------------------------------------------------
 
   def _maybe_form(self, now: float) -> None:
     """Forms a quorum when it is due. Cheap while it is not: the checks that look
     at every group run only once the cheap ones pass."""
+    if self._passive:
+      return
     opts = self.options
     join = opts.join_timeout.total_seconds()
     if not self._pending or (now - self._started_at < join and not self._whole_view_asks()):
       return
+    self._call_back(now)
     if len(self._pending) < opts.min_replicas:
       return
     straggler = opts.straggler_timeout.total_seconds()
@@ -601,10 +792,15 @@ class Lighthouse:
 
   def _form(self, now: float) -> None:
     t0 = time.perf_counter()
+    self._fix_terms()
+    if len(self._pending) < self.options.min_replicas:
+      return
+    quorum_id = f"{self._epoch}-{next(self._counter)}"
+    if self.before_form is not None and not self.before_form(quorum_id):
+      return                              # (not the leader any more: another lighthouse forms it)
     pending = [self._pending[g] for g in sorted(self._pending)]
     members = [p.member for p in pending]
     healthy = _quorum.healthy_of(members)
-    quorum_id = f"{self._epoch}-{next(self._counter)}"
     held = {p.member.group_id: p.view for p in pending}
     dropped = [g for g in self._last_members if g not in self._pending]
     for p, (_, reply, blob) in zip(pending, self._formation.replies(quorum_id, members, held,
@@ -618,8 +814,9 @@ class Lighthouse:
                                 f"in quorum {self._quorum_id} had not ended")
     self._pending.clear()
     self._first_pending, self._waiting = None, None
-    self._quorum_id, self._aborted = quorum_id, None
+    self._quorum_id, self._aborted, self._called_back, self._adopted = quorum_id, None, False, False
     ids = tuple(m.group_id for m in members)
+    self._lineage_of.update((g, quorum_id) for g in ids)
     self._inflight = {m.group_id: now for m in healthy}   # members that are behind catch up first:
     self._behind = set(ids) - self._inflight.keys()         # neither is waited for
     self._last_members = ids

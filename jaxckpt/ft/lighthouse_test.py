@@ -567,3 +567,32 @@ def _until(cond, what, secs):
   while not cond():
     assert time.monotonic() < deadline, f"waited {secs} s for {what}"
     time.sleep(0.01)
+
+
+def test_a_new_lighthouse_adopts_the_ring_in_flight_and_calls_it_back_before_a_group_joins():
+  # Issue 42: a ring goes on with its quorum without asking, so a restarted lighthouse (or a new
+  # leader) learns of it only from heartbeats; a group that asks must not get a quorum without it.
+  import queue  # pylint: disable=import-outside-toplevel
+  ctx, calls = zmq.Context(), queue.Queue()
+  with Lighthouse("127.0.0.1:0", FAST) as lh:
+    beats = [Heartbeat(ctx, lh.address, g, timedelta(milliseconds=50), step=lambda: (40, "old-7"),
+                       on_call_back=lambda q, g=g: calls.put((g, q))) for g in ("g0", "g1")]
+    try:
+      deadline = time.monotonic() + 10
+      while lh.status()["lineage"] != "old-7" or len(lh.status()["last_members"]) < 2:
+        assert time.monotonic() < deadline, lh.status()
+        time.sleep(0.01)
+      got = {}
+      joiner = threading.Thread(target=lambda: got.update(_ask_all(lh.address, [_member("g2", 0)], 8)))
+      joiner.start()
+      called = {calls.get(timeout=5), calls.get(timeout=5)}
+      assert {g for g, _ in called} == {"g0", "g1"} and {q for _, q in called} == {"old-7"}
+      assert lh.status()["pending"] == ["g2"]              # (not formed without the ring)
+      ring = _ask_all(lh.address, [_member("g0", 40), _member("g1", 40)])
+      joiner.join()
+    finally:
+      for b in beats:
+        b.stop()
+  ctx.term()
+  assert ring["g0"].members == ("g0", "g1", "g2") and ring["g0"].healthy == ("g0", "g1")
+  assert got["g2"].max_step == 40 and not got["g2"].in_ring

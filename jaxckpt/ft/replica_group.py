@@ -61,7 +61,7 @@ import numpy as np
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.ft import _allreduce, _group_comm, _layout, _links, _peer
+from jaxckpt.ft import _allreduce, _group_comm, _layout, _links, _peer, _terms
 from jaxckpt.ft.agent_source import AgentSnapshotSource
 from jaxckpt.ft.catch_up import (CatchUpServer, RemoteSnapshotSource, SnapshotSource, fetch_ring,
                                  rebuild_leaf, rebuild_state)
@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 ApplyFn = Callable[[Any, Any], Any]
 _CHASES = 4          # catch-ups in one start_step before the group sits the attempt out
 _SETTLE_SECS = 2.0   # after a failed attempt, the longest its queued sends (the abort) may take
+_SLOW_PLANE_SECS = 1.0   # a quorum request unanswered this long: the wait is said at WARNING
 PeerSourceFactory = Callable[[Member], SnapshotSource]
 
 
@@ -88,16 +89,33 @@ class ReplicaGroupOptions:
       under the lighthouse's ``heartbeat_timeout``).
     ring_size: averaged gradients of this many recent steps are kept for peers.
     max_groups: batch slots per step (an upper bound on the quorum size).
+    data_order: the name of the order the job draws its batches in (the dataset
+      and its shuffle seed, e.g. ``"c4-seed17"``).
+    averaging: how the step's contributions combine: ``"mean"`` (their mean) or
+      ``"sum"``.
     lighthouse_timeout: after this long without any quorum (waiting for one
       in ``start_step``, from the first request that got none), QuorumError.
+
+  ``max_groups``, ``data_order`` and ``averaging`` (and the gradient's tree
+  layout) must be the same in every group of a job: they are part of the quorum,
+  and the lighthouse refuses a group whose values differ when it joins
+  (:class:`~jaxckpt.errors.TermsMismatchError`, naming the field and both values).
   """
   host: str = "127.0.0.1"
   heartbeat_interval: timedelta = timedelta(milliseconds=250)
   ring_size: int = 16
   max_groups: int = 64
+  data_order: str = "default"
+  averaging: str = "mean"
   lighthouse_timeout: timedelta = timedelta(minutes=5)
 
   def __post_init__(self):
+    if self.averaging not in _terms.AVERAGING:
+      raise errors.InvalidArgumentError(
+          f"ReplicaGroupOptions.averaging must be one of {_terms.AVERAGING}, got {self.averaging!r}")
+    if not isinstance(self.data_order, str) or len(self.data_order) > 256:
+      raise errors.InvalidArgumentError(
+          f"ReplicaGroupOptions.data_order must be a string of at most 256 characters, got {self.data_order!r:.80}")
     for name in ("ring_size", "max_groups"):
       if getattr(self, name) < 1:
         raise errors.InvalidArgumentError(f"ReplicaGroupOptions.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -157,6 +175,7 @@ class ReplicaGroup:
     self.options = options or ReplicaGroupOptions()
     self.snapshot_source = snapshot_source
     self.step, self.digest = 0, INITIAL_DIGEST
+    self.batches = 0               # batches the job's commits before ``step`` consumed
     self.ring = GradientRing(self.options.ring_size)
     self.digests = DigestLog()
     self.digests.record(0, INITIAL_DIGEST)
@@ -170,6 +189,12 @@ class ReplicaGroup:
     self._retries = 0
     self._no_quorum_since: float | None = None
     self._layout: tuple[list[Any], Any] | None = None
+    self._layout_wire: tuple[Any, ...] | None = None    # the layout of start_step's grads_like
+    self._next: Quorum | None = None       # the quorum to go on with, after a step every member committed
+    self._lineage: str | None = None       # the lighthouse's id of the quorum the ring goes on with
+    self._ended: set[str] = set()          # lineages the lighthouse ended (an abort): ask again
+    self._called_back = False              # the lighthouse wants this ring to ask again (a group joins)
+    self._why_ask = "it joins the job"     # why the next start_step asks the lighthouse
     self._view = View()            # the quorum membership this group holds (see ft/_quorum.py)
     self._comm = _group_comm.GroupComm()
     self._ctx = zmq.Context() if self._comm.is_talker else None
@@ -184,7 +209,9 @@ class ReplicaGroup:
       self._lighthouse = LighthouseClient(self._ctx, lighthouse, secret=key, drop=self._dropping)
       self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
                                   secret=key, drop=self._dropping, on_abort=self._aborted_by_lighthouse,
-                                  private_port=lambda: self._lighthouse.private_port)
+                                  private_port=lambda: self._lighthouse.private_ports,
+                                  step=lambda: (self.step, self._lineage),
+                                  on_call_back=self._call_back)
     self.bytes_sent = 0          # gradient bytes this group sent in all-reduces
     # Flat all-reduce buffers, reused once no ring entry or result refers to them.
     self._buffers = _allreduce.BufferPool(self.options.ring_size + 2)
@@ -209,6 +236,9 @@ class ReplicaGroup:
     self._committed = False
     if self._injector is not None:
       self._injector.on_attempt(self.group_id, self.step)
+    if grads_like is not None and self._layout_wire is None:
+      leaves, treedef = jax.tree_util.tree_flatten(grads_like)
+      self._layout_wire = tuple(_layout.of(treedef, leaves).to_wire())
     t0 = time.monotonic()
     quorum = self._join()
     attempt = _Attempt(index=index, step=self.step, quorum=quorum, quorum_secs=time.monotonic() - t0)
@@ -241,12 +271,28 @@ class ReplicaGroup:
     return state
 
   def batch_index(self) -> int:
-    """This attempt's batch: ``step * max_groups + rank`` (rank 0 when no quorum formed)."""
+    """This attempt's batch: the batches the job's commits consumed so far plus this
+    group's rank in the attempt's ring. Every committed step consumes one batch per
+    contributor, so no batch is trained twice or skipped, whoever drops out or joins;
+    with every one of ``max_groups`` groups in every step it is ``step * max_groups + rank``.
+    A group that is not in the ring (catching up) gets a batch after the ring's, which
+    it does not contribute; a retried attempt reuses its batches (nothing was consumed)."""
     attempt = self._current
     if attempt is None:
       raise RuntimeError(f"group {self.group_id}: call start_step() before batch_index()")
-    rank = attempt.quorum.rank(self.group_id) if attempt.quorum is not None else 0
-    return batch_index(self.step, rank, self.options.max_groups)
+    quorum = attempt.quorum
+    if quorum is None:
+      return self.batches
+    ring = quorum.healthy
+    if self.group_id in ring:
+      rank = ring.index(self.group_id)
+    else:
+      rank = len(ring) + [g for g in quorum.members if g not in ring].index(self.group_id)
+    if not 0 <= rank < self.options.max_groups:
+      raise errors.InvalidArgumentError(
+          f"quorum {rank=} is outside [0, max_groups={self.options.max_groups}): raise "
+          "ReplicaGroupOptions.max_groups above the number of groups (in every group)")
+    return quorum.batches + rank
 
   def allreduce(self, grads: Any) -> Any:
     """The mean of ``grads`` over this step's contributors, on the input leaves' shardings.
@@ -260,16 +306,17 @@ class ReplicaGroup:
     attempt, self._current = self._current, None
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     self._layout = ([_like(x) for x in leaves], treedef)
+    layout = _layout.of(treedef, leaves)
     t0 = time.monotonic()
-    outcome = self._exchange(attempt, leaves, _layout.of(treedef, leaves)) if attempt.participating else None
+    outcome = self._exchange(attempt, leaves, layout) if attempt.participating else None
     result = grads
     if outcome is not None:
-      out, contributors, digest_after = outcome
+      out, contributors, digest_after, _ = outcome
       self._commit(RingEntry(step=self.step, digest_before=self.digest, digest_after=digest_after,
-                             leaves=tuple(out)))
+                             leaves=tuple(out), batches_after=self.batches + len(contributors)))
       result = jax.tree_util.tree_unflatten(treedef, [rebuild_leaf(l, h) for l, h in zip(leaves, out)])
     self._finish(attempt, contributors=outcome[1] if outcome else (),
-                 allreduce_secs=time.monotonic() - t0)
+                 allreduce_secs=time.monotonic() - t0, go_on=bool(outcome and outcome[3]))
     return result
 
   def should_commit(self) -> bool:
@@ -308,23 +355,43 @@ class ReplicaGroup:
 
   def _me(self) -> Member:
     return Member(group_id=self.group_id, address=self.address, step=self.step, digest=self.digest,
-                  ring_address=self._links.address)
+                  ring_address=self._links.address, batches=self.batches)
+
+  def _terms(self) -> _terms.Terms:
+    o = self.options
+    return _terms.Terms(max_groups=o.max_groups, data_order=o.data_order, averaging=o.averaging,
+                        layout=self._layout_wire)
 
   def _join(self) -> Quorum | None:
+    """The quorum of this attempt: the last one, one step on, when every member of the
+    ring committed the last step and none asked to change it (no lighthouse is asked, so
+    the ring trains through a control-plane outage); else the lighthouse's."""
     limit = self.options.lighthouse_timeout.total_seconds()
-    wire, waited = None, 0.0
+    go_on, wire, waited, refused = False, None, 0.0, None
     if self._comm.is_talker:
-      now = time.monotonic()
-      since = self._no_quorum_since if self._no_quorum_since is not None else now
-      # The others may still be waiting out the last attempt's ring (up to
-      # ``timeout``) before they ask: a shorter wait would keep a group that failed
-      # fast one attempt out of phase with them for good. Never past lighthouse_timeout.
-      wait = min(2 * self.timeout.total_seconds(), max(1e-3, since + limit - now))
-      wire = self._lighthouse.ask(self._me(), timedelta(seconds=wait), self._view.key,
-                                  len(self._view.members) or None)
-      self._no_quorum_since = None if wire is not None else since
-      waited = time.monotonic() - since
-    wire, waited = self._comm.share([wire, waited])   # (each process of the group decides alike)
+      # (A group the fault injector cuts off hears nothing, its ring included: it asks, in vain.)
+      go_on = self._next is not None and self._next.lineage not in self._ended and not self._dropping()
+      if not go_on:
+        now = time.monotonic()
+        since = self._no_quorum_since if self._no_quorum_since is not None else now
+        # The others may still be waiting out the last attempt's ring (up to
+        # ``timeout``) before they ask: a shorter wait would keep a group that failed
+        # fast one attempt out of phase with them for good. Never past lighthouse_timeout.
+        wait = min(2 * self.timeout.total_seconds(), max(1e-3, since + limit - now))
+        try:
+          wire = self._lighthouse.ask(self._me(), timedelta(seconds=wait), self._view.key,
+                                      len(self._view.members) or None, terms=self._terms(),
+                                      slow=self._plane_slow, slow_secs=_SLOW_PLANE_SECS)
+        except errors.TermsMismatchError as e:
+          refused = str(e)
+        self._no_quorum_since = None if wire is not None else since
+        waited = time.monotonic() - since
+    go_on, wire, waited, refused = self._comm.share([go_on, wire, waited, refused])
+    if refused is not None:
+      raise errors.TermsMismatchError(refused)
+    nxt, self._next = self._next, None
+    if go_on:
+      return nxt
     quorum = None
     if wire is not None:
       try:
@@ -332,6 +399,7 @@ class ReplicaGroup:
       except errors.QuorumError as e:     # (the next request asks for the whole view)
         logger.warning("%s", e, extra=self._extra())
     if quorum is not None:
+      self._lineage, self._called_back = quorum.lineage, False
       return quorum
     logger.warning("group %s got no quorum from lighthouse %s for %.1fs", self.group_id,
                    self._lighthouse_address(), waited, extra=self._extra())
@@ -344,6 +412,19 @@ class ReplicaGroup:
           "min_replicas groups reach it?")
     return None
 
+  def _plane_slow(self, secs: float) -> None:
+    # (A group's first join waits for the others to start: said, but no warning.)
+    logger.log(logging.WARNING if self._lineage is not None else logging.INFO,
+               "group %s waits for the control plane (the lighthouse at %s has not answered for "
+               "%.1f s) because %s: a change of membership waits for it, while a ring whose "
+               "members all commit goes on without it", self.group_id, self._lighthouse_address(),
+               secs, self._why_ask, extra=self._extra())
+
+  def _call_back(self, lineage: str) -> None:
+    """The lighthouse wants the members of quorum ``lineage`` to ask again (a group joins)."""
+    if lineage == self._lineage:
+      self._called_back = True
+
   def _lighthouse_address(self) -> str:
     return self._lighthouse.address if self._comm.is_talker else "?"
 
@@ -353,23 +434,24 @@ class ReplicaGroup:
   # ---- the fault-tolerant all-reduce ---------------------------------------------------------------
 
   def _exchange(self, attempt: _Attempt, leaves: Sequence[Any], layout: _layout.Layout
-                ) -> tuple[list[np.ndarray], tuple[str, ...], int] | None:
+                ) -> tuple[list[np.ndarray], tuple[str, ...], int, bool] | None:
     host = self._comm.to_host(leaves)
     outcome: Any = None
     if self._comm.is_talker:
       outcome = self._ring(attempt.quorum, host, layout)
     wire = self._comm.share(outcome if isinstance(outcome, str) or outcome is None
-                            else [list(outcome[1]), outcome[2]])
+                            else [list(outcome[1]), outcome[2], outcome[3]])
     if wire is None or isinstance(wire, str):
       attempt.failure = wire or attempt.failure
       return None
     out = self._comm.share_arrays(outcome[0] if outcome else None, [(h.shape, h.dtype) for h in host])
-    return out, tuple(wire[0]), int(wire[1])
+    return out, tuple(wire[0]), int(wire[1]), bool(wire[2])
 
   def _ring(self, quorum: Quorum, host: list[np.ndarray], layout: _layout.Layout
-            ) -> tuple[list[np.ndarray], tuple[str, ...], int] | str:
-    """The ring all-reduce among the quorum's healthy members (this group is one);
-    why not, if it did not complete."""
+            ) -> tuple[list[np.ndarray], tuple[str, ...], int, bool] | str:
+    """The ring all-reduce among the quorum's healthy members (this group is one): the
+    result, the contributors, the digest after it and whether the ring goes on with this
+    quorum (no member asked to change it); why not, if it did not complete."""
     ids = quorum.healthy
     rank, size = ids.index(self.group_id), len(ids)
     right, left = quorum.right, quorum.left
@@ -378,11 +460,16 @@ class ReplicaGroup:
 
     lost: list[_links.Failure] = []              # why a piece for the right neighbour was lost
     failed: list[_links.Failure] = []            # why a piece from the left one was not taken
+    # Whether any member wants the lighthouse asked before the next step (it called them back):
+    # each piece carries the OR of its sender's wish and what the sender heard, so after
+    # the reduce-scatter's G - 1 hops every member knows every member's wish at its start.
+    asked = [bool(self._called_back)]
+    self._called_back = False
 
     def send(tag: int, segments: list[np.ndarray]) -> None:
       if not self._dropping() and not lost:
-        why = self._links.send(right.group_id, right.ring_address, dict(expect, tag=tag), segments,
-                               deadline)
+        why = self._links.send(right.group_id, right.ring_address, dict(expect, tag=tag, ask=asked[0]),
+                               segments, deadline)
         if why is None:
           self.bytes_sent += sum(s.nbytes for s in segments)
         else:
@@ -397,7 +484,8 @@ class ReplicaGroup:
         failed.append(_links.Failure(f"step {self.step}'s piece for group {right.group_id} was lost "
                                      f"({lost[0]})", lost[0].blame))
       else:
-        why = self._links.recv(left.group_id, expect, tag, into, deadline, address=left.ring_address)
+        why = self._links.recv(left.group_id, expect, tag, into, deadline, address=left.ring_address,
+                               heard=lambda head: asked.__setitem__(0, asked[0] or bool(head.get("ask"))))
         if why is None:
           return True
         failed.append(why if str(why).startswith("the lighthouse") else
@@ -406,7 +494,8 @@ class ReplicaGroup:
                      extra=self._extra())
       return False
 
-    result = _allreduce.ring_mean(host, rank, size, send, recv, self._buffers)
+    result = _allreduce.ring_mean(host, rank, size, send, recv, self._buffers,
+                                  average=self.options.averaging == "mean")
     if result is None:
       why = failed[-1]
       if not self._dropping():
@@ -415,6 +504,9 @@ class ReplicaGroup:
         # abort it too (so it never hangs on a dead neighbour passing it on).
         if not lost and right.group_id not in why.blame:
           self._links.abort(right.group_id, right.ring_address, expect, why, why.blame)
+          # Members that did commit go on to the next step without asking: its attempt ends too.
+          following = dict(expect, q=f"{quorum.lineage}@{self.step + 1}", step=self.step + 1)
+          self._links.abort(right.group_id, right.ring_address, following, why, why.blame)
         self._lighthouse.failed(self.group_id, quorum.quorum_id, why, why.blame)
       # The first hop goes out of the caller's own arrays: none may still be read
       # once allreduce returns them (on success the ring itself proves it). The
@@ -423,21 +515,41 @@ class ReplicaGroup:
       grace = 0.0 if right.group_id in why.blame else min(self.timeout.total_seconds(), _SETTLE_SECS)
       self._links.settle(right.group_id, time.monotonic() + grace)
       return str(why)
-    return result, ids, chain_digest(self.digest, result)
+    go_on = not asked[0] and quorum.members == quorum.healthy
+    return result, ids, chain_digest(self.digest, result), go_on
 
   def _aborted_by_lighthouse(self, quorum_id: str, why: str, blame: tuple[str, ...]) -> None:
-    """The lighthouse ended the attempt of ``quorum_id`` (a member is out, or the job moved on)."""
-    self._links.fail(quorum_id, f"the lighthouse ended quorum {quorum_id}'s attempt: {why}", blame)
+    """The lighthouse ended the attempt of ``quorum_id`` (a member is out, or the job moved
+    on): the attempt in flight of that quorum and the next one it would go on with."""
+    if len(self._ended) >= 64:            # (the lineages of long ago cannot come back)
+      self._ended.clear()
+    self._ended.add(quorum_id)
+    reason = f"the lighthouse ended quorum {quorum_id}'s attempt: {why}"
+    self._links.fail(quorum_id, reason, blame)
+    step = self.step
+    for s in (step, step + 1):
+      self._links.fail(f"{quorum_id}@{s}", reason, blame)
 
   def _commit(self, entry: RingEntry) -> None:
     self.ring.put(entry)
-    self.step, self.digest = entry.step + 1, entry.digest_after
+    self.step, self.digest, self.batches = entry.step + 1, entry.digest_after, entry.batches_after
     self.digests.record(self.step, self.digest)
 
-  def _finish(self, attempt: _Attempt, *, contributors: tuple[str, ...], allreduce_secs: float) -> None:
+  def _finish(self, attempt: _Attempt, *, contributors: tuple[str, ...], allreduce_secs: float,
+              go_on: bool = False) -> None:
     committed = bool(contributors)
     self._committed = committed
     quorum = attempt.quorum
+    if committed and go_on:
+      self._next = quorum.continued(self.digest, self.batches)
+    elif quorum is None:
+      self._why_ask = "it has no quorum"
+    elif not committed:
+      self._why_ask = f"step {attempt.step}'s attempt failed ({attempt.failure or 'no reason given'})"
+    elif quorum.members != quorum.healthy:
+      self._why_ask = "groups of its quorum catch up"
+    else:
+      self._why_ask = "the lighthouse called the ring back (a group joins)"
     members = quorum.members if quorum is not None else ()
     dropped = tuple(sorted(set(quorum.dropped if quorum else ()) |
                            (set(members) - set(contributors) if committed else set())))
@@ -488,6 +600,8 @@ class ReplicaGroup:
       last = self._talker_plan(lambda: self._await_entry(quorum), state, like)
       state, step, digest = self._replay(last, state, apply_fn, like)
       plan["entries"] = plan["entries"] + last["entries"]
+      # (the healthy members' count at the quorum's step, then the step in flight's own)
+      batches = last["entries"][-1].batches_after if last["entries"] else quorum.batches
     except (OSError, KeyError, ValueError, errors.QuorumError) as e:
       logger.warning("group %s could not catch up to step %d: %s; sitting this attempt out",
                      self.group_id, quorum.max_step, e, extra=self._extra())
@@ -496,7 +610,7 @@ class ReplicaGroup:
     for entry in plan["entries"]:
       self.ring.put(entry)
       self.digests.record(entry.step + 1, entry.digest_after)
-    self.step, self.digest = step, digest
+    self.step, self.digest, self.batches = step, digest, batches
     self.digests.record(step, digest)
     secs = time.monotonic() - t0
     attempt.step = step
@@ -621,7 +735,8 @@ class ReplicaGroup:
     head = None
     if plan is not None:
       head = {"step": plan["step"], "digest": plan["digest"], "snapshot": plan["snapshot"] is not None,
-              "entries": [[e.step, e.digest_before, e.digest_after] for e in plan["entries"]]}
+              "entries": [[e.step, e.digest_before, e.digest_after, e.batches_after]
+                          for e in plan["entries"]]}
     head = self._comm.share(head)
     if head is None:
       return None
@@ -633,10 +748,11 @@ class ReplicaGroup:
                                        [(x.shape, x.dtype) for _, x in flat])
       snapshot = dict(zip(paths, arrays))
     entries = []
-    for i, (s, before, after) in enumerate(head["entries"]):
+    for i, (s, before, after, batches) in enumerate(head["entries"]):
       arrays = self._comm.share_arrays(plan["entries"][i].leaves if plan else None,
                                        [(x.shape, x.dtype) for x in like[0]])
-      entries.append(RingEntry(step=s, digest_before=before, digest_after=after, leaves=tuple(arrays)))
+      entries.append(RingEntry(step=s, digest_before=before, digest_after=after, leaves=tuple(arrays),
+                               batches_after=batches))
     return {"step": head["step"], "digest": head["digest"], "snapshot": snapshot, "entries": entries}
 
 

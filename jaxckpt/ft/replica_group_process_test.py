@@ -36,7 +36,7 @@ class Job:
     self.procs: list[subprocess.Popen] = []
 
   def spawn(self, group: str, injector: EventInjector | None = None,
-            timeout: float = TIMEOUT_SECS) -> subprocess.Popen:
+            timeout: float = TIMEOUT_SECS, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                JAXCKPT_JOB_SECRET=self.lighthouse_server.secret)
     env.pop("XLA_FLAGS", None)
@@ -44,7 +44,7 @@ class Job:
            "--group", group, "--steps", str(FOREVER), "--steps-file", str(self.tmp / "steps"), "--out", str(self.tmp / f"{group}.jsonl"),
            "--timeout", str(timeout), "--step-secs", str(STEP_SECS), "--ring-size", "8",
            "--injector", (injector or EventInjector()).to_json(),
-           "--host", f"127.0.1.{int(group[1:]) + 1}"]     # each group on a machine of its own
+           "--host", f"127.0.1.{int(group[1:]) + 1}", *extra]     # each group on a machine of its own
     with open(self.tmp / f"{group}.stderr", "ab") as err:
       proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     self.procs.append(proc)
@@ -117,6 +117,8 @@ def assert_consistent(job: Job, groups: list[str]) -> dict[int, str]:
   batches = [b for b, _ in consumed]
   dupes = [b for b, n in collections.Counter(batches).items() if n > 1]
   assert not dupes, f"batches consumed twice: {dupes[:10]}"
+  gaps = sorted(set(range(len(batches))) - set(batches))
+  assert not gaps, f"batches skipped: {gaps[:10]}"        # (issue 42: none trained twice or skipped)
   return {s: next(iter(fps)) for s, fps in by_step.items()}
 
 

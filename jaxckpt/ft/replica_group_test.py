@@ -63,7 +63,8 @@ def test_three_groups_match_a_plain_mean_bit_for_bit():
   mesh = _toy.make_mesh(jax.devices()[6:8])
   state = _toy.init_state(mesh)
   for step in range(4):
-    grads = [_toy.grad_fn(state, *_toy.batch(batch_index(step, r, 4))) for r in range(3)]
+    # Every step consumes one batch per contributor: batches 3 * step + rank (none skipped).
+    grads = [_toy.grad_fn(state, *_toy.batch(batch_index(step, r, 3))) for r in range(3)]
     leaves, treedef = jax.tree.flatten(grads[0])
     mean = reference_mean([[np.asarray(x) for x in jax.tree.leaves(g)] for g in grads])
     avg = jax.tree.unflatten(treedef, [jax.device_put(m, x.sharding) for m, x in zip(mean, leaves)])
@@ -71,7 +72,7 @@ def test_three_groups_match_a_plain_mean_bit_for_bit():
     for g, log in logs.items():
       s, fp, index, metrics = log[step]
       assert (s, fp) == (step + 1, _toy.fingerprint(state)), g
-      assert index == batch_index(step, int(g[1]), 4)
+      assert index == batch_index(step, int(g[1]), 3)
       assert metrics.committed and metrics.contributors == ("g0", "g1", "g2") and metrics.quorum_size == 3
 
 
@@ -248,7 +249,9 @@ def test_one_odd_group_fails_the_whole_ring_at_once_with_its_name():
   # g0's abort, not by waiting out its timeout, and names the odd group all the same. g2 may
   # hear g0's abort (relayed by the lighthouse) before g1's piece reaches it: either way its
   # failure names its own odd layout against the others'.
-  assert "group g2 averages {'w': bfloat16[6]} where group g0 averages {'w': float32[6]}" in failures["g0"]
+  # (g0 may hear the lighthouse's relay of g2's own failure before it reads g2's piece.)
+  assert re.search(r"group g2 averages \{'w': bfloat16\[6\]\} where group g0 averages \{'w': float32\[6\]\}|"
+                   r"where group g2 averages \{'w': bfloat16\[6\]\}", failures["g0"]), failures["g0"]
   assert re.search(r"group g1 averages \{'w': float32\[6\]\} where group g2 averages \{'w': "
                    r"bfloat16\[6\]\}|group g2 averages \{'w': bfloat16\[6\]\} where group g0 "
                    r"averages \{'w': float32\[6\]\}", failures["g2"]), failures["g2"]

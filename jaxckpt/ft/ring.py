@@ -40,6 +40,7 @@ class RingEntry:
   digest_before: int
   digest_after: int
   leaves: tuple[np.ndarray, ...]
+  batches_after: int = 0          # batches the job's commits up to and with this step consumed
 
 
 class GradientRing:

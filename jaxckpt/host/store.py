@@ -52,17 +52,20 @@ class Slot:
 
 class Piece(Protocol):
   """One saving process's snapshot of a step, as a restore reads it: held here
-  (``restore._read.BufferPiece``) or by another host's agent (``agent._remote.RemotePiece``,
-  ``remote``: read ahead over the network by ``fetch``)."""
+  (``restore._read.BufferPiece``), by another host's agent (``agent._remote.RemotePiece``,
+  ``remote``: read ahead over the network by ``fetch``), or a lost host's, rebuilt
+  from the survivors' parity as it is read (``agent._remote.RebuiltPiece``,
+  ``rebuilt``: read ahead after the others, whose bytes its rebuild may use)."""
 
   manifest: SnapshotManifest
   bytes_read: int
   remote: bool
+  rebuilt: bool
 
   def fetch(self, wanted: Sequence[tuple[LeafRecord, ShardRecord]]) -> None: ...
   def shard_array(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
   def shard_private(self, leaf: LeafRecord, shard: ShardRecord) -> np.ndarray: ...
-  def span(self, start: int, nbytes: int) -> np.ndarray | None: ...
+  def span(self, start: int, nbytes: int, *, read: bool = True) -> np.ndarray | None: ...
 
 
 class ParityReport(Protocol):

@@ -6,7 +6,8 @@ Imports no JAX and nothing of jaxckpt but ``errors`` and ``snapshot.checksum``.
 from jaxckpt.parity.codec import ReedSolomon
 from jaxckpt.parity.placement import (ParityOptions, Piece, Stripe, StripeLayout, check_hosts,
                                       encode_stripe, groups)
-from jaxckpt.parity.recovery import check_recoverable, piece_checksums, recover_hosts
+from jaxckpt.parity.recovery import (check_recoverable, piece_checksums, rebuild_ranges,
+                                     recover_hosts)
 
 __all__ = [
     "ParityOptions",
@@ -19,5 +20,6 @@ __all__ = [
     "encode_stripe",
     "groups",
     "piece_checksums",
+    "rebuild_ranges",
     "recover_hosts",
 ]

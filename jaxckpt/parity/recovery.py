@@ -6,11 +6,19 @@ pieces over the whole block. Recovery verifies every piece it fetches and
 every piece it rebuilds, so a corrupted piece is never decoded into garbage:
 a piece that fails its checksum is left out and the next survivor is fetched
 instead (a stripe with more than k survivors tolerates it).
+
+:func:`rebuild_ranges` rebuilds only some byte ranges of lost hosts (what a restore
+onto another mesh needs of them), from the same ranges of their stripes' survivors.
+Decoding is bytewise, so a range costs k times its bytes instead of the whole
+host's k stripes; the pieces' checksums cover whole pieces, so the caller verifies
+what it rebuilt (each shard against its manifest's checksum) and falls back to
+:func:`recover_hosts` when that fails.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
@@ -24,6 +32,11 @@ from jaxckpt.parity.placement import Piece, Stripe, StripeLayout, padded
 logger = logging.getLogger(__name__)
 
 Fetch = Callable[[Piece], Any]
+# Reads byte ranges of one host's surviving pieces: [(piece, lo, hi)] -> their bytes, or None
+# if that host cannot serve them. A data piece's range is [piece.start + lo, piece.start + hi)
+# of its host's snapshot, clipped to the piece (the rest is the stripe's zero padding); a
+# parity piece's is [lo, hi) of its block.
+FetchRanges = Callable[[int, Sequence[tuple[Piece, int, int]]], Sequence[Any] | None]
 _STRIPES_AT_ONCE = 4
 
 
@@ -164,3 +177,139 @@ def _verify_rebuilt(piece: Piece, buf: np.ndarray, checksums: Mapping[Piece, str
     raise errors.CorruptSnapshotError(
         f"rebuilt piece {piece} has checksum {got} but {want} was saved: the saved "
         "checksums or the parity do not match this step; restore it from storage instead")
+
+
+def rebuild_ranges(layout: StripeLayout, lost_hosts: Sequence[int],
+                   wanted: Mapping[int, Sequence[tuple[int, int]]], fetch: FetchRanges,
+                   out: Mapping[int, np.ndarray]) -> int:
+  """Rebuilds byte ranges ``wanted[h]`` (``[(start, stop)]`` of host ``h``'s snapshot)
+  of lost hosts into ``out[h]`` (a buffer of the host's snapshot size, for each host
+  ``wanted`` names; other lost hosts' bytes decoded alongside are dropped), reading only
+  the same ranges of the stripes they lie in: per stripe, the first k survivors (data
+  first; another survivor stands in for a host that cannot serve), each host's ranges
+  in one ``fetch``. Returns the bytes fetched.
+
+  Nothing is verified here (a checksum covers a whole piece): the caller checks what
+  it rebuilt, and rebuilds the host with :func:`recover_hosts` if that fails.
+
+  Raises:
+    UnrecoverableLossError: more hosts of a group lost than parity, or fewer than k
+      survivors of a stripe could serve.
+  """
+  check_recoverable(layout, lost_hosts)
+  lost = set(lost_hosts)
+  need: dict[int, list[tuple[int, int]]] = {}     # stripe -> ranges of its blocks
+  for h in sorted(lost):
+    for piece in layout.data_pieces(h):
+      for a, b in wanted.get(h, ()):
+        lo, hi = max(a, piece.start), min(b, piece.stop)
+        if lo < hi:
+          need.setdefault(piece.stripe, []).append((lo - piece.start, hi - piece.start))
+  # Each range cut where a data piece ends (past its end a piece is zeros: never read)
+  plan = {sid: _cut(_merged(ranges), layout.stripes[sid]) for sid, ranges in need.items()}
+  used: dict[int, list[Piece]] = {}               # stripe -> the survivors read for it
+  got: dict[tuple[Piece, int, int], np.ndarray] = {}
+  down: set[int] = set()                          # hosts that could not serve
+  fetched = 0
+  while True:
+    asks: dict[int, list[tuple[Piece, int, int]]] = {}
+    for sid, ranges in plan.items():
+      stripe = layout.stripes[sid]
+      k = len(stripe.data)
+      have = [p for p in used.get(sid, []) if p.host not in down]
+      for p in [p for p in stripe.pieces if p.host not in lost | down and p not in have]:
+        if len(have) == k:
+          break
+        have.append(p)
+      if len(have) < k:
+        gone = sorted(lost.intersection(p.host for p in stripe.pieces))
+        raise errors.UnrecoverableLossError(
+            f"stripe {sid} of group {stripe.group} lost hosts {gone}, and hosts "
+            f"{sorted(down.intersection(p.host for p in stripe.pieces))} could not serve "
+            f"its survivors' bytes: fewer than k={k} left; restore this step from storage "
+            "instead")
+      used[sid] = have
+      for p in have:
+        asks.setdefault(p.host, []).extend(
+            (p, lo, hi) for lo, hi in ranges
+            if (p, lo, hi) not in got and not (_is_data(stripe, p) and lo >= p.nbytes))
+    asks = {h: a for h, a in asks.items() if a}
+    if not asks:
+      break
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:   # hosts at once
+      replies = dict(zip(asks, pool.map(lambda h: fetch(h, asks[h]), asks)))
+    for h, bufs in replies.items():
+      if bufs is None:
+        down.add(h)
+        continue
+      for (p, lo, hi), buf in zip(asks[h], bufs):
+        arr = codec_lib.as_u8(buf, name=f"range [{lo}, {hi}) of {p}")
+        fetched += arr.size
+        got[(p, lo, hi)] = padded(arr, hi - lo)     # (cut at its end: its size already)
+  # Ranges decode side by side, each writing its own bytes of ``out`` (the codec leaves
+  # the GIL).
+  with concurrent.futures.ThreadPoolExecutor(_STRIPES_AT_ONCE) as pool:
+    for f in [pool.submit(_decode_range, layout.stripes[sid], lo, hi, used[sid], got, out)
+              for sid, ranges in plan.items() for lo, hi in ranges]:
+      f.result()
+  return fetched
+
+
+def _is_data(stripe: Stripe, piece: Piece) -> bool:
+  return piece.slot < len(stripe.data)
+
+
+def _cut(ranges: list[tuple[int, int]], stripe: Stripe) -> list[tuple[int, int]]:
+  """``ranges`` of ``stripe``'s blocks cut where a data piece ends inside one."""
+  ends = sorted({p.nbytes for p in stripe.data})
+  out = []
+  for lo, hi in ranges:
+    for end in ends:
+      if lo < end < hi:
+        out.append((lo, end))
+        lo = end
+    out.append((lo, hi))
+  return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  """``ranges`` sorted, overlapping or touching ones joined."""
+  out: list[list[int]] = []
+  for lo, hi in sorted(ranges):
+    if out and lo <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], hi)
+    else:
+      out.append([lo, hi])
+  return [(lo, hi) for lo, hi in out]
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(nbytes: int) -> np.ndarray:
+  """A read-only block of zeros (the bytes of a data piece past its end)."""
+  out = np.zeros(nbytes, np.uint8)
+  out.flags.writeable = False
+  return out
+
+
+def _decode_range(stripe: Stripe, lo: int, hi: int, used: list[Piece],
+                  got: Mapping[tuple[Piece, int, int], np.ndarray],
+                  out: Mapping[int, np.ndarray]) -> None:
+  """Range ``[lo, hi)`` of ``stripe``'s data pieces that ``out`` wants, decoded from the
+  ``used`` survivors: straight into ``out`` where the range lies in the piece, else
+  through a scratch block (the piece ends inside it, or nobody wants that piece)."""
+  k = len(stripe.data)
+  blocks: list[np.ndarray | None] = [None] * len(stripe.pieces)
+  for p in used:
+    blocks[p.slot] = (_zeros(hi - lo) if _is_data(stripe, p) and lo >= p.nbytes
+                      else got[(p, lo, hi)])
+  into: dict[int, np.ndarray] = {}
+  for p in stripe.data:
+    if blocks[p.slot] is None:
+      whole = p.host in out and p.start + hi <= p.stop
+      into[p.slot] = (out[p.host][p.start + lo:p.start + hi] if whole
+                      else np.empty(hi - lo, np.uint8))
+  codec_lib.codec(k, len(stripe.parity)).decode_into(blocks, into)
+  for p in stripe.data:
+    a, b = p.start + lo, min(p.start + hi, p.stop)
+    if p.host in out and p.slot in into and a < b and b - a < hi - lo:
+      out[p.host][a:b] = into[p.slot][:b - a]

@@ -11,7 +11,8 @@ import pytest
 
 from jaxckpt import errors
 from jaxckpt.parity.placement import ParityOptions, Piece, StripeLayout, encode_stripe
-from jaxckpt.parity.recovery import check_recoverable, piece_checksums, recover_hosts
+from jaxckpt.parity.recovery import (check_recoverable, piece_checksums, rebuild_ranges,
+                                     recover_hosts)
 
 
 class Cluster:
@@ -122,3 +123,54 @@ def test_unfetchable_survivor_is_unrecoverable():
   layout = cluster.layout
   with pytest.raises(errors.UnrecoverableLossError, match="could not be fetched"):
     recover_hosts(layout, [0], lambda piece: None, cluster.checksums)
+
+
+def _range_fetcher(cluster: Cluster, down: set[int], asked: dict[int, int]):
+  """Serves byte ranges of surviving pieces as hosts would; hosts in ``down`` cannot."""
+  def fetch(host, items):
+    assert host not in cluster.lost, f"asked lost host {host}"
+    if host in down:
+      return None
+    out = []
+    for p, lo, hi in items:
+      if p in cluster.parity:
+        out.append(cluster.parity[p][lo:hi])
+      else:
+        out.append(cluster.snaps[host][p.start + lo:min(p.start + hi, p.stop)])
+      asked[host] = asked.get(host, 0) + out[-1].size
+    return out
+  return fetch
+
+
+@pytest.mark.parametrize("m,lost,down,want", [(1, (1,), (), (1,)), (1, (3,), (), (3,)),
+                                              (2, (0, 2), (), (0, 2)), (2, (0, 2), (), (2,)),
+                                              (2, (1,), (2,), (1,))])
+def test_rebuilt_ranges_are_byte_exact_and_read_only_their_stripes_ranges(m, lost, down, want):
+  # A restore onto another mesh needs a few shards of a lost host: only their ranges are
+  # rebuilt, from k survivors' same ranges (a host that cannot serve has a stand-in).
+  cluster = Cluster(SIZES, ParityOptions(group_size=4, parity=m))
+  cluster.lost = set(lost)
+  wanted = {h: [(10, 300), (250, 700), (SIZES[h] - 90, SIZES[h])] for h in want}
+  out = {h: np.zeros(SIZES[h], np.uint8) for h in want}
+  asked: dict[int, int] = {}
+  fetched = rebuild_ranges(cluster.layout, lost, wanted,
+                           _range_fetcher(cluster, set(down), asked), out)
+  for h in want:
+    mask = np.zeros(SIZES[h], bool)
+    for a, b in wanted[h]:
+      mask[a:b] = True
+    np.testing.assert_array_equal(out[h][mask], cluster.snaps[h][mask], err_msg=f"host {h}")
+    assert not out[h][~mask].any(), "rebuilt bytes nobody asked for"
+  merged = [(10, 700), (-90, 0)]             # what each lost host needs, overlaps joined
+  assert fetched == sum(asked.values())
+  assert fetched <= (4 - m) * sum(b - a for _ in want for a, b in merged)
+  assert fetched < sum(SIZES) / 2, "a whole-host rebuild reads every survivor's snapshot"
+
+
+def test_rebuilt_ranges_say_which_stripe_has_too_few_survivors():
+  cluster = Cluster(SIZES, ParityOptions(group_size=4, parity=1))
+  cluster.lost = {1}
+  with pytest.raises(errors.UnrecoverableLossError, match=r"stripe \d of group 0 lost hosts "
+                     r"\[1\], and hosts \[2\] could not serve"):
+    rebuild_ranges(cluster.layout, [1], {1: [(0, 100)]}, _range_fetcher(cluster, {2}, {}),
+                   {1: np.zeros(SIZES[1], np.uint8)})

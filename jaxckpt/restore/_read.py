@@ -20,7 +20,8 @@ from jaxckpt.host._spans import Spans, span_checksums
 from jaxckpt.host.store import Piece
 from jaxckpt.host.snapshot import (Box, LeafRecord, ShardRecord, SnapshotManifest, aligned_copy,
                               aligned_empty, assemble_region, box_intersection, box_shape,
-                              copy_and_hash, full_box, shard_view, verify_shard)
+                              copy_and_hash, full_box, relative_slices, shard_view,
+                              verify_shard)
 from jaxckpt.tree import TargetLeaf, match_target, scalar_from_json
 from jaxckpt.util._progress import LogProgress
 
@@ -111,6 +112,7 @@ class BufferPiece:
   """
 
   remote = False
+  rebuilt = False
 
   def __init__(self, manifest: SnapshotManifest, buffer: np.ndarray, *, private: bool = False,
                lend: Callable[[], bool] | None = None) -> None:
@@ -148,8 +150,10 @@ class BufferPiece:
       self._mark_read(shard)
     return shard_view(self.buffer, shard, leaf.numpy_dtype)
 
-  def span(self, start: int, nbytes: int) -> np.ndarray:
-    """Raw bytes ``[start, start + nbytes)`` of the snapshot (a view; unverified)."""
+  def span(self, start: int, nbytes: int, *, read: bool = True) -> np.ndarray:
+    """Raw bytes ``[start, start + nbytes)`` of the snapshot (a view; unverified;
+    here already, whatever ``read`` says)."""
+    del read
     return np.frombuffer(self.buffer, np.uint8, count=nbytes, offset=start)
 
   def is_private(self) -> bool:
@@ -221,14 +225,16 @@ class HostSource:
   def prefetch(self, needed: dict[int, set[Box]]) -> None:
     """Reads ahead, in one transfer per remote piece, every shard the regions
     ``needed`` (leaf index -> boxes) will read (see ``reader``), and verifies
-    local pieces' shards on every core."""
+    local pieces' shards on every core; then rebuilds the shards of lost hosts'
+    pieces it needs (their stripes' ranges of the others already read are not
+    read again)."""
     wanted: dict[int, list[tuple[LeafRecord, ShardRecord]]] = {}
     for i, boxes in needed.items():
       shards = self._shards(i)
       for box in boxes:
         for p, leaf, s in _serving(shards, box):
           wanted.setdefault(id(p), []).append((leaf, s))
-    remote = [p for p in self.pieces if id(p) in wanted and p.remote]
+    remote = [p for p in self.pieces if id(p) in wanted and p.remote and not p.rebuilt]
     with concurrent.futures.ThreadPoolExecutor(max(1, len(remote))) as pool:   # hosts at once
       futures = [pool.submit(p.fetch, wanted[id(p)]) for p in remote]
       for p in self.pieces:
@@ -236,6 +242,9 @@ class HostSource:
           p.fetch(wanted[id(p)])
       for f in futures:
         f.result()
+    for p in self.pieces:
+      if id(p) in wanted and p.rebuilt:
+        p.fetch(wanted[id(p)])
 
   def reader(self, i: int, *, private: bool = True,
              boxes: set[Box] | None = None) -> Callable[[Box], np.ndarray]:
@@ -244,7 +253,10 @@ class HostSource:
     With ``private`` (what XLA:CPU and numpy targets need: both keep the array
     they are given) the result is memory nothing writes again; without it
     (accelerator targets, which copy), a box stored whole may come back as a
-    view of the snapshot, valid while the step is pinned.
+    view of the snapshot, valid while the step is pinned. A box that is a run of
+    whole rows of one shard read from another host (or rebuilt) is a view of it
+    (that memory is this restore's own; a job on more processes than saved the
+    step splits each saved shard so).
     """
     del boxes                  # host memory: remote pieces are read ahead by ``prefetch``
     rec = self.leaves[i]
@@ -254,6 +266,9 @@ class HostSource:
       if len(found) == 1 and found[0][2].index == box:
         p, leaf, s = found[0]
         return p.shard_private(leaf, s) if private else p.shard_array(leaf, s)
+      if len(found) == 1 and found[0][0].remote and _rows_of(box, found[0][2].index):
+        p, leaf, s = found[0]
+        return p.shard_private(leaf, s)[relative_slices(box, s.index)]
       return assemble_region(box, rec.numpy_dtype,
                              [(s.index, p.shard_array(leaf, s)) for p, leaf, s in found],
                              path=rec.path)
@@ -270,6 +285,12 @@ def _serving(shards: Sequence[tuple[Piece, LeafRecord, ShardRecord]],
   every one overlapping it."""
   exact = next((x for x in shards if x[2].index == box), None)
   return [exact] if exact else [x for x in shards if box_intersection(x[2].index, box) is not None]
+
+
+def _rows_of(box: Box, shard: Box) -> bool:
+  """Whether ``box`` is a run of whole rows of ``shard`` (a contiguous part of it)."""
+  return (len(box) > 0 and shard[0][0] <= box[0][0] and box[0][1] <= shard[0][1]
+          and tuple(box[1:]) == tuple(shard[1:]))
 
 
 def _leaf_bytes(rec: LeafRecord) -> int:

@@ -36,12 +36,15 @@ def complete_steps(store: HostStore) -> list[int]:
   return store.complete_steps()
 
 
-def storage_steps(directory: str | None) -> list[int]:
+def storage_steps(directory: str | None, *, timeout_secs: float | None = None) -> list[int]:
   """The steps stored in ``directory``: jaxckpt's committed ones and those an orbax
-  CheckpointManager wrote there (``universal.stored_steps``: read where they lie)."""
+  CheckpointManager wrote there (``universal.stored_steps``: read where they lie);
+  ``timeout_secs`` bounds the listing (default: one storage request's)."""
   if directory is None:
     return []
-  return universal.stored_steps(directory)
+  if timeout_secs is None:
+    return universal.stored_steps(directory)
+  return universal.stored_steps(directory, timeout_secs=max(timeout_secs, 0.1))
 
 
 def parity_steps(store: HostStore) -> dict[int, ParityReport]:

@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 import numpy as np
@@ -73,16 +72,10 @@ class Job:
 
   def check(self, out: dict[str, Any], step: int) -> str:
     """"ok" if ``out`` is ``step``'s state bit for bit, else what differs."""
-    vals = expected(step)
-    for k, v in vals.items():
-      for s in out[k].addressable_shards:
-        if np.asarray(s.data).tobytes() != v[s.index].tobytes():
-          return f"BAD:{k}{s.index}"
-    return "ok" if out["data"] == {"position": step} else f"BAD:data={out['data']}"
+    return processes.differs(out, expected(step), {"position": step})
 
   def barrier(self, name: str) -> None:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    multihost_utils.sync_global_devices(name)
+    processes.barrier(name)
 
 
 # -- scenarios ------------------------------------------------------------------------------
@@ -232,29 +225,80 @@ def options_differ(job: Job) -> None:
     say("REFUSED", str(e).replace("\n", " "))
 
 
+@scenario
+def deleted_elsewhere(job: Job) -> None:
+  """Steps 1 and 2 stored; process 0's machine runs ``jaxckpt delete DIR --step 1`` (as the
+  guide has it: beside a running job, through its agents); then step 3 is saved and
+  every process waits for it (WAITED, or TIMEOUT with the message)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory, job.options(parity=False, persist_interval_steps=1,
+                                                         on_busy="wait", timeout_secs=15))
+  for s in (1, 2):
+    assert mgr.save(s, job.state(s))
+  mgr.wait_until_finished()
+  job.barrier("stored")
+  if job.me == 0:
+    done = subprocess.run([sys.executable, "-m", "jaxckpt", "delete", job.a.directory,
+                           "--step", "1", "--run-root", job.a.run_root, "--job-name", job.a.job],
+                          capture_output=True, text=True, check=False, timeout=120)
+    say("CLI", done.returncode, (done.stdout + done.stderr).replace("\n", " ")[-300:])
+  job.barrier("deleted")
+  assert mgr.save(3, job.state(3))
+  for what, call in (("WAITED", mgr.wait_until_finished), ("CLOSED", mgr.close)):
+    try:
+      call()
+      say(what, jc.universal.all_steps(job.a.directory))
+    except jc.errors.SnapshotTimeoutError as e:
+      say("TIMEOUT", str(e).replace("\n", " "))
+  job.barrier("closed")
+
+
+def _every(n: int) -> Callable[[int], bool]:
+  """A save policy that a per-host configuration file parametrizes (a closure: its
+  name is the same whatever ``n`` is)."""
+  def should_save(step: int) -> bool:
+    return step % n == 0
+  return should_save
+
+
+def _option(name: str, value: str) -> Any:
+  """``--variant`` values as the option takes them (``int`` for the plain ones)."""
+  import datetime  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  n = int(value)
+  policies = ocp.checkpoint_managers
+  return {"keep_time_interval": lambda: datetime.timedelta(hours=n),
+          "should_save_fn": lambda: _every(n),
+          "preservation_policy": lambda: policies.AnyPreservationPolicy([policies.LatestN(n)]),
+          }.get(name, lambda: n)()
+
+
+@scenario
+def options_differ_in_value(job: Job) -> None:
+  """For each NAME=V0,V1 of ``--variant`` (separated by ``;``) a manager whose process
+  ``i`` is given option NAME's ``i``-th value: each is refused at construction on every
+  process, naming the option (REFUSED), or ACCEPTED."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  for item in job.a.variant.split(";"):
+    name, values = item.split("=")
+    kw = {name: _option(name, values.split(",")[job.me])}
+    try:
+      jc.CheckpointManager(job.a.directory or None, job.options(agent=False, **kw)).close()
+      say("ACCEPTED", name)
+    except jc.errors.InvalidArgumentError as e:
+      say("REFUSED", str(e).replace("\n", " "))
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)
-  p.add_argument("--run-root", required=True)
-  p.add_argument("--tcp-host", required=True)
-  p.add_argument("--job", required=True)
-  p.add_argument("--directory", default="")
+  processes.add_machine_arguments(p)
   p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
   p.add_argument("--variant", default="")
   a = p.parse_args(argv)
-  try:
-    processes.join_job(a)
-    import jax  # pylint: disable=import-outside-toplevel
-    SCENARIOS[a.scenario](Job(a))
-    say("DONE")
-    jax.distributed.shutdown()
-  except BaseException as e:  # pylint: disable=broad-except  (said, then a hard exit)
-    say(f"ERROR {type(e).__name__}: {e}".replace("\n", " | "))
-    traceback.print_exc(file=sys.stdout)
-    sys.stdout.flush()
-    os._exit(3)
-  sys.stdout.flush()
-  os._exit(0)
+  processes.run_job(a, lambda: SCENARIOS[a.scenario](Job(a)))
+  return 0
 
 
 if __name__ == "__main__":

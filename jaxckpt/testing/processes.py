@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import uuid
 from typing import Any, Iterator
 
@@ -38,6 +39,16 @@ def add_job_arguments(parser: Any) -> None:
   parser.add_argument("--process-id", type=int, required=True)
 
 
+def add_machine_arguments(parser: Any) -> None:
+  """A test job's worker process's machine: ``--run-root`` (its agents' directory, of
+  this machine alone), ``--tcp-host`` (its loopback address), ``--job`` and
+  ``--directory`` (storage; empty: none)."""
+  parser.add_argument("--run-root", required=True)
+  parser.add_argument("--tcp-host", required=True)
+  parser.add_argument("--job", required=True)
+  parser.add_argument("--directory", default="")
+
+
 def join_job(args: Any, *, devices: int = 2, timeout_secs: int = 120) -> None:
   """Gives this process ``devices`` CPU devices and joins the job of ``args``
   (:func:`add_job_arguments`) through jax.distributed."""
@@ -46,6 +57,43 @@ def join_job(args: Any, *, devices: int = 2, timeout_secs: int = 120) -> None:
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                              num_processes=args.num_processes, process_id=args.process_id,
                              initialization_timeout=timeout_secs)
+
+
+def barrier(name: str) -> None:
+  """Waits until every process of the job has reached ``name``."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel  (after join_job)
+  multihost_utils.sync_global_devices(name)
+
+
+def differs(out: dict[str, Any], want: dict[str, Any], data: Any) -> str:
+  """"ok" if every array leaf ``k`` of ``out`` holds ``want[k]`` bit for bit in each
+  shard this process has, and ``out["data"] == data``; else what differs first."""
+  import numpy as np  # pylint: disable=import-outside-toplevel  (a test helper's own)
+  for k, v in want.items():
+    for s in out[k].addressable_shards:
+      if np.asarray(s.data).tobytes() != v[s.index].tobytes():
+        return f"BAD:{k}{s.index}"
+  return "ok" if out["data"] == data else f"BAD:data={out['data']}"
+
+
+def run_job(args: Any, body: Any, *, devices: int = 2) -> None:
+  """A test job's worker process: joins the job of ``args`` (:func:`join_job`), runs
+  ``body()``, prints ``DONE`` and exits 0; on any error prints ``ERROR type: message``
+  and its traceback and exits 3, at once (``os._exit``: nothing left of a failed job
+  may hang the process)."""
+  try:
+    join_job(args, devices=devices)
+    import jax  # pylint: disable=import-outside-toplevel  (after join_job)
+    body()
+    print("DONE", flush=True)
+    jax.distributed.shutdown()
+  except BaseException as e:  # pylint: disable=broad-except  (said, then a hard exit)
+    print(f"ERROR {type(e).__name__}: {e}".replace("\n", " | "), flush=True)
+    traceback.print_exc(file=sys.stdout)
+    sys.stdout.flush()
+    os._exit(3)
+  sys.stdout.flush()
+  os._exit(0)
 
 
 @contextlib.contextmanager

@@ -30,28 +30,36 @@ def simulated_commit_secs(processes: int, leaves: int = 100, rows_per_process: i
   process's load does not inflate)."""
   d = tempfile.mkdtemp(prefix="scale-commit-")
   try:
-    attempt = f"rsim{uuid.uuid4().hex[:12]}-s1-0"
-    kv = lay.open_kvstore(d)
-    rows = processes * rows_per_process
-    for p in range(processes):
-      recs = []
-      for i in range(leaves):
-        recs.append({
-            "array": f"{attempt}/w{i:04d}", "path": f"['w{i:04d}']", "kind": "jax",
-            "shape": [rows, 4], "dtype": "float32", "chunk_shape": [rows_per_process, 4],
-            "inner_chunk_shape": [rows_per_process, 4], "key_impl": None, "value": None,
-            "storage_dtype": None, "sharding": None,
-            "chunks": {f"{p}.0": f"{(p * 7919 + i) & 0xffffffffffffffff:016x}"},
-            "boxes": [[[p * rows_per_process, (p + 1) * rows_per_process], [0, 4]]]})
-      doc = man.document(step=1, process_count=processes, process_index=p, metadata={},
-                         leaves=recs)
-      doc["attempt"] = attempt
-      kv.write(lay.part_key(1, p, attempt), man.encode(doc, what="part")).result()
+    attempt = write_simulated_parts(d, processes, leaves, rows_per_process)
     t = clock()
     universal.commit_step(d, 1, process_count=processes, timeout_secs=600, attempt=attempt)
     return clock() - t
   finally:
     shutil.rmtree(d, ignore_errors=True)
+
+
+def write_simulated_parts(directory: str, processes: int, leaves: int = 100,
+                          rows_per_process: int = 4) -> str:
+  """Writes the part records of step 1 that ``processes`` processes would write (each one
+  row block of every leaf) into ``directory``; returns their persist attempt."""
+  attempt = f"rsim{uuid.uuid4().hex[:12]}-s1-0"
+  kv = lay.open_kvstore(directory)
+  rows = processes * rows_per_process
+  for p in range(processes):
+    recs = []
+    for i in range(leaves):
+      recs.append({
+          "array": f"{attempt}/w{i:04d}", "path": f"['w{i:04d}']", "kind": "jax",
+          "shape": [rows, 4], "dtype": "float32", "chunk_shape": [rows_per_process, 4],
+          "inner_chunk_shape": [rows_per_process, 4], "key_impl": None, "value": None,
+          "storage_dtype": None, "sharding": None,
+          "chunks": {f"{p}.0": f"{(p * 7919 + i) & 0xffffffffffffffff:016x}"},
+          "boxes": [[[p * rows_per_process, (p + 1) * rows_per_process], [0, 4]]]})
+    doc = man.document(step=1, process_count=processes, process_index=p, metadata={},
+                       leaves=recs)
+    doc["attempt"] = attempt
+    kv.write(lay.part_key(1, p, attempt), man.encode(doc, what="part")).result()
+  return attempt
 
 
 # -- bytes and real processes: fresh processes of jaxckpt.testing.scale_worker --------

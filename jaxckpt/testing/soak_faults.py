@@ -185,11 +185,17 @@ def stray_tcp(soak: Any, info: dict[str, Any]) -> None:
           soak.wrong.append(f"stray_tcp: machine {i}'s agent accepted {op!r} over tcp")
         except errors.PermissionDeniedError:
           soak.stray["refused"] += 1
-      held = [s for s, _, _ in client.call("held")[0].held]
-      if held:
-        r = client.call("open", pid=1, step=held[-1])[0]
+      for _ in range(5):        # (the running job may drop the step it listed meanwhile)
+        held = [s for s, _, _ in client.call("held")[0].held]
+        if not held:
+          break
+        try:
+          r = client.call("open", pid=1, step=held[-1])[0]
+        except errors.StepNotFoundError:
+          continue
         soak.stray["leased_opens" if r.reader is not None else "unleased_opens"] += 1
         client.call("close", pid=1, step=held[-1], index=r.index, reader=r.reader)
+        break
     finally:
       client.close()
   info.update(refused=soak.stray["refused"], accepted=soak.stray["accepted"])

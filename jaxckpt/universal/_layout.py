@@ -112,6 +112,9 @@ def ts_error(e: BaseException) -> str:
 
 #: The longest one storage request may take before it is an error naming the store.
 REQUEST_TIMEOUT_SECS = 120.0
+#: The longest a wait that ran out spends asking storage who was late (a storage that
+#: does not answer must not stretch a wait's timeout by a request's).
+LATE_PROBE_SECS = 5.0
 
 
 def storage_result(future: Any, what: str, directory: str,

@@ -1,0 +1,106 @@
+"""What every replica group of a job must hold the same: part of the quorum.
+
+Groups that differ in any of these mix their data silently: two groups with
+another ``max_groups`` draw the same batch (``step * max_groups + rank``), two
+data orders train on unrelated batches, two tree layouts average unrelated
+numbers, a sum and a mean disagree on every update. So each quorum request
+carries the group's :class:`Terms`; the lighthouse fixes the job's terms at its
+first quorum (kept in etcd when the control plane has one) and refuses a group
+whose terms differ when it joins, naming the field and both values
+(:func:`differ`).
+
+>>> job = Terms(max_groups=5, data_order="c4-seed17", averaging="mean")
+>>> differ(Terms(max_groups=4, data_order="c4-seed17", averaging="mean"), job, "g2")
+"group g2's max_groups is 4, the job's is 5: every group of a job must use the same max_groups (ReplicaGroupOptions.max_groups); relaunch g2 with max_groups=5"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxckpt import errors
+
+AVERAGING = ("mean", "sum")
+_MAX_ORDER = 256
+_MAX_DESCRIPTION = 300
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Terms:
+  """A group's values of what the job must agree on.
+
+  Attributes:
+    max_groups: batch slots per step (``ReplicaGroupOptions.max_groups``).
+    data_order: the name of the order batches are drawn in (the dataset and its
+      shuffle seed, ``ReplicaGroupOptions.data_order``).
+    averaging: how gradients combine across groups: ``"mean"`` or ``"sum"``.
+    layout: the gradient's tree layout (:meth:`jaxckpt.ft._layout.Layout.to_wire`),
+      None while the group does not know it yet (then it is checked on the ring).
+  """
+  max_groups: int
+  data_order: str
+  averaging: str
+  layout: tuple[Any, ...] | None = None
+
+  def to_wire(self) -> list[Any]:
+    return [self.max_groups, self.data_order, self.averaging,
+            None if self.layout is None else list(self.layout)]
+
+  @classmethod
+  def from_wire(cls, obj: Any) -> Terms:
+    """The terms ``obj`` (a request's field) stands for; InvalidArgumentError naming what is wrong."""
+    if not isinstance(obj, (list, tuple)) or len(obj) != 4:
+      raise errors.InvalidArgumentError(f"terms must be [max_groups, data_order, averaging, layout], got {obj!r:.80}")
+    max_groups, order, averaging, layout = obj
+    if not (isinstance(max_groups, int) and not isinstance(max_groups, bool) and 1 <= max_groups < 1 << 31):
+      raise errors.InvalidArgumentError(f"terms.max_groups must be an int in [1, 2**31), got {max_groups!r:.80}")
+    if not (isinstance(order, str) and len(order) <= _MAX_ORDER):
+      raise errors.InvalidArgumentError(f"terms.data_order must be a string of at most {_MAX_ORDER} "
+                                        f"characters, got {order!r:.80}")
+    if averaging not in AVERAGING:
+      raise errors.InvalidArgumentError(f"terms.averaging must be one of {AVERAGING}, got {averaging!r:.80}")
+    if layout is not None:
+      ok = (isinstance(layout, (list, tuple)) and len(layout) == 5
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64 for x in layout[:4])
+            and isinstance(layout[4], str) and len(layout[4]) <= _MAX_DESCRIPTION)
+      if not ok:
+        raise errors.InvalidArgumentError(f"terms.layout must be a gradient layout or null, got {layout!r:.80}")
+      layout = tuple(layout)
+    return cls(max_groups=max_groups, data_order=order, averaging=averaging, layout=layout)
+
+
+_FIX = {"max_groups": "ReplicaGroupOptions.max_groups", "data_order": "ReplicaGroupOptions.data_order",
+        "averaging": "ReplicaGroupOptions.averaging"}
+
+
+def differ(theirs: Terms, job: Terms, group: str) -> str | None:
+  """Why ``group``, of terms ``theirs``, cannot join a job of terms ``job``; None if it can.
+  An unknown layout (None on either side) is no difference: the ring checks it."""
+  for field in ("max_groups", "data_order", "averaging"):
+    a, b = getattr(theirs, field), getattr(job, field)
+    if a != b:
+      return (f"group {group}'s {field} is {a!r}, the job's is {b!r}: every group of a job must use "
+              f"the same {field} ({_FIX[field]}); relaunch {group} with {field}={b!r}")
+  if theirs.layout is not None and job.layout is not None and theirs.layout[:3] != job.layout[:3]:
+    return (f"group {group}'s tree layout is {theirs.layout[4]}, the job's is {job.layout[4]}: every "
+            f"group of a job must average gradients of the same tree (shapes and dtypes)")
+  return None
+
+
+def chosen(candidates: list[tuple[str, bool, Terms]]) -> Terms:
+  """The job's terms from the first quorum's requests ``(group, holds a view, terms)``: those
+  of groups that were in a quorum before (a restarted lighthouse's job) count first, then the
+  most common terms, then the smallest group id's."""
+  pool = [c for c in candidates if c[1]] or candidates
+  counts: dict[tuple[Any, ...], int] = {}
+  for _, _, t in pool:
+    key = (t.max_groups, t.data_order, t.averaging)
+    counts[key] = counts.get(key, 0) + 1
+  best = max(counts.values())
+  gid, _, terms = min((c for c in pool if counts[(c[2].max_groups, c[2].data_order, c[2].averaging)] == best),
+                      key=lambda c: c[0])
+  del gid
+  layouts = [t.layout for _, _, t in pool if t.layout is not None
+             and (t.max_groups, t.data_order, t.averaging) == (terms.max_groups, terms.data_order, terms.averaging)]
+  return dataclasses.replace(terms, layout=terms.layout or (layouts[0] if layouts else None))
