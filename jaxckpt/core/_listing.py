@@ -21,6 +21,7 @@ import logging
 from typing import Any, Callable
 
 from jaxckpt import errors, universal
+from jaxckpt.universal import _layout
 from jaxckpt.core._ledger import EPOCH, METRICS_KEY, TIME_KEY, Ledger, StepInfo
 from jaxckpt.core._policy import Policy
 from jaxckpt.host.store import HostStore
@@ -69,7 +70,7 @@ class Listing:
     """The stored steps: storage's listing, asked for at most ``LATE_PROBE_SECS``; while
     storage does not answer, the ledger's record of them (said at WARNING, once an outage)."""
     try:
-      stored = set(_tiers.storage_steps(self.directory, timeout_secs=universal.LATE_PROBE_SECS))
+      stored = set(_tiers.storage_steps(self.directory, timeout_secs=_layout.LATE_PROBE_SECS))
     except errors.StorageError as e:
       if not self._unlisted:
         logger.warning("storage does not answer its listing (%s); the steps are listed as this "
