@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import uuid
 
 import pytest
 
@@ -24,8 +25,10 @@ def machine(root: str, m: int) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def launch(n: int, root: str, job: str, scenario: str, directory: str = "", variant: str = ""):
-  """``n`` processes of one job running ``scenario``; each is killed on exit."""
+def launch(n: int, root: str, job: str, scenario: str, directory: str = "", variant: str = "",
+           *, stdin: bool = False):
+  """``n`` processes of one job running ``scenario`` (``stdin``: the test writes to
+  theirs); each is killed on exit."""
   port = processes.free_port()
   procs = []
   try:
@@ -34,7 +37,8 @@ def launch(n: int, root: str, job: str, scenario: str, directory: str = "", vari
       procs.append(processes.Proc(
           ["-m", "jaxckpt.testing.job_worker", "--port", str(port), "--num-processes", str(n),
            "--process-id", str(i), "--run-root", run_root, "--tcp-host", address, "--job", job,
-           "--directory", directory, "--scenario", scenario, "--variant", variant], cwd=REPO))
+           "--directory", directory, "--scenario", scenario, "--variant", variant], cwd=REPO,
+          stdin=stdin))
     yield procs
   finally:
     for p in procs:
@@ -54,7 +58,7 @@ def finish(procs, timeout: float = 300) -> list[str]:
           f"--- process {j}:\n" + q.p.stdout.read()[-3000:] for j, q in enumerate(procs)
           if j != i)) from None
   for i, out in enumerate(outs):
-    assert "DONE" in out and "ERROR" not in out, f"process {i}:\n{out[-4000:]}"
+    assert "DONE" in out and not lines(out, "ERROR"), f"process {i}:\n{out[-4000:]}"
   return outs
 
 
@@ -155,3 +159,36 @@ def test_a_damaged_newest_step_is_skipped_by_every_process_alike(tmp_path):
   for out in outs:
     assert lines(out, "RESTORED") == ["60 storage ok SKIPPED [70]"], out[-3000:]
     assert lines(out, "EXPLICIT_RAISED") == ["CorruptSnapshotError"], out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_step_whose_snapshot_died_before_its_persist_is_not_listed_and_the_new_agent_serves(
+    tmp_path, s3_server):
+  # The soak's killed agent (seed 0, step 5): process 1's agent dies after committing a
+  # step due for storage, before its part is written (storage stopped answering) and
+  # with no parity: nothing can restore that step. Process 0's own persist of it still
+  # waits for process 1's part, yet it must not list it (it listed it as on its way to
+  # storage, and latest_step() named it); and every process reaches process 1's new
+  # agent (process 0 kept asking the dead one, waiting out each request, and never saw
+  # step 2 held whole).
+  del tmp_path
+  directory = s3_server.url("killed-" + uuid.uuid4().hex[:8])
+  with processes.agent_sandbox("jk") as (root, job):
+    with launch(2, root, job, "agent_killed_while_persisting", directory, stdin=True) as procs:
+      wait_all(procs, "READY")
+      with s3_server.paused():
+        for p in procs:
+          p.send("GO")
+        wait_all(procs, "SAVED 1")
+        pid, = processes.agent_pids(machine(root, 1)[0])
+        os.kill(pid, signal.SIGKILL)
+        processes.wait_gone(pid, 30, "process 1's agent")
+      for p in procs:
+        p.send("NEXT")
+      outs = finish(procs)
+  for i, out in enumerate(outs):
+    assert lines(out, "STEPS") == ["2 LATEST 2"], (i, out[-4000:])
+    assert lines(out, "RESTORED") == ["2 host ok"], (i, out[-4000:])
+  told, = lines(outs[1], "TOLD")
+  assert "persisting step 1 " in told and "died before step 1 was on storage" in told, told

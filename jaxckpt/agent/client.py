@@ -389,11 +389,39 @@ class AgentStore(HostStore):
 
   def agents(self) -> list[dict[str, Any]]:
     """Every agent of the job this store knows of: this machine's, those the
-    other processes published (``discover``), and until this trainer's first commit
-    the earlier run's agents on machines outside this run, each once."""
+    other processes published (``discover``) or announced since as the new agent of
+    their process, and until this trainer's first commit the earlier run's agents on
+    machines outside this run, each once."""
+    self._follow_replaced()
     out = {a["tcp"]: a for a in [*self.directory, *self.elsewhere]}
     out.update((a["tcp"], a) for a in self.local_agents())
     return list(out.values())
+
+  def _follow_replaced(self) -> None:
+    """Takes the new agents that other processes started in place of dead ones
+    since ``discover`` (they announce them to this host's agent: ``_announce``) in
+    place of the dead ones: else every request of the job's (what it holds, a
+    restore, a delete) waited out its timeout on a dead agent and never reached
+    the new one. One request to this host's agent; nothing in a job that was not
+    discovered (one host)."""
+    if not self._peers:
+      return
+    try:
+      peers = self._client.call("job_view")[0].peers
+    except errors.JaxckptError as e:    # this host's agent died (the next request starts a
+      logger.debug("%s: no view of the job's agents: %s", self.who, e)   # new one), or is old
+      return
+    for p, info in peers.items():
+      old = self._peers.get(p)
+      if (p == str(self.process) or old is None or not isinstance(info, dict)
+          or info.get("tcp") == old.get("tcp") or not isinstance(info.get("host"), int)
+          or not isinstance(info.get("pid"), int) or not isinstance(info.get("tcp"), str)):
+        continue
+      logger.info("process %s of job %r has a new snapshot agent: host %d (pid %d) at %s, "
+                  "in place of pid %s at %s", p, self.opts.job_name, info["host"], info["pid"],
+                  info["tcp"], old.get("pid"), old.get("tcp"))
+      self.directory = [a for a in self.directory if a["tcp"] != old["tcp"]] + [dict(info)]
+      self._peers[p] = dict(info)
 
   # -- the job's other agents (HostStore's job methods) -------------------------
 

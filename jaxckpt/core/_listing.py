@@ -6,7 +6,10 @@ tier (or can rebuild from parity), and the stored steps this manager knows
 (those on storage when it started or was reloaded, and those it stored since),
 with the steps this manager saved for storage from their save on while their
 persist runs (another process may commit them a little later), less the steps the
-keep policy dropped. The
+keep policy dropped. A step on its way to storage that the job has gone past (a newer
+step is held complete) while no tier holds it is not listed: every host committed it
+before the newer one, so a host lost its snapshot (its agent died before parity
+protected it), and only storage can restore it now, if its persist still commits it. The
 stored steps' time and metrics are read once, at start and on ``reload()``, for the
 keep policy to rank.
 """
@@ -18,6 +21,7 @@ import logging
 from typing import Any, Callable
 
 from jaxckpt import errors, universal
+from jaxckpt.universal import _layout
 from jaxckpt.core._ledger import EPOCH, METRICS_KEY, TIME_KEY, Ledger, StepInfo
 from jaxckpt.core._policy import Policy
 from jaxckpt.host.store import HostStore
@@ -56,7 +60,9 @@ class Listing:
     led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
     for s in led.listed & stored:
       led.stored.add(s)
-    listed = flight | held | (led.listed & stored) | on_its_way
+    passed = max(held, default=None)    # a host lost what the job went past: not restorable
+    coming = {s for s in on_its_way if passed is None or s > passed}
+    listed = flight | held | (led.listed & stored) | coming
     led.prune(listed)
     return sorted(listed - set(led.dropped()))
 
@@ -64,7 +70,7 @@ class Listing:
     """The stored steps: storage's listing, asked for at most ``LATE_PROBE_SECS``; while
     storage does not answer, the ledger's record of them (said at WARNING, once an outage)."""
     try:
-      stored = set(_tiers.storage_steps(self.directory, timeout_secs=universal.LATE_PROBE_SECS))
+      stored = set(_tiers.storage_steps(self.directory, timeout_secs=_layout.LATE_PROBE_SECS))
     except errors.StorageError as e:
       if not self._unlisted:
         logger.warning("storage does not answer its listing (%s); the steps are listed as this "

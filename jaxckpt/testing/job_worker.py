@@ -254,6 +254,49 @@ def deleted_elsewhere(job: Job) -> None:
   job.barrier("closed")
 
 
+@scenario
+def agent_killed_while_persisting(job: Job) -> None:
+  """Step 1 is saved for storage while storage does not answer (the test stops it,
+  then says GO on stdin); the test SIGKILLs process 1's agent (then says NEXT): no
+  tier holds step 1 any more, and process 1's part of it was never written. Process
+  1's save of step 2 starts a new agent. Every process then lists its steps
+  (STEPS), restores the newest (RESTORED) and says how process 1 heard of its loss
+  (TOLD); process 0's persist of step 1 still waits for process 1's part."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory, job.options(parity=False, persist_interval_steps=1))
+  say("READY")
+  sys.stdin.readline()                     # GO: storage stopped answering
+  assert mgr.save(1, job.state(1))
+  mgr.wait_until_snapshotted()
+  say("SAVED", 1)
+  sys.stdin.readline()                     # NEXT: process 1's agent is gone
+  told: list[str] = []
+  deadline = time.monotonic() + 60
+  # Process 1 hears of its lost step 1 from one of these calls (a save that raised an
+  # earlier step's failure did not start: it is called again); it asks until it has.
+  for call in (lambda: mgr.save(2, job.state(2)), mgr.wait_until_snapshotted,
+               *[mgr.check_for_errors] * (job.me == 1)):
+    while True:
+      try:
+        call()
+      except jc.errors.AgentUnavailableError as e:
+        told.append(str(e))
+        if time.monotonic() > deadline:
+          raise
+        continue
+      if call is not mgr.check_for_errors or told or time.monotonic() > deadline:
+        break
+      time.sleep(0.05)
+  job.barrier("saved2")
+  say("STEPS", ",".join(map(str, mgr.all_steps())) or "-", "LATEST", mgr.latest_step())
+  out = mgr.restore(target=job.state(0))
+  say("RESTORED", mgr.last_restore.step, mgr.last_restore.tier, job.check(out, mgr.last_restore.step))
+  say("TOLD", " | ".join(told).replace("\n", " ") or "-")
+  job.barrier("looked")
+  say("DONE")
+  os._exit(0)                 # (process 0's persist of step 1 still waits: no close)
+
+
 def _every(n: int) -> Callable[[int], bool]:
   """A save policy that a per-host configuration file parametrizes (a closure: its
   name is the same whatever ``n`` is)."""

@@ -133,11 +133,17 @@ class Proc:
   """A child process with its output captured line by line, killed on exit."""
 
   def __init__(self, args: list[str], *, env: dict[str, str] | None = None,
-               cwd: str | None = None) -> None:
+               cwd: str | None = None, stdin: bool = False) -> None:
     self.p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                              stdin=subprocess.PIPE if stdin else None,
                               env={**os.environ, **(env or {})})
     self.lines: list[str] = []
+
+  def send(self, line: str) -> None:
+    """Writes ``line`` to the child's stdin (made with ``stdin=True``)."""
+    self.p.stdin.write(line + "\n")
+    self.p.stdin.flush()
 
   def wait_for(self, needle: str, timeout_secs: float) -> str:
     """Reads output until a line contains ``needle``; returns that line."""
@@ -175,8 +181,10 @@ class Proc:
 
   def __exit__(self, *exc) -> None:
     self.kill()
-    if self.p.stdout:
-      self.p.stdout.close()
+    for f in (self.p.stdout, self.p.stdin):
+      if f:
+        with contextlib.suppress(OSError):
+          f.close()
 
 
 @contextlib.contextmanager

@@ -32,7 +32,6 @@ from jaxckpt.universal._commit import stored_steps
 from jaxckpt.universal._commit import write_json
 from jaxckpt.universal._commit import wait_committed
 from jaxckpt.universal._commit import who_is_late
-from jaxckpt.universal._layout import LATE_PROBE_SECS
 from jaxckpt.universal._layout import check_directory
 from jaxckpt.universal._manifest import LeafInfo
 from jaxckpt.universal._orbax_read import OrbaxStepReader
@@ -55,7 +54,6 @@ from jaxckpt.universal.convert import convert as convert_step
 from jaxckpt.universal.convert import restore_converted
 
 __all__ = [
-    "LATE_PROBE_SECS",
     "LeafInfo",
     "OrbaxStepReader",
     "RegionReader",

@@ -161,7 +161,8 @@ mgr = jc.CheckpointManager(directory=sys.argv[1], options=opts)
 print("ready", flush=True)
 for step in range(1, 100_000):           # never asks reached_preemption
     print(f"saving {step}", flush=True)
-    mgr.save(step, {"w": jnp.full((256,), step, jnp.float32), "step": step})
+    if mgr.save(step, {"w": jnp.full((256,), step, jnp.float32), "step": step}):
+        print(f"saved {step}", flush=True)
     time.sleep(0.05)
 """
 
@@ -170,9 +171,11 @@ def test_a_manager_loop_that_never_polls_commits_its_newest_step_and_ends_within
   code, out, secs = _run(MANAGER_LOOP, tmp_path / "ckpt", 4.0, wait=4.0 + 4.0)
   assert code == -signal.SIGTERM and secs < 4.0 + 1.0
   last = int(re.findall(r"^saving (\d+)$", out, re.M)[-1])
+  saved = int(re.findall(r"^saved (\d+)$", out, re.M)[-1])
   with jc.CheckpointManager(directory=str(tmp_path / "ckpt"),
                             options=jc.CheckpointOptions(handle_sigterm=False)) as mgr:
     # The last save the loop began was committed and persisted, or the notice paused the loop
-    # inside it, before its snapshot began: then the one before it was.
-    assert mgr.latest_step() in (last - 1, last) and last > 1
+    # inside it, before its snapshot began: then the last save that returned True was (on a
+    # loaded machine a save between them may be skipped while the previous copy runs).
+    assert mgr.latest_step() in (saved, last) and last > 1, out[-3000:]
     assert mgr.restore()["step"] == mgr.latest_step()
