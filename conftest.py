@@ -1,8 +1,18 @@
 """Root pytest configuration: 8 CPU devices before JAX starts, or fail."""
 
+import os
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# The test harness (tests/support) is not in the package: the processes a test starts
+# (`python -m tests.support.job_worker`, whatever their working directory) find it
+# through the repository root on their PYTHONPATH.
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+_PATHS = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+if _ROOT not in _PATHS:
+  os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *_PATHS])
 
 # The snapshot agents this session starts are stopped when it ends, however it ends.
 pytest_plugins = ["jaxckpt.testing.pytest_agents"]
@@ -28,7 +38,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def s3_server():
   """A SeaweedFS S3 server on loopback for the whole session (killed at the end)."""
-  from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
+  from tests.support.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
   with SeaweedS3() as server:
     yield server
 
@@ -37,7 +47,7 @@ def s3_server():
 def etcd_cluster():
   """A 3-member etcd cluster on loopback for the whole session (every member killed by pid
   at the end). Fails, never skips, without Debian's etcd-server (.ci/run installs it)."""
-  from jaxckpt.testing.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
+  from tests.support.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
   with EtcdCluster(3) as cluster:
     yield cluster
 

@@ -48,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as c  # pylint: disable=wrong-import-position
+import _repo  # noqa: F401  pylint: disable=wrong-import-position  (the repository root on the path: tests.support)
 
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
@@ -96,7 +97,7 @@ def host_pipeline(nbytes: int, reps: int, tree: Any) -> dict[str, Any]:
 
 
 def job_figures(processes: int, steps: int, ballast_mib: int) -> dict[str, Any]:
-  """A loop of ``processes`` CPU processes (jaxckpt.testing.multihost_worker, loop
+  """A loop of ``processes`` CPU processes (tests.support.multihost_worker, loop
   mode): the steps each took, and the newest step the job holds on every host."""
   from jaxckpt.testing import processes as procs  # pylint: disable=import-outside-toplevel
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,7 +107,7 @@ def job_figures(processes: int, steps: int, ballast_mib: int) -> dict[str, Any]:
     try:
       for i in range(processes):
         running.append(procs.Proc(
-            ["-m", "jaxckpt.testing.multihost_worker", "--port", str(port), "--num-processes",
+            ["-m", "tests.support.multihost_worker", "--port", str(port), "--num-processes",
              str(processes), "--process-id", str(i), "--run-root",
              os.path.join(root, f"machine{i}"), "--tcp-host", f"127.0.1.{i + 1}", "--job", job,
              "--mode", "loop", "--parity", "1", "--steps", str(steps), "--ballast-mib",

@@ -10,7 +10,7 @@ and recompute the steps since it (on average half a persist interval, timed
 with the same update). Prints JSON with medians.
 
 ``--stall`` (issue 14) measures what a catch-up costs the healthy groups:
-three replica groups as processes (``jaxckpt.ft._worker``) train with a
+three replica groups as processes (``tests.support.ft_worker``) train with a
 lighthouse; g2 is killed, the others train on, g2 restarts from scratch and
 catches up from a peer (snapshot and ring replay) while g0 and g1 keep
 committing. It prints the healthy groups' median step, their worst step while
@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jaxckpt as jc  # noqa: E402
 from jaxckpt.ft.agent_source import AgentSnapshotSource  # noqa: E402
 from jaxckpt.ft.catch_up import replay  # noqa: E402
+import _repo  # noqa: E402,F401  (the repository root on the path: tests.support's worker)
 
 
 def make_state(size_mib: int, sharding):
@@ -68,7 +69,7 @@ def stall(quick: bool) -> dict:
 
   def spawn(g: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", lh.address, "--group", g,
+        [sys.executable, "-m", "tests.support.ft_worker", "--lighthouse", lh.address, "--group", g,
          "--steps", "100000", "--steps-file", steps_file, "--out", os.path.join(tmp, g + ".jsonl"),
          "--timeout", "5", "--step-secs", "0.1", "--ring-size", "8", "--snapshot-every", "5"],
         env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, g + ".err"), "a"))

@@ -35,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # Uninstalled repo.
 
 from jaxckpt.ft import _etcd, _replicas  # noqa: E402  pylint: disable=wrong-import-position
-from jaxckpt.testing.etcd import EtcdCluster  # noqa: E402  pylint: disable=wrong-import-position
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support.etcd import EtcdCluster  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def _ms(secs: list[float]) -> float:

@@ -40,7 +40,8 @@ import psutil  # pylint: disable=wrong-import-position
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxckpt.universal as u  # pylint: disable=wrong-import-position
-from jaxckpt.universal import _fixtures  # pylint: disable=wrong-import-position
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support import fixtures as _fixtures  # pylint: disable=wrong-import-position
 from jaxckpt.universal import convert as cv  # pylint: disable=wrong-import-position
 from jaxckpt.universal import orbax_interop as ox  # pylint: disable=wrong-import-position
 

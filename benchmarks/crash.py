@@ -1,6 +1,6 @@
 """Steps lost to a SIGKILL: the default options against the loop's step and storage's speed.
 
-A trainer (``jaxckpt.testing.crash_worker``: the default ``CheckpointOptions`` with a
+A trainer (``tests.support.crash_worker``: the default ``CheckpointOptions`` with a
 snapshot agent and a directory on a real S3 server, SeaweedFS, reached through a proxy
 that caps its speed) trains with a given step time and SIGKILLs itself at a random
 step, anywhere in it; the next trainer resumes from the newest step the agent (or
@@ -32,9 +32,10 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # Uninstalled repo.
 
 from jaxckpt.testing import processes  # pylint: disable=wrong-import-position
-from jaxckpt.testing.crash_worker import Trainer  # pylint: disable=wrong-import-position
-from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=wrong-import-position
-from jaxckpt.testing.throttle import ThrottledProxy  # pylint: disable=wrong-import-position
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support.crash_worker import Trainer  # pylint: disable=wrong-import-position
+from tests.support.s3 import SeaweedS3  # pylint: disable=wrong-import-position
+from tests.support.throttle import ThrottledProxy  # pylint: disable=wrong-import-position
 
 START_SECS = 300.0
 

@@ -31,7 +31,8 @@ import numpy as np  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 from jaxckpt.ft import Lighthouse, LighthouseOptions, ReplicaGroup, ReplicaGroupOptions  # pylint: disable=wrong-import-position
-from jaxckpt.ft import _toy  # pylint: disable=wrong-import-position
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support import ft_toy as _toy  # pylint: disable=wrong-import-position
 from jaxckpt.testing.fault_injection import EventInjector, InjectedFailure  # pylint: disable=wrong-import-position
 
 GROUPS = ("g0", "g1", "g2")

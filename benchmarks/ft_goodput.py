@@ -4,7 +4,7 @@ Both jobs are real processes on this machine: the control plane (``--control-pla
 etcd``, the default: a 3-member etcd cluster and three ``jaxckpt lighthouse --etcd``
 replicas that elect a leader; ``lighthouse``: one ``jaxckpt lighthouse`` process)
 and G replica groups (``--groups``, default 3), each a process with 2 CPU
-devices training the toy MLP (:mod:`jaxckpt.ft._toy`, adam) with
+devices training the toy MLP (:mod:`tests.support.ft_toy`, adam) with
 ``--step-secs`` of simulated compute per step, snapshotting every committed
 step into its own snapshot agent (``CheckpointManager`` with
 ``AgentOptions``), which is also the snapshot source a recovering group reads.
@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> int:
   from datetime import timedelta  # pylint: disable=import-outside-toplevel
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel
   from jaxckpt import ft  # pylint: disable=import-outside-toplevel
-  from jaxckpt.ft import _toy  # pylint: disable=import-outside-toplevel
+  from tests.support import ft_toy as _toy  # pylint: disable=import-outside-toplevel
   started = time.time()
   mesh = _toy.make_mesh(jax.devices())
   state = _toy.init_state(mesh)
@@ -137,7 +137,7 @@ class Job:
     self.env.pop("XLA_FLAGS", None)
     self.etcd = None
     if args.control_plane == "etcd":
-      from jaxckpt.testing.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
+      from tests.support.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
       self.etcd = EtcdCluster(3).__enter__()
     self.ports = [_free_port() for _ in range(3 if self.etcd is not None else 1)]
     self.address = ",".join(f"127.0.0.1:{p}" for p in self.ports)

@@ -1,7 +1,7 @@
 """The lighthouse's cost as groups grow: quorum time and reply bytes at G simulated groups.
 
 Each G runs an in-process lighthouse with ``min_replicas=G`` and G simulated
-groups (``jaxckpt.ft._simulate``: sealed quorum requests over a few sockets,
+groups (``tests.support.ft_simulate``: sealed quorum requests over a few sockets,
 as a member sends them). A *round* is one quorum of all G groups, timed from
 the last group's request to every group holding its reply; ``form_ms`` is the
 lighthouse's own share (forming the quorum, sealing and queuing G replies), and
@@ -30,7 +30,8 @@ from datetime import timedelta
 from typing import Any
 
 from jaxckpt.ft.lighthouse import Lighthouse, LighthouseOptions
-from jaxckpt.ft._simulate import Round, SimulatedGroups
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support.ft_simulate import Round, SimulatedGroups
 
 
 ETCD: list[str] = []        # the cluster's endpoints, with --etcd
@@ -83,7 +84,7 @@ def main() -> None:
   sizes = [int(g) for g in args.groups.split(",")]
   with contextlib.ExitStack() as stack:
     if args.etcd:
-      from jaxckpt.testing.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
+      from tests.support.etcd import EtcdCluster  # pylint: disable=import-outside-toplevel
       ETCD.extend(stack.enter_context(EtcdCluster(3)).endpoints)
     results = [measure(g, args.repeats) for g in sizes]
   small, large = results[0], results[-1]

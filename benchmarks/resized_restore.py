@@ -36,8 +36,10 @@ import tempfile
 import time
 from typing import Any, Iterator
 
-from jaxckpt.testing import processes, resize_worker
-from jaxckpt.testing.resize_worker import finish, lose, said
+from jaxckpt.testing import processes
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support import resize_worker
+from tests.support.resize_worker import finish, lose, said
 
 CASES = [("4->3", [2, 3, 0], 1, "parity"), ("4->2", [3, 2], None, "parity"),
          ("2->4", [2, 4, 3, 5], None, "host")]
@@ -54,7 +56,7 @@ def shape(size_mib: float) -> tuple[int, int]:
 @contextlib.contextmanager
 def storage(kind: str) -> Iterator[str]:
   if kind == "s3":
-    from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel  (its server only when asked)
+    from tests.support.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel  (its server only when asked)
     with SeaweedS3() as s3:
       yield s3.url(f"resized-{os.getpid()}")
     return

@@ -49,6 +49,8 @@ import sys
 import tempfile
 from typing import Any
 
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -142,7 +144,7 @@ def leaves_curve(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
 
 
 def commit_curve(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
-  from jaxckpt.testing.scale import simulated_commit_secs  # pylint: disable=import-outside-toplevel
+  from tests.support.scale import simulated_commit_secs  # pylint: disable=import-outside-toplevel
   rows = []
   for p in sizes:
     secs = [simulated_commit_secs(p) for _ in range(repeats)]
@@ -157,7 +159,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def bytes_curve(sizes_mib: list[float], repeats: int) -> list[dict[str, Any]]:
-  from jaxckpt.testing.scale import bytes_point  # pylint: disable=import-outside-toplevel
+  from tests.support.scale import bytes_point  # pylint: disable=import-outside-toplevel
   rows = []
   for mib in sizes_mib:
     row = bytes_point(mib, repeats)
@@ -177,7 +179,7 @@ def bytes_curve(sizes_mib: list[float], repeats: int) -> list[dict[str, Any]]:
 
 
 def real_processes_curve(sizes: list[int], mib: float, repeats: int) -> list[dict[str, Any]]:
-  from jaxckpt.testing.scale import real_processes_point  # pylint: disable=import-outside-toplevel
+  from tests.support.scale import real_processes_point  # pylint: disable=import-outside-toplevel
   rows = []
   for p in sizes:
     row = real_processes_point(p, mib, repeats)

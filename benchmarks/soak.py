@@ -5,7 +5,7 @@ turn), SIGSTOP the S3 server for 20-30 s, delete a step on every process at
 different times, restart the job, start a second manager beside a running one,
 damage the newest step on storage after every machine lost its memory); every
 restore compared bit for bit with the reference of the same seed. See
-:mod:`jaxckpt.testing.soak` and :mod:`jaxckpt.testing.soak_faults`.
+:mod:`tests.support.soak` and :mod:`tests.support.soak_faults`.
 
   python benchmarks/soak.py --steps 300 --seed 1 [--faults 14] [--short | --quick] [--log-dir D]
 
@@ -20,7 +20,8 @@ import argparse
 import json
 import sys
 
-from jaxckpt.testing import soak
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support import soak
 
 
 def main() -> int:

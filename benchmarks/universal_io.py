@@ -35,9 +35,10 @@ import tensorstore as ts  # pylint: disable=wrong-import-position
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxckpt.universal as u  # pylint: disable=wrong-import-position
-from jaxckpt.universal import _fixtures  # pylint: disable=wrong-import-position
+import _repo  # noqa: F401  (the repository root on the path: tests.support)
+from tests.support import fixtures as _fixtures  # pylint: disable=wrong-import-position
 from jaxckpt.universal import _layout  # pylint: disable=wrong-import-position
-from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=wrong-import-position
+from tests.support.s3 import SeaweedS3  # pylint: disable=wrong-import-position
 
 
 def make_tree(total_bytes: int, n_leaves: int = 8) -> dict[str, jax.Array]:

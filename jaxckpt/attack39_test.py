@@ -300,7 +300,7 @@ def test_a_refused_metadata_read_at_relaunch_deletes_nothing():
   1.0, the best) and 20 (loss 5.0) are stored. The relaunch's read of step 10's manifest is
   refused (S3 403, credentials rotating); its next save deleted step 10, intact and the best,
   from storage for good."""
-  from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
+  from tests.support.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
   from jaxckpt.universal import _layout as lay  # pylint: disable=import-outside-toplevel
   opts = jc.CheckpointOptions(max_to_keep=2, best_fn=_loss, best_mode="min",
                               keep_checkpoints_without_metrics=False, save_interval_steps=10,

@@ -4,13 +4,13 @@ test-only packages live in extras."""
 import ast
 import importlib.util
 import pathlib
+import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-# modules that are test helpers or examples by design (they need the `examples` extra)
-_EXTRA_ONLY = {"jaxckpt.ft._toy"}
 
 
 def _library_modules() -> list[str]:
@@ -19,7 +19,7 @@ def _library_modules() -> list[str]:
     rel = f.relative_to(_ROOT).with_suffix("")
     name = ".".join(rel.parts)
     if (f.name.endswith("_test.py") or f.name in ("conftest.py", "__main__.py")
-        or "testing" in rel.parts or name.endswith("._fixtures") or name in _EXTRA_ONLY):
+        or "testing" in rel.parts):
       continue
     mods.append(name.removesuffix(".__init__"))
   return mods
@@ -64,6 +64,35 @@ def _imports(path: pathlib.Path) -> set[str]:
   return out
 
 
+# What jaxckpt.testing ships: what users test their own stores and jobs with (docs/api.md's
+# HostStore contract tests, scenarios, fault injection, processes, damage) and the pytest
+# plugin that stops the snapshot agents a session started (a user's suite starts them too).
+_SHIPPED_TESTING = {"__init__", "damage", "fault_injection", "host_store", "processes",
+                    "pytest_agents", "scenarios"}
+
+
+def test_the_wheel_holds_the_library_and_not_the_test_harness(tmp_path):
+  """The wheel holds ``jaxckpt/`` and no test: of ``jaxckpt.testing`` only what users test
+  with; the project's own harness (its workers, the SeaweedFS and etcd launchers, the
+  soak) stays in ``tests/support``, which no library module imports."""
+  src = tmp_path / "src"        # (a copy: a checkout's stale build/ would leak into the wheel)
+  shutil.copytree(_ROOT, src, ignore=shutil.ignore_patterns(
+      ".git", "build", "dist", "*.egg-info", "__pycache__", "_build", ".pytest_cache"))
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                  "-w", str(tmp_path / "wheels"), str(src)], check=True, timeout=300,
+                 capture_output=True)
+  wheel, = (tmp_path / "wheels").glob("jaxckpt-*.whl")
+  files = [n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n]
+  assert files and not [n for n in files if not n.startswith("jaxckpt/")], files
+  assert not [n for n in files if n.endswith("_test.py")]
+  testing = {pathlib.PurePosixPath(n).stem for n in files if n.startswith("jaxckpt/testing/")}
+  assert testing == _SHIPPED_TESTING, sorted(testing ^ _SHIPPED_TESTING)
+  for f in sorted((_ROOT / "jaxckpt").rglob("*.py")):
+    if not f.name.endswith("_test.py"):
+      harness = sorted(m for m in _imports(f) if m == "tests" or m.startswith("tests."))
+      assert not harness, f"{f.relative_to(_ROOT)} imports {harness}"
+
+
 def test_the_layers_import_only_downwards():
   """docs/architecture.md's directions: the tiers below the manager never import the
   agent, the manager or the replica groups, and host/net/parity never import JAX
@@ -97,9 +126,6 @@ _UPWARD_LEFT = {
     ("jaxckpt", "jaxckpt.ft"), ("jaxckpt", "jaxckpt.parity"), ("jaxckpt", "jaxckpt.universal"),
     ("jaxckpt", "jaxckpt.restore._read"), ("jaxckpt", "jaxckpt.manager"),
     ("jaxckpt", "jaxckpt.options"), ("jaxckpt", "jaxckpt.parity.placement"),
-    # the test harness, which leaves the package (#43 item 1)
-    ("jaxckpt.ft._worker", "jaxckpt.testing.fault_injection"),
-    ("jaxckpt.universal._fixtures", "jaxckpt.cli"),
     # orbax's item encoding, used by the orbax import/export that moves into orbax/ (#43 item 3)
     ("jaxckpt.universal.orbax_interop", "jaxckpt.orbax._items"),
 }
@@ -141,7 +167,7 @@ def test_every_package_the_library_imports_is_declared():
   imported: dict[str, str] = {}
   for f in sorted((_ROOT / "jaxckpt").rglob("*.py")):
     rel = f.relative_to(_ROOT)
-    if f.name.endswith("_test.py") or "testing" in rel.parts or f.stem in ("conftest", "_fixtures"):
+    if f.name.endswith("_test.py") or "testing" in rel.parts or f.stem == "conftest":
       continue
     for node in ast.walk(ast.parse(f.read_text())):
       names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

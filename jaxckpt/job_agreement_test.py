@@ -1,6 +1,6 @@
 """A job is one unit: its processes agree on their options at start, and every process's
 wait_until_finished returns once the step is committed on storage (real processes of
-one jax.distributed job on loopback: :mod:`jaxckpt.testing.job_worker`)."""
+one jax.distributed job on loopback: :mod:`tests.support.job_worker`)."""
 
 from __future__ import annotations
 

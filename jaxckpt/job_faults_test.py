@@ -1,6 +1,6 @@
 """Multi-process jobs on loopback under the faults of issue 32: a lost process 0,
 deletes far apart, a process that never wrote its part, a damaged newest step
-(:mod:`jaxckpt.testing.job_worker` runs each process's side)."""
+(:mod:`tests.support.job_worker` runs each process's side)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def launch(n: int, root: str, job: str, scenario: str, directory: str = "", vari
     for i in range(n):
       run_root, address = machine(root, i)
       procs.append(processes.Proc(
-          ["-m", "jaxckpt.testing.job_worker", "--port", str(port), "--num-processes", str(n),
+          ["-m", "tests.support.job_worker", "--port", str(port), "--num-processes", str(n),
            "--process-id", str(i), "--run-root", run_root, "--tcp-host", address, "--job", job,
            "--directory", directory, "--scenario", scenario, "--variant", variant], cwd=REPO,
           stdin=stdin))

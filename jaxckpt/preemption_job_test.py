@@ -22,7 +22,7 @@ def test_a_notice_to_one_process_stops_every_process_at_the_same_step():
   # Python's signal.getsignal does not see): the process told stopped alone, at its step,
   # and the others never heard (each blocked in the step's next collective).
   port = processes.free_port()
-  procs = [processes.Proc(["-m", "jaxckpt.testing.plan_worker", "--port", str(port),
+  procs = [processes.Proc(["-m", "tests.support.plan_worker", "--port", str(port),
                            "--num-processes", "2", "--process-id", str(i), "--preempt",
                            "--ballast-mib", "1", "--steps", "3000", "--sleep", "0.01"],
                           cwd=REPO) for i in range(2)]

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from jaxckpt.testing import processes
-from jaxckpt.testing.crash_worker import Trainer
-from jaxckpt.testing.throttle import ThrottledProxy
+from tests.support.crash_worker import Trainer
+from tests.support.throttle import ThrottledProxy
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes
-from jaxckpt.universal._fixtures import run_cli, stored_steps
+from tests.support.fixtures import run_cli, stored_steps
 
 
 def test_delete_a_stored_step(tmp_path, capsys):

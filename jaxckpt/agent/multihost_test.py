@@ -30,7 +30,7 @@ def launch(n, root, job, mode, *extra, machines=None):
     for i in range(n):
       run_root, address = machine(root, machines[i])
       procs.append(processes.Proc(
-          ["-m", "jaxckpt.testing.multihost_worker", "--port", str(port), "--num-processes", str(n),
+          ["-m", "tests.support.multihost_worker", "--port", str(port), "--num-processes", str(n),
            "--process-id", str(i), "--run-root", run_root, "--tcp-host", address, "--job", job,
            "--mode", mode, *extra], cwd=REPO))
     yield procs

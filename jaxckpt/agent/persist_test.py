@@ -18,7 +18,7 @@ from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes
-from jaxckpt.universal._fixtures import run_cli
+from tests.support.fixtures import run_cli
 from jaxckpt.util import _wait
 
 N = 1024

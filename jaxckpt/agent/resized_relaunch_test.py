@@ -6,7 +6,7 @@ which machine runs which process index is the launcher's choice, and changes at 
 relaunch. One chain reuses the machines' agents across the cases: a 4-process job saves;
 machine 1 is lost for good, and the job comes back on 3 processes, then on 2 (a surviving
 machine left out of the job: its agent still serves), then grows back to 4 (two new
-machines). :mod:`jaxckpt.testing.resize_worker` runs each process's side.
+machines). :mod:`tests.support.resize_worker` runs each process's side.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 
 from jaxckpt.agent import jobs
 from jaxckpt.agent._factory import choose_agents
-from jaxckpt.testing import processes, resize_worker
-from jaxckpt.testing.resize_worker import finish, lose, machine, said
+from jaxckpt.testing import processes
+from tests.support import resize_worker
+from tests.support.resize_worker import finish, lose, machine, said
 
 ROWS, COLS = 48, 64
 

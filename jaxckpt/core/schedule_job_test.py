@@ -76,7 +76,7 @@ def test_a_process_whose_planned_snapshot_failed_decides_the_next_steps_as_the_o
 @pytest.mark.timeout(300)
 def test_two_processes_asking_should_save_first_take_the_same_steps_to_the_end():
   port = processes.free_port()
-  procs = [processes.Proc(["-m", "jaxckpt.testing.plan_worker", "--port", str(port),
+  procs = [processes.Proc(["-m", "tests.support.plan_worker", "--port", str(port),
                            "--num-processes", "2", "--process-id", str(i), "--gated",
                            "--steps", "48", "--sleep", "0.01", "--ballast-mib", "32"],
                           cwd=REPO) for i in range(2)]
@@ -98,7 +98,7 @@ def test_a_process_whose_save_raised_a_background_error_goes_on_with_the_jobs_st
   # any other: the processes must go on taking the same steps.
   with processes.agent_sandbox() as (root, job):
     port = processes.free_port()
-    procs = [processes.Proc(["-m", "jaxckpt.testing.plan_worker", "--port", str(port),
+    procs = [processes.Proc(["-m", "tests.support.plan_worker", "--port", str(port),
                              "--num-processes", "2", "--process-id", str(i), "--run-root", root,
                              "--job", job, "--steps", "120", "--sleep", "0.002", "--prepare",
                              "--kill-agent-after", "8"], cwd=REPO) for i in range(2)]

@@ -13,7 +13,7 @@ import zmq
 
 from jaxckpt import errors
 from jaxckpt.ft import _requests
-from jaxckpt.ft._simulate import SimulatedGroups
+from tests.support.ft_simulate import SimulatedGroups
 from jaxckpt.ft.lighthouse import Heartbeat, Lighthouse, LighthouseClient, LighthouseOptions, Member
 from jaxckpt.net import _wire
 

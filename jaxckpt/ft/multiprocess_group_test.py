@@ -40,7 +40,7 @@ def _spawn(tmp: pathlib.Path, lighthouse: Lighthouse, coordinator: str, name: st
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAXCKPT_JOB_SECRET=lighthouse.secret)
   env.pop("XLA_FLAGS", None)
   extra = WORKERS[name] + (["--coordinator", coordinator] if name.startswith("g1") else [])
-  cmd = [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", lighthouse.address, "--steps", str(STEPS),
+  cmd = [sys.executable, "-m", "tests.support.ft_worker", "--lighthouse", lighthouse.address, "--steps", str(STEPS),
          "--timeout", "10", "--out", str(tmp / f"{name}.jsonl"), "--dump", str(tmp / f"{name}.npz"),
          *extra]
   with open(tmp / f"{name}.stderr", "wb") as err:

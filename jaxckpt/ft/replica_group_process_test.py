@@ -40,7 +40,7 @@ class Job:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                JAXCKPT_JOB_SECRET=self.lighthouse_server.secret)
     env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "jaxckpt.ft._worker", "--lighthouse", self.lighthouse,
+    cmd = [sys.executable, "-m", "tests.support.ft_worker", "--lighthouse", self.lighthouse,
            "--group", group, "--steps", str(FOREVER), "--steps-file", str(self.tmp / "steps"), "--out", str(self.tmp / f"{group}.jsonl"),
            "--timeout", str(timeout), "--step-secs", str(STEP_SECS), "--ring-size", "8",
            "--injector", (injector or EventInjector()).to_json(),

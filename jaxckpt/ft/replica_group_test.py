@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from jaxckpt.ft import (GradientRing, InMemorySnapshotSource, Lighthouse, LighthouseOptions, ReplicaGroup,
-                        ReplicaGroupOptions, RingEntry, _toy, batch_index, chain_digest, reference_mean)
+                        ReplicaGroupOptions, RingEntry, batch_index, chain_digest, reference_mean)
 from jaxckpt.errors import QuorumError
 from jaxckpt.testing.fault_injection import EventInjector, InjectedFailure
+from tests.support import ft_toy as _toy
 
 OPTS = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=50), ring_size=32, max_groups=4)
 LH = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5),

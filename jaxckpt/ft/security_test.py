@@ -18,7 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 from jaxckpt import errors
 from jaxckpt.ft import Lighthouse, LighthouseOptions, ReplicaGroup, ReplicaGroupOptions
 from jaxckpt.ft import _peer, _route
-from jaxckpt.ft.replacement_check import replacement_on_skewed_clock
+from tests.support.replacement_check import replacement_on_skewed_clock
 from jaxckpt.net import _wire
 
 OPTS = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=50))

@@ -26,7 +26,7 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.host import _persist
 from jaxckpt.testing import processes
-from jaxckpt.universal import _fixtures
+from tests.support import fixtures as _fixtures
 
 
 def _state(value: float) -> dict:

@@ -18,8 +18,8 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.testing.s3 import SeaweedS3
-from jaxckpt.universal import _fixtures
+from tests.support.s3 import SeaweedS3
+from tests.support import fixtures as _fixtures
 from jaxckpt.universal import _layout as lay
 
 RNG = np.random.default_rng(39)

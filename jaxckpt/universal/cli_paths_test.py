@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxckpt.universal._fixtures import run_cli, stored_steps
+from tests.support.fixtures import run_cli, stored_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYOUT = "(it holds commits/ and step_NNNNNNNNNN/ directories)"

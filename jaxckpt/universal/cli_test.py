@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxckpt.universal as u
 from jaxckpt import errors
-from jaxckpt.universal import _fixtures
+from tests.support import fixtures as _fixtures
 from jaxckpt.universal import cli
 
 W = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)

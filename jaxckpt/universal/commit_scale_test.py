@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 
-from jaxckpt.testing.scale import simulated_commit_secs
+from tests.support.scale import simulated_commit_secs
 
 # CPU seconds of this process (its tensorstore threads included): a loaded machine
 # stretches wall time, not this.
@@ -26,7 +26,7 @@ def _persist_cpu_secs(directory: str, leaves: int) -> float:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   import jaxckpt.universal as u  # pylint: disable=import-outside-toplevel
-  from jaxckpt.universal import _fixtures  # pylint: disable=import-outside-toplevel
+  from tests.support import fixtures as _fixtures  # pylint: disable=import-outside-toplevel
   sh = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
   rng = np.random.default_rng(leaves)
   state = {f"['l{i}']": jax.device_put(rng.standard_normal((64, 16)).astype(np.float32), sh)
@@ -52,7 +52,7 @@ def test_a_commit_of_many_processes_costs_about_one_plain_decode_of_their_part_r
   # chunk tables validated again, every chunk key rebuilt). Now about one decode (and the reads).
   import json  # pylint: disable=import-outside-toplevel
   from jaxckpt import universal  # pylint: disable=import-outside-toplevel
-  from jaxckpt.testing.scale import write_simulated_parts  # pylint: disable=import-outside-toplevel
+  from tests.support.scale import write_simulated_parts  # pylint: disable=import-outside-toplevel
   from jaxckpt.universal import _layout as lay  # pylint: disable=import-outside-toplevel
   processes = 512
   ratios = []
@@ -78,7 +78,7 @@ def test_a_chunk_two_processes_hashed_differently_is_refused_and_one_hashed_alik
   import json  # pylint: disable=import-outside-toplevel
   import pytest  # pylint: disable=import-outside-toplevel
   from jaxckpt import errors, universal  # pylint: disable=import-outside-toplevel
-  from jaxckpt.testing.scale import write_simulated_parts  # pylint: disable=import-outside-toplevel
+  from tests.support.scale import write_simulated_parts  # pylint: disable=import-outside-toplevel
   from jaxckpt.universal import _layout as lay  # pylint: disable=import-outside-toplevel
 
   def parts(d, checksum):

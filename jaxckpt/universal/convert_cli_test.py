@@ -7,7 +7,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxckpt.universal as u
-from jaxckpt.universal import _fixtures
+from tests.support import fixtures as _fixtures
 from jaxckpt.universal import convert_cli
 
 W = np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5)

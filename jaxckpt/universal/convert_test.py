@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxckpt.universal as u
 from jaxckpt import errors
-from jaxckpt.universal import _fixtures
+from tests.support import fixtures as _fixtures
 from jaxckpt.universal import convert as cv
 
 L, D, H = 4, 8, 8  # layers, model width, head width

@@ -20,7 +20,7 @@ WRITER = textwrap.dedent("""
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxckpt.universal as u
-    from jaxckpt.universal import _fixtures
+    from tests.support import fixtures as _fixtures
     d = sys.argv[1]
     mesh = Mesh(np.array(jax.devices()), ("x",))
     for step in range(1, 1000):

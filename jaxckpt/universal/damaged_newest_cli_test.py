@@ -15,7 +15,8 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt.testing import damage
-from jaxckpt.universal import _commit, _fixtures
+from jaxckpt.universal import _commit
+from tests.support import fixtures as _fixtures
 from jaxckpt.universal import _layout as lay
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

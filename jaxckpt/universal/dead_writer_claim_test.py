@@ -20,7 +20,8 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt.testing import processes
-from jaxckpt.universal import _commit, _fixtures
+from jaxckpt.universal import _commit
+from tests.support import fixtures as _fixtures
 from jaxckpt.universal import _layout as lay
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

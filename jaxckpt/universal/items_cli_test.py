@@ -75,7 +75,7 @@ def test_a_damaged_item_row_is_named_and_exit_is_1(tmp_path, capsys):
   d = str(tmp_path / "bad")
   row = np.zeros((1, 64), np.uint8)
   row[0, :8] = np.frombuffer((200).to_bytes(8, "little"), np.uint8)     # longer than the row
-  from jaxckpt.universal import _fixtures  # pylint: disable=import-outside-toplevel
+  from tests.support import fixtures as _fixtures  # pylint: disable=import-outside-toplevel
   for manifest, buf in _fixtures.host_snapshots(
       2, {"['meta']": row}, metadata={"jaxckpt.items": {"meta": "json"}}):
     u.write_process_shards(d, manifest, buf, attempt="t")

@@ -25,7 +25,7 @@ import jaxckpt.universal as u
 from jaxckpt import cli, errors
 from jaxckpt.host.store import InProcessStore
 from jaxckpt.restore import _read, _tiers
-from jaxckpt.universal import _fixtures
+from tests.support import fixtures as _fixtures
 
 RNG = np.random.default_rng(39)
 W = RNG.standard_normal((16, 24)).astype(np.float32)

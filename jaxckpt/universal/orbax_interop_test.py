@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxckpt.universal as u
 from jaxckpt import errors
-from jaxckpt.universal import _fixtures
+from tests.support import fixtures as _fixtures
 from jaxckpt.universal import convert as cv
 from jaxckpt.universal import orbax_interop as ox
 

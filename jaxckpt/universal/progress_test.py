@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import jaxckpt.universal as u
-from jaxckpt.universal import _fixtures, cli, convert_cli
+from tests.support import fixtures as _fixtures
+from jaxckpt.universal import cli, convert_cli
 from jaxckpt.util import _progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxckpt.universal as u
-from jaxckpt.universal import _fixtures
+from tests.support import fixtures as _fixtures
 
 SHAPE = (16, 24)
 

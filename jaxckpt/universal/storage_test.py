@@ -13,7 +13,8 @@ import zarr
 import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.host import snapshot as snap
-from jaxckpt.universal import _fixtures, _layout
+from tests.support import fixtures as _fixtures
+from jaxckpt.universal import _layout
 
 
 def persist(d, step, leaves, *, processes=1, metadata=None, commit=True):

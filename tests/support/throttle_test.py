@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jaxckpt import errors
-from jaxckpt.testing.throttle import ThrottledProxy
+from tests.support.throttle import ThrottledProxy
 
 
 def _echo_server():

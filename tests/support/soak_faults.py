@@ -1,4 +1,4 @@
-"""The chaos soak's fault kinds of issues 32 and 40 (:mod:`jaxckpt.testing.soak` runs
+"""The chaos soak's fault kinds of issues 32 and 40 (:mod:`tests.support.soak` runs
 them), and the place where other checks join its run.
 
 - ``second_manager``: at one step every trainer tries a second manager of its
@@ -43,7 +43,7 @@ from jaxckpt.testing import processes
 def _skewed_clock() -> dict[str, Any]:
   """A replacement replica group on a clock 45 s behind its dead predecessor's: each of
   its rounds forms a quorum, and every replayed message is refused (jaxckpt.ft)."""
-  from jaxckpt.ft import replacement_check  # pylint: disable=import-outside-toplevel  (the replica groups: only this check)
+  from tests.support import replacement_check  # pylint: disable=import-outside-toplevel  (the replica groups: only this check)
   return replacement_check.replacement_on_skewed_clock(skew_secs=-45.0, groups=3, rounds=3)
 
 

@@ -1,7 +1,7 @@
 """A trainer that a crash test kills: the default options with a snapshot agent and a
 directory, a loop of a given step time, and a SIGKILL of itself in a step.
 
-  python -m jaxckpt.testing.crash_worker --run-root R --job J --directory D \
+  python -m tests.support.crash_worker --run-root R --job J --directory D \
       --kill-after N [--step-ms MS] [--size-mib M] [--seed S] [--wait-go] [--snapshotted]
 
 It first restores the newest step the agent (or storage) holds, if any, and checks
@@ -48,7 +48,7 @@ class Trainer:
   def __init__(self, *, run_root: str, job: str, directory: str, kill_after: int,
                step_ms: float = 0.0, size_mib: float = 4.0, seed: int = 0,
                snapshotted: bool = False, env: dict[str, str] | None = None) -> None:
-    args = [sys.executable, "-m", "jaxckpt.testing.crash_worker", "--run-root", run_root,
+    args = [sys.executable, "-m", "tests.support.crash_worker", "--run-root", run_root,
             "--job", job, "--directory", directory, "--kill-after", str(kill_after),
             "--step-ms", str(step_ms), "--size-mib", str(size_mib), "--seed", str(seed),
             "--wait-go"] + (["--snapshotted"] if snapshotted else [])

@@ -1,6 +1,6 @@
 """One process of a jax.distributed job on loopback whose loop asks the job's save plan.
 
-  python -m jaxckpt.testing.plan_worker --port P --num-processes N --process-id I \
+  python -m tests.support.plan_worker --port P --num-processes N --process-id I \
       [--gated] [--steps S] [--ballast-mib B] [--sleep SECS] [--run-root R --job J]
 
 The loop of ``--steps`` steps saves a state with a ``--ballast-mib`` leaf per

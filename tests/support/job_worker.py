@@ -2,7 +2,7 @@
 scenario (the multi-process tests of issue 32: a lost process 0, deletes far
 apart, a wait's blame, a damaged newest step).
 
-  python -m jaxckpt.testing.job_worker --port P --num-processes N --process-id I \
+  python -m tests.support.job_worker --port P --num-processes N --process-id I \
       --run-root R --tcp-host 127.0.1.M --job J --directory D --scenario NAME
 
 Each process is a "machine" of its own (its own run root and loopback address,

@@ -1,6 +1,6 @@
 """The chaos soak: a 4-process job under a seeded schedule of faults, every restore checked.
 
-A job of four processes (``jax.distributed`` on CPU, :mod:`jaxckpt.testing.soak_worker`),
+A job of four processes (``jax.distributed`` on CPU, :mod:`tests.support.soak_worker`),
 each on a "machine" of its own (its own run root and loopback address
 127.0.1.N, so its own snapshot agent), parity m=1 over the four, saving every
 step and persisting every 5th to a real SeaweedFS, runs to a fixed step while
@@ -25,7 +25,7 @@ faults are injected one at a time:
 - ``restart``: every trainer stops after the same step, closes and exits; the
   job is relaunched.
 - ``second_manager``, ``damage_newest``, ``impossible_newest``, ``truncate_slots``,
-  ``dead_claim`` and ``stray_tcp``: see :mod:`jaxckpt.testing.soak_faults` (a
+  ``dead_claim`` and ``stray_tcp``: see :mod:`tests.support.soak_faults` (a
   second manager beside a running one must be refused; a damaged or impossible
   newest step on storage must be skipped by the relaunch's restore; truncated slot
   files are damage, never SIGBUS; a killed writer's claim lapses; a trainer's
@@ -74,8 +74,9 @@ from typing import Any, Callable
 
 import psutil
 
-from jaxckpt.testing import processes, soak_faults
-from jaxckpt.testing.soak_worker import Reference
+from jaxckpt.testing import processes
+from tests.support import soak_faults
+from tests.support.soak_worker import Reference
 
 KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart",
          "second_manager", "damage_newest", "impossible_newest", "truncate_slots",
@@ -139,7 +140,7 @@ class Trainer:
   def __init__(self, job: "Job", index: int, argv: list[str], log_path: str) -> None:
     self.job, self.index = job, index
     self.log = open(log_path, "a", buffering=1)  # pylint: disable=consider-using-with
-    self.p = subprocess.Popen([sys.executable, "-m", "jaxckpt.testing.soak_worker", *argv],
+    self.p = subprocess.Popen([sys.executable, "-m", "tests.support.soak_worker", *argv],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=REPO,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -606,7 +607,7 @@ class Soak:
         e = again
 
   def run(self) -> dict[str, Any]:
-    from jaxckpt.testing.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
+    from tests.support.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
     t0 = time.monotonic()
     with SeaweedS3() as s3:
       self.s3 = s3

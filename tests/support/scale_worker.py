@@ -1,9 +1,9 @@
 """One measurement of ``benchmarks/scale.py``'s bytes and real-process curves, in a
-fresh process (:mod:`jaxckpt.testing.scale` starts these).
+fresh process (:mod:`tests.support.scale` starts these).
 
-  python -m jaxckpt.testing.scale_worker save --mib M --dir D [--order a,b,c]
-  python -m jaxckpt.testing.scale_worker restore --tool jaxckpt|orbax --mib M --dir D
-  python -m jaxckpt.testing.scale_worker job --tool jaxckpt|orbax --mib M --dir D \
+  python -m tests.support.scale_worker save --mib M --dir D [--order a,b,c]
+  python -m tests.support.scale_worker restore --tool jaxckpt|orbax --mib M --dir D
+  python -m tests.support.scale_worker job --tool jaxckpt|orbax --mib M --dir D \
       --repeats R --port P --num-processes N --process-id I
 
 The state is 8 float32 leaves of ``(rows, 1024)`` totalling M MiB, random values

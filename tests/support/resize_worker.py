@@ -1,7 +1,7 @@
 """One process of a job that saves, or is relaunched on another number of processes
 and restores (issue 42 item 4: the resized relaunch test and ``benchmarks/resized_restore.py``).
 
-  python -m jaxckpt.testing.resize_worker --port P --num-processes N --process-id I \
+  python -m tests.support.resize_worker --port P --num-processes N --process-id I \
       --run-root R --tcp-host 127.0.1.M --job J --directory D --phase save|relaunch ...
 
 Each process is a "machine" of its own (its own run root and loopback address, so its own
@@ -59,7 +59,7 @@ def launch(machines: list[int], root: str, job: str, directory: str, *args: str,
     for i, m in enumerate(machines):
       run_root, address = machine(root, m)
       procs.append(processes.Proc(
-          ["-m", "jaxckpt.testing.resize_worker", "--port", str(port), "--num-processes",
+          ["-m", "tests.support.resize_worker", "--port", str(port), "--num-processes",
            str(len(machines)), "--process-id", str(i), "--run-root", run_root, "--tcp-host",
            address, "--job", job, "--directory", directory, *args], cwd=REPO, env=env))
     yield procs

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from jaxckpt.testing.scale import persist_secs
+from tests.support.scale import persist_secs
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))), "benchmarks", "scale.py")

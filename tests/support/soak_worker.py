@@ -1,7 +1,7 @@
-"""One trainer of the chaos soak (:mod:`jaxckpt.testing.soak`): a process of a
+"""One trainer of the chaos soak (:mod:`tests.support.soak`): a process of a
 ``jax.distributed`` job on loopback with its own run root, address and agent.
 
-  python -m jaxckpt.testing.soak_worker --port P --num-processes 4 --process-id I \
+  python -m tests.support.soak_worker --port P --num-processes 4 --process-id I \
       --run-root R --tcp-host 127.0.1.M --job J --directory s3://bucket/run \
       --seed S --steps N [--fresh]
 

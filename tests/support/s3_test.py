@@ -1,5 +1,5 @@
 import os
-from jaxckpt.testing.s3 import SeaweedS3
+from tests.support.s3 import SeaweedS3
 import tensorstore as ts
 def test_two_servers_and_inherited_credentials(monkeypatch):
   monkeypatch.setenv("AWS_ACCESS_KEY_ID", "someone")

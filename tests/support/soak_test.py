@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxckpt.testing import soak, soak_worker
+from tests.support import soak, soak_worker
 
 
 def test_the_numpy_reference_is_the_step_the_trainers_run():

@@ -1,6 +1,6 @@
 """One "host" of a multi-process jax.distributed job on loopback (used by tests).
 
-  python -m jaxckpt.testing.multihost_worker --port P --num-processes N --process-id I \
+  python -m tests.support.multihost_worker --port P --num-processes N --process-id I \
       --run-root R --tcp-host 127.0.1.M --job J --mode save|restore [--permute] [--steps S]
 
 Each "host" is a machine of its own: its own run root (nothing shared with the

@@ -1,7 +1,7 @@
-"""One replica group of the toy job, as a process: ``python -m jaxckpt.ft._worker ...``.
+"""One replica group of the toy job, as a process: ``python -m tests.support.ft_worker ...``.
 
 Used by the multi-process tests and the benchmark. Sets 2 CPU devices before
-JAX starts, trains :mod:`jaxckpt.ft._toy` with a ReplicaGroup, and appends one
+JAX starts, trains :mod:`tests.support.ft_toy` with a ReplicaGroup, and appends one
 JSON line per step attempt to ``--out``.
 
 With ``--coordinator HOST:PORT --num-processes N --process-id I`` the group is a
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id, initialization_timeout=120,
                                heartbeat_timeout_seconds=20)
-  from jaxckpt.ft import _toy  # pylint: disable=import-outside-toplevel
+  from tests.support import ft_toy as _toy  # pylint: disable=import-outside-toplevel
   from jaxckpt.ft import InMemorySnapshotSource, ReplicaGroup, ReplicaGroupOptions  # pylint: disable=import-outside-toplevel
   from jaxckpt.testing.fault_injection import EventInjector  # pylint: disable=import-outside-toplevel
   logging.basicConfig(level=logging.WARNING, stream=sys.stderr,

@@ -1,7 +1,7 @@
 """Scale measurements used by ``benchmarks/scale.py`` and by the tests that keep costs
 linear: a simulated job of many processes (what it leaves on storage, made in one
 process), and the bytes and real-process curves (fresh processes of
-:mod:`jaxckpt.testing.scale_worker`).
+:mod:`tests.support.scale_worker`).
 """
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ def write_simulated_parts(directory: str, processes: int, leaves: int = 100,
   return attempt
 
 
-# -- bytes and real processes: fresh processes of jaxckpt.testing.scale_worker --------
+# -- bytes and real processes: fresh processes of tests.support.scale_worker --------
 
 _TOOLS = ("jaxckpt", "orbax", "tensorstore")
 
 
 def _worker(*args: str) -> list[str]:
-  return [sys.executable, "-m", "jaxckpt.testing.scale_worker", *args]
+  return [sys.executable, "-m", "tests.support.scale_worker", *args]
 
 
 def _env() -> dict[str, str]:
