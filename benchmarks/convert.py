@@ -43,7 +43,7 @@ import jaxckpt.universal as u  # pylint: disable=wrong-import-position
 import _repo  # noqa: F401  (the repository root on the path: tests.support)
 from tests.support import fixtures as _fixtures  # pylint: disable=wrong-import-position
 from jaxckpt.universal import convert as cv  # pylint: disable=wrong-import-position
-from jaxckpt.universal import orbax_interop as ox  # pylint: disable=wrong-import-position
+from jaxckpt.orbax import interop as ox  # pylint: disable=wrong-import-position
 
 SPEC = cv.ConversionSpec(rules=(
     cv.Unstack(src="['layers']['{p}']", dst="['layer_{i}']['{p}']"),

@@ -11,6 +11,7 @@ from jaxckpt.agent import cli as agent_cli
 from jaxckpt.agent import delete_cli, status_cli
 from jaxckpt.ft import cli as ft_cli
 from jaxckpt.goodput import plan as goodput_plan
+from jaxckpt.orbax import interop_cli
 from jaxckpt.universal import cli as universal_cli
 from jaxckpt.universal import convert_cli
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
   universal_cli.register(sub)
   delete_cli.register(sub)
   convert_cli.register(sub)
+  interop_cli.register(sub)
   ft_cli.register(sub)
   goodput.register_cli(sub)
   goodput_plan.register_cli(sub)

@@ -32,12 +32,11 @@ import numpy as np
 from jaxckpt import errors, tree
 from jaxckpt.core import _ledger
 from jaxckpt.orbax import _targets
+# the item records and the row encoding, which reading an orbax step in place shares
+from jaxckpt.universal._saved_items import ITEM_KEY, ITEMS_KEY, ROW_BYTES, encode_row
 
-ITEMS_KEY = "jaxckpt.items"       # {name: kind} of a Composite step
-ITEM_KEY = "jaxckpt.item"         # the kind of a single item saved through args=
 TIME_KEY, METRICS_KEY = _ledger.TIME_KEY, _ledger.METRICS_KEY   # a step's time and metrics
 DEFAULT = "default"               # orbax's name of the single item
-ROW_BYTES = 1 << 16               # a Grain iterator's state is a few hundred bytes of JSON
 _LEN_BYTES = 8
 
 PYTREE, JSON, ARRAY, GRAIN = "pytree", "json", "array", "grain"
@@ -336,18 +335,6 @@ def _set_grain_state(it: Any, data: bytes) -> Any:
   # A DataLoader's iterator speaks bytes, a dataset iterator a dict: as it does now.
   it.set_state(data if isinstance(it.get_state(), bytes) else json.loads(data))
   return it
-
-
-def encode_row(data: bytes, name: str) -> np.ndarray:
-  """``data`` as one row of a data iterator's item: an 8-byte length, then the bytes."""
-  if len(data) > ROW_BYTES - _LEN_BYTES:
-    raise errors.InvalidArgumentError(
-        f"item {name!r}: the data iterator's state is {len(data)} bytes, over the "
-        f"{ROW_BYTES - _LEN_BYTES} it holds")
-  row = np.zeros(ROW_BYTES, np.uint8)
-  row[:_LEN_BYTES] = np.frombuffer(len(data).to_bytes(_LEN_BYTES, "little"), np.uint8)
-  row[_LEN_BYTES:_LEN_BYTES + len(data)] = np.frombuffer(data, np.uint8)
-  return row
 
 
 def _rows(data: bytes, name: str) -> Any:

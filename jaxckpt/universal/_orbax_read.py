@@ -114,9 +114,9 @@ def _opened(where: str, step: int, *identity: int) -> Any:
   """orbax's step read once per step directory (orbax's metadata read costs ~25 ms a step:
   a manager reads each step's metadata at open, and a restore describes, then reads it)."""
   del identity
-  from jaxckpt.universal import orbax_interop  # pylint: disable=import-outside-toplevel
+  from jaxckpt.universal import _orbax_files  # pylint: disable=import-outside-toplevel
   # (orbax itself loads only when an orbax step is read: the agent, which lists steps, never)
-  return orbax_interop.open_orbax_step(where, step)
+  return _orbax_files.open_orbax_step(where, step)
 
 
 class _Regions:

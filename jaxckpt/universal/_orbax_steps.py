@@ -4,7 +4,7 @@ A directory that orbax's manager wrote holds one directory per finalized step,
 ``<N>`` or ``<prefix>_<N>`` (``step_format_fixed_length`` zero-pads N), with
 orbax's ``_CHECKPOINT_METADATA`` file in it. A manager opened on it lists those
 steps beside the ones jaxckpt committed there (``_commit.stored_steps``), reads
-them onto any target through orbax_interop's lazy tensorstore views
+them onto any target through _orbax_files's lazy tensorstore views
 (``_orbax_read.open_stored``), saves new steps in jaxckpt's format beside them but never
 one that orbax holds (:func:`check_not_orbax`), and deletes exactly one step's
 directory when retention or ``delete()`` drops it (:func:`discard_orbax_step`).
@@ -14,7 +14,7 @@ unfinalized), a step directory or its metadata file that is a symbolic link
 (nothing here follows a link out of the directory), and a step that two
 directories claim (``7`` beside ``ckpt_7``: which one is meant is unknown; a
 warning names both). orbax steps are found in local directories (and
-``file://`` URLs) only: orbax_interop reads orbax's files through the local
+``file://`` URLs) only: _orbax_files reads orbax's files through the local
 filesystem.
 
 orbax's data has no jaxckpt checksums: a read of an orbax step is as verified

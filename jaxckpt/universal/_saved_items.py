@@ -7,8 +7,8 @@ item is the leaf ``['name']`` holding its JSON text (one value for the whole
 job; older steps: rows as a Grain state); a Grain iterator's state is the leaf
 ``['name']``, a ``(process_count, ROW_BYTES)`` uint8 array with one row per
 saving process: an 8-byte little-endian length, then that many bytes of UTF-8
-JSON, then zeros. (The writer is ``jaxckpt``'s orbax layer; this module only
-reads.)
+JSON, then zeros. (The writer is ``jaxckpt``'s orbax layer, which encodes a row with
+:func:`encode_row`, as does the reading of an orbax step's Grain item.)
 
 >>> row = np.zeros(32, np.uint8); row[:8] = [7, 0, 0, 0, 0, 0, 0, 0]
 >>> row[8:15] = np.frombuffer(b'{"a":1}', np.uint8)
@@ -25,11 +25,13 @@ import numpy as np
 
 from jaxckpt import errors
 
-ITEMS_KEY = "jaxckpt.items"
+ITEMS_KEY = "jaxckpt.items"       # {name: kind} of a Composite step
+ITEM_KEY = "jaxckpt.item"         # the kind of a single item saved through args= (not a pytree)
 TIME_KEY = "jaxckpt.time"          # a manager's record of the step's save time (epoch seconds)
 METRICS_KEY = "jaxckpt.metrics"    # save(metrics=...)
 OWN_PREFIX = "jaxckpt."            # jaxckpt's records; the rest is the user's metadata
 PYTREE, JSON, GRAIN = "pytree", "json", "grain"
+ROW_BYTES = 1 << 16               # a Grain iterator's state is a few hundred bytes of JSON
 _LEN_BYTES = 8
 
 
@@ -60,6 +62,18 @@ def decode_json(text: str, name: str) -> Any:
     return json.loads(text)
   except ValueError as e:
     raise errors.CorruptSnapshotError(f"item {name!r}: not JSON ({e})") from None
+
+
+def encode_row(data: bytes, name: str) -> np.ndarray:
+  """``data`` as one row of a data iterator's item: an 8-byte length, then the bytes."""
+  if len(data) > ROW_BYTES - _LEN_BYTES:
+    raise errors.InvalidArgumentError(
+        f"item {name!r}: the data iterator's state is {len(data)} bytes, over the "
+        f"{ROW_BYTES - _LEN_BYTES} it holds")
+  row = np.zeros(ROW_BYTES, np.uint8)
+  row[:_LEN_BYTES] = np.frombuffer(len(data).to_bytes(_LEN_BYTES, "little"), np.uint8)
+  row[_LEN_BYTES:_LEN_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+  return row
 
 
 def decode_rows(rows: np.ndarray, name: str) -> list[Any]:

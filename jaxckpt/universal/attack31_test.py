@@ -12,7 +12,7 @@ import pytest
 import jaxckpt as jc
 from jaxckpt import cli, errors
 from jaxckpt.core import _ledger
-from jaxckpt.universal import orbax_interop as ox
+from jaxckpt.orbax import interop as ox
 
 
 def _opts():

@@ -1,7 +1,8 @@
-"""``jaxckpt convert``, ``jaxckpt import-orbax`` and ``jaxckpt export-orbax``.
+"""``jaxckpt convert`` (orbax's ``import-orbax`` and ``export-orbax`` are
+:mod:`jaxckpt.orbax.interop_cli`'s).
 
 ``jaxckpt/cli.py`` calls :func:`register`; ``python -m jaxckpt.universal.convert_cli``
-runs the three commands on their own.
+runs the command on its own.
 """
 
 from __future__ import annotations
@@ -36,40 +37,19 @@ Data is read lazily and written chunk by chunk: no tensor is held whole.
 A rule that matches nothing, or two rules producing one path, is an error
 naming the paths (exit 2). See docs/conversion.md."""
 
-_IMPORT_HELP = """Copy an orbax checkpoint into a universal-format directory.
-
-ORBAX_DIR is a directory of ocp.CheckpointManager (steps inside; default: the
-whole run, every finalized step, each into the step of the same number; --steps
-100,200 picks some, --step N one) or one ocp.StandardCheckpointer save. Steps
-that DST holds already are refused before anything is copied. (A jaxckpt
-manager opened on ORBAX_DIR itself reads orbax's steps where they lie, without
-an import.) Every item of a step is
-imported (pytree, JSON, array and Grain iterator items), as one Composite
-step that the manager restores with args=ocp.args.Composite(...); an item
-saved by any other handler is refused, naming it (--item imports one item
-alone). Tree, shapes and dtypes come from orbax's metadata; arrays are read
-from orbax's tensorstore files chunk by chunk. The result restores onto any
-mesh and is readable by any zarr v3 reader."""
-
-_EXPORT_HELP = """Write a committed universal-format step as an orbax checkpoint.
-
-ocp.StandardCheckpointer().restore(ORBAX_DIR) reads the result. The tree is
-nested from the leaf paths: ['a'][0].b becomes {'a': [{'b': ...}]}. Arrays
-are saved as numpy arrays, scalars as numbers; string leaves and zero-size
-arrays, which orbax cannot save, must be dropped with --spec. Orbax holds
-the whole tree in host memory while it saves."""
+def command_parser(subparsers: argparse._SubParsersAction,  # pylint: disable=protected-access
+                   name: str, helptext: str) -> argparse.ArgumentParser:
+  """A subcommand that copies data: its help from ``helptext`` and ``--no-progress``."""
+  p = subparsers.add_parser(name, help=helptext.split("\n")[0], description=helptext,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--no-progress", action="store_true",
+                 help="no progress (a bar on a terminal, plain lines otherwise)")
+  return p
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable=protected-access
-  """Adds ``convert``, ``import-orbax`` and ``export-orbax`` to the ``jaxckpt`` command."""
-  def parser(name: str, helptext: str) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(name, help=helptext.split("\n")[0], description=helptext,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress (a bar on a terminal, plain lines otherwise)")
-    return p
-
-  p = parser("convert", _CONVERT_HELP)
+  """Adds ``convert`` to the ``jaxckpt`` command."""
+  p = command_parser(subparsers, "convert", _CONVERT_HELP)
   p.add_argument("src", metavar="SRC", help="universal-format directory to read")
   p.add_argument("dst", metavar="DST", help="universal-format directory to write")
   p.add_argument("--spec", required=True, help="rules file (.yaml, .yml or .json)")
@@ -79,47 +59,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # pylint: disable
                  help="print the converted tree and write nothing")
   p.set_defaults(handler=convert_command)
 
-  p = parser("import-orbax", _IMPORT_HELP)
-  p.add_argument("orbax_dir", metavar="ORBAX_DIR", help="orbax checkpoint directory")
-  p.add_argument("dst", metavar="DST", help="universal-format directory to write")
-  which = p.add_mutually_exclusive_group()
-  which.add_argument("--step", type=int, default=None,
-                     help="one orbax step (default: every step, see --steps)")
-  which.add_argument("--steps", type=_step_list, default=None, metavar="N,M,...",
-                     help="these orbax steps, each into the step of the same number "
-                     "(default: every finalized step)")
-  p.add_argument("--item", default=None,
-                 help="one CheckpointManager item, imported alone (default: every item of the "
-                 "step, as one Composite step)")
-  p.add_argument("--dst-step", type=int, default=None,
-                 help="step to write, for one step (--step, or a bare save; default: the "
-                 "orbax step, 0 for a bare save)")
-  p.add_argument("--layout", choices=["auto", "nnx", "plain"], default="auto",
-                 help="nnx: Flax NNX paths and typed RNG keys, restorable into "
-                 "nnx.state(nnx.eval_shape(...)); plain: orbax's paths; auto (default): NNX "
-                 "paths for each NNX state in the tree (the whole tree, or e.g. the 'train' "
-                 "entry of a dict around it), orbax's paths elsewhere")
-  p.set_defaults(handler=import_orbax_command)
 
-  p = parser("export-orbax", _EXPORT_HELP)
-  p.add_argument("src", metavar="SRC", help="universal-format directory to read")
-  p.add_argument("orbax_dir", metavar="ORBAX_DIR", help="orbax checkpoint directory to create")
-  p.add_argument("--step", type=int, default=None, help="universal step (default: latest)")
-  p.add_argument("--spec", default=None, help="rules file applied on the way")
-  p.add_argument("--force", action="store_true", help="overwrite ORBAX_DIR if it exists")
-  p.set_defaults(handler=export_orbax_command)
+#: The errors a command reports as a message and exit 2 (never a traceback).
+EXPECTED = (errors.JaxckptError, FileNotFoundError, FileExistsError)
 
 
-
-_EXPECTED = (errors.JaxckptError, FileNotFoundError, FileExistsError)
-
-
-def _fail(command: str, e: BaseException) -> int:
+def fail(command: str, e: BaseException) -> int:
+  """Reports ``e`` as ``jaxckpt COMMAND: ...`` on stderr; returns the exit code, 2."""
   say(f"jaxckpt {command}: {e}", err=True)
   return 2
 
 
-def _src_problem(command: str, src: str, step: int | None) -> int | None:
+def src_problem(command: str, src: str, step: int | None) -> int | None:
   """Exit 2 with the reason if ``src`` is not a checkpoint's root (a step directory, a file)."""
   if (why := not_a_checkpoint_root(src, step, command)):
     say(f"jaxckpt {command}: {why}", err=True)
@@ -129,7 +80,7 @@ def _src_problem(command: str, src: str, step: int | None) -> int | None:
 
 def convert_command(args: argparse.Namespace) -> int:
   """Runs ``jaxckpt convert``; returns the exit code."""
-  if (code := _src_problem("convert", args.src, args.step)) is not None:
+  if (code := src_problem("convert", args.src, args.step)) is not None:
     return code
   try:
     spec = cv.ConversionSpec.load(args.spec)
@@ -143,79 +94,17 @@ def convert_command(args: argparse.Namespace) -> int:
     with progress(args, cv.total_nbytes(view), f"convert step {view.step}") as bar:
       step = cv.convert(args.src, args.dst, spec, step=view.step, dst_step=args.dst_step,
                         progress=bar)
-  except (*_EXPECTED, OSError) as e:
-    return _fail("convert", e)
+  except (*EXPECTED, OSError) as e:
+    return fail("convert", e)
   print(f"wrote step {step} of {args.dst}: {len(view.leaves)} leaves "
         f"({len(spec.rules)} rules applied to step {view.step} of {args.src}); "
         f"{bar.summary('written')}")
   return 0
 
 
-def _step_list(text: str) -> list[int]:
-  """``--steps 100,200`` as steps (argparse's type: a clear error names the bad one)."""
-  try:
-    steps = [int(s) for s in text.split(",") if s.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"--steps {text!r}: expected step numbers separated by commas, e.g. 100,200") from None
-  if not steps or min(steps) < 0:
-    raise argparse.ArgumentTypeError(f"--steps {text!r}: expected steps >= 0, e.g. 100,200")
-  return steps
-
-
-def import_orbax_command(args: argparse.Namespace) -> int:
-  """Runs ``jaxckpt import-orbax``; returns the exit code."""
-  from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
-  one = args.step is not None or args.dst_step is not None or ox.is_one_save(args.orbax_dir)
-  if args.dst_step is not None and args.steps is not None and len(args.steps) != 1:
-    return _fail("import-orbax", errors.InvalidArgumentError(
-        f"--dst-step {args.dst_step} names one step but --steps gives {len(args.steps)}; "
-        "import them each into its own number (no --dst-step), or one at a time"))
-  try:
-    if one:
-      step = args.step if args.steps is None else args.steps[0]
-      total = ox.orbax_nbytes(args.orbax_dir, step=step, item=args.item)
-      with progress(args, total, "import-orbax") as bar:
-        done = [ox.import_orbax(args.orbax_dir, args.dst, step=step, item=args.item,
-                                dst_step=args.dst_step, progress=bar, layout=args.layout)]
-    else:
-      steps = ox.run_steps(args.orbax_dir, args.dst, args.steps)   # all checked first
-      total = sum(ox.orbax_nbytes(args.orbax_dir, step=s, item=args.item) for s in steps)
-      with progress(args, total, "import-orbax") as bar:
-        done = ox.import_orbax_steps(args.orbax_dir, args.dst, steps=steps, item=args.item,
-                                     progress=bar, layout=args.layout)
-  except _EXPECTED as e:
-    return _fail("import-orbax", e)
-  what = f"step {done[0]}" if len(done) == 1 else f"steps {done}"
-  print(f"imported {args.orbax_dir} into {what} of {args.dst}: {bar.summary('copied')}")
-  return 0
-
-
-def export_orbax_command(args: argparse.Namespace) -> int:
-  """Runs ``jaxckpt export-orbax``; returns the exit code."""
-  from jaxckpt.universal import orbax_interop as ox  # pylint: disable=import-outside-toplevel
-  if (code := _src_problem("export-orbax", args.src, args.step)) is not None:
-    return code
-  try:
-    spec = None if args.spec is None else cv.ConversionSpec.load(args.spec)
-    reader = _read.open_step(args.src, args.step)
-    total = sum(i.nbytes for i in (reader.leaves if spec is None
-                                   else cv.apply(spec, reader).leaves).values())
-    with progress(args, total, f"export-orbax step {reader.step}") as bar:
-      out = ox.export_orbax(args.src, args.orbax_dir, step=reader.step, spec=spec,
-                            force=args.force, progress=bar)
-  except _EXPECTED as e:
-    return _fail("export-orbax", e)
-  except ValueError as e:  # orbax refuses an existing directory without --force, etc.
-    return _fail("export-orbax", e)
-  print(f"wrote orbax checkpoint {out} from step {reader.step} of {args.src}: "
-        f"{bar.summary('read')}")
-  return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   return run("python -m jaxckpt.universal.convert_cli",
-             "Convert universal checkpoints; orbax interop.", register, argv)
+             "Convert universal checkpoints.", register, argv)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 
 import jaxckpt.universal as u
 from tests.support import fixtures as _fixtures
+from jaxckpt.orbax import interop_cli
 from jaxckpt.universal import convert_cli
 
 W = np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5)
@@ -22,7 +23,9 @@ rules:
 
 def run(*argv):
   parser = argparse.ArgumentParser()
-  convert_cli.register(parser.add_subparsers(dest="cmd", required=True))
+  sub = parser.add_subparsers(dest="cmd", required=True)
+  convert_cli.register(sub)
+  interop_cli.register(sub)
   args = parser.parse_args(list(argv))
   return args.handler(args)
 

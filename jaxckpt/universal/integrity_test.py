@@ -18,7 +18,7 @@ import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.universal import _layout
 from jaxckpt.universal import convert as cv
-from jaxckpt.universal import orbax_interop
+from jaxckpt.orbax import interop as orbax_interop
 
 RNG = np.random.default_rng(12)
 # Two layouts: small leaves, whose shards of one process are one chunk (one object), and

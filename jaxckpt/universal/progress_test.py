@@ -23,6 +23,7 @@ import pytest
 
 import jaxckpt.universal as u
 from tests.support import fixtures as _fixtures
+from jaxckpt.orbax import interop_cli
 from jaxckpt.universal import cli, convert_cli
 from jaxckpt.util import _progress
 
@@ -74,11 +75,11 @@ def test_convert_import_and_export_print_lines_and_rates(src, tmp_path, capsys):
   out, err = capsys.readouterr()
   _plain_lines(err, "convert step 5")
   assert re.search(r"; " + SUMMARY.format(verb="written") + "$", out.strip())
-  assert run(convert_cli, "export-orbax", src, str(tmp_path / "ob"), "--spec", str(spec)) == 0
+  assert run(interop_cli, "export-orbax", src, str(tmp_path / "ob"), "--spec", str(spec)) == 0
   out, err = capsys.readouterr()
   _plain_lines(err, "export-orbax step 5")
   assert re.search(r": " + SUMMARY.format(verb="read") + "$", out.strip())
-  assert run(convert_cli, "import-orbax", str(tmp_path / "ob"), str(tmp_path / "back")) == 0
+  assert run(interop_cli, "import-orbax", str(tmp_path / "ob"), str(tmp_path / "back")) == 0
   out, err = capsys.readouterr()
   _plain_lines(err, "import-orbax")
   assert re.search(r": " + SUMMARY.format(verb="copied") + "$", out.strip())

@@ -15,7 +15,7 @@ import jaxckpt.universal as u
 from jaxckpt import errors
 from tests.support import fixtures as _fixtures
 from jaxckpt.universal import convert as cv
-from jaxckpt.universal import orbax_interop as ox
+from jaxckpt.orbax import interop as ox
 
 RNG = np.random.default_rng(1)
 W = RNG.standard_normal((16, 24)).astype(np.float32)

@@ -1,22 +1,13 @@
-"""Orbax checkpoints in and out of the universal format.
+"""An orbax checkpoint's files, read where they lie: one step's items, tree, arrays and records.
 
-:func:`import_orbax` reads a checkpoint written by ``ocp.CheckpointManager``
-(``StandardSave``) or ``ocp.StandardCheckpointer``: orbax's own metadata API
-gives the tree, shapes and dtypes; each array is then opened lazily as the
-tensorstore array orbax wrote (zarr, inside OCDBT when orbax used it) and
-copied chunk by chunk, so no host holds a whole tensor. The universal step can
-then be restored onto any mesh (:func:`jaxckpt.universal.restore_arrays`).
-
-:func:`export_orbax` writes a universal step (optionally converted by a
-:class:`~jaxckpt.universal.convert.ConversionSpec`) with
-``ocp.StandardCheckpointer().save``, so ``ocp.StandardCheckpointer().restore``
-reads it. The tree it saves is nested from the leaf paths: ``['k']`` is a dict
-key, ``[0]`` a list index (a level whose keys are exactly 0..n-1 becomes a
-list, otherwise a dict with int keys), ``.name`` an attribute, saved as a dict
-key because the class is not known. So ``['a'][0].b`` and ``['a'][1].b``
-become ``{'a': [{'b': ...}, {'b': ...}]}``. Arrays are saved as numpy arrays
-and scalars as Python scalars; PRNG keys as their key data. Orbax holds the
-whole tree in host memory while it saves.
+Orbax's own metadata API gives the tree, shapes and dtypes of a pytree item; each
+array is then opened lazily as the tensorstore array orbax wrote (zarr, inside OCDBT
+when orbax used it), so a read fetches only the regions it asks for and no host holds a
+whole tensor. JSON, array and Grain iterator items are read from their files. What a
+step yields (:class:`OrbaxStep`: leaves, a source per array, the metadata a jaxckpt step
+of it carries) is what a restore reads in place (``_orbax_read``: a jaxckpt manager
+opened on an orbax directory) and what :mod:`jaxckpt.orbax.interop` copies into the
+universal format (``jaxckpt import-orbax``).
 """
 
 from __future__ import annotations
@@ -34,17 +25,13 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxckpt import errors
-from jaxckpt.orbax import _items
-from jaxckpt.tree import nest, path_keys  # pylint: disable=unused-import (public here too)
-from jaxckpt.universal import _commit
+from jaxckpt.tree import path_keys
 from jaxckpt.universal import _failures
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _local
 from jaxckpt.universal import _manifest as man
 from jaxckpt.universal import _orbax_steps
-from jaxckpt.universal import _read
-from jaxckpt.universal import _write
-from jaxckpt.universal import convert as cv
+from jaxckpt.universal import _saved_items
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +57,7 @@ class _Source:
   metrics_dir: str | None = None
 
 
-def _not_importable(orbax_dir: str) -> str | None:
+def not_importable(orbax_dir: str) -> str | None:
   """Why ``orbax_dir`` is not a directory import_orbax reads (it does not exist, a jaxckpt
   checkpoint, or a step or item directory inside an orbax CheckpointManager directory), naming
   what to pass; or None."""
@@ -117,7 +104,7 @@ def _step_items(orbax_dir: str, step: int | None
     raise errors.InvalidArgumentError(
         f"{orbax_dir!r} is not a directory; pass the directory of an orbax checkpoint (a "
         "CheckpointManager directory, or one StandardCheckpointer save)")
-  if (why := _not_importable(orbax_dir)):
+  if (why := not_importable(orbax_dir)):
     raise errors.InvalidArgumentError(why)
   if os.path.exists(os.path.join(orbax_dir, "_METADATA")):
     return None, {"": ("pytree", orbax_dir, None)}, {}
@@ -170,7 +157,7 @@ def _item_kind(item_dir: str, handler: str | None) -> str | None:
   return None
 
 
-def _selected(orbax_dir: str, step: int | None, item: str | None) -> _Source:
+def selected(orbax_dir: str, step: int | None, item: str | None) -> _Source:
   """The items to import and whether they are one (the step's only item, orbax's
   ``default``, or ``item``) or a Composite. Without ``item``, orbax's ``metrics`` item
   beside others is the step's metrics (orbax's manager reads it so), not an item."""
@@ -180,7 +167,7 @@ def _selected(orbax_dir: str, step: int | None, item: str | None) -> _Source:
 
 def _pick(found: int | None, items: dict[str, tuple], step_meta: dict[str, Any],
           item: str | None, where: str) -> _Source:
-  """:func:`_selected`'s choice among the ``items`` of step ``found`` of ``where``."""
+  """:func:`selected`'s choice among the ``items`` of step ``found`` of ``where``."""
   metrics_dir = None
   if item is None and len(items) > 1 and items.get(METRICS_ITEM, (None,))[0] == "json":
     metrics_dir = items.pop(METRICS_ITEM)[1]
@@ -319,7 +306,7 @@ def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = 
   """Bytes of array data :func:`import_orbax` would copy (for progress bars)."""
   import jax  # pylint: disable=import-outside-toplevel
   total = 0
-  for kind, item_dir, _ in _selected(os.path.abspath(orbax_dir), step, item).items.values():
+  for kind, item_dir, _ in selected(os.path.abspath(orbax_dir), step, item).items.values():
     if kind == "array":
       total += sum(i.nbytes for i in _array_item(item_dir, "", None, "plain")[0].values())
     if kind == "pytree":
@@ -398,124 +385,7 @@ def nnx_paths(paths: list[str]) -> dict[str, str]:
   return {p: out[p] for p in paths}
 
 
-def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
-                 item: str | None = None, dst_step: int | None = None,
-                 progress: Any = None, layout: str = "auto") -> int:
-  """Copies an orbax checkpoint into a committed universal-format step.
-
-  Args:
-    orbax_dir: a ``CheckpointManager`` directory (steps inside) or one
-      ``StandardCheckpointer`` save.
-    dst_dir: universal-format directory (path or kvstore URL).
-    step: the orbax step (default: the latest); ignored for a bare save.
-    item: the manager's item name (default: the only one, e.g. ``default``).
-    dst_step: the step to write (default: the orbax step, 0 for a bare save).
-    progress: anything with ``update(nbytes)`` (a tqdm bar).
-    layout: ``"nnx"`` writes every leaf at its Flax NNX path (see
-      :func:`nnx_path`), so the step restores straight into
-      ``nnx.state(nnx.eval_shape(...))``; ``"plain"`` keeps orbax's paths;
-      ``"auto"`` (default) writes NNX paths for each NNX state in the tree
-      (see :func:`nnx_paths`: the whole tree, or e.g. the ``"train"`` entry
-      of ``{"train": nnx.State, "data": {...}}``) and orbax's paths elsewhere.
-      In every layout, arrays orbax saved from typed PRNG keys (it records
-      their implementation) are typed keys again.
-
-  Returns:
-    The universal step written. Leaf paths are the ``jax.tree_util.keystr``
-    of orbax's tree (``['params']['w']``, ``['layers'][0]['b']``), or their
-    NNX form.
-  """
-  _check_layout(layout)
-  orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
-  source = _selected(orbax_dir, step, item)
-  found = source.step
-  dst_step = (found or 0) if dst_step is None else dst_step
-  if dst_step in _commit.stored_steps(dst_dir):
-    raise errors.StepAlreadyExistsError(
-        f"step {dst_step} is already in {dst_dir!r} (imported before?); import into another "
-        f"step (dst_step=, --dst-step) or directory, or delete it first "
-        f"({_commit.delete_command(dst_dir, dst_step)})")
-  got = _read_source(source, orbax_dir, progress, layout)
-  metadata = dict(got.metadata)
-  metadata["imported_from"] = {
-      "orbax": orbax_dir, "step": found,
-      "item": None if found is None else (next(iter(got.kinds)) if got.single
-                                          else sorted(got.kinds))}
-  _write.write_leaves(dst_dir, dst_step, got.leaves, got.sources, metadata=metadata)
-  log.info("imported %d leaves of %s (items %s) into step %d of %s", len(got.leaves), orbax_dir,
-           sorted(got.kinds), dst_step, dst_dir)
-  return dst_step
-
-
-def import_orbax_steps(orbax_dir: str, dst_dir: str, *, steps: list[int] | None = None,
-                       item: str | None = None, progress: Any = None,
-                       layout: str = "auto") -> list[int]:
-  """Copies a whole orbax run (every finalized step of a ``CheckpointManager`` directory, or
-  ``steps``) into committed universal-format steps of the same numbers, as
-  :func:`import_orbax` copies one (a bare ``StandardCheckpointer`` save: its one step, 0).
-
-  Every step asked for is checked first: one that orbax does not hold, or that ``dst_dir``
-  holds already, is refused before anything is copied, naming them all.
-
-  Returns:
-    The steps written, ascending.
-  """
-  _check_layout(layout)
-  orbax_dir = os.path.abspath(orbax_dir)
-  if is_one_save(orbax_dir) and steps is None and _not_importable(orbax_dir) is None:
-    return [import_orbax(orbax_dir, dst_dir, item=item, progress=progress, layout=layout)]
-  wanted = run_steps(orbax_dir, dst_dir, steps)
-  for s in wanted:
-    import_orbax(orbax_dir, dst_dir, step=s, item=item, progress=progress, layout=layout)
-  return wanted
-
-
-def run_steps(orbax_dir: str, dst_dir: str, steps: list[int] | None = None) -> list[int]:
-  """The steps :func:`import_orbax_steps` copies (every finalized step, or ``steps``),
-  ascending, once each is known to be in ``orbax_dir`` and not yet in ``dst_dir``.
-
-  Raises:
-    StepNotFoundError: naming the steps orbax does not hold, and those it holds.
-    StepAlreadyExistsError: naming the steps ``dst_dir`` holds already.
-  """
-  held = orbax_manager_steps(orbax_dir)
-  wanted = held if steps is None else sorted(set(steps))
-  if not wanted or (missing := [s for s in wanted if s not in held]):
-    raise errors.StepNotFoundError(
-        f"orbax steps {missing if wanted else steps} are not in {orbax_dir!r}; it has {held}")
-  if (there := sorted(set(wanted) & set(_commit.stored_steps(dst_dir)))):
-    rest = ",".join(str(s) for s in wanted if s not in there)
-    raise errors.StepAlreadyExistsError(
-        f"steps {there} are already in {dst_dir!r} (imported before?); nothing was imported. "
-        + (f"Import the others (--steps {rest}) or into another directory" if rest else
-           "Import into another directory, or delete them there first"))
-  return wanted
-
-
-def is_one_save(orbax_dir: str) -> bool:
-  """Whether ``orbax_dir`` is one ``StandardCheckpointer`` save (not a manager's steps)."""
-  return os.path.exists(os.path.join(os.path.abspath(orbax_dir), "_METADATA"))
-
-
-def orbax_manager_steps(orbax_dir: str) -> list[int]:
-  """The finalized steps of an orbax CheckpointManager directory, ascending.
-
-  Raises:
-    InvalidArgumentError: ``orbax_dir`` is no directory import_orbax reads (naming what to pass).
-    StepNotFoundError: it holds no finalized step.
-  """
-  orbax_dir = os.path.abspath(orbax_dir)
-  if (why := _not_importable(orbax_dir)):
-    raise errors.InvalidArgumentError(why)
-  steps = sorted(_orbax_steps.orbax_steps(orbax_dir))
-  if not steps:
-    raise errors.StepNotFoundError(
-        f"{orbax_dir!r} holds neither an orbax checkpoint (_METADATA) nor finalized "
-        "CheckpointManager steps")
-  return steps
-
-
-def _check_layout(layout: str) -> None:
+def check_layout(layout: str) -> None:
   if layout not in LAYOUTS:
     raise errors.InvalidArgumentError(f"import_orbax layout={layout!r}: expected one of {LAYOUTS}")
 
@@ -539,12 +409,12 @@ def open_orbax_step(step_dir: str, step: int, *, layout: str = "auto") -> OrbaxS
   """One finalized step directory of an orbax CheckpointManager, read where it lies: every
   item import_orbax reads (pytree, JSON, array, Grain), at the paths and with the metadata
   an import of it would write (``layout`` as :func:`import_orbax`'s)."""
-  _check_layout(layout)
+  check_layout(layout)
   items, step_meta = step_dir_items(step_dir)
-  return _read_source(_pick(step, items, step_meta, None, step_dir), step_dir, None, layout)
+  return read_source(_pick(step, items, step_meta, None, step_dir), step_dir, None, layout)
 
 
-def _read_source(source: _Source, where: str, progress: Any, layout: str) -> OrbaxStep:
+def read_source(source: _Source, where: str, progress: Any, layout: str) -> OrbaxStep:
   """The leaves, sources and metadata of the ``source`` items (see :class:`OrbaxStep`)."""
   leaves, sources = {}, {}
   for name, (kind, item_dir, _) in source.items.items():
@@ -561,9 +431,9 @@ def _read_source(source: _Source, where: str, progress: Any, layout: str) -> Orb
   metadata = _step_metadata(source)
   if source.single:
     if (kind := next(iter(kinds.values()))) != "pytree":
-      metadata[_items.ITEM_KEY] = kind
+      metadata[_saved_items.ITEM_KEY] = kind
   else:
-    metadata[_items.ITEMS_KEY] = kinds
+    metadata[_saved_items.ITEMS_KEY] = kinds
   return OrbaxStep(source.step, leaves, sources, metadata, kinds, source.single)
 
 
@@ -575,9 +445,9 @@ def _step_metadata(source: _Source) -> dict[str, Any]:
   out = dict(meta.get("custom_metadata") or {})
   nsecs = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs")
   if nsecs:
-    out[_items.TIME_KEY] = nsecs / 1e9
+    out[_saved_items.TIME_KEY] = nsecs / 1e9
   if source.metrics_dir is not None:
-    out[_items.METRICS_KEY] = _json_value(source.metrics_dir)
+    out[_saved_items.METRICS_KEY] = _json_value(source.metrics_dir)
   return out
 
 
@@ -648,7 +518,7 @@ def _grain_item(item_dir: str, prefix: str, progress: Any, layout: str
   if len(count) != 1 or sorted(files) != list(range(next(iter(count)))):
     raise errors.ManifestError(f"orbax Grain item {item_dir!r} does not hold one state per "
                                f"process (files of processes {sorted(files)})")
-  rows = np.concatenate([_items.encode_row(open(files[i][1], "rb").read(), item_dir)[None]
+  rows = np.concatenate([_saved_items.encode_row(open(files[i][1], "rb").read(), item_dir)[None]
                          for i in sorted(files)])
   info = man.LeafInfo(path=prefix, kind="numpy", shape=rows.shape, dtype="uint8")
   return {prefix: info}, {prefix: rows}
@@ -656,49 +526,3 @@ def _grain_item(item_dir: str, prefix: str, progress: Any, layout: str
 
 _ITEM_READERS = {"pytree": _pytree_item, "json": _json_item, "array": _array_item,
                  "grain": _grain_item}
-
-
-def _exportable(path: str, info: man.LeafInfo) -> None:
-  if not info.is_array and not isinstance(info.scalar, (bool, int, float)):
-    raise errors.UnsupportedLeafError(
-        f"leaf {path!r} is a {type(info.scalar).__name__} scalar ({info.scalar!r}); orbax "
-        "StandardSave takes only arrays and numbers: Drop it with a conversion spec")
-  if info.is_array and 0 in info.shape:
-    raise errors.UnsupportedLeafError(
-        f"leaf {path!r} has shape {list(info.shape)}; orbax cannot save zero-size arrays: "
-        "Drop it with a conversion spec")
-
-
-def export_orbax(src_dir: str, dst_orbax_dir: str, *, step: int | None = None,
-                 spec: cv.ConversionSpec | None = None, force: bool = False,
-                 progress: Any = None) -> str:
-  """Writes a universal step as an orbax checkpoint that ``StandardCheckpointer`` restores.
-
-  Args:
-    src_dir: universal-format directory.
-    dst_orbax_dir: the checkpoint directory to create
-      (``ocp.StandardCheckpointer().restore(dst_orbax_dir)`` reads it).
-    step: the universal step (default: the latest).
-    spec: an optional conversion applied on the way.
-    force: overwrite ``dst_orbax_dir`` if it exists.
-    progress: anything with ``update(nbytes)``, told of each leaf read.
-
-  Returns:
-    The absolute path written.
-  """
-  reader = _read.open_step(src_dir, step)
-  view = reader if spec is None else cv.apply(spec, reader)
-  flat = {}
-  for path, info in view.leaves.items():
-    _exportable(path, info)
-    flat[path] = view.read(path) if info.is_array else info.scalar
-    if progress is not None:
-      progress.update(info.nbytes)
-  tree = nest(flat)
-  out = os.path.abspath(dst_orbax_dir)
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(out, tree, force=force)
-    ckptr.wait_until_finished()
-  log.info("exported step %d of %s (%d leaves) to orbax at %s", reader.step, src_dir,
-           len(flat), out)
-  return out
