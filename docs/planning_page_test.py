@@ -79,7 +79,7 @@ def _says(kw) -> str:
 
 
 def cases_table() -> str:
-  """The cases of issue 34, with what `jaxckpt plan` says of each."""
+  """The planning page's cases (a wide job, a 7B model, ...), with what `jaxckpt plan` says of each."""
   m = gp.measured()
   wide = gp.plan(gp.PlanInputs(**_WIDE))
   parity, agent, inproc, _ = wide.options

@@ -1,5 +1,4 @@
-"""A one-process job without persist_interval_steps persists one step at a time (issue 30,
-adversarial review)."""
+"""A one-process job without persist_interval_steps persists one step at a time."""
 
 from __future__ import annotations
 

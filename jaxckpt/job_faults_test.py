@@ -1,4 +1,4 @@
-"""Multi-process jobs on loopback under the faults of issue 32: a lost process 0,
+"""Multi-process jobs on loopback under faults: a lost process 0,
 deletes far apart, a process that never wrote its part, a damaged newest step
 (:mod:`tests.support.job_worker` runs each process's side)."""
 
@@ -92,8 +92,8 @@ def lose_machine(root: str, job: str, m: int) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("lost, stored", [(0, True), (1, False)])
 def test_a_job_comes_back_after_losing_any_host_with_default_options(tmp_path, lost, stored):
-  # Item 0: the job's secret was process 0's; losing host 0 with its run root must not
-  # stop every relaunch. Item 7: the replaced host describes and restores (a Composite)
+  # The job's secret was process 0's; losing host 0 with its run root must not stop
+  # every relaunch. The replaced host describes and restores (a Composite)
   # a step that only the survivors' parity holds for it (no storage to fall back on).
   directory = str(tmp_path / "ckpt") if stored else ""
   with processes.agent_sandbox("jl") as (root, job):
@@ -114,7 +114,7 @@ def test_a_job_comes_back_after_losing_any_host_with_default_options(tmp_path, l
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_delete_is_final_on_every_process_whatever_the_order_and_gap(tmp_path):
-  # Item 1: step 2 is due for storage and protected by parity; process 0 deletes it, and
+  # Step 2 is due for storage and protected by parity; process 0 deletes it, and
   # process 1 two seconds later; step 4 the other way round. A peer's cancelled persist
   # never stops a delete, and no tier of any process holds the step after the first.
   directory = str(tmp_path / "ckpt")
@@ -139,7 +139,7 @@ def test_delete_is_final_on_every_process_whatever_the_order_and_gap(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", ["in-process", "agent"])
 def test_a_wait_that_times_out_names_the_process_whose_part_is_missing(tmp_path, variant):
-  # Item 11: process 1 died before writing its part of step 1.
+  # Process 1 died before writing its part of step 1.
   with processes.agent_sandbox("jw") as (root, job):
     with launch(2, root, job, "wait_blame", str(tmp_path / "ckpt"), variant) as procs:
       out = procs[0].finish(200)
@@ -151,7 +151,7 @@ def test_a_wait_that_times_out_names_the_process_whose_part_is_missing(tmp_path,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_damaged_newest_step_is_skipped_by_every_process_alike(tmp_path):
-  # Item 13: only process 1 reads the damaged chunk of step 70; both restore step 60,
+  # Only process 1 reads the damaged chunk of step 70; both restore step 60,
   # and an explicit restore of step 70 still raises.
   with processes.agent_sandbox("jc") as (root, job):
     with launch(2, root, job, "damaged_newest", str(tmp_path / "ckpt")) as procs:

@@ -1,5 +1,5 @@
 """A trainer SIGKILLed at any step resumes at that step or the one before, with the
-default options, however slow storage is (issue 41)."""
+default options, however slow storage is."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The snapshot agent under a careless user and a hostile peer (issue 30, adversarial review)."""
+"""The snapshot agent under a careless user and a hostile peer."""
 
 from __future__ import annotations
 

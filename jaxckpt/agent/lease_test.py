@@ -1,6 +1,6 @@
 """A step is owned by the manager that saved it: a second live manager of the same
 job and host is refused at construction, naming the first, in this process as in
-any other, and the first one's close hands the lease on (issue 32, item 3)."""
+any other, and the first one's close hands the lease on."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """metadata(step) describes every step all_steps() lists: one other hosts' agents
-hold, or one the survivors' parity rebuilds for a replaced host (issue 32, item 7)."""
+hold, or one the survivors' parity rebuilds for a replaced host."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every value of a sealed request is range-checked before it changes anything, and
-a relaunch that asks for fewer snapshots gets them (issue 32, items 9 and 10).
+a relaunch that asks for fewer snapshots gets them.
 
 The requests here are sealed with the job's secret and sent by hand, past the
 client's own checks: a job member holding the secret must not be able to break

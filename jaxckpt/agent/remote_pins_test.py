@@ -1,5 +1,5 @@
 """A remote reader's pin ends with its lease, renewed by its reads; its pid, which
-means nothing on the agent's machine, is never looked up (issue 32, item 5)."""
+means nothing on the agent's machine, is never looked up."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A job relaunched on another number of processes restores from its surviving agents and
-parity (issue 42 item 4), never from storage, though storage holds the step too.
+parity, never from storage, though storage holds the step too.
 
 Machines are run roots and loopback addresses of their own (nothing shared between them);
 which machine runs which process index is the launcher's choice, and changes at each

@@ -1,5 +1,5 @@
 """`jaxckpt status --watch` on a terminal shows directory names as they are, never as
-rich markup (issue 40, item 5): `runs/sweep[lr=0.001,bs=64]` was shown as `runs/sweep`,
+rich markup: `runs/sweep[lr=0.001,bs=64]` was shown as `runs/sweep`,
 and a directory `exp[/b]` crashed the view with MarkupError."""
 
 from __future__ import annotations

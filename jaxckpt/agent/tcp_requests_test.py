@@ -1,5 +1,5 @@
 """Whether a request comes from this machine is decided by the connection it came on,
-never by a field it sends (issue 40, item 6): over tcp a pin is always leased and
+never by a field it sends: over tcp a pin is always leased and
 closed by its reader id, and a trainer's requests (hello, reserve, commit, bye, stop...)
 are refused, so a peer naming pid 1 (which never dies here) cannot hold a slot or the
 job's lease forever; over the local socket a pin is its caller's, whatever lease it asks."""

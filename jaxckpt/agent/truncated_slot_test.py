@@ -1,5 +1,5 @@
 """A slot file truncated or replaced under a live trainer (a /dev/shm cleaner, a full
-tmpfs) is damage, never SIGBUS (issue 40, item 2): a restore reads the next tier and
+tmpfs) is damage, never SIGBUS: a restore reads the next tier and
 the trainer lives; a save into such a slot allocates its file again; the agent answers
 a read of it with an error and lives."""
 

@@ -1,4 +1,4 @@
-"""The job's save plan against loops that use it as users do (issue 30, adversarial review)."""
+"""The job's save plan against loops that use it as users do."""
 
 from __future__ import annotations
 

@@ -281,7 +281,7 @@ def test_settle_returns_once_nothing_queued_is_read_any_more():
       assert b.recv("a", _expect(), 2, into[:8], _soon()) is None
 
 
-# ---- failures known at once (issue 33) ---------------------------------------------------------------
+# ---- failures known at once ---------------------------------------------------------------------------
 
 
 def test_the_stream_of_the_neighbours_incarnation_closing_fails_the_attempt_at_once():
@@ -327,7 +327,7 @@ def test_fail_from_another_thread_ends_a_receive_blocked_on_a_silent_stream_at_o
 
 
 def test_an_abort_sent_after_the_attempts_deadline_reaches_a_neighbour_that_was_not_reading():
-  # The lost-abort race of issue 33, made deterministic: a member that failed by its own
+  # The lost abort, made deterministic: a member that failed by its own
   # deadline queued its abort behind a piece its (stopped) neighbour had not read, and then
   # waited for its queue with that passed deadline, so the stream was closed before the
   # abort went out. An abort and its settle have a bound of their own now.

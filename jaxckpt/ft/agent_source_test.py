@@ -62,7 +62,7 @@ def test_catch_up_server_advertises_the_agent_locator_only_for_agent_sources():
 
 def test_the_entry_of_the_step_in_flight_is_one_held_request_answered_when_committed():
   # A group that caught up waits for the step its peers reduce now: the peer holds the request
-  # until it commits that step (issue 33), instead of being polled every few milliseconds.
+  # until it commits that step, instead of being polled every few milliseconds.
   ring, key, ctx = GradientRing(4), b"the-job", zmq.Context()
   server = _peer.PeerServer(ctx, "127.0.0.1", CatchUpServer(ring, DigestLog(), lambda: None), secret=key)
   sender = _peer.PeerSender(ctx, secret=key)

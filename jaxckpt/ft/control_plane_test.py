@@ -62,8 +62,8 @@ def _ask(lh, gid, options, out, grads_like=None):
     ("averaging", "sum", "group g1's averaging is 'sum', the job's is 'mean'"),
 ])
 def test_a_group_whose_terms_differ_is_refused_at_join_with_the_field_and_both_values(field, theirs, want):
-  # Issue 42: a group relaunched with max_groups=4 beside a peer with 5 trained batches 5 and 25
-  # twice, and nothing was refused.
+  # A group relaunched with max_groups=4 beside a peer with 5 trained batches 5 and 25 twice,
+  # and nothing was refused.
   job = ReplicaGroupOptions(max_groups=5, data_order="c4-seed17", heartbeat_interval=timedelta(milliseconds=50))
   odd = ReplicaGroupOptions(**{**{k: getattr(job, k) for k in ("max_groups", "data_order", "heartbeat_interval")},
                                field: theirs})

@@ -186,7 +186,7 @@ def test_a_member_catching_up_is_not_waited_for_until_it_says_it_is_ready():
     ctx.term()
 
 
-# ---- malformed sealed messages (issue 23 item 4) -------------------------------------------------
+# ---- malformed sealed messages ------------------------------------------------------------------
 
 MEMBER = ["g9", "127.0.0.1:1", 0, 0, "127.0.0.1:2"]
 VALID = {"heartbeat": {"op": "heartbeat", "group": "g9"},
@@ -342,7 +342,7 @@ def test_a_resend_of_an_answered_ask_gets_the_same_answer_and_is_not_a_new_reque
       ctx.term()
 
 
-# ---- scale (issue 24) ---------------------------------------------------------------------------------
+# ---- scale --------------------------------------------------------------------------------------------
 
 
 def _rounds(groups: int, steady: int = 5):
@@ -397,7 +397,7 @@ def test_a_client_on_the_private_port_follows_a_restarted_lighthouse(same_privat
     ctx.term()
 
 
-# ---- an attempt ends for every member at once (issue 33) -------------------------------------------
+# ---- an attempt ends for every member at once -----------------------------------------------------
 
 SLOW_JOIN = LighthouseOptions(min_replicas=1, heartbeat_timeout=timedelta(seconds=0.5),
                               join_timeout=timedelta(seconds=3), straggler_timeout=timedelta(seconds=60))
@@ -532,7 +532,7 @@ time.sleep(600)
 
 
 def test_a_stopped_process_is_out_of_the_attempt_within_the_connection_timeout_a_busy_one_never():
-  # Issue 33: a stopped group is known in about a second whatever the heartbeat timeout, by
+  # A stopped group is known in about a second whatever the heartbeat timeout, by
   # the pings of its connection, which its ZeroMQ I/O thread answers: a pause of its Python
   # (a GC, a long C call holding the GIL) that stops its heartbeat messages is not a death.
   import os, signal, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
@@ -570,7 +570,7 @@ def _until(cond, what, secs):
 
 
 def test_a_new_lighthouse_adopts_the_ring_in_flight_and_calls_it_back_before_a_group_joins():
-  # Issue 42: a ring goes on with its quorum without asking, so a restarted lighthouse (or a new
+  # A ring goes on with its quorum without asking, so a restarted lighthouse (or a new
   # leader) learns of it only from heartbeats; a group that asks must not get a quorum without it.
   import queue  # pylint: disable=import-outside-toplevel
   ctx, calls = zmq.Context(), queue.Queue()

@@ -1,5 +1,5 @@
 """A replica group's names reach the lighthouse's log and every member's messages, so
-they are printable text (issue 40, item 4): a group id, an address or a quorum id with
+they are printable text: a group id, an address or a quorum id with
 an escape sequence or a newline is refused, and a failure's free-text reason is relayed
 escaped."""
 

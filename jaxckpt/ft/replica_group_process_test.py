@@ -118,7 +118,7 @@ def assert_consistent(job: Job, groups: list[str]) -> dict[int, str]:
   dupes = [b for b, n in collections.Counter(batches).items() if n > 1]
   assert not dupes, f"batches consumed twice: {dupes[:10]}"
   gaps = sorted(set(range(len(batches))) - set(batches))
-  assert not gaps, f"batches skipped: {gaps[:10]}"        # (issue 42: none trained twice or skipped)
+  assert not gaps, f"batches skipped: {gaps[:10]}"        # (none trained twice or skipped)
   return {s: next(iter(fps)) for s, fps in by_step.items()}
 
 
@@ -142,7 +142,7 @@ def commit_gaps(records: list[dict[str, Any]], after: int = 3) -> list[tuple[flo
 
 
 def test_a_stopped_or_killed_group_costs_the_others_about_a_step_and_catches_up(job: Job):
-  # Issue 33: with a 30 s group timeout, a stopped group (no heartbeats for the lighthouse's
+  # With a 30 s group timeout, a stopped group (no heartbeats for the lighthouse's
   # heartbeat_timeout) and a killed one (its streams close) each cost the healthy groups about a
   # step, not the timeout; the stopped one resumes without holding anyone, and the killed one,
   # restarted, catches up from a peer.

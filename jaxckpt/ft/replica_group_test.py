@@ -223,7 +223,7 @@ F32 = np.float32
 ])
 def test_groups_averaging_differently_laid_out_gradients_commit_nothing_and_name_each_other(
     mine, theirs, what, caplog):
-  # Same total size, so the flat ring would have averaged them (issue 23 item 3).
+  # Same total size, so the flat ring would have averaged them.
   with Lighthouse("127.0.0.1:0", dataclasses.replace(LH, min_replicas=2)) as lh:
     out = _together(lh, {"g0": [mine, mine], "g1": [theirs, mine]})
   for me, other, grads in (("g0", "g1", theirs), ("g1", "g0", mine)):
@@ -262,7 +262,7 @@ def test_one_odd_group_fails_the_whole_ring_at_once_with_its_name():
 
 def test_lighthouse_timeout_is_the_time_without_a_quorum_and_its_message_says_so():
   # It used to fire after lighthouse_timeout plus two to four waits of 2 x timeout, and to
-  # report the time since the first of those waits ended (issue 33).
+  # report the time since the first of those waits ended.
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     nobody = f"127.0.0.1:{s.getsockname()[1]}"

@@ -81,7 +81,7 @@ def test_a_group_without_any_secret_is_told_how_to_give_it(monkeypatch):
     ReplicaGroup(lighthouse="127.0.0.1:1", group_id="g0")
 
 
-# ---- a flood from a process without the secret (issue 23 item 5) ---------------------------------
+# ---- a flood from a process without the secret --------------------------------------------------
 
 ROGUE = r"""
 import os, sys, time, msgpack, zmq
@@ -161,7 +161,7 @@ def test_an_unsealed_flood_neither_stalls_honest_groups_nor_floods_the_log(caplo
     refused = lh.status()["refused"]
   assert not any(t.is_alive() for t in groups)
   assert sent > 10_000 and refused > 10_000, (sent, refused)
-  # The ring goes on without the lighthouse (issue 42): its calm rate is bound by the CPU, of
+  # The ring goes on without the lighthouse: its calm rate is bound by the CPU, of
   # which the rogue process takes one of this machine's two cores.
   assert flooded >= 0.3 * calm, f"{flooded=:.1f} commits/s under the flood, {calm=:.1f} without"
   warnings = [r for r in caplog.records if r.name == "jaxckpt.ft.lighthouse" and r.levelno >= logging.WARNING]
@@ -247,7 +247,7 @@ def test_a_captured_sealed_message_replayed_to_the_lighthouse_is_refused():
 
 
 def test_a_replacement_group_on_a_clock_45_s_behind_is_admitted_and_replays_are_still_refused():
-  # Issue 32 item 8: the replay check compared a group's messages with its dead predecessor's
+  # The replay check compared a group's messages with its dead predecessor's
   # clock, so a replacement 45 s behind was refused (advised to check its secret) until the
   # job stalled. It is ordered per incarnation now, and still refuses every replay.
   counts = replacement_on_skewed_clock(skew_secs=-45.0, rounds=3)

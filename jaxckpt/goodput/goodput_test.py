@@ -334,7 +334,7 @@ def test_from_benchmarks_derives_jaxckpts_inputs_and_cites_the_files(tmp_path):
 
 
 def test_from_benchmarks_takes_the_replica_group_inputs_from_ft_goodput_when_present(tmp_path):
-  # Issue 33: detection, re-forming and the rejoin stall come from real groups under faults.
+  # Detection, re-forming and the rejoin stall come from real groups under faults.
   from jaxckpt import goodput as gp  # pylint: disable=import-outside-toplevel
   _write_benchmarks(tmp_path)
   (tmp_path / "ft_goodput.json").write_text(json.dumps({"host": "2 cores", "runs": [{}, {}, {}], "goodput_inputs": {

@@ -1,5 +1,5 @@
 """`jaxckpt plan` on finite inputs too far out for its model: a clear error and exit 2,
-never a traceback (issue 32, item 12)."""
+never a traceback."""
 
 from __future__ import annotations
 

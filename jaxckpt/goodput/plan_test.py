@@ -179,7 +179,7 @@ def test_the_console_command_runs():
   assert out.stdout.strip() == gp.render(gp.plan(gp.PlanInputs(**CASE)))
 
 
-# -- issue 34: sound advice ---------------------------------------------------------------
+# -- sound advice ------------------------------------------------------------------------
 
 WIDE = dict(state_gib_per_host=80, host_ram_gib=512, hosts=64, step_secs=10, storage_gbps=2)
 REPLICATED_7B = dict(state_gib_per_host=78, host_ram_gib=128, hosts=8, step_secs=2, storage_gbps=1)

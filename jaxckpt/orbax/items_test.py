@@ -151,7 +151,7 @@ def _slow(x):
 @pytest.mark.parametrize("store", ["in-process", "agent"])
 def test_a_composite_restore_right_after_a_save_gets_that_step(store):
   """restore(args=Composite(...)) with step None waits for the save in flight, then takes
-  the newest step: the one just saved (issue 32, item 2), as a plain restore and orbax do.
+  the newest step: the one just saved, as a plain restore and orbax do.
   (Before, it took the newest committed step: 1.)"""
   with contextlib.ExitStack() as stack:
     agent = None

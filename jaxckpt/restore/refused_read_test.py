@@ -1,4 +1,4 @@
-"""A read that storage refuses is an error of this attempt, never damage (issue 39, item 4).
+"""A read that storage refuses is an error of this attempt, never damage.
 
 A real SeaweedFS S3 server answers 403 AccessDenied to the reads of the newest
 step (an IAM policy denying s3:GetObject there, as when credentials rotate): a

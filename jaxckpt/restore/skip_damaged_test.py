@@ -1,6 +1,6 @@
 """restore(step=None) takes the newest step that can be restored: a damaged newer
 step is skipped loudly and set aside, so a relaunched job resumes and saves that
-step again; an explicit restore of it still raises (issue 32, item 13)."""
+step again; an explicit restore of it still raises."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def test_persist_cost_per_leaf_stays_flat_from_100_to_800_leaves(tmp_path):
 
 
 def test_a_commit_of_many_processes_costs_about_one_plain_decode_of_their_part_records(tmp_path):
-  # Issue 42: 4,096 processes took 6.9 s to commit, 3-4x a plain json.loads of their 119 MB
+  # 4,096 processes took 6.9 s to commit, 3-4x a plain json.loads of their 119 MB
   # of part records (each leaf's outline checked field by field in every part, the merged
   # chunk tables validated again, every chunk key rebuilt). Now about one decode (and the reads).
   import json  # pylint: disable=import-outside-toplevel

@@ -1,4 +1,4 @@
-"""The CLI goes on past a damaged newest step and says what to do (issue 40, item 7):
+"""The CLI goes on past a damaged newest step and says what to do:
 `verify --all-steps` checks every intact older step and `inspect` shows the newest
 intact one, each naming `jaxckpt delete DIR --step N`; `inspect | head -1` ends
 quietly; `import-orbax` of a missing path says it does not exist; no message

@@ -1,5 +1,5 @@
 """A writer killed while it commits step N leaves its claim on N behind; the relaunched
-writer's save(N) goes on within seconds, not after timeout_secs (issue 40, item 8): a
+writer's save(N) goes on within seconds, not after timeout_secs: a
 claim is renewed while its writer lives and lapses soon after it dies. A live writer's
 claim is still respected however long it holds it, and the wait is logged naming it."""
 

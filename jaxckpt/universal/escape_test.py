@@ -1,5 +1,5 @@
 """Paths read from a manifest stay inside the step, checked before any read, by a
-restore and by ``jaxckpt verify`` (issue 32, item 4): a forged manifest whose
+restore and by ``jaxckpt verify``: a forged manifest whose
 array path climbs into another checkpoint (its checksums copied from there, its
 commit marker fixed up) loads nothing."""
 

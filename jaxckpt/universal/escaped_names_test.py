@@ -1,4 +1,4 @@
-"""Every name from a checkpoint that reaches a terminal is escaped (issue 40, item 4): a
+"""Every name from a checkpoint that reaches a terminal is escaped: a
 downloaded checkpoint whose Composite item names, Grain iterator keys, leaf paths or
 key implementations hold escape sequences (clear the screen, set the window title,
 write the clipboard with OSC 52) or newlines cannot act on its user's terminal

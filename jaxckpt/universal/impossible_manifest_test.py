@@ -1,5 +1,5 @@
-"""A manifest's numbers are data, bounded and checked before anything is sized by them
-(issue 40, item 3): a stored step that claims an impossible leaf (shape, layout and
+"""A manifest's numbers are data, bounded and checked before anything is sized by them:
+a stored step that claims an impossible leaf (shape, layout and
 checksum table consistent) is damage like any other, so restore(None) goes back to the
 intact older step, and `jaxckpt inspect` says so rather than "0 B"; a host snapshot's
 manifest with a negative or huge offset is damage too."""

@@ -1,4 +1,4 @@
-"""A directory that orbax's CheckpointManager wrote is read where it lies (issue 39, item 5).
+"""A directory that orbax's CheckpointManager wrote is read where it lies.
 
 Its finalized steps are listed beside jaxckpt's own (never its tmp directories, a
 step directory that is a link, or a step two directories claim), restored

@@ -1,5 +1,5 @@
-"""No delete, cleanup, set-aside, import or read follows a link out of a checkpoint
-(issue 40, item 1): a planted link loses its name only, what it points to stays; a
+"""No delete, cleanup, set-aside, import or read follows a link out of a checkpoint:
+a planted link loses its name only, what it points to stays; a
 link, a FIFO or a step directory that is a file is never read through (a restore goes
 back to the older step); a hard link loses only its own name."""
 

@@ -1,5 +1,5 @@
-"""Adversarial checks of restore(step=None)'s skip of a damaged newest step (issue 32,
-item 13, round 5): only proven damage is set aside on storage, never by a manager
+"""What restore(step=None) sets aside when it skips a damaged newest step: only proven
+damage is set aside on storage, never by a manager
 that may not write, and every form of restore skips it."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Attacks on the ledger, the rollback, one run per agent and the job's agreement (issues 38, 39).
+"""Resumed runs, rollbacks and storage that hangs, as a careless user or a hostile
+neighbour meets them: a retried save in a resumed run deletes nothing, an older save is
+refused, the waits raise on time and all_steps() answers from the ledger while storage
+hangs, a new run sees nothing of the previous run's persists, a dropped step stays
+dropped, and a refused read at relaunch deletes nothing.
 
-Each case is what a careless user or a hostile neighbour does next to a case the
-lead's tests cover. A case marked xfail(strict=True) is a defect whose fix lies in
-jaxckpt/core/ or jaxckpt/manager.py (or is a design decision): the lead removes the
-mark with the fix.
+A case marked xfail(strict=True) is a known defect; its fix removes the mark.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def test_wait_until_persisted_raises_on_time_when_storage_hangs(s3_server):
 
 
 def test_all_steps_answers_from_the_ledger_while_storage_hangs(s3_server):
-  """Issue 38: all_steps() and latest_step() read the ledger (orbax's answer from memory).
+  """all_steps() and latest_step() read the ledger (orbax's answer from memory).
   With the S3 server stopped, a loop's latest_step() blocked for the 120 s request
   timeout and then raised a StorageError, although the manager knows steps 1 and 2."""
   d = s3_server.url(uuid.uuid4().hex[:12])
@@ -164,7 +165,7 @@ def test_all_steps_answers_from_the_ledger_while_storage_hangs(s3_server):
 _RUN1 = """
 import os, sys, time
 import jaxckpt as jc
-from jaxckpt.attack39_test import _options, _state
+from jaxckpt.resume_and_hung_storage_test import _options, _state
 root, job, directory, go = sys.argv[1:5]
 m = jc.CheckpointManager(directory, _options(agent=jc.AgentOptions(job_name=job, run_root=root),
                                              timeout_secs=120))
@@ -217,7 +218,7 @@ def test_a_new_run_sees_nothing_of_the_previous_run_s_unfinished_persists(s3_ser
 _KEEP_ONE = """
 import os, sys, time
 import jaxckpt as jc
-from jaxckpt.attack39_test import _options, _state
+from jaxckpt.resume_and_hung_storage_test import _options, _state
 root, job, directory, go = sys.argv[1:5]
 m = jc.CheckpointManager(directory, _options(agent=jc.AgentOptions(job_name=job, run_root=root),
                                              max_to_keep=1, timeout_secs=120))

@@ -1,4 +1,4 @@
-"""Adversarial checks of replica groups (issue 33, round 5): a peer's serving thread
+"""A replayed request to a replica group's peer: a peer's serving thread
 answers a captured request once, never again for whoever replays it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adversarial checks of the snapshot agent (issue 32, round 5): a sidecar agent serves
+"""The snapshot agent under a container's relaunches and strangers: a sidecar agent serves
 the restarted trainer of a container (its own pid namespace: the trainer is pid 1
 there, each time), which the lease must not take for the dead one; and connections
 from anyone who reaches its ports never end it."""
