@@ -3,8 +3,6 @@ neighbour meets them: a retried save in a resumed run deletes nothing, an older 
 refused, the waits raise on time and all_steps() answers from the ledger while storage
 hangs, a new run sees nothing of the previous run's persists, a dropped step stays
 dropped, and a refused read at relaunch deletes nothing.
-
-A case marked xfail(strict=True) is a known defect; its fix removes the mark.
 """
 
 from __future__ import annotations
