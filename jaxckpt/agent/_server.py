@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+import msgspec
 import psutil
 import zmq
 
@@ -29,7 +30,7 @@ from jaxckpt import errors
 from jaxckpt.agent import _parity_config, _parity_worker, _paths, _protocol, _requests
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host.snapshot import SnapshotManifest
-from jaxckpt.net import _bulk, _wire
+from jaxckpt.net import _bulk, _schema, _wire
 
 logger = logging.getLogger("jaxckpt.agent")
 
@@ -137,6 +138,9 @@ class Agent:
     self.table = _slots.SlotTable(max_snapshots)   # which slot holds what (shared rules)
     self.slots: list[_Slot] = []                    # each slot's file
     self.manifests: dict[int, str] = {}        # step -> manifest JSON
+    # step -> (its manifest JSON, parsed): parsed once, on first use (the parity
+    # thread, the persist, ...), not by each (see ``manifest_of``)
+    self._parsed: dict[int, tuple[str, SnapshotManifest]] = {}
     self.processes: dict[int, tuple[int, int]] = {}   # step -> (saving process, of how many)
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
@@ -211,6 +215,7 @@ class Agent:
         self.parity.drop(d.step)
       if d.state == _slots.COMMITTED:
         self.manifests.pop(d.step, None)
+        self._parsed.pop(d.step, None)
         self.processes.pop(d.step, None)
       if d.held and self.persister is not None:   # rolled back before it was persisted
         self.persister.fence(d.step)
@@ -237,9 +242,11 @@ class Agent:
 
   def op_hello(self, pid: int, max_snapshots: int | None = None,
                limit_bytes: int | None = None,
-               persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None,
+               persist: _requests.PersistOptions | None = None,
+               parity: _requests.ParityOptions | None = None,
                owner: str | None = None, run: str | None = None) -> _requests.Hello.Reply:
+    persist = None if persist is None else msgspec.structs.asdict(persist)
+    parity = None if parity is None else msgspec.structs.asdict(parity)
     self.reap()
     self._take_lease(int(pid), owner)
     if run is not None:
@@ -447,8 +454,20 @@ class Agent:
     if persist:
       self.persister.submit(step, str(persist_attempt))
     if self.parity is not None and step in self.manifests:
-      self.parity.on_commit(step, manifest, self.processes[step])
+      self.parity.on_commit(step, self.manifest_of(step), manifest, self.processes[step])
     return _requests.Commit.Reply(steps=self.steps(), **self._persist_reply())
+
+  def manifest_of(self, step: int) -> SnapshotManifest:
+    """Committed ``step``'s manifest, parsed once per commit (the parity thread and
+    each persist of the step share it): KeyError if not committed. Parsed outside
+    the agent's lock by whichever thread first needs it."""
+    text = self.manifests[step]
+    got = self._parsed.get(step)
+    if got is not None and got[0] is text:
+      return got[1]
+    manifest = SnapshotManifest.from_json(text)
+    self._parsed[step] = (text, manifest)
+    return manifest
 
   def _persist_reply(self, errors: bool = True) -> dict[str, Any]:
     """The persist status (and, with ``errors``, the errors since the last ask)."""
@@ -481,9 +500,9 @@ class Agent:
     me = -os.getpid()                   # a pin owner that reap() never treats as dead
     with self.lock:
       s = self.table.pin(step, me) or self._slot_of(step)
-      manifest = SnapshotManifest.from_json(self.manifests[step])
     mm = None
     try:
+      manifest = self.manifest_of(step)
       if not s.size:
         yield manifest, b""
       else:
@@ -506,12 +525,13 @@ class Agent:
     self._dropped([d] if d else [])
     return _requests.Done()
 
-  def op_peers(self, peers: dict[str, dict[str, Any]], merge: bool = False) -> _requests.Done:
+  def op_peers(self, peers: dict[str, _requests.AgentAddress],
+               merge: bool = False) -> _requests.Done:
     """The job's current agents by process index (their address records), published
     through the job's coordination service: parity reaches its peers there.
     ``merge``: only the processes named change (a trainer announces its new agent
     after the old one died)."""
-    new = {int(h): dict(info) for h, info in peers.items()}
+    new = {int(h): msgspec.structs.asdict(info) for h, info in peers.items()}
     self.peers = {**self.peers, **new} if merge else new
     return _requests.Done()
 
@@ -726,7 +746,7 @@ def _by_connection(request: _requests.Request, remote: bool) -> _requests.Reques
         "another machine, whose pids mean nothing here) and was refused: send it over the "
         "agent's local (ipc) socket")
   if isinstance(request, _requests.Open):
-    return dataclasses.replace(
+    return msgspec.structs.replace(
         request, lease_secs=(request.lease_secs or REMOTE_LEASE_SECS) if remote else None)
   if remote and isinstance(request, _requests.Close) and request.reader is None:
     raise errors.InvalidArgumentError(
@@ -761,14 +781,13 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
   try:
     request = _requests.decode(req)
     if peer_pid and getattr(request, "pid", None) not in (None, peer_pid):
-      request = dataclasses.replace(request, pid=peer_pid)
+      request = msgspec.structs.replace(request, pid=peer_pid)
     request = _by_connection(request, remote)
     handler = HANDLERS[type(request)]
     if not isinstance(request, _WATCHING):       # a watcher does not keep an agent alive
       agent.last_active = time.monotonic()
     with agent.lock:
-      out = handler(agent, **{f.name: getattr(request, f.name)
-                              for f in dataclasses.fields(request)})
+      out = handler(agent, **_schema.fields(request))
     if type(out) is not type(request).Reply:        # (a handler's bug, named to the caller)
       raise TypeError(f"Agent.op_{op} returned a {type(out).__qualname__}, not "
                       f"{type(request).Reply.__qualname__}")

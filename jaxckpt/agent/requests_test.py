@@ -61,10 +61,11 @@ def _peer_answering(reply: dict):
 
 @pytest.mark.parametrize("op, args, reply, why", [
     ("reserve", {"pid": 1, "step": 1, "nbytes": 8}, {"ok": True, "index": "seven"},
-     r"field index='seven' is not a int \| None"),
-    ("open", {"pid": 1, "step": 1}, {"ok": True, "path": "/dev/shm/x"}, r"missing .*'manifest'"),
+     r"field index='seven' is refused: Expected `int \| null`, got `str`"),
+    ("open", {"pid": 1, "step": 1}, {"ok": True, "path": "/dev/shm/x"},
+     r"lacks the required field 'manifest'"),
     ("steps", {}, {"ok": True, "steps": "all of them", "free_slots": 1, "protected": None},
-     r"field steps='all of them' is not a <class 'list'>"),
+     r"field steps='all of them' is refused: Expected `array`, got `str`"),
 ])
 def test_a_malformed_reply_is_an_error_naming_the_agent_and_its_address(op, args, reply, why):
   with _peer_answering(reply) as address:
@@ -73,7 +74,7 @@ def test_a_malformed_reply_is_an_error_naming_the_agent_and_its_address(op, args
       with pytest.raises(errors.AgentUnavailableError,
                          match=rf"agent pid 4242 at {address} answered {op!r} with a malformed "
                                rf"reply \(.*{why}"):
-        client.call(op, **args)
+        client.call(_requests.REQUESTS[op](**args))
     finally:
       client.close()
 
@@ -84,7 +85,7 @@ def test_a_reply_field_this_version_does_not_know_is_left_out():
   with _peer_answering(reply) as address:
     client = _protocol.Client(address, who="agent pid 4242", timeout_secs=10, secret=b"s" * 32)
     try:
-      got, _ = client.call("steps")
+      got, _ = client.call(_requests.Steps())
       assert got == _requests.Steps.Reply(steps=[3], free_slots=1, protected=None)
     finally:
       client.close()
