@@ -54,20 +54,20 @@ def manifest_json(leaves: int, seed: int = 0) -> str:
   return SnapshotManifest(step=7, leaves=tuple(recs), nbytes=offset).to_json()
 
 
-def requests(leaves: int) -> dict[str, tuple[str, dict[str, Any], Any]]:
-  """Each measured request: its op, its fields, and a reply its agent would give."""
+def requests(leaves: int) -> dict[str, tuple[_requests.Request, Any]]:
+  """Each measured request, and a reply its agent would give."""
   text = manifest_json(leaves)
   steps = list(range(1, 6))
   return {
-      "reserve": ("reserve", {"pid": 4242, "step": 7, "nbytes": 1 << 30},
+      "reserve": (_requests.Reserve(pid=4242, step=7, nbytes=1 << 30),
                   _requests.Reserve.Reply(index=1, path="/dev/shm/jaxckpt/s1", size=1 << 30)),
       f"commit_{leaves}_leaves": (
-          "commit", {"index": 1, "manifest": text, "step": 7, "nbytes": 1 << 30,
-                     "process": [0, 1], "persist_attempt": "a1b2c3"},
+          _requests.Commit(index=1, manifest=text, step=7, nbytes=1 << 30, process=[0, 1],
+                           persist_attempt="a1b2c3"),
           _requests.Commit.Reply(steps=steps, persist={"pending": [7], "done": [5]},
                                  persist_errors=[])),
-      "steps": ("steps", {}, _requests.Steps.Reply(steps=steps, free_slots=1, protected=5)),
-      "status": ("status", {}, _requests.Status.Reply(
+      "steps": (_requests.Steps(), _requests.Steps.Reply(steps=steps, free_slots=1, protected=5)),
+      "status": (_requests.Status(), _requests.Status.Reply(
           pid=4242, job="job", host=0, steps=steps,
           slots=[{"index": i, "state": "held", "step": i, "bytes": 1 << 30, "readers": 0}
                  for i in range(6)],
@@ -77,15 +77,15 @@ def requests(leaves: int) -> dict[str, tuple[str, dict[str, Any], Any]]:
   }
 
 
-def codec_once(op: str, fields: dict[str, Any], reply: Any) -> Callable[[], None]:
-  """One request's whole codec: the client builds, checks and seals it; the agent
-  opens it, checks its deadline and decodes it; the agent encodes the reply and
-  the client decodes it."""
-  cls = _requests.REQUESTS[op]
+def codec_once(req: _requests.Request, reply: Any) -> Callable[[], None]:
+  """One request's whole codec: the client checks and seals it; the agent opens it,
+  checks its deadline and decodes it; the agent encodes the reply and the client
+  decodes it."""
+  cls = type(req)
   replays = _wire.Replays()
 
   def once() -> None:
-    frames = _protocol.request(SECRET, op, fields, 30.0)
+    frames = _protocol.request(SECRET, req, 30.0)
     header = _protocol.verify(SECRET, frames, replays)
     _wire.expired(header)
     _requests.decode(header)
@@ -128,13 +128,13 @@ def round_trips(iters: int, repeats: int) -> dict[str, Any]:
     client = _protocol.Client(info["ipc"], who=WHO, timeout_secs=30.0, secret=info["secret"],
                               pid=info["pid"])
     try:
-      client.call("steps")                                   # connected, warm
+      client.call(_requests.Steps())                          # connected, warm
 
       def reserve_abort() -> None:
-        r = client.call("reserve", pid=os.getpid(), step=7, nbytes=4096)[0]
-        client.call("abort", index=r.index)
-      out = {"steps": per_call_us(lambda: client.call("steps"), iters, repeats),
-             "status": per_call_us(lambda: client.call("status"), iters, repeats),
+        r = client.call(_requests.Reserve(pid=os.getpid(), step=7, nbytes=4096))[0]
+        client.call(_requests.Abort(index=r.index))
+      out = {"steps": per_call_us(lambda: client.call(_requests.Steps()), iters, repeats),
+             "status": per_call_us(lambda: client.call(_requests.Status()), iters, repeats),
              "reserve_and_abort": per_call_us(reserve_abort, iters // 2, repeats)}
     finally:
       client.close()
@@ -151,8 +151,8 @@ def main() -> int:
   if args.quick:
     args.repeats, args.iters = 3, 30
   codec = {}
-  for name, (op, fields, reply) in requests(args.leaves).items():
-    fn = codec_once(op, fields, reply)
+  for name, (req, reply) in requests(args.leaves).items():
+    fn = codec_once(req, reply)
     fn()
     codec[name] = per_call_us(fn, max(10, args.iters // (10 if "commit" in name else 1)),
                               args.repeats)

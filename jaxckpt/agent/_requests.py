@@ -96,7 +96,7 @@ class ParityOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
   def __post_init__(self) -> None:
     if not self.parity < self.group_size:
-      raise ValueError(f"parity={self.parity} must be in [1, group_size - 1] "
+      raise errors.InvalidArgumentError(f"parity={self.parity} must be in [1, group_size - 1] "
                        f"(group_size={self.group_size})")
 
 
@@ -180,7 +180,7 @@ class Commit(Request[CommitReply], tag="commit"):
 
   def __post_init__(self) -> None:
     if not self.process[0] < self.process[1]:
-      raise ValueError(f"process={self.process!r} must be [index, count], index < count")
+      raise errors.InvalidArgumentError(f"process={self.process!r} must be [index, count], index < count")
 
 
 class Abort(Request[Done], tag="abort"):
@@ -289,7 +289,7 @@ class Peers(Request[Done], tag="peers"):
   def __post_init__(self) -> None:
     big = [h for h in self.peers if int(h) > 2**20]
     if big:
-      raise ValueError(f"peers names process {big[0]}, not a process index in [0, {2**20}]")
+      raise errors.InvalidArgumentError(f"peers names process {big[0]}, not a process index in [0, {2**20}]")
 
 
 class PeerManifestReply(Reply):

@@ -6,7 +6,8 @@ The agent's requests (:mod:`jaxckpt.agent._requests`) and the lighthouse's
 (:mod:`jaxckpt.ft._requests`) are declared with the bounded types below; the
 sealing and framing stay :mod:`jaxckpt.net._wire`'s: a Struct is what a sealed
 header carries. What a type cannot say (a cross-field rule, printable text) is
-the Struct's ``__post_init__``, which msgspec runs while it decodes.
+the Struct's ``__post_init__``, which msgspec runs while it decodes (and when a
+sender builds one): it raises InvalidArgumentError.
 
 >>> class Ping(Message, tag="ping"):
 ...   step: Step
@@ -43,8 +44,10 @@ Pid = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Index = Annotated[int, Meta(ge=0, le=2**20)]
 #: A duration a request may ask for (a timeout, a poll).
 Secs = Annotated[float, Meta(ge=1e-6, le=1e7)]
-#: A 64-bit digest.
-Digest = Annotated[int, Meta(ge=0, le=2**64 - 1)]
+#: A 64-bit digest: msgpack carries none above 2**64 - 1 (msgspec bounds only int64);
+#: a Struct given one from elsewhere checks it with :func:`check_u64`.
+Digest = Annotated[int, Meta(ge=0)]
+U64 = 2**64 - 1
 #: A directory or a run's name: text a path is made of.
 PathText = Annotated[str, Meta(min_length=1, max_length=4096)]
 
@@ -62,6 +65,13 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
   """A message: its fields, and its ``op`` (the Struct's tag: ``Ping.op == "ping"``)."""
 
   op: ClassVar[str] = _Tag()  # type: ignore[assignment]
+
+
+def check_u64(**named: int) -> None:
+  """InvalidArgumentError naming the first of ``named`` above 2**64 - 1 (see ``Digest``)."""
+  for name, value in named.items():
+    if value > U64:
+      raise errors.InvalidArgumentError(f"{name}={value} is above 2**64 - 1")
 
 
 def table(*classes: type[T]) -> dict[str, type[T]]:
@@ -107,9 +117,12 @@ _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]|\[(.*?)\]")
 
 
 def refused(e: msgspec.ValidationError, given: Any, what: str, *,
-            tail: str = "; nothing was applied") -> errors.InvalidArgumentError:
+            tail: str = "; nothing was applied",
+            positions: Mapping[str, tuple[str, ...]] | None = None) -> errors.InvalidArgumentError:
   """InvalidArgumentError for msgspec's ``e`` on ``given``: the field (its path) and the
-  value that came, then msgspec's words for what it must be."""
+  value that came, then msgspec's words for what it must be. ``positions`` names the
+  fields of array-like Structs by the path they sit at ("" the whole; "terms", ...):
+  msgspec counts them (``terms[2]``), the message names them (``terms.averaging``)."""
   text = str(e)
   key = _KEY.fullmatch(text)
   if key is not None:                           # a mapping's key
@@ -123,22 +136,29 @@ def refused(e: msgspec.ValidationError, given: Any, what: str, *,
         return errors.InvalidArgumentError(f"{what} {says} {got.group(1)!r}{tail}")
     return errors.InvalidArgumentError(f"{what}: {text}{tail}")
   why, path = m.groups()
-  value, found = given, True
+  value, found, named = given, True, ""
   for name, index, key in _STEP.findall(path):
-    try:
-      value = value[int(index)] if index else value[name or _key(key)]
-    except (KeyError, IndexError, TypeError, ValueError):
-      found = False
-      break
-  shown = f"={_show(value)}" if found else ""
-  return errors.InvalidArgumentError(f"{what}: field {path.lstrip('.')}{shown} is refused: "
-                                     f"{why}{tail}")
+    fields = (positions or {}).get(named)
+    if index and fields is not None and int(index) < len(fields):
+      named = f"{named}.{fields[int(index)]}".lstrip(".")
+    else:
+      named += f".{name}" if name else f"[{index or key}]"
+      named = named.lstrip(".")
+    if found:
+      try:
+        value = value[int(index)] if index else value[name or _key(key)]
+      except (KeyError, IndexError, TypeError, ValueError):
+        found = False
+  shown = f"={brief(value)}" if found else ""
+  return errors.InvalidArgumentError(f"{what}: field {named or '(the whole)'}{shown} is "
+                                     f"refused: {why}{tail}")
 
 
 def _key(text: str) -> Any:
   return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == "'" else text
 
 
-def _show(value: Any) -> str:
+def brief(value: Any) -> str:
+  """``value``'s repr, cut to 80 characters (a value that came: data, shown briefly)."""
   text = repr(value)
   return text if len(text) <= 80 else text[:77] + "..."
