@@ -307,7 +307,7 @@ class ParityDone(Request[Done], tag="parity_done"):
   over its snapshot whose manifest has ``digest``)."""
   step: Step
   peer: Index
-  digest: str
+  digest: Annotated[str, Meta(max_length=64)]    # xxh3_64 hex (_parity_worker._digest)
 
 
 class ParityStatusReply(Reply):

@@ -27,6 +27,7 @@ import re
 from typing import Annotated, Any, Callable, ClassVar, Mapping, TypeVar
 
 import msgspec
+import msgspec.inspect
 from msgspec import Meta
 
 from jaxckpt import errors
@@ -107,6 +108,33 @@ def encode(message: msgspec.Struct) -> dict[str, Any]:
 def fields(message: msgspec.Struct) -> dict[str, Any]:
   """``message``'s fields by name, as they are (nested Structs stay Structs)."""
   return {name: getattr(message, name) for name in message.__struct_fields__}
+
+
+def unbounded(cls: type[msgspec.Struct]) -> list[str]:
+  """The fields of ``cls`` (``op.field``, nested ones dotted) whose values its schema does
+  not bound: a number without both ends of its range, text without a length or pattern."""
+  return _unbounded(msgspec.inspect.type_info(cls), getattr(cls, "op", None) or cls.__name__)
+
+
+def _unbounded(t: Any, where: str) -> list[str]:
+  ti = msgspec.inspect
+  if isinstance(t, ti.UnionType):
+    return [w for u in t.types for w in _unbounded(u, where)]
+  if isinstance(t, (ti.IntType, ti.FloatType)):
+    lo = t.ge if t.ge is not None else t.gt
+    hi = t.le if t.le is not None else t.lt
+    return [] if lo is not None and hi is not None else [where]
+  if isinstance(t, ti.StrType):
+    return [] if t.max_length is not None or t.pattern is not None else [where]
+  if isinstance(t, ti.DictType):
+    return _unbounded(t.key_type, where + "{key}") + _unbounded(t.value_type, where + "{}")
+  if isinstance(t, (ti.ListType, ti.VarTupleType)):
+    return _unbounded(t.item_type, where + "[]")
+  if isinstance(t, ti.TupleType):
+    return [w for u in t.item_types for w in _unbounded(u, where + "[]")]
+  if isinstance(t, ti.StructType):
+    return [w for f in t.fields for w in _unbounded(f.type, f"{where}.{f.name}")]
+  return []
 
 
 _AT = re.compile(r"(.*) - at `\$(.*)`$", re.S)
