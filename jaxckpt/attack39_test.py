@@ -178,15 +178,13 @@ time.sleep(600)
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "agent/_server.Agent._start_run keeps the previous run's steps whose persist runs in the "
-    "slot table as the new run's (fixed with the slot table's run tags)"))
 def test_a_new_run_sees_nothing_of_the_previous_run_s_unfinished_persists(s3_server, tmp_path):
   """A sweep script keeps the job name: run 1's trainer (on S3) is killed while its agent
   still persists step 2 (storage stopped answering), and run 2 starts at once in its own
   directory. Run 2 listed [2] and restore() gave run 1's step 2 from the agent (tier host);
   run 2's first snapshot then dropped run 1's step 2 as a rolled back step and fenced its
-  persist, so it never reached run 1's storage once storage answered again."""
+  persist, so it never reached run 1's storage once storage answered again. Run 2 also
+  saves a step 2 of its own while run 1's still persists: each run keeps its own."""
   d1, go = s3_server.url(uuid.uuid4().hex[:12]), str(tmp_path / "go")
   with processes.agent_sandbox() as (root, job):
     agent = jc.AgentOptions(job_name=job, run_root=root)
@@ -205,7 +203,13 @@ def test_a_new_run_sees_nothing_of_the_previous_run_s_unfinished_persists(s3_ser
         assert m2.save(1, _state(1, version=2))
         m2.wait_until_snapshotted()
         assert m2.all_steps() == [1]
+        assert m2.save(2, _state(2, version=2))      # the step number run 1's persist holds
+        m2.wait_until_snapshotted()
+        assert m2.all_steps() == [1, 2]
+        np.testing.assert_array_equal(m2.restore(2, _state(0))["w"], _state(2, version=2)["w"])
+        assert m2.last_restore.tier == "host"
       m2.wait_until_finished()                       # storage answers again
+      np.testing.assert_array_equal(m2.restore(2, _state(0))["w"], _state(2, version=2)["w"])
     _wait.until(lambda: universal.all_steps(d1) == [2], timeout_secs=120,
                 late=lambda: f"run 1's agent did not store its step 2 on {d1}", max_poll_secs=0.5)
     with jc.CheckpointManager(d1, _options()) as m:

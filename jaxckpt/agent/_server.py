@@ -138,8 +138,9 @@ class Agent:
     self.table = _slots.SlotTable(max_snapshots)   # which slot holds what (shared rules)
     self.slots: list[_Slot] = []                    # each slot's file
     self.manifests: dict[int, str] = {}        # step -> manifest JSON
-    # step -> (its manifest JSON, parsed): parsed once, on first use (the parity
-    # thread, the persist, ...), not by each (see ``manifest_of``)
+    self.foreign_manifests: dict[int, str] = {}   # slot -> manifest JSON of an earlier run's
+    # slot -> (the manifest JSON of the step it holds, parsed): parsed once, on first use
+    # (the parity thread, the persist, ...), not by each (see ``manifest_of``)
     self._parsed: dict[int, tuple[str, SnapshotManifest]] = {}
     self.processes: dict[int, tuple[int, int]] = {}   # step -> (saving process, of how many)
     self.trainers: set[int] = set()
@@ -211,11 +212,15 @@ class Agent:
   def _dropped(self, dropped: list[_slots.Dropped]) -> None:
     """Releases what the agent keeps beside slots the table freed."""
     for d in dropped:
+      self._parsed.pop(d.index, None)
+      if d.foreign:                     # an earlier run's step: its persist ended
+        self.foreign_manifests.pop(d.index, None)
+        self._free_retired(self.table.slots[d.index])
+        continue
       if d.state == _slots.COMMITTED and self.parity is not None:
         self.parity.drop(d.step)
       if d.state == _slots.COMMITTED:
         self.manifests.pop(d.step, None)
-        self._parsed.pop(d.step, None)
         self.processes.pop(d.step, None)
       if d.held and self.persister is not None:   # rolled back before it was persisted
         self.persister.fence(d.step)
@@ -271,20 +276,27 @@ class Agent:
 
   def _start_run(self, run: str) -> None:
     """A trainer of run ``run`` (its directory): the snapshots of another run of the
-    job are freed, never offered to it (their running persists go on); the same run
+    job are never offered to it: freed, or, while their persists run, held apart
+    (foreign: no request by step reaches them, and no save of the new run drops or
+    fences them, whatever its step numbers) until those persists end; the same run
     resumes them."""
     if self.run is not None and run != self.run:
-      busy = self.persister.busy if self.persister is not None else (lambda step: False)
-      old = [s for s in self.steps() if not busy(s)]
-      for step in old:
-        d = self.table.discard(step)
-        self._dropped([d] if d else [])
+      dropped = self.table.new_run()
+      foreign = [s for s in self.table.slots if s.foreign]
+      for st in foreign:
+        if st.step in self.manifests:
+          self.foreign_manifests[st.index] = self.manifests.pop(st.step)
+        self.processes.pop(st.step, None)
+      self._dropped(dropped)
+      if self.persister is not None:
+        self.persister.disown({st.attempt for st in foreign if st.attempt})
       if self.parity is not None:
         for step in list(self.parity.records):
           self.parity.drop(step)
       logger.info("job %s host %d: a new run (directory %r) follows run %r: the snapshots "
-                  "of steps %s of the previous run are freed", self.job, self.host, run,
-                  self.run, old)
+                  "of steps %s of the previous run are freed, those of %s once their "
+                  "persists end", self.job, self.host, run, self.run,
+                  [d.step for d in dropped], [st.step for st in foreign])
     self.run = run
 
   def _take_lease(self, pid: int, owner: str | None = None) -> None:
@@ -446,7 +458,8 @@ class Agent:
           f"file holds {have} (truncated under the agent?); the snapshot is not kept")
     persist = persist_attempt is not None and self.persister is not None
     # a rollback, then the oldest; a step due for storage is held until persisted
-    self._dropped(self.table.commit(index, step, hold=persist))
+    self._dropped(self.table.commit(index, step, hold=persist,
+                                    attempt=str(persist_attempt) if persist else None))
     self.slots[index].allocated = True
     self.manifests[step] = manifest
     self.processes[step] = (int(process[0]), int(process[1]))
@@ -457,16 +470,18 @@ class Agent:
       self.parity.on_commit(step, self.manifest_of(step), manifest, self.processes[step])
     return _requests.Commit.Reply(steps=self.steps(), **self._persist_reply())
 
-  def manifest_of(self, step: int) -> SnapshotManifest:
-    """Committed ``step``'s manifest, parsed once per commit (the parity thread and
-    each persist of the step share it): KeyError if not committed. Parsed outside
-    the agent's lock by whichever thread first needs it."""
-    text = self.manifests[step]
-    got = self._parsed.get(step)
+  def manifest_of(self, step: int, slot: _slots.SlotState | None = None) -> SnapshotManifest:
+    """The manifest of committed ``step`` (or of the step ``slot`` holds, an earlier
+    run's too), parsed once per commit: the parity thread and each persist of the step
+    share it (StepNotFoundError if not committed). Parsed outside the agent's lock by
+    whichever thread first needs it."""
+    s = slot if slot is not None else self._slot_of(step)
+    text = self.foreign_manifests[s.index] if s.foreign else self.manifests[step]
+    got = self._parsed.get(s.index)
     if got is not None and got[0] is text:
       return got[1]
     manifest = SnapshotManifest.from_json(text)
-    self._parsed[step] = (text, manifest)
+    self._parsed[s.index] = (text, manifest)
     return manifest
 
   def _persist_reply(self, errors: bool = True) -> dict[str, Any]:
@@ -489,20 +504,22 @@ class Agent:
     with self.lock:
       self._dropped(self.table.protect(step))
 
-  def _release_held(self, step: int) -> None:
-    """The persist of ``step`` ended: the keep rule may drop it now (persist thread)."""
+  def _release_held(self, step: int, attempt: str | None = None) -> None:
+    """The persist ``attempt`` of ``step`` ended: the keep rule may drop it now
+    (persist thread)."""
     with self.lock:
-      self._dropped(self.table.release(step))
+      self._dropped(self.table.release(step, attempt))
 
   @contextlib.contextmanager
-  def _pinned(self, step: int):
-    """Pins a committed step for the persist thread while it reads the slot."""
+  def _pinned(self, step: int, attempt: str | None = None):
+    """Pins a committed step (the one held for persist ``attempt``, an earlier run's
+    too) for the persist thread while it reads the slot."""
     me = -os.getpid()                   # a pin owner that reap() never treats as dead
     with self.lock:
-      s = self.table.pin(step, me) or self._slot_of(step)
+      s = self.table.pin(step, me, attempt) or self._slot_of(step)
     mm = None
     try:
-      manifest = self.manifest_of(step)
+      manifest = self.manifest_of(step, s)
       if not s.size:
         yield manifest, b""
       else:

@@ -166,7 +166,8 @@ def test_a_commit_s_manifest_is_parsed_once_for_every_use_on_the_agent(tmp_path)
     with agent._pinned(5) as (read, _):             # pylint: disable=protected-access
       assert read is first
     assert ask(_requests.Discard(step=5)).discarded
-    with pytest.raises(KeyError):
+    assert agent._parsed == {}                       # pylint: disable=protected-access
+    with pytest.raises(errors.StepNotFoundError):
       agent.manifest_of(5)
   finally:
     agent.cleanup()

@@ -200,7 +200,8 @@ class Persister:
   hold=True)``) and calls :meth:`submit`; ``open_step(step)`` must return a
   context manager yielding the step's (manifest, buffer) with its slot pinned,
   and ``release(step)`` is called once the persist has ended, whatever its
-  outcome, so the store can hand the slot out again. ``storage()`` returns the
+  outcome, so the store can hand the slot out again (both are also given the
+  persist's attempt as ``attempt=``: a step number alone may name another run's). ``storage()`` returns the
   storage to write to (:class:`PersistStorage`); it is called on the persist
   thread when a persist runs, so a process that never persists never loads it.
 
@@ -208,11 +209,15 @@ class Persister:
   a rollback that dropped it): a queued one never starts, a running one never
   commits (its commit checks the fence up to the moment it writes the marker),
   and :meth:`busy` says when the last of them has ended.
+
+  :meth:`disown` marks the persists of an earlier run of the job (an agent's new
+  run): they go on, but are no longer the present run's: its fences, ``busy``,
+  status and errors leave them out (their errors are logged).
   """
 
   def __init__(self, config: PersistConfig,
-               open_step: Callable[[int], ContextManager[tuple[SnapshotManifest, np.ndarray]]],
-               release: Callable[[int], None] = lambda step: None, *,
+               open_step: Callable[..., ContextManager[tuple[SnapshotManifest, np.ndarray]]],
+               release: Callable[..., None] = lambda step, attempt=None: None, *,
                storage: Callable[[], PersistStorage]) -> None:
     self.config = config
     self._open_step = open_step
@@ -225,6 +230,7 @@ class Persister:
     self.persisted: list[int] = []
     self.cancelled = 0
     self._errors: list[PersistError] = []
+    self._foreign: set[str] = set()           # attempts of an earlier run (disown)
 
   def configure(self, config: PersistConfig) -> None:
     """Persists submitted from now on follow ``config`` (a trainer relaunched with
@@ -240,10 +246,18 @@ class Persister:
       self._jobs[attempt] = _Job(step, attempt, time.time(), self.config)
     self._pool.submit(self._run, attempt)
 
+  def disown(self, attempts: set[str]) -> None:
+    """``attempts`` are an earlier run's (see the class docstring)."""
+    with self._lock:
+      self._foreign = {a for a in self._foreign if a in self._jobs} | set(attempts)
+
+  def _ours(self) -> list[_Job]:
+    return [j for j in self._jobs.values() if j.attempt not in self._foreign]
+
   def fence(self, step: int) -> bool:
     """Cancels every attempt of ``step`` submitted so far; True while one of them runs."""
     with self._lock:
-      jobs = [j for j in self._jobs.values() if j.step == step]
+      jobs = [j for j in self._ours() if j.step == step]
       for j in jobs:
         j.cancelled = True
       return any(j.running for j in jobs)
@@ -251,11 +265,11 @@ class Persister:
   def busy(self, step: int) -> bool:
     """Whether an attempt of ``step`` is queued or running."""
     with self._lock:
-      return any(j.step == step for j in self._jobs.values())
+      return any(j.step == step for j in self._ours())
 
   def status(self) -> PersistStatus:
     with self._lock:
-      jobs = sorted((j for j in self._jobs.values() if not j.cancelled), key=lambda j: j.since)
+      jobs = sorted((j for j in self._ours() if not j.cancelled), key=lambda j: j.since)
       return PersistStatus(tuple(sorted(j.step for j in jobs)),
                            jobs[0].since if jobs else None, tuple(self.persisted),
                            tuple(sorted((j.step, j.attempt, j.config.directory) for j in jobs)))
@@ -276,11 +290,12 @@ class Persister:
     finally:
       try:
         if not job.cancelled:     # a fenced job's slot went with its step (a new save of the
-          self._release(job.step)  # same step may hold one now: not ours to release)
+          self._release(job.step, attempt=job.attempt)   # same step may hold one now)
       except Exception:  # pylint: disable=broad-except  (the store is closing)
         logger.exception("step %d: releasing its slot after its persist failed", job.step)
       with self._lock:
         del self._jobs[attempt]
+        self._foreign.discard(attempt)
         self._ended.notify_all()
 
   def _check(self, job: _Job) -> None:
@@ -293,7 +308,8 @@ class Persister:
     try:
       nbytes = self._write_and_commit(job)
       with self._lock:
-        self.persisted.append(step)
+        if attempt not in self._foreign:
+          self.persisted.append(step)
       secs = time.monotonic() - t0
       logger.info("step %d persisted to %s: %.1f MiB in %.2f s (%.3g GB/s; attempt %s)", step,
                   directory, nbytes / 2**20, secs, nbytes / max(secs, 1e-9) / 1e9, attempt)
@@ -313,7 +329,8 @@ class Persister:
         return
       logger.error("step %d: persisting to %s failed: %s", step, directory, e)
       with self._lock:
-        self._errors.append(PersistError.of(step, attempt, e))
+        if attempt not in self._foreign:       # (an earlier run's: its trainer is gone)
+          self._errors.append(PersistError.of(step, attempt, e))
 
   def _write_and_commit(self, job: _Job) -> int:
     """Writes this process's part and (process 0) commits; returns the snapshot's
@@ -327,7 +344,7 @@ class Persister:
     while True:
       self._check(job)
       try:
-        with self._open_step(step) as (manifest, buffer):
+        with self._open_step(step, attempt=attempt) as (manifest, buffer):
           job.process_index = manifest.process_index
           persist_part(config, manifest, buffer, attempt, lambda: self._check(job),
                        storage=self._storage())
@@ -350,7 +367,8 @@ class Persister:
     """Waits until no persist (of ``step``, or of any step) is queued or running."""
     deadline = time.monotonic() + timeout_secs
     with self._lock:
-      while any(step is None or j.step == step for j in self._jobs.values()):
+      while any(step is None or (j.step == step and j.attempt not in self._foreign)
+                for j in self._jobs.values()):
         left = deadline - time.monotonic()
         if left <= 0:
           return False

@@ -31,7 +31,12 @@ bytes; the table decides:
   again: the store gives it a new buffer on its next reserve;
 - an owner's earlier ``writing`` slot is stale once it reserves again (a trainer
   reserves only after its previous save is over), and a dead owner's slots and
-  pins are forgotten.
+  pins are forgotten;
+- a new run of the job (``new_run``) sees none of the earlier run's steps: those
+  held for their persists become *foreign* (invisible to every query and rule by
+  step, found only by their persist ``attempt``, freed when it ends, and never
+  dropped as a rolled back step of the new run, whatever its step numbers); the
+  others are freed.
 
 Every method that frees a slot returns what it freed (:class:`Dropped`), so the
 store can release what it keeps beside the table (manifests, parity, hashing).
@@ -59,6 +64,8 @@ class SlotState:
   lent: bool = False
   held: bool = False            # committed and due for storage: kept until its persist ends
   protected: bool = False       # its parity is done (the newest such step is kept)
+  attempt: str | None = None    # the persist attempt a held step is held for
+  foreign: bool = False         # an earlier run's step, held only until its persist ends
   pins: dict[int, int] = dataclasses.field(default_factory=dict)   # reader -> count
 
   @property
@@ -75,6 +82,7 @@ class Dropped:
   step: int | None
   state: str
   held: bool = False
+  foreign: bool = False         # an earlier run's step whose persist ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,23 +169,38 @@ class SlotTable:
 
   # -- queries ---------------------------------------------------------------
 
+  def _own(self) -> list[SlotState]:
+    """This run's committed slots (not an earlier run's foreign ones)."""
+    return [s for s in self.slots if s.state == COMMITTED and not s.foreign]
+
   def steps(self) -> list[int]:
     """Committed steps, oldest first."""
-    return sorted(s.step for s in self.slots if s.state == COMMITTED)
+    return sorted(s.step for s in self._own())
 
   def held_steps(self) -> list[int]:
     """Committed steps held for their persist, oldest first."""
-    return sorted(s.step for s in self.slots if s.state == COMMITTED and s.held)
+    return sorted(s.step for s in self._own() if s.held)
 
   def committed(self, step: int) -> SlotState | None:
     """The slot holding committed ``step``, or None."""
-    return next((s for s in self.slots if s.state == COMMITTED and s.step == step), None)
+    return next((s for s in self._own() if s.step == step), None)
+
+  def of_attempt(self, attempt: str) -> SlotState | None:
+    """The committed slot (this run's or a foreign one) held for persist ``attempt``."""
+    return next((s for s in self.slots if s.state == COMMITTED and s.held
+                 and s.attempt == attempt), None)
+
+  def foreign_steps(self) -> list[int]:
+    """The earlier runs' steps still held for their persists."""
+    return sorted(s.step for s in self.slots if s.state == COMMITTED and s.foreign)
 
   def held_apart(self) -> int:
-    """Held steps older than the newest ``keep``: each may take a slot of its own."""
+    """Held steps older than the newest ``keep``, and the foreign ones: each may take
+    a slot of its own."""
     committed = self.steps()
     newest = set(committed[-self.keep:])
-    return sum(1 for s in self.held_steps() if s not in newest)
+    return (sum(1 for s in self.held_steps() if s not in newest)
+            + sum(1 for s in self.slots if s.state == COMMITTED and s.foreign))
 
   def capacity(self) -> int:
     """The slots the table may have now: the loop's (``keep + 1``), and one per step
@@ -261,15 +284,28 @@ class SlotTable:
           f"{'' if s.step is None else f' (step {s.step})'}: the reservation was given up")
     return s
 
-  def commit(self, index: int, step: int, *, hold: bool = False) -> list[Dropped]:
+  def commit(self, index: int, step: int, *, hold: bool = False,
+             attempt: str | None = None) -> list[Dropped]:
     """Makes slot ``index`` (writing ``step``) the committed snapshot of ``step``,
-    held for its persist if ``hold``. Returns the steps dropped: newer or equal
-    ones (a rollback, held ones included: their persists belong to the abandoned
-    timeline), then those the keep rule drops (:meth:`_trim`)."""
+    held for its persist (``attempt``) if ``hold``. Returns the steps dropped: newer
+    or equal ones of this run (a rollback, held ones included: their persists belong
+    to the abandoned timeline), then those the keep rule drops (:meth:`_trim`)."""
     s = self.writing(index, step)
-    dropped = [self._drop(o) for o in self.slots if o.state == COMMITTED and o.step >= step]
+    dropped = [self._drop(o) for o in self._own() if o.step >= step]
     s.state, s.owner, s.held, s.protected = COMMITTED, None, hold, False
+    s.attempt = attempt if hold else None
     return dropped + self._trim()
+
+  def new_run(self) -> list[Dropped]:
+    """A new run of the job: this run's steps held for their persists become foreign
+    (see the module docstring), the others are freed (returned)."""
+    out = []
+    for o in self._own():
+      if o.held:
+        o.foreign, o.protected = True, False
+      else:
+        out.append(self._drop(o))
+    return out
 
   def protect(self, step: int) -> list[Dropped]:
     """Committed ``step`` is protected (its parity is done): it is kept while it is
@@ -283,15 +319,20 @@ class SlotTable:
 
   def protected_step(self) -> int | None:
     """The newest committed step protected by parity, or None."""
-    steps = [s.step for s in self.slots if s.state == COMMITTED and s.protected]
+    steps = [s.step for s in self._own() if s.protected]
     return max(steps) if steps else None
 
-  def release(self, step: int) -> list[Dropped]:
-    """Ends the hold of committed ``step`` (its persist ended); returns what the
-    keep rule drops now that it may (a no-op if ``step`` is not held)."""
-    s = self.committed(step)
+  def release(self, step: int, attempt: str | None = None) -> list[Dropped]:
+    """Ends the hold of committed ``step`` (its persist ``attempt`` ended: then the
+    slot held for that attempt, a foreign one included, which is freed); returns what
+    the keep rule drops now that it may (a no-op if ``step`` is not held)."""
+    s = self.of_attempt(attempt) if attempt is not None else None
+    if s is None:
+      s = self.committed(step)
     if s is None or not s.held:
       return []
+    if s.foreign:
+      return [self._drop(s)]
     s.held = False
     return self._trim()
 
@@ -304,7 +345,7 @@ class SlotTable:
     one is protected, which may never happen: a peer skipped it, or its parity
     failed): never the newest, a held one or one a reader pins (that frees no
     slot)."""
-    committed = sorted((o for o in self.slots if o.state == COMMITTED), key=lambda o: o.step)
+    committed = sorted(self._own(), key=lambda o: o.step)
     if not committed:
       return []
     guard = self.protected_step()
@@ -341,9 +382,12 @@ class SlotTable:
 
   # -- reading ---------------------------------------------------------------
 
-  def pin(self, step: int, reader: int) -> SlotState | None:
-    """Pins committed ``step`` for ``reader`` (None if not held)."""
-    s = self.committed(step)
+  def pin(self, step: int, reader: int, attempt: str | None = None) -> SlotState | None:
+    """Pins committed ``step`` for ``reader`` (None if not held); with ``attempt``, the
+    slot held for that persist attempt (a foreign one too) if there is one."""
+    s = self.of_attempt(attempt) if attempt is not None else None
+    if s is None:
+      s = self.committed(step)
     if s is not None:
       s.pins[reader] = s.pins.get(reader, 0) + 1
     return s
@@ -390,6 +434,7 @@ class SlotTable:
 
   @staticmethod
   def _drop(s: SlotState) -> Dropped:
-    d = Dropped(s.index, s.step, s.state, s.held)
+    d = Dropped(s.index, s.step, s.state, s.held, s.foreign)
     s.state, s.step, s.owner, s.held, s.protected = FREE, None, None, False, False
+    s.attempt, s.foreign = None, False
     return d

@@ -139,8 +139,8 @@ def test_a_peer_fenced_while_it_waits_for_the_commit_removes_nothing(storage_dir
   parts = _fixtures.host_snapshots(3, {"w": np.arange(16.0)}, process_count=2)
   config = _persist.PersistConfig(storage_dir, 3, timeout_secs=60.0, hold_until_committed=True)
   released = []
-  peer = _persist.Persister(config, lambda step: contextlib.nullcontext(parts[1]),
-                            released.append, storage=lambda: u)
+  peer = _persist.Persister(config, lambda step, attempt: contextlib.nullcontext(parts[1]),
+                            lambda step, attempt: released.append(step), storage=lambda: u)
   try:
     peer.submit(3, "a")
     _wait.until(lambda: u.missing_parts(storage_dir, 3, "a", of=[1]) == [], timeout_secs=60,
@@ -333,7 +333,7 @@ def test_a_persister_writes_through_the_storage_handed_in_and_loads_it_only_to_p
   w = np.arange(32.0, dtype=np.float32).reshape(8, 4)
   part = _fixtures.host_snapshots(7, {"w": w})[0]
   persister = _persist.Persister(_persist.PersistConfig(d, 1, max_to_keep=1),
-                                 lambda step: contextlib.nullcontext(part),
+                                 lambda step, attempt: contextlib.nullcontext(part),
                                  storage=lambda: loads.append(1) or storage)
   try:
     assert loads == []

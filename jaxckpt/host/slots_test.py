@@ -311,6 +311,27 @@ def test_a_rollback_drops_held_steps_and_says_so():
   assert t.held_steps() == [5]
 
 
+def test_a_new_run_sees_none_of_the_earlier_runs_steps_and_its_own_step_numbers_spare_them():
+  t = _slots.SlotTable(2)
+  t.spare = 2
+  for step, hold in ((1, False), (2, True)):
+    t.commit(t.reserve(step, 8, owner=1).index, step, hold=hold, attempt=f"r1-s{step}-0")
+  held = t.committed(2)
+  assert [(d.step, d.foreign) for d in t.new_run()] == [(1, False)]   # not held: freed
+  assert t.steps() == [] and t.held_steps() == [] and t.committed(2) is None
+  assert t.foreign_steps() == [2] and t.pin(2, reader=7) is None
+  # the new run's own step 2: no rollback of the earlier run's, each found by its attempt
+  assert _commit(t, 1) == [] and t.commit(t.reserve(2, 8, owner=1).index, 2, hold=True,
+                                          attempt="r2-s2-0") == []
+  assert t.steps() == [1, 2] and t.foreign_steps() == [2]
+  assert t.of_attempt("r1-s2-0") is held and t.of_attempt("r2-s2-0") is t.committed(2)
+  assert t.committed(2) is not held
+  assert t.pin(2, reader=7, attempt="r1-s2-0") is held
+  t.unpin(held.index, 7)
+  assert [(d.step, d.foreign) for d in t.release(2, "r1-s2-0")] == [(2, True)]
+  assert t.foreign_steps() == [] and t.held_steps() == [2]     # the new run's still held
+
+
 def test_bad_slot_index_and_keep_are_refused():
   with pytest.raises(errors.InvalidArgumentError, match="keep=0"):
     _slots.SlotTable(0)

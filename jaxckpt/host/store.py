@@ -273,8 +273,8 @@ class InProcessStore(HostStore):
           f"this in-process store was made without storage, so it cannot persist to "
           f"{config.directory!r}: make it with InProcessStore(..., storage=jaxckpt.universal), "
           "or pass directory=None")
-    self._persister = _persist.Persister(config, self.read, self._release,
-                                         storage=lambda: storage)
+    self._persister = _persist.Persister(config, lambda step, attempt: self.read(step),
+                                         self._release, storage=lambda: storage)
 
   def _check_budget(self, nbytes: int) -> None:
     """Raises HostMemoryBudgetError if the loop's ``max_snapshots + 1`` slots do not
@@ -337,7 +337,8 @@ class InProcessStore(HostStore):
              persist_attempt: str | None = None) -> None:
     persist = persist_attempt is not None and self._persister is not None
     with self._cv:
-      self._dropped(self._table.commit(slot.index, manifest.step, hold=persist))
+      self._dropped(self._table.commit(slot.index, manifest.step, hold=persist,
+                                       attempt=persist_attempt))
       self._manifests[manifest.step] = manifest
       self._cv.notify_all()
     if persist:
@@ -350,9 +351,9 @@ class InProcessStore(HostStore):
         if d.held:                          # rolled back before it was persisted
           self._persister.fence(d.step)
 
-  def _release(self, step: int) -> None:
+  def _release(self, step: int, attempt: str | None = None) -> None:
     with self._cv:
-      self._dropped(self._table.release(step))
+      self._dropped(self._table.release(step, attempt))
       self._cv.notify_all()
 
   def has_free_slot(self) -> bool:
