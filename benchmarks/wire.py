@@ -107,7 +107,8 @@ def per_call_us(fn: Callable[[], None], iters: int, repeats: int) -> dict[str, f
 
 @contextlib.contextmanager
 def agent() -> Iterator[dict[str, Any]]:
-  """A real agent process of a fresh job (its address record and secret); killed by pid, its files removed, on exit."""
+  """A real agent process of a fresh job (its address record and secret); killed by pid,
+  its files removed, on exit."""
   base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
   root = os.path.join(base, f"jbw-{os.getpid()}-{uuid.uuid4().hex[:6]}")
   os.makedirs(root)
@@ -160,7 +161,8 @@ def main() -> int:
   parse = per_call_us(lambda: SnapshotManifest.from_json(text), max(10, args.iters // 10),
                       args.repeats)
   out = {"benchmark": "wire", "leaves": args.leaves, "repeats": args.repeats,
-         "codec_per_request": codec, "manifest_parse": parse, "round_trip_ipc": round_trips(args.iters, args.repeats)}
+         "codec_per_request": codec, "manifest_parse": parse,
+         "round_trip_ipc": round_trips(args.iters, args.repeats)}
   print(json.dumps(out, indent=1))
   return 0
 

@@ -288,4 +288,5 @@ def test_a_sealed_request_of_the_wrong_shape_is_refused_naming_the_field(held, h
   reply = _raw(info["ipc"], _protocol._wire.seal(_paths.job_secret(root, job), header))
   assert not reply["ok"] and reply["type"] == "InvalidArgumentError"
   assert re.search(why, reply["error"]), reply["error"]
-  assert _raw(info["ipc"], _protocol.request(_paths.job_secret(root, job), _requests.Steps()))["steps"] == [1]
+  steps = _protocol.request(_paths.job_secret(root, job), _requests.Steps())
+  assert _raw(info["ipc"], steps)["steps"] == [1]
