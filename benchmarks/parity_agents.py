@@ -42,7 +42,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxckpt as jc  # pylint: disable=wrong-import-position
-from jaxckpt.agent import _parity_config, _paths  # pylint: disable=wrong-import-position
+from jaxckpt.agent import _parity_config, _paths, _requests  # pylint: disable=wrong-import-position
 from jaxckpt.agent.client import AgentStore  # pylint: disable=wrong-import-position
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest,  # pylint: disable=wrong-import-position
                               checksum)
@@ -90,7 +90,7 @@ class Job:
     and each agent's own commit -> stored seconds."""
     deadline = time.monotonic() + 600
     while True:
-      states = [{s[0]: s for s in st.call("parity_status")["steps"]}.get(step)
+      states = [{s[0]: s for s in st.call(_requests.ParityStatus()).steps}.get(step)
                 for st in self.stores]
       if all(s is not None and s[1] == "done" for s in states):
         return time.perf_counter() - committed_at, [s[2] for s in states]
@@ -125,7 +125,7 @@ class Job:
     return secs, tier
 
   def parity_bytes(self) -> list[int]:
-    return [st.call("status")["parity_bytes"] for st in self.stores]
+    return [st.call(_requests.Status()).parity_bytes for st in self.stores]
 
   def close(self) -> None:
     for st in self.stores:

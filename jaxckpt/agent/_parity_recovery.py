@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from jaxckpt import errors
+from jaxckpt.agent import _requests
 from jaxckpt.agent._parity_config import ParityConfig, _lib
 from jaxckpt.agent._protocol import Client, each
 from jaxckpt.host.snapshot import SnapshotManifest
@@ -80,7 +81,7 @@ def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
   another number of processes, the size whose snapshots more agents hold stands."""
   out: dict[tuple[int, int], StepParity] = {}
   held: dict[int, dict[int, set[int]]] = {}    # step -> count -> indices
-  said = each(clients, lambda c: (c.call("parity_status")[0], c.call("held")[0].held))
+  said = each(clients, lambda c: (c.call(_requests.ParityStatus())[0], c.call(_requests.Held())[0].held))
   for key, (status, here) in sorted(said.items()):
     c = clients[key]
     for step, index, count in here:
@@ -131,7 +132,7 @@ def survivors(clients: dict[int, Client], step: int, lost: list[int],
   infos, holders = {}, {}     # by the process index each agent had for ``step``
   for c in clients.values():
     try:
-      info = c.call("parity_info", step=step)[0]
+      info = c.call(_requests.ParityInfo(step=step))[0]
     except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
       logger.info("step %d: %s has no parity to offer: %s", step, c.who, e)
       continue

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
   from jaxckpt.parity.placement import Piece, StripeLayout
 
 logger = logging.getLogger("jaxckpt.agent.parity")
+R = TypeVar("R", bound=_requests.Reply)
 
 
 @dataclasses.dataclass
@@ -133,14 +134,15 @@ class ParityWorker:
 
   # -- called by the agent, under its lock ------------------------------------
 
-  def on_commit(self, step: int, manifest: str, process: tuple[int, int]) -> None:
-    """Schedules the parity of a just-committed step (saved by ``process`` = (index,
-    count) of its job); returns at once."""
+  def on_commit(self, step: int, manifest: SnapshotManifest, manifest_json: str,
+                process: tuple[int, int]) -> None:
+    """Schedules the parity of a just-committed step (its manifest, and as JSON; saved
+    by ``process`` = (index, count) of its job); returns at once."""
     self._seq += 1
     rec = self.records[step] = Record(step, time.monotonic(), seq=self._seq, index=process[0],
                                       process_count=process[1], config=self.config)
     self._newest = step
-    self._pool.submit(self._run, rec, SnapshotManifest.from_json(manifest), manifest)
+    self._pool.submit(self._run, rec, manifest, manifest_json)
 
   def peer_done(self, step: int, host: int, digest: str) -> None:
     """Group peer ``host`` finished its parity of ``step`` over the group's
@@ -250,8 +252,8 @@ class ParityWorker:
     for h in rec.group:
       if h != rec.index:
         try:
-          self._ask(h, "parity_done", timeout_secs=1.0, step=rec.step, peer=rec.index,
-                    digest=digest)
+          self._ask(h, _requests.ParityDone(step=rec.step, peer=rec.index, digest=digest),
+                    timeout_secs=1.0)
         except Exception as e:  # pylint: disable=broad-except  (never ends the parity thread)
           logger.warning("step %d: telling host %d its parity is done failed: %s", rec.step, h, e)
 
@@ -272,10 +274,11 @@ class ParityWorker:
     _lib().check_hosts(n, options)
     group = next(g for g in _lib().groups(n, options.group_size) if me in g)
     rec.group = tuple(group)
-    rec.manifests = self._gather(rec, group, me, manifest_json)
+    parsed = {me: manifest}
+    rec.manifests = self._gather(rec, group, me, manifest_json, parsed)
     sizes = [0] * n
-    for h, js in rec.manifests.items():
-      sizes[h] = SnapshotManifest.from_json(js).nbytes
+    for h, m in parsed.items():
+      sizes[h] = m.nbytes
     layout = _lib().StripeLayout.build(sizes, options)
     mine = layout.parity_pieces(me)
     if not sum(p.nbytes for p in mine):
@@ -380,9 +383,10 @@ class ParityWorker:
       return True
     return self._seq > rec.seq and not self.agent.held_for_persist(rec.step)
 
-  def _gather(self, rec: Record, group: tuple[int, ...], me: int,
-              manifest_json: str) -> dict[int, str]:
-    """Every group member's manifest of ``rec.step``, once each has committed it."""
+  def _gather(self, rec: Record, group: tuple[int, ...], me: int, manifest_json: str,
+              parsed: dict[int, SnapshotManifest]) -> dict[int, str]:
+    """Every group member's manifest of ``rec.step`` (JSON), once each has committed
+    it; each one parsed (once) into ``parsed``."""
     step = rec.step
     out = {me: manifest_json}
     start = time.monotonic()
@@ -393,11 +397,11 @@ class ParityWorker:
     ahead_for = AHEAD_GRACE_SECS      # past timeout_secs: the timeout names the late hosts
     while True:
       for h in [h for h in group if h not in out]:
-        r = self._ask(h, "peer_manifest", step=step)
+        r = self._ask(h, _requests.PeerManifest(step=step))
         if r is None:
           continue
         if r.manifest is not None:
-          _check_saved_by(r.manifest, h, rec.process_count, step)
+          parsed[h] = _saved_by(r.manifest, h, rec.process_count, step)
           out[h] = r.manifest
         elif ((r.newest is None or r.newest > step)
               and time.monotonic() - start > ahead_for):
@@ -417,11 +421,10 @@ class ParityWorker:
             f"{list(group)} did not commit step {step} within {self.config.timeout_secs} s")
       time.sleep(self.config.poll_secs)
 
-  def _ask(self, host: int, op: str, timeout_secs: float = 5.0,
-           **kw: Any) -> _requests.Reply | None:
+  def _ask(self, host: int, req: _requests.Request[R],
+           timeout_secs: float = 5.0) -> R | None:
     try:
-      return self._peer(host).call(op, timeout_secs=min(timeout_secs, self.config.timeout_secs),
-                                   **kw)[0]
+      return self._peer(host).call(req, timeout_secs=min(timeout_secs, self.config.timeout_secs))[0]
     except errors.AgentUnavailableError as e:
       logger.debug("host %d: %s", host, e)
       self._peers.pop(host, None)
@@ -451,8 +454,8 @@ class ParityWorker:
     return client
 
 
-def _check_saved_by(manifest: str, index: int, count: int, step: int) -> None:
-  """Raises StepNotFoundError unless ``manifest`` is of process ``index`` of a job of
+def _saved_by(manifest: str, index: int, count: int, step: int) -> SnapshotManifest:
+  """``manifest`` parsed; StepNotFoundError unless it is of process ``index`` of a job of
   ``count`` processes: the agent the job's map names for ``index`` holds the step of
   another run of the job, where it served another process."""
   m = SnapshotManifest.from_json(manifest)
@@ -461,6 +464,7 @@ def _check_saved_by(manifest: str, index: int, count: int, step: int) -> None:
         f"the agent the job maps process {index} to holds step {step} as process "
         f"{m.process_index} of {m.process_count}, not of {count}: the job runs on other "
         f"processes now, so step {step} cannot be protected")
+  return m
 
 
 def _ck(piece: Piece, value: str) -> list[Any]:

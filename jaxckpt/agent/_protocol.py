@@ -37,15 +37,18 @@ _PID_POLL_SECS = 0.25
 _AT_ONCE = 32
 
 T = TypeVar("T")
+R = TypeVar("R", bound=_requests.Reply)
 
 
-def request(secret: bytes, op: str, args: dict[str, Any],
-            timeout_secs: float | None = None) -> list[Any]:
-  """The sealed frames of request ``op`` (one of :mod:`jaxckpt.agent._requests`,
-  checked here) before its raw frames. A request with a ``timeout_secs``
-  carries its deadline: an agent that gets to it later (it was stopped, or
-  hung) does not apply it, since the caller has given up."""
-  header = _requests.encode(_requests.of(op, **args))
+def request(secret: bytes, req: _requests.Request, timeout_secs: float | None = None) -> list[Any]:
+  """The sealed frames of ``req`` (one of :mod:`jaxckpt.agent._requests`) before its
+  raw frames; InvalidArgumentError, and nothing sent, if a field is not what the
+  schema says (the agent checks it again when it decodes it: the caller is not
+  trusted there). A request with a ``timeout_secs`` carries its deadline: an agent
+  that gets to it later (it was stopped, or hung) does not apply it, since the
+  caller has given up."""
+  header = _requests.encode(req)
+  _requests.decode(header)
   return _wire.seal(secret, header, timeout_secs=timeout_secs)
 
 
@@ -90,12 +93,13 @@ class Client:
       self._sock = s
     return self._sock
 
-  def call(self, op: str, *frames: Any, timeout_secs: float | None = None,
-           **args: Any) -> tuple[_requests.Reply, list[zmq.Frame]]:
-    """Request ``op`` with ``args`` (its fields, checked here) and its typed reply
-    (``_requests.X.Reply``), with any raw frames that followed it."""
+  def call(self, req: _requests.Request[R], *frames: Any,
+           timeout_secs: float | None = None) -> tuple[R, list[zmq.Frame]]:
+    """Sends ``req`` (``_requests.Reserve(...)``, ...) and returns its typed reply
+    (``_requests.Reserve.Reply``), with any raw frames that followed it."""
     timeout = self.timeout_secs if timeout_secs is None else timeout_secs
-    sealed = request(self._secret, op, args, timeout)
+    sealed = request(self._secret, req, timeout)
+    op = req.op
     with self._lock:
       sock = self._socket()
       try:
@@ -107,7 +111,7 @@ class Client:
         self._reset()
         raise
     reply = self._reply(parts[0].bytes, op)
-    return _requests.decode_reply(_requests.REQUESTS[op], reply, self.who, self.endpoint), parts[1:]
+    return _requests.decode_reply(type(req), reply, self.who, self.endpoint), parts[1:]
 
   def _reply(self, frame: bytes, op: str) -> dict[str, Any]:
     """The reply header in ``frame`` to ``op``; the agent's error, typed, if it refused."""
@@ -116,20 +120,20 @@ class Client:
       raise _wire.remote_error(reply, self.who, op)
     return reply
 
-  def post(self, op: str, **args: Any) -> None:
-    """Sends request ``op`` without waiting for its reply: the next request on this
+  def post(self, req: _requests.Request) -> None:
+    """Sends ``req`` without waiting for its reply: the next request on this
     client (or :meth:`close`) takes it first and raises its error, if any. For a
     request whose effect no caller waits on (a restore's unpin of its slot): the
     agent applies it before any later request of this client. It carries no
     deadline: its caller never gives up on it (an unpin that reaches a paused
     agent late is still applied, never left pinning its slot)."""
-    sealed = request(self._secret, op, args)
+    sealed = request(self._secret, req)
     with self._lock:
       sock = self._socket()
       try:
         self._settle(sock)
         sock.send_multipart(sealed, copy=False)
-        self._posted = (op, self.timeout_secs)
+        self._posted = (req.op, self.timeout_secs)
       except BaseException:
         self._reset()
         raise

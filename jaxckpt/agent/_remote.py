@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.agent import _parity_recovery, _paths
+from jaxckpt.agent import _parity_recovery, _paths, _requests
 from jaxckpt.agent._paths import read_address
 from jaxckpt.agent._protocol import Client, each
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, aligned_empty,
@@ -150,7 +150,7 @@ def complete_steps_of(clients: dict[int, Client]) -> list[int]:
   An agent that does not answer is left out (with a warning): its pieces count as lost.
   """
   seen: dict[tuple[int, int], set[int]] = {}
-  for held in each(clients, lambda c: c.call("held")[0].held).values():
+  for held in each(clients, lambda c: c.call(_requests.Held())[0].held).values():
     for step, index, count in held:
       seen.setdefault((step, count), set()).add(index)
   complete = [s for (s, count), idx in seen.items() if idx == set(range(count))]
@@ -168,9 +168,9 @@ READ_LEASE_SECS = 60.0
 def open_remote_piece(client: Client, step: int,
                       stack: contextlib.ExitStack) -> RemotePiece | None:
   """The agent's snapshot of ``step``, pinned until ``stack`` closes; None if it holds none."""
-  if step not in {s for s, _, _ in client.call("held")[0].held}:
+  if step not in {s for s, _, _ in client.call(_requests.Held())[0].held}:
     return None
-  r = client.call("open", pid=os.getpid(), step=step, lease_secs=READ_LEASE_SECS)[0]
+  r = client.call(_requests.Open(pid=os.getpid(), step=step, lease_secs=READ_LEASE_SECS))[0]
   stack.callback(_unpin, client, step, r.index, r.reader)
   manifest = SnapshotManifest.from_json(r.manifest)
   return RemotePiece(client, manifest)
@@ -274,4 +274,4 @@ class RebuiltPiece:
 
 def _unpin(client: Client, step: int, index: int, reader: int | None = None) -> None:
   with contextlib.suppress(OSError):
-    client.call("close", pid=os.getpid(), step=step, index=index, reader=reader)
+    client.call(_requests.Close(pid=os.getpid(), step=step, index=index, reader=reader))

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+import msgspec
 import psutil
 import zmq
 
@@ -29,7 +30,7 @@ from jaxckpt import errors
 from jaxckpt.agent import _parity_config, _parity_worker, _paths, _protocol, _requests
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host.snapshot import SnapshotManifest
-from jaxckpt.net import _bulk, _wire
+from jaxckpt.net import _bulk, _schema, _wire
 
 logger = logging.getLogger("jaxckpt.agent")
 
@@ -138,6 +139,9 @@ class Agent:
     self.slots: list[_Slot] = []                    # each slot's file
     self.manifests: dict[int, str] = {}        # step -> manifest JSON
     self.foreign_manifests: dict[int, str] = {}   # slot -> manifest JSON of an earlier run's
+    # slot -> (the manifest JSON of the step it holds, parsed): parsed once, on first use
+    # (the parity thread, the persist, ...), not by each (see ``manifest_of``)
+    self._parsed: dict[int, tuple[str, SnapshotManifest]] = {}
     self.processes: dict[int, tuple[int, int]] = {}   # step -> (saving process, of how many)
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
@@ -208,6 +212,7 @@ class Agent:
   def _dropped(self, dropped: list[_slots.Dropped]) -> None:
     """Releases what the agent keeps beside slots the table freed."""
     for d in dropped:
+      self._parsed.pop(d.index, None)
       if d.foreign:                     # an earlier run's step: its persist ended
         self.foreign_manifests.pop(d.index, None)
         self._free_retired(self.table.slots[d.index])
@@ -242,9 +247,11 @@ class Agent:
 
   def op_hello(self, pid: int, max_snapshots: int | None = None,
                limit_bytes: int | None = None,
-               persist: dict[str, Any] | None = None,
-               parity: dict[str, Any] | None = None,
+               persist: _requests.PersistOptions | None = None,
+               parity: _requests.ParityOptions | None = None,
                owner: str | None = None, run: str | None = None) -> _requests.Hello.Reply:
+    persist = None if persist is None else msgspec.structs.asdict(persist)
+    parity = None if parity is None else msgspec.structs.asdict(parity)
     self.reap()
     self._take_lease(int(pid), owner)
     if run is not None:
@@ -460,8 +467,22 @@ class Agent:
     if persist:
       self.persister.submit(step, str(persist_attempt))
     if self.parity is not None and step in self.manifests:
-      self.parity.on_commit(step, manifest, self.processes[step])
+      self.parity.on_commit(step, self.manifest_of(step), manifest, self.processes[step])
     return _requests.Commit.Reply(steps=self.steps(), **self._persist_reply())
+
+  def manifest_of(self, step: int, slot: _slots.SlotState | None = None) -> SnapshotManifest:
+    """The manifest of committed ``step`` (or of the step ``slot`` holds, an earlier
+    run's too), parsed once per commit: the parity thread and each persist of the step
+    share it (StepNotFoundError if not committed). Parsed outside the agent's lock by
+    whichever thread first needs it."""
+    s = slot if slot is not None else self._slot_of(step)
+    text = self.foreign_manifests[s.index] if s.foreign else self.manifests[step]
+    got = self._parsed.get(s.index)
+    if got is not None and got[0] is text:
+      return got[1]
+    manifest = SnapshotManifest.from_json(text)
+    self._parsed[s.index] = (text, manifest)
+    return manifest
 
   def _persist_reply(self, errors: bool = True) -> dict[str, Any]:
     """The persist status (and, with ``errors``, the errors since the last ask)."""
@@ -496,10 +517,9 @@ class Agent:
     me = -os.getpid()                   # a pin owner that reap() never treats as dead
     with self.lock:
       s = self.table.pin(step, me, attempt) or self._slot_of(step)
-      text = self.foreign_manifests[s.index] if s.foreign else self.manifests[step]
-      manifest = SnapshotManifest.from_json(text)
     mm = None
     try:
+      manifest = self.manifest_of(step, s)
       if not s.size:
         yield manifest, b""
       else:
@@ -522,12 +542,13 @@ class Agent:
     self._dropped([d] if d else [])
     return _requests.Done()
 
-  def op_peers(self, peers: dict[str, dict[str, Any]], merge: bool = False) -> _requests.Done:
+  def op_peers(self, peers: dict[str, _requests.AgentAddress],
+               merge: bool = False) -> _requests.Done:
     """The job's current agents by process index (their address records), published
     through the job's coordination service: parity reaches its peers there.
     ``merge``: only the processes named change (a trainer announces its new agent
     after the old one died)."""
-    new = {int(h): dict(info) for h, info in peers.items()}
+    new = {int(h): msgspec.structs.asdict(info) for h, info in peers.items()}
     self.peers = {**self.peers, **new} if merge else new
     return _requests.Done()
 
@@ -742,7 +763,7 @@ def _by_connection(request: _requests.Request, remote: bool) -> _requests.Reques
         "another machine, whose pids mean nothing here) and was refused: send it over the "
         "agent's local (ipc) socket")
   if isinstance(request, _requests.Open):
-    return dataclasses.replace(
+    return msgspec.structs.replace(
         request, lease_secs=(request.lease_secs or REMOTE_LEASE_SECS) if remote else None)
   if remote and isinstance(request, _requests.Close) and request.reader is None:
     raise errors.InvalidArgumentError(
@@ -777,14 +798,13 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
   try:
     request = _requests.decode(req)
     if peer_pid and getattr(request, "pid", None) not in (None, peer_pid):
-      request = dataclasses.replace(request, pid=peer_pid)
+      request = msgspec.structs.replace(request, pid=peer_pid)
     request = _by_connection(request, remote)
     handler = HANDLERS[type(request)]
     if not isinstance(request, _WATCHING):       # a watcher does not keep an agent alive
       agent.last_active = time.monotonic()
     with agent.lock:
-      out = handler(agent, **{f.name: getattr(request, f.name)
-                              for f in dataclasses.fields(request)})
+      out = handler(agent, **_schema.fields(request))
     if type(out) is not type(request).Reply:        # (a handler's bug, named to the caller)
       raise TypeError(f"Agent.op_{op} returned a {type(out).__qualname__}, not "
                       f"{type(request).Reply.__qualname__}")

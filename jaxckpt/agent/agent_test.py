@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.agent import _paths
+from jaxckpt.agent import _paths, _requests
 from jaxckpt.testing import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -143,7 +143,7 @@ def test_kill_in_the_middle_of_a_snapshot_restores_the_previous_one(sandbox):
                                                           jax.devices()[0]))})
     assert m.last_restore.step == 1 and m.last_restore.tier == "host"
     assert bool(jnp.all(out["w"] == 1.0))
-    slots = m._core._store.call("status")["slots"]
+    slots = m._core._store.call(_requests.Status())["slots"]
     assert [s["state"] for s in slots].count("writing") == 0      # torn slot discarded
 
 

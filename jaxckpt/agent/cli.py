@@ -13,7 +13,7 @@ import sys
 
 
 from jaxckpt import errors
-from jaxckpt.agent import _paths, jobs
+from jaxckpt.agent import _paths, _requests, jobs
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent._server import Agent, serve
 from jaxckpt.agent._remote import job_agents
@@ -144,7 +144,7 @@ def _status(args) -> int:
   for _, info in sorted(agents.items()):
     c = _client(args, info)
     try:
-      print(json.dumps({"running": True, **c.call("status")[0]}, default=str))
+      print(json.dumps({"running": True, **c.call(_requests.Status())[0]}, default=str))
     finally:
       c.close()
   return 0
@@ -222,8 +222,8 @@ def _stop(args) -> int:
   for host, info in sorted(agents.items()):
     c = _client(args, info)
     try:
-      pid = c.call("status")[0].pid
-      c.call("stop")
+      pid = c.call(_requests.Status())[0].pid
+      c.call(_requests.Stop())
     finally:
       c.close()
     if not wait_exited(pid, args.timeout_secs):
@@ -253,7 +253,7 @@ def _stop_all(args) -> int:
       c = Client(info["ipc"], who=f"agent pid {a.pid}", timeout_secs=5,
                  secret=_paths.job_secret(a.run_root, a.job))
       try:
-        c.call("stop")
+        c.call(_requests.Stop())
       finally:
         c.close()
     except errors.JaxckptError as e:

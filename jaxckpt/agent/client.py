@@ -26,8 +26,9 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
+import msgspec
 import numpy as np
 
 from jaxckpt import errors
@@ -38,12 +39,14 @@ from jaxckpt.agent._protocol import Client, each
 from jaxckpt.agent.jobs import same_directory
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import SnapshotManifest
+from jaxckpt.net import _schema
 from jaxckpt.host.store import HostStore, PersistError, PersistStatus, Slot
 from jaxckpt.options import AgentOptions
 from jaxckpt.agent._remote import (clients_of, complete_steps_of, job_agents,
                                    open_remote_piece, _rebuilt_pieces)
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=_requests.Reply)
 
 # How long discover waits for an agent of the job's earlier run to answer (a lost
 # machine's never does).
@@ -193,9 +196,7 @@ class AgentStore(HostStore):
                           timeout_secs=self.opts.request_timeout_secs, secret=self.secret,
                           host=self.host, pid=self.pid)
     try:
-      self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
-                        limit_bytes=self._limit, persist=self._persist, parity=self._parity,
-                        owner=self.owner, run=self.run)
+      self._client.call(self._hello())
     except BaseException:
       self._client.close()            # refused (another manager holds the lease): nothing kept
       raise
@@ -253,8 +254,8 @@ class AgentStore(HostStore):
         if c.pid == self.pid:
           continue
         try:
-          status = PersistStatus.from_obj(c.call("persisted", errors=False)[0].persist)
-          counts = {s: n for s, _, n in c.call("held")[0].held}
+          status = PersistStatus.from_obj(c.call(_requests.Persisted(errors=False))[0].persist)
+          counts = {s: n for s, _, n in c.call(_requests.Held())[0].held}
         except errors.AgentUnavailableError as e:
           logger.warning("recovering persists: %s", e)
           continue
@@ -319,9 +320,9 @@ class AgentStore(HostStore):
       for c in clients.values():
         try:
           if c.pid == self.pid:
-            c.call("peers", peers=self._peers)
+            c.call(_peers(self._peers))
           else:
-            c.call("peers", peers=mine, merge=True)
+            c.call(_peers(mine, merge=True))
         except errors.JaxckptError as e:    # it hears at the next discover; parity to
           # this host fails until then, which wait_until_protected reports
           logger.warning("telling %s of host %d's new agent (the old was pid %s): %s",
@@ -372,16 +373,28 @@ class AgentStore(HostStore):
 
   # Requests that mean the same to a new agent: one the dead agent never
   # answered is sent again to its replacement.
-  _RESENDABLE = frozenset({"reserve", "steps", "persisted", "discard"})
+  _RESENDABLE = (_requests.Reserve, _requests.Steps, _requests.Persisted, _requests.Discard)
 
-  def call(self, op: str, **kw: Any) -> _requests.Reply:
+  def call(self, req: _requests.Request[R]) -> R:
+    """``req``'s reply from this host's agent (one of ``_RESENDABLE`` goes again to the
+    new agent if this one died before it answered)."""
     try:
-      return self._client.call(op, **kw)[0]
+      return self._client.call(req)[0]
     except errors.AgentUnavailableError:
-      if op not in self._RESENDABLE or not wait_exited(self.pid, 1.0):
+      if not isinstance(req, self._RESENDABLE) or not wait_exited(self.pid, 1.0):
         raise                             # alive but silent (hung): the caller hears it
     self.ensure_alive()                   # it died: a new agent takes the request
-    return self._client.call(op, **kw)[0]
+    return self._client.call(req)[0]
+
+  def _hello(self) -> _requests.Hello:
+    """This trainer's hello: it takes the lease and tells its options."""
+    return _requests.Hello(
+        pid=os.getpid(), max_snapshots=self._max, limit_bytes=self._limit,
+        persist=None if self._persist is None else msgspec.convert(
+            self._persist, _requests.PersistOptions),
+        parity=None if self._parity is None else msgspec.convert(
+            self._parity, _requests.ParityOptions),
+        owner=self.owner, run=self.run)
 
   def local_agents(self) -> list[dict[str, Any]]:
     """The live agents of this job on this machine (under this run root)."""
@@ -407,7 +420,7 @@ class AgentStore(HostStore):
     if not self._peers:
       return
     try:
-      peers = self._client.call("job_view")[0].peers
+      peers = self._client.call(_requests.JobView())[0].peers
     except errors.JaxckptError as e:    # this host's agent died (the next request starts a
       logger.debug("%s: no view of the job's agents: %s", self.who, e)   # new one), or is old
       return
@@ -441,7 +454,7 @@ class AgentStore(HostStore):
     with self.job_clients() as clients:
       for c in clients.values():
         try:
-          for s, index, n in c.call("held")[0].held:
+          for s, index, n in c.call(_requests.Held())[0].held:
             if s == step:
               held.add(index)
               count = n
@@ -459,13 +472,14 @@ class AgentStore(HostStore):
     """Any agent's manifest of ``step`` (each records every leaf), else one of the
     group's manifests that a parity holder keeps for its rebuild."""
     with self.job_clients() as clients:
-      for op in ("manifest", "parity_info"):
+      for ask in (_requests.Manifest, _requests.ParityInfo):
         for c in clients.values():
           try:
-            r = c.call(op, step=step)[0]
+            r = c.call(ask(step=step))[0]
           except (errors.StepNotFoundError, errors.AgentUnavailableError):
             continue
-          text = r.manifest if op == "manifest" else next(iter(r.manifests.values()), None)
+          text = (r.manifest if isinstance(r, _requests.Manifest.Reply)
+                  else next(iter(r.manifests.values()), None))
           if text:
             return SnapshotManifest.from_json(text)
     return None
@@ -526,13 +540,13 @@ class AgentStore(HostStore):
       if self.elsewhere:
         logger.info("agents of the job's earlier run outside this one serve its restore: %s",
                     ", ".join(f"host {a['host']} at {a['tcp']}" for a in self.elsewhere))
-    self.call("peers", peers=self._peers)
+    self.call(_peers(self._peers))
 
   def _earlier(self) -> list[dict[str, Any]]:
     """The agents this host's agent was told of by the job's earlier run (none: a new
     agent, or one that never had peers)."""
     try:
-      peers = self.call("job_view").peers
+      peers = self.call(_requests.JobView()).peers
     except errors.JaxckptError as e:      # an agent of an older jaxckpt: nothing to add
       logger.info("%s: no earlier peers (%s)", self.who, e)
       return []
@@ -552,7 +566,7 @@ class AgentStore(HostStore):
       c = Client.of(info, who=f"snapshot agent of job {self.opts.job_name!r} host "
                     f"{info.get('host')} at {info['tcp']}", timeout_secs=secs, secret=self.secret)
       try:
-        c.call("steps")
+        c.call(_requests.Steps())
         return True
       except errors.JaxckptError as e:
         logger.info("an agent of the job's earlier run does not answer: %s", e)
@@ -620,7 +634,7 @@ class AgentStore(HostStore):
     notes: list[str] = []
 
     def reserved() -> dict[str, Any] | None:
-      r = self.call("reserve", pid=os.getpid(), step=step, nbytes=nbytes)
+      r = self.call(_requests.Reserve(pid=os.getpid(), step=step, nbytes=nbytes))
       notes.append(r.note)
       return r if r.index is not None else None
 
@@ -644,7 +658,7 @@ class AgentStore(HostStore):
     their memory here, so that no save pays for it."""
     self.ensure_alive()
     self._drop_lent()
-    for index, path, size, fresh in self.call("preallocate", nbytes=nbytes).slots:
+    for index, path, size, fresh in self.call(_requests.Preallocate(nbytes=nbytes)).slots:
       _populate(self._map(index, path, size, allocate=fresh, write=True))
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
@@ -656,10 +670,10 @@ class AgentStore(HostStore):
     # persist of the old one must not commit
     self._fence_rebuilds(lambda s: s >= manifest.step)
     text = manifest.to_json()
-    self._take_persist(self.call(
-        "commit", index=slot.index, manifest=text, step=manifest.step,
-        nbytes=manifest.nbytes, process=[manifest.process_index, manifest.process_count],
-        persist_attempt=persist_attempt))
+    self._take_persist(self.call(_requests.Commit(
+        index=slot.index, manifest=text, step=manifest.step, nbytes=manifest.nbytes,
+        process=[manifest.process_index, manifest.process_count],
+        persist_attempt=persist_attempt)))
     with self._maps_lock:         # a restore of it need not parse its manifest again
       self._committed[manifest.step] = (text, manifest)
       while len(self._committed) > self._max + 2:
@@ -669,9 +683,7 @@ class AgentStore(HostStore):
     obj = config.to_obj()
     if obj != self._persist:
       self._persist = obj
-      self._client.call("hello", pid=os.getpid(), max_snapshots=self._max,
-                        limit_bytes=self._limit, persist=self._persist, parity=self._parity,
-                        owner=self.owner, run=self.run)
+      self._client.call(self._hello())
 
   def _take_persist(self, reply: _requests.Persisted.Reply | _requests.Commit.Reply) -> None:
     """Keeps the persist status and errors an agent's reply brings."""
@@ -683,20 +695,20 @@ class AgentStore(HostStore):
   def persist_status(self, *, ask: bool = True) -> PersistStatus:
     if ask:
       self.ensure_alive()
-      self._take_persist(self.call("persisted", errors=False))
+      self._take_persist(self.call(_requests.Persisted(errors=False)))
     return self._status
 
   def persist_errors(self, *, ask: bool = True) -> list[PersistError]:
     if ask:
       self.ensure_alive()
-      self._take_persist(self.call("persisted"))
+      self._take_persist(self.call(_requests.Persisted()))
     with self._errors_lock:
       known, self._failed = self._failed, []
     return known
 
   def has_free_slot(self) -> bool:
     self.ensure_alive()
-    return bool(self.call("steps").free_slots)
+    return bool(self.call(_requests.Steps()).free_slots)
 
   def room_note(self) -> str | None:
     return self._note
@@ -712,10 +724,10 @@ class AgentStore(HostStore):
 
   def abort(self, slot: Slot) -> None:
     with contextlib.suppress(errors.AgentUnavailableError):
-      self.call("abort", index=slot.index)
+      self.call(_requests.Abort(index=slot.index))
 
   def steps(self) -> list[int]:
-    return list(self.call("steps").steps)
+    return list(self.call(_requests.Steps()).steps)
 
   # Its discard fences every agent of the job: a step it deleted is on no host's agent,
   # and no persist of it runs anywhere (so any process may clear storage next).
@@ -731,7 +743,7 @@ class AgentStore(HostStore):
     self._fence_rebuilds(lambda s: s == step)   # a persist of it rebuilt here, too
 
     def fenced() -> bool:       # fenced at once; asked again until its persist has ended
-      r = self.call("discard", step=step, by=self.process)
+      r = self.call(_requests.Discard(step=step, by=self.process))
       discarded.append(r.discarded)
       first.append(r.deleted_by)
       with self._fence_lock:
@@ -754,7 +766,7 @@ class AgentStore(HostStore):
         if c.pid == self.pid:
           continue
         try:
-          _wait.until(lambda c=c: not c.call("discard", step=step, by=self.process)[0].persisting,
+          _wait.until(lambda c=c: not c.call(_requests.Discard(step=step, by=self.process))[0].persisting,
                       timeout_secs=timeout_secs, poll_secs=0.01, late=lambda c=c: (
                           f"discard of step {step}: the persist that {c.who} runs of it did "
                           f"not stop within {timeout_secs} s (it will not commit)"))
@@ -763,7 +775,7 @@ class AgentStore(HostStore):
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:
-    r = self.call("open", pid=os.getpid(), step=step)
+    r = self.call(_requests.Open(pid=os.getpid(), step=step))
     lent: list[bool] = []
     self._lending[step] = (r.index, lent)
     try:
@@ -779,8 +791,8 @@ class AgentStore(HostStore):
           if self._maps.get(r.index, ("",))[0] == r.path:       # slot's next file
             self._lent[r.index] = self._maps.pop(r.index)
       with contextlib.suppress(errors.AgentUnavailableError):   # (its reply is taken by the
-        self._client.post("close", pid=os.getpid(), step=step,   # next request: a restore
-                          index=r.index, lend=bool(lent))          # does not wait for it)
+        self._client.post(_requests.Close(                      # next request: a restore
+            pid=os.getpid(), step=step, index=r.index, lend=bool(lent)))   # does not wait)
 
   def _read_map(self, r: _requests.Open.Reply, manifest: SnapshotManifest) -> np.ndarray:
     """The pinned slot's memory, through the map kept for it; a missing, short or
@@ -830,7 +842,7 @@ class AgentStore(HostStore):
     del timeout_secs            # the manager waited for its persists already
     try:
       if pid_alive(self.pid):
-        self.call("bye", pid=os.getpid(), owner=self.owner)
+        self.call(_requests.Bye(pid=os.getpid(), owner=self.owner))
     except errors.JaxckptError as e:
       logger.warning("%s: could not give up the lease at close: %s", self.who, e)
     finally:
@@ -897,3 +909,13 @@ def _populate(buf: np.ndarray) -> None:
   except (OSError, AttributeError, ValueError):   # an older kernel: write each page
     view = buf[::mmap.PAGESIZE]
     np.bitwise_or(view, 0, out=view)
+
+
+def _peers(records: dict[str, dict[str, Any]], *, merge: bool = False) -> _requests.Peers:
+  """The request that tells an agent the job's agents (``records``: address records by
+  process index)."""
+  try:
+    return _requests.Peers(peers=msgspec.convert(records, dict[str, _requests.AgentAddress]),
+                           merge=merge)
+  except msgspec.ValidationError as e:
+    raise _schema.refused(e, records, "request 'peers'", tail="") from None

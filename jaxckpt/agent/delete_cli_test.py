@@ -12,6 +12,7 @@ import numpy as np
 
 import jaxckpt as jc
 import jaxckpt.universal as u
+from jaxckpt.agent import _requests
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
@@ -55,7 +56,7 @@ def _two_hosts(persist: dict, *, max_snapshots: int):
       stores.append(s)
     peers = {str(h): s.info for h, s in enumerate(stores)}
     for s in stores:
-      s.call("peers", peers=peers)
+      s.call(_requests.Peers(peers=peers))
     yield root, job, stores
 
 

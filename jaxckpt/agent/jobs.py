@@ -23,7 +23,7 @@ import psutil
 
 from jaxckpt import errors
 from jaxckpt.util import _wait
-from jaxckpt.agent import _paths
+from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent._protocol import Client
 from jaxckpt.agent._remote import job_agents
 
@@ -133,17 +133,17 @@ def _ask(info: dict[str, Any], job: str, local: bool, secret: bytes,
                    record=dict(info))
   c = _client(info, job, local, secret, timeout_secs)
   try:
-    st = c.call("status")[0]
+    st = c.call(_requests.Status())[0]
     view.held, view.bytes, view.limit_bytes = list(st.steps), st.bytes, st.limit_bytes
     view.trainers, view.served_bytes = list(st.trainers), st.served_bytes
-    view.protected = c.call("steps")[0].protected
-    persist = c.call("persisted", errors=False)[0].persist     # the trainer's errors stay queued
+    view.protected = c.call(_requests.Steps())[0].protected
+    persist = c.call(_requests.Persisted(errors=False))[0].persist     # the trainer's errors stay queued
     view.persisted = list(persist.get("persisted", []))
     view.pending = list(persist.get("pending", []))
     view.alive = True
     view.lag_steps = lag_steps(view.held, view.pending)
     try:
-      jv = c.call("job_view")[0]
+      jv = c.call(_requests.JobView())[0]
       view.peers, view.lag_secs = jv.peers, jv.lag_secs
       view.directory = (jv.persist or {}).get("directory")
       view.directories = list(jv.directories) or ([view.directory] if view.directory else [])
@@ -241,13 +241,13 @@ def fence_step(run_root: str, directory: str, step: int, *, job: str | None = No
 def _discard(c: Client, a: AgentView, step: int, fenced: Fenced, timeout_secs: float) -> None:
   """``discard`` until the agent persists the step no more (the same request and wait as
   ``AgentStore.discard``)."""
-  first = c.call("discard", step=step)[0]
+  first = c.call(_requests.Discard(step=step))[0]
   if first.discarded:
     fenced.dropped.append(a.host)
   if first.persisting:
     fenced.persisting.append(a.host)
   start = time.monotonic()
-  _wait.until(lambda: not c.call("discard", step=step)[0].persisting,
+  _wait.until(lambda: not c.call(_requests.Discard(step=step))[0].persisting,
               timeout_secs=timeout_secs, poll_secs=0.01, max_poll_secs=0.2, late=lambda: (
                   f"the persist of step {step} that {c.who} runs did not stop within "
                   f"{time.monotonic() - start:.0f} s (it will not commit)"))
@@ -350,7 +350,7 @@ def _ask_local(a: LocalAgent, timeout_secs: float) -> None:
     a.error = str(e)
     return
   try:
-    st = c.call("status")[0]
+    st = c.call(_requests.Status())[0]
     a.answered = True
     a.bytes, a.limit_bytes = st.bytes, st.limit_bytes
     a.steps, a.trainers = list(st.steps), list(st.trainers)

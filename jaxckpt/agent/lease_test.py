@@ -9,6 +9,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
+from jaxckpt.agent import _requests
 from jaxckpt.testing import processes
 
 A = {"w": np.full((16, 4), 1.0, np.float32)}
@@ -56,7 +57,7 @@ def test_a_refused_manager_changes_nothing_and_a_closed_one_cannot_release_anoth
         jc.CheckpointManager(options=jc.CheckpointOptions(
             agent=opts.agent, max_snapshots=1, handle_sigterm=False))
     store = a._core._store                             # pylint: disable=protected-access
-    status = store.call("status")
+    status = store.call(_requests.Status())
     assert status.max_snapshots == 2 and status.lease["owner"] == store.owner
     assert a.save(2, A)
     a.wait_until_finished()

@@ -25,7 +25,7 @@ import jaxckpt as jc
 import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.util import _wait
-from jaxckpt.agent import _parity_config, _paths
+from jaxckpt.agent import _parity_config, _paths, _requests
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
 from jaxckpt.parity.placement import StripeLayout
@@ -115,7 +115,7 @@ class Cluster:
     return jc.CheckpointManager(directory, opts, store=self._store(0))
 
   def parity_status(self, h: int) -> dict:
-    return self.stores[h].call("parity_status")
+    return self.stores[h].call(_requests.ParityStatus())
 
   def protect(self, step: int) -> None:
     """Saves ``step`` on every host and waits until its parity is complete."""
@@ -204,7 +204,7 @@ def test_the_newest_protected_step_is_kept_while_newer_ones_wait_for_their_parit
       c.save(5)                                   # host 3's replacement takes part again
       mgr.wait_until_protected(5, timeout_secs=60)
     for h in range(HOSTS):                        # each agent hears its group is done
-      _wait.until(lambda h=h: c.stores[h].call("steps")["protected"] == 5, timeout_secs=30,
+      _wait.until(lambda h=h: c.stores[h].call(_requests.Steps())["protected"] == 5, timeout_secs=30,
                   late=lambda h=h: f"host {h} did not learn that step 5 is protected")
     c.save(6, hosts=[0, 1, 2])                    # 5 is now the step kept: 1 is let go
     for h in (0, 1, 2):
@@ -361,7 +361,7 @@ def test_a_replaced_agent_is_announced_to_its_peers_and_parity_goes_on(sandbox):
     infos = {str(h): c.stores[h].info for h in range(HOSTS)}
     for st in c.stores:                           # what AgentStore.discover sets up
       st.directory, st._peers = list(infos.values()), dict(infos)   # pylint: disable=protected-access
-      st.call("peers", peers=infos)
+      st.call(_requests.Peers(peers=infos))
     c.protect(1)
     dead = c.stores[0].pid
     os.kill(dead, signal.SIGKILL)
@@ -453,10 +453,10 @@ def test_corrupted_parity_block_is_left_out_when_another_can_stand_in(sandbox):
 def test_parity_memory_per_host_is_what_the_layout_says(sandbox):
   with Cluster(*sandbox, 1) as c:
     c.protect(1)
-    sizes = [c.stores[h].call("manifest", step=1)["manifest"] for h in range(HOSTS)]
+    sizes = [c.stores[h].call(_requests.Manifest(step=1))["manifest"] for h in range(HOSTS)]
     sizes = [SnapshotManifest.from_json(js).nbytes for js in sizes]
     want = StripeLayout.build(sizes, c.options).parity_bytes_per_host()
-    got = tuple(c.stores[h].call("status")["parity_bytes"] for h in range(HOSTS))
+    got = tuple(c.stores[h].call(_requests.Status())["parity_bytes"] for h in range(HOSTS))
     assert got == want
     # m / (g - m) = 1/3 of the group's snapshot bytes, up to the padding of uneven hosts.
     assert sum(sizes) / 3 <= sum(got) <= max(sizes) * 4 / 3 + 64 * 4, (got, sizes)

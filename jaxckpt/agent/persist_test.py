@@ -13,7 +13,7 @@ import pytest
 import jaxckpt as jc
 from jaxckpt import errors
 from jaxckpt import universal as u
-from jaxckpt.agent import _paths
+from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
@@ -136,7 +136,7 @@ def test_an_agent_stopped_during_an_earlier_runs_persist_still_frees_its_memory(
   first = PersistConfig(directory=d, interval_steps=5, timeout_secs=8.0).to_obj()
   with _relaunched(sandbox, first, timeout_secs=0.5) as store:
     pid = store.pid
-    store.call("stop")
+    store.call(_requests.Stop())
   processes.wait_gone(pid, 60, "the stopped agent")
   agent_dir = _paths.agent_dir(root, job, 0)
   assert not os.path.exists(agent_dir), os.listdir(agent_dir)

@@ -21,7 +21,7 @@ import zmq
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.agent import _paths, _protocol
+from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.net import _wire
 from jaxckpt.testing import processes
 
@@ -56,31 +56,41 @@ def _sealed(endpoint: str, secret: bytes, header: dict) -> dict:
 
 PID = os.getpid()
 OUT_OF_RANGE = [
-    ({"op": "hello", "pid": PID, "limit_bytes": -1}, r"limit_bytes=-1 is out of range"),
-    ({"op": "hello", "pid": PID, "limit_bytes": 0}, r"limit_bytes=0 is out of range"),
-    ({"op": "hello", "pid": PID, "max_snapshots": 200000}, r"max_snapshots=200000 is out of range"),
-    ({"op": "hello", "pid": PID, "max_snapshots": 0}, r"max_snapshots=0 is out of range"),
-    ({"op": "hello", "pid": -7}, r"pid=-7 is out of range"),
+    ({"op": "hello", "pid": PID, "limit_bytes": -1},
+     r"field limit_bytes=-1 is refused: Expected `int` >= 1;"),
+    ({"op": "hello", "pid": PID, "limit_bytes": 0},
+     r"field limit_bytes=0 is refused: Expected `int` >= 1;"),
+    ({"op": "hello", "pid": PID, "max_snapshots": 200000},
+     r"field max_snapshots=200000 is refused: Expected `int` <= 1024;"),
+    ({"op": "hello", "pid": PID, "max_snapshots": 0},
+     r"field max_snapshots=0 is refused: Expected `int` >= 1;"),
+    ({"op": "hello", "pid": -7}, r"field pid=-7 is refused: Expected `int` >= 1;"),
     ({"op": "hello", "pid": PID, "persist": {"directory": "/tmp/x", "interval_steps": 0}},
-     r"persist.interval_steps=0 is not a int in \[1, "),
+     r"field persist.interval_steps=0 is refused: Expected `int` >= 1;"),
     ({"op": "hello", "pid": PID, "persist": {"directory": "/tmp/x", "interval_steps": 1,
                                             "timeout_secs": float("nan")}},
-     r"persist.timeout_secs=nan is not a float"),
+     r"field persist.timeout_secs=nan is refused: Expected `float` >= 1e-06;"),
     ({"op": "hello", "pid": PID, "parity": {"group_size": 1, "parity": 1}},
-     r"parity.group_size=1 is not a int in \[2, 255\]"),
+     r"field parity.group_size=1 is refused: Expected `int` >= 2;"),
     ({"op": "hello", "pid": PID, "parity": {"group_size": 4, "parity": 4}},
-     r"parity=4 must be in \[1, group_size - 1\]"),
-    ({"op": "reserve", "pid": PID, "step": 2, "nbytes": -5}, r"nbytes=-5 is out of range"),
-    ({"op": "reserve", "pid": PID, "step": -1, "nbytes": 8}, r"step=-1 is out of range"),
-    ({"op": "preallocate", "nbytes": -64}, r"nbytes=-64 is out of range"),
+     r"field parity=.* is refused: parity=4 must be in \[1, group_size - 1\]"),
+    ({"op": "reserve", "pid": PID, "step": 2, "nbytes": -5},
+     r"request 'reserve': field nbytes=-5 is refused: Expected `int` >= 0;"),
+    ({"op": "reserve", "pid": PID, "step": -1, "nbytes": 8},
+     r"request 'reserve': field step=-1 is refused: Expected `int` >= 0;"),
+    ({"op": "preallocate", "nbytes": -64}, r"field nbytes=-64 is refused: Expected `int` >= 0;"),
     ({"op": "commit", "index": 0, "manifest": "{}", "step": 2, "nbytes": 8,
-      "process": [3, 2]}, r"process=\[3, 2\] must be"),
+      "process": [3, 2]},
+     r"request 'commit': process=\[3, 2\] must be \[index, count\], index < count"),
     ({"op": "commit", "index": 0, "manifest": "{}", "step": 2, "nbytes": 8,
       "process": [0, 1], "persist_attempt": "../../etc"},
-     r"persist_attempt='../../etc' must be"),
-    ({"op": "discard", "step": -3}, r"step=-3 is out of range"),
-    ({"op": "open", "pid": 0, "step": 1}, r"pid=0 is out of range"),
-    ({"op": "peers", "peers": {"0": {"tcp": "ipc:///tmp/evil"}}}, r"is not a host id and an agent"),
+     r"field persist_attempt='../../etc' is refused: Expected `str` matching regex"),
+    ({"op": "discard", "step": -3},
+     r"request 'discard': field step=-3 is refused: Expected `int` >= 0;"),
+    ({"op": "open", "pid": 0, "step": 1},
+     r"request 'open': field pid=0 is refused: Expected `int` >= 1;"),
+    ({"op": "peers", "peers": {"0": {"tcp": "ipc:///tmp/evil"}}},
+     r"field peers\[\.\.\.\]\.tcp is refused: Expected `str` matching regex '\\\\Atcp://'"),
 ]
 
 
@@ -94,7 +104,7 @@ def test_an_out_of_range_value_is_refused_and_the_agent_stays_healthy(held, head
   assert __import__("re").search(why, reply["error"]), reply["error"]
   client = _protocol.Client(info["ipc"], who="test", timeout_secs=20, secret=secret)
   try:
-    status = client.call("status")[0]
+    status = client.call(_requests.Status())[0]
   finally:
     client.close()
   assert (status.max_snapshots, status.steps, status.lease) == (2, [1], None)
@@ -121,9 +131,10 @@ def _client(root: str, job: str, info: dict, timeout_secs: float = 20.0):
 def test_the_client_refuses_an_out_of_range_value_before_sending_it(held):
   _, root, job, info = held
   with _client(root, job, info) as client:
-    with pytest.raises(errors.InvalidArgumentError, match=r"max_snapshots=200000 is out of "
-                       r"range \[1, 1024\]; nothing was applied"):
-      client.call("hello", pid=PID, max_snapshots=200000)
+    with pytest.raises(errors.InvalidArgumentError, match=r"^request 'hello': field "
+                       r"max_snapshots=200000 is refused: Expected `int` <= 1024; nothing was "
+                       r"applied$"):
+      client.call(_requests.Hello(pid=PID, max_snapshots=200000))
 
 
 def test_a_relaunch_with_fewer_snapshots_gets_them_and_their_memory_back(held):
@@ -150,7 +161,7 @@ def test_a_relaunch_with_fewer_snapshots_gets_them_and_their_memory_back(held):
     out = m.restore(target={"w": np.zeros_like(W)})
     np.testing.assert_array_equal(out["w"], W + 9)
   with _client(root, job, info) as client:
-    status = client.call("status")[0]
+    status = client.call(_requests.Status())[0]
   assert status.max_snapshots == 1
   assert status.bytes <= 2 * W.nbytes, status.slots          # the retired slots' memory is back
   files = [n for n in os.listdir(_paths.agent_dir(root, job, 0)) if n.startswith("slot")]
@@ -163,14 +174,14 @@ def test_a_posted_request_is_applied_before_the_next_and_its_error_raised_by_it(
   # raised by the next request, naming it, never dropped.
   _, root, job, info = held
   with _client(root, job, info) as client:
-    opened = client.call("open", pid=os.getpid(), step=1)[0]
-    assert client.call("status")[0].slots[opened.index]["readers"] == 1
-    client.post("close", pid=os.getpid(), step=1, index=opened.index)
-    assert client.call("status")[0].slots[opened.index]["readers"] == 0
-    client.post("open", pid=os.getpid(), step=99)
+    opened = client.call(_requests.Open(pid=os.getpid(), step=1))[0]
+    assert client.call(_requests.Status())[0].slots[opened.index]["readers"] == 1
+    client.post(_requests.Close(pid=os.getpid(), step=1, index=opened.index))
+    assert client.call(_requests.Status())[0].slots[opened.index]["readers"] == 0
+    client.post(_requests.Open(pid=os.getpid(), step=99))
     with pytest.raises(errors.StepNotFoundError, match=r"test refused 'open': .*step 99"):
-      client.call("status")
-    assert client.call("status")[0].steps == [1]          # the client goes on
+      client.call(_requests.Status())
+    assert client.call(_requests.Status())[0].steps == [1]          # the client goes on
 
 
 def test_a_posted_unpin_that_reaches_the_agent_late_is_still_applied(held):
@@ -181,11 +192,11 @@ def test_a_posted_unpin_that_reaches_the_agent_late_is_still_applied(held):
   # deadline".
   _, root, job, info = held
   with _client(root, job, info, timeout_secs=1.0) as client:
-    opened = client.call("open", pid=os.getpid(), step=1)[0]
+    opened = client.call(_requests.Open(pid=os.getpid(), step=1))[0]
     os.kill(info["pid"], signal.SIGSTOP)
     try:
-      client.post("close", pid=os.getpid(), step=1, index=opened.index)
+      client.post(_requests.Close(pid=os.getpid(), step=1, index=opened.index))
       time.sleep(1.5)                           # past the 1 s request deadline
     finally:
       os.kill(info["pid"], signal.SIGCONT)
-    assert client.call("status")[0].slots[opened.index]["readers"] == 0
+    assert client.call(_requests.Status())[0].slots[opened.index]["readers"] == 0

@@ -11,7 +11,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt.util import _wait
-from jaxckpt.agent import _paths, _protocol
+from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.testing import processes
 
 W = np.arange(512, dtype=np.float32).reshape(64, 8)
@@ -47,7 +47,7 @@ def _saves_again(mgr, step: int, timeout_secs: float = 60) -> None:
 
 def test_a_dead_remote_readers_pin_ends_with_its_lease_though_its_pid_lives_here(one_slot):
   mgr, tcp, _ = one_slot
-  r = tcp.call("open", pid=1, step=1, lease_secs=1.0)[0]   # pid 1 always runs here
+  r = tcp.call(_requests.Open(pid=1, step=1, lease_secs=1.0))[0]   # pid 1 always runs here
   assert r.reader is not None and r.reader < 0              # its own id, not the pid
   assert mgr.save(2, {"w": W + 2})                           # step 1 dropped, its slot pinned
   mgr.wait_until_finished()
@@ -59,13 +59,13 @@ def test_a_dead_remote_readers_pin_ends_with_its_lease_though_its_pid_lives_here
 
 
 def _readers(ipc, step: int) -> int:
-  slots = ipc.call("status")[0].slots
+  slots = ipc.call(_requests.Status())[0].slots
   return sum(s["readers"] for s in slots if s["step"] == step)
 
 
 def test_reads_renew_the_lease_and_close_ends_it(one_slot):
   _, tcp, ipc = one_slot
-  tcp.call("open", pid=1, step=1, lease_secs=2.0)          # (a loaded CI machine pauses)
+  tcp.call(_requests.Open(pid=1, step=1, lease_secs=2.0))          # (a loaded CI machine pauses)
   until = time.monotonic() + 5.0                             # 2.5 leases of reading
   while time.monotonic() < until:
     data, = tcp.read("snapshot", 1, [(0, 64)])
@@ -78,16 +78,16 @@ def test_reads_renew_the_lease_and_close_ends_it(one_slot):
     time.sleep(0.2)
   _wait.until(lambda: _readers(ipc, 1) == 0, timeout_secs=30,
               late=lambda: "the pin outlived its lease once the reads stopped")
-  r = tcp.call("open", pid=1, step=1, lease_secs=600.0)[0]
+  r = tcp.call(_requests.Open(pid=1, step=1, lease_secs=600.0))[0]
   assert _readers(ipc, 1) == 1
-  tcp.call("close", pid=1, step=1, index=r.index, reader=r.reader)
+  tcp.call(_requests.Close(pid=1, step=1, index=r.index, reader=r.reader))
   assert _readers(ipc, 1) == 0
 
 
 def test_a_pin_over_tcp_is_leased_even_unasked_and_a_local_one_is_not(one_slot):
   _, tcp, ipc = one_slot
-  remote = tcp.call("open", pid=1, step=1)[0]
-  local = ipc.call("open", pid=1, step=1)[0]
+  remote = tcp.call(_requests.Open(pid=1, step=1))[0]
+  local = ipc.call(_requests.Open(pid=1, step=1))[0]
   assert remote.reader is not None and local.reader is None
-  tcp.call("close", pid=1, step=1, index=remote.index, reader=remote.reader)
-  ipc.call("close", pid=1, step=1, index=local.index)
+  tcp.call(_requests.Close(pid=1, step=1, index=remote.index, reader=remote.reader))
+  ipc.call(_requests.Close(pid=1, step=1, index=local.index))

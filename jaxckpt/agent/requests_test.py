@@ -5,15 +5,22 @@ peer is an error that names it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import threading
 import typing
 
+import msgspec
+import numpy as np
 import pytest
 import zmq
 
 from jaxckpt import errors
 from jaxckpt.agent import _protocol, _requests, _server
-from jaxckpt.net import _wire
+from jaxckpt.agent._parity_config import ParityConfig
+from jaxckpt.host._persist import PersistConfig
+from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
+from jaxckpt.net import _schema, _wire
 
 
 def test_every_request_has_a_handler_that_returns_its_reply():
@@ -61,10 +68,11 @@ def _peer_answering(reply: dict):
 
 @pytest.mark.parametrize("op, args, reply, why", [
     ("reserve", {"pid": 1, "step": 1, "nbytes": 8}, {"ok": True, "index": "seven"},
-     r"field index='seven' is not a int \| None"),
-    ("open", {"pid": 1, "step": 1}, {"ok": True, "path": "/dev/shm/x"}, r"missing .*'manifest'"),
+     r"field index='seven' is refused: Expected `int \| null`, got `str`"),
+    ("open", {"pid": 1, "step": 1}, {"ok": True, "path": "/dev/shm/x"},
+     r"lacks the required field 'manifest'"),
     ("steps", {}, {"ok": True, "steps": "all of them", "free_slots": 1, "protected": None},
-     r"field steps='all of them' is not a <class 'list'>"),
+     r"field steps='all of them' is refused: Expected `array`, got `str`"),
 ])
 def test_a_malformed_reply_is_an_error_naming_the_agent_and_its_address(op, args, reply, why):
   with _peer_answering(reply) as address:
@@ -73,7 +81,7 @@ def test_a_malformed_reply_is_an_error_naming_the_agent_and_its_address(op, args
       with pytest.raises(errors.AgentUnavailableError,
                          match=rf"agent pid 4242 at {address} answered {op!r} with a malformed "
                                rf"reply \(.*{why}"):
-        client.call(op, **args)
+        client.call(_requests.REQUESTS[op](**args))
     finally:
       client.close()
 
@@ -84,8 +92,82 @@ def test_a_reply_field_this_version_does_not_know_is_left_out():
   with _peer_answering(reply) as address:
     client = _protocol.Client(address, who="agent pid 4242", timeout_secs=10, secret=b"s" * 32)
     try:
-      got, _ = client.call("steps")
+      got, _ = client.call(_requests.Steps())
       assert got == _requests.Steps.Reply(steps=[3], free_slots=1, protected=None)
     finally:
       client.close()
 
+
+
+def test_every_value_a_request_carries_is_bounded_by_the_schema():
+  # The ranges, sizes and lengths are the schema's (msgspec.Meta), checked when a request
+  # is decoded: none is left to code beside it. A commit's manifest is its JSON text (its
+  # numbers are checked when it is parsed: host.snapshot.check_numbers).
+  unbounded = [w for cls in _requests.REQUESTS.values() for w in _schema.unbounded(cls)]
+  assert unbounded == ["commit.manifest"]
+
+
+@pytest.mark.parametrize("wire, config", [(_requests.PersistOptions, PersistConfig),
+                                          (_requests.ParityOptions, ParityConfig)])
+def test_the_options_a_hello_carries_are_the_trainer_s_config(wire, config):
+  # A config field the wire does not know would be refused by every agent; a default that
+  # differs would change what the agent runs with.
+  got = {f.name: (f.required, None if f.required else f.default)
+         for f in msgspec.inspect.type_info(wire).fields}
+  want = {f.name: (f.default is dataclasses.MISSING,
+                   None if f.default is dataclasses.MISSING else f.default)
+          for f in dataclasses.fields(config)}
+  assert got == want
+  full = config(**{"directory": "/d", "interval_steps": 2} if config is PersistConfig
+                else {"group_size": 4, "parity": 1})
+  assert msgspec.structs.asdict(msgspec.convert(full.to_obj(), wire)) == full.to_obj()
+
+
+def test_a_request_s_header_is_its_op_and_its_fields_and_decodes_to_itself():
+  for req in (_requests.Reserve(pid=7, step=3, nbytes=64),
+              _requests.Commit(index=1, manifest="{}", step=3, nbytes=0, process=[1, 4],
+                               persist_attempt="a-1"),
+              _requests.Hello(pid=7, persist=_requests.PersistOptions(directory="/d",
+                                                                      interval_steps=1),
+                              parity=_requests.ParityOptions(group_size=4, parity=1)),
+              _requests.Close(pid=7, step=3, reader=-5), _requests.Steps()):
+    header = _requests.encode(req)
+    assert header["op"] == req.op == type(req).op
+    assert _requests.decode(_wire.unpack(_wire.pack(header))) == req
+
+
+def test_a_commit_s_manifest_is_parsed_once_for_every_use_on_the_agent(tmp_path):
+  # The agent keeps the manifest's JSON (it serves it to readers and peers) and parses it
+  # once, on first use: the persist thread's read of the step gets the same record.
+  secret, directory = b"k" * 32, tmp_path / "j" / "host0"
+  directory.mkdir(parents=True)
+  agent = _server.Agent(job="j", host=0, directory=str(directory), max_snapshots=1,
+                        limit_bytes=1 << 20, idle_timeout_secs=60.0, secret=secret)
+  try:
+    def ask(req):
+      reply = _wire.unpack(_server.handle(agent, _protocol.request(secret, req, 10.0))[0])
+      assert reply["ok"], reply
+      return _requests.decode_reply(type(req), reply, "agent", "in-process")
+
+    ask(_requests.Hello(pid=os.getpid()))
+    slot = ask(_requests.Reserve(pid=os.getpid(), step=5, nbytes=64))
+    with open(slot.path, "r+b") as f:
+      f.truncate(slot.size)
+    data = np.arange(16, dtype=np.float32)
+    with open(slot.path, "r+b") as f:
+      f.write(data.tobytes())
+    leaf = LeafRecord(path="w", kind="numpy", shape=(16,), dtype="float32",
+                      shards=(ShardRecord(((0, 16),), 0, 64, checksum(data.tobytes())),))
+    manifest = SnapshotManifest(step=5, leaves=(leaf,), nbytes=64)
+    ask(_requests.Commit(index=slot.index, manifest=manifest.to_json(), step=5, nbytes=64,
+                         process=[0, 1]))
+    first = agent.manifest_of(5)
+    assert first == manifest and agent.manifest_of(5) is first
+    with agent._pinned(5) as (read, _):             # pylint: disable=protected-access
+      assert read is first
+    assert ask(_requests.Discard(step=5)).discarded
+    assert agent._parsed == {}                       # pylint: disable=protected-access
+    with pytest.raises(errors.StepNotFoundError):
+      agent.manifest_of(5)
+  finally:
+    agent.cleanup()

@@ -21,7 +21,7 @@ import zmq
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.agent import _paths, _protocol
+from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.testing import processes
 
 
@@ -76,7 +76,7 @@ def test_requests_without_the_secret_are_refused_and_change_nothing(held, how):
       elif how == "wrong secret":
         frames = [_protocol.sign(b"not the secret", header), header]
       else:
-        good = _protocol.request(_paths.job_secret(root, job), "steps", {})
+        good = _protocol.request(_paths.job_secret(root, job), _requests.Steps())
         frames = [good[0], header]
       reply = _raw(endpoint, frames)
       assert not reply["ok"] and reply["type"] == "PermissionDeniedError", (op, reply)
@@ -94,7 +94,7 @@ def test_bulk_reads_without_the_secret_get_no_byte(held, how):
   header = msgpack.packb({"op": "bulk", "what": "snapshot", "step": 1, "ranges": [[0, 2048]],
                           "ts": time.time()}, use_bin_type=True)
   mac = {"no mac": b"", "wrong secret": _protocol.sign(b"not the secret", header),
-         "mac of another header": _protocol.request(_paths.job_secret(root, job), "steps", {})[0]}
+         "mac of another header": _protocol.request(_paths.job_secret(root, job), _requests.Steps())[0]}
   host, port = info["bulk"].rsplit(":", 1)
   with socket.create_connection((host, int(port)), timeout=20) as conn:
     conn.sendall(b"".join(struct.pack("!I", len(f)) + f for f in (mac[how], header)))
@@ -236,7 +236,7 @@ def test_a_captured_sealed_request_replayed_later_is_refused(held):
   with jc.CheckpointManager(options=opts) as m:
     assert m.save(2, {"w": np.zeros((64, 8), np.float32)})
     m.wait_until_finished()
-    captured = _protocol.request(secret, "discard", {"step": 2})
+    captured = _protocol.request(secret, _requests.Discard(step=2))
     assert _raw(info["ipc"], captured)["ok"]           # the original, applied
     assert m.save(2, {"w": np.ones((64, 8), np.float32)})   # the trainer saves step 2 again
     m.wait_until_finished()
@@ -264,17 +264,29 @@ def test_a_secret_read_from_a_file_works_as_given(suffix):
 
 
 @pytest.mark.parametrize("header, why", [
-    ({"op": "reserve", "pid": 1, "step": "3", "nbytes": 64}, r"field step='3' is not a <class 'int'>"),
-    ({"op": "reserve", "pid": 1, "step": 3}, "missing 1 required"),
-    ({"op": "discard", "step": 1, "extra": 2}, r"has no fields \['extra'\]"),
+    ({"op": "reserve", "pid": 1, "step": "3", "nbytes": 64},
+     r"request 'reserve': field step='3' is refused: Expected `int`, got `str`"),
+    ({"op": "reserve", "pid": 1, "step": 3}, "request 'reserve' lacks the required field 'nbytes'"),
+    ({"op": "discard", "step": 1, "extra": 2}, r"request 'discard' has no field 'extra'"),
     ({"op": "op_reserve"}, "unknown request op='op_reserve'"),
     ({"op": "commit", "index": 0, "manifest": "{}", "step": 1, "nbytes": 0,
-      "process": "x"}, "field process='x'"),
+      "process": "x"}, r"request 'commit': field process='x' is refused: Expected `array`"),
+    ({"op": "reserve", "pid": 0, "step": 3, "nbytes": 64},
+     r"request 'reserve': field pid=0 is refused: Expected `int` >= 1"),
+    ({"op": "hello", "pid": 1, "persist": {"directory": "/d", "interval_steps": 1,
+                                           "timeout_secs": float("inf")}},
+     r"request 'hello': field persist.timeout_secs=inf is refused: Expected `float` <= "),
+    ({"op": "hello", "pid": 1, "parity": {"group_size": 3, "parity": 3}},
+     r"request 'hello': field parity=.* is refused: parity=3 must be in \[1, group_size - 1\]"),
+    ({"op": "close", "pid": 1, "step": 1, "reader": 5},
+     r"request 'close': field reader=5 is refused: Expected `int` <= -1"),
 ])
 def test_a_sealed_request_of_the_wrong_shape_is_refused_naming_the_field(held, header, why):
-  """Every request is one of agent/_requests.py's dataclasses, checked before its handler runs."""
+  """Every request is one of agent/_requests.py's Structs, checked (types and bounds) before
+  its handler runs."""
   _, root, job, info = held
   reply = _raw(info["ipc"], _protocol._wire.seal(_paths.job_secret(root, job), header))
   assert not reply["ok"] and reply["type"] == "InvalidArgumentError"
   assert re.search(why, reply["error"]), reply["error"]
-  assert _raw(info["ipc"], _protocol.request(_paths.job_secret(root, job), "steps", {}))["steps"] == [1]
+  steps = _protocol.request(_paths.job_secret(root, job), _requests.Steps())
+  assert _raw(info["ipc"], steps)["steps"] == [1]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxckpt as jc
-from jaxckpt.agent import jobs, status_cli
+from jaxckpt.agent import _requests, jobs, status_cli
 from jaxckpt.agent.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
@@ -66,7 +66,7 @@ def job(tmp_path_factory):
       stores.append(store)
     peers = {str(h): s.info for h, s in enumerate(stores)}     # what discover() tells them
     for s in stores:
-      s.call("peers", peers=peers)
+      s.call(_requests.Peers(peers=peers))
     for step in (1, 2):
       for h, s in enumerate(stores):
         write(s, h, step)
@@ -190,7 +190,7 @@ def test_an_agent_that_does_not_answer_is_named_and_exit_is_1(tmp_path):
       stores.append(store)
     peers = {str(h): s.info for h, s in enumerate(stores)}
     for s in stores:
-      s.call("peers", peers=peers)
+      s.call(_requests.Peers(peers=peers))
     os.kill(stores[1].pid, signal.SIGKILL)
     processes.wait_gone(stores[1].pid, 10, "host 1's agent")
     out = jaxckpt("status", "--run-root", machine(root, 0)[0], "--timeout-secs", "1")

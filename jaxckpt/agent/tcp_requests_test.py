@@ -14,7 +14,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.agent import _paths, _protocol
+from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.testing import processes
 from jaxckpt.util import _wait
 
@@ -54,8 +54,8 @@ def agent():
 def test_a_trainer_s_request_over_tcp_is_refused_and_changes_nothing(agent, op, args):
   opts, tcp, ipc = agent
   with pytest.raises(errors.PermissionDeniedError, match=f"'{op}' is a trainer's request"):
-    tcp.call(op, **args)
-  st = ipc.call("status")[0]
+    tcp.call(_requests.REQUESTS[op](**args))
+  st = ipc.call(_requests.Status())[0]
   assert st.lease is None and 1 not in st.trainers, st
   assert all(s["state"] != "writing" for s in st.slots), st.slots
   with jc.CheckpointManager(options=opts) as m:         # the next trainer gets its lease
@@ -67,28 +67,28 @@ def test_a_trainer_s_request_over_tcp_is_refused_and_changes_nothing(agent, op, 
 
 def test_an_open_over_tcp_is_leased_whatever_pid_it_names(agent):
   _, tcp, ipc = agent
-  for pid in (1, ipc.call("status")[0].pid):            # pid 1, or the agent's own
-    r = tcp.call("open", pid=pid, step=1)[0]
+  for pid in (1, ipc.call(_requests.Status())[0].pid):    # pid 1, or the agent's own
+    r = tcp.call(_requests.Open(pid=pid, step=1))[0]
     assert r.reader is not None and r.reader < 0, r
     with pytest.raises(errors.InvalidArgumentError, match="names no reader"):
-      tcp.call("close", pid=pid, step=1, index=r.index)
-    tcp.call("close", pid=pid, step=1, index=r.index, reader=r.reader)
-  assert all(s["readers"] == 0 for s in ipc.call("status")[0].slots)
+      tcp.call(_requests.Close(pid=pid, step=1, index=r.index))
+    tcp.call(_requests.Close(pid=pid, step=1, index=r.index, reader=r.reader))
+  assert all(s["readers"] == 0 for s in ipc.call(_requests.Status())[0].slots)
 
 
 def test_an_open_over_the_local_socket_is_its_caller_s_whatever_lease_it_asks(agent):
   _, _, ipc = agent
-  r = ipc.call("open", pid=1, step=1, lease_secs=0.5)[0]
+  r = ipc.call(_requests.Open(pid=1, step=1, lease_secs=0.5))[0]
   assert r.reader is None, r                    # pinned by this process (the kernel's pid)
-  ipc.call("close", pid=1, step=1, index=r.index)
-  assert all(s["readers"] == 0 for s in ipc.call("status")[0].slots)
+  ipc.call(_requests.Close(pid=1, step=1, index=r.index))
+  assert all(s["readers"] == 0 for s in ipc.call(_requests.Status())[0].slots)
 
 
 def test_a_pin_over_tcp_that_asks_no_lease_lapses_within_seconds(agent):
   # The case: a sealed open over tcp without lease_secs, naming pid 1, from a
   # reader that never reads nor closes: the one-snapshot job saves again within seconds.
   opts, tcp, _ = agent
-  tcp.call("open", pid=1, step=1)
+  tcp.call(_requests.Open(pid=1, step=1))
   with jc.CheckpointManager(options=opts) as m:
     assert m.save(2, {"w": W + 2})                   # step 1 dropped, its slot pinned
     m.wait_until_finished()

@@ -18,10 +18,10 @@ from typing import Any, Callable
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.ft import _replay, _route
+from jaxckpt.ft import _replay, _requests, _route
 from jaxckpt.ft._quorum import Member, Quorum, View
 from jaxckpt.ft._terms import Terms
-from jaxckpt.net import _wire
+from jaxckpt.net import _schema, _wire
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class LighthouseClient:
       TermsMismatchError: the lighthouse refused this member's terms (the message names
         the field and both values).
     """
+    wire_member = _requests.MemberWire.of(member)
+    wire_terms = None if terms is None else _requests.TermsWire.of(terms)
     deadline = time.monotonic() + timeout.total_seconds()
     started = time.monotonic()
     sent: set[int] = set()
@@ -93,12 +95,9 @@ class LighthouseClient:
         if not self._drop():
           for report in self._unheard:        # (the lighthouse may have missed it: its outage)
             self._route.send(_wire.seal(self._secret, self._stamp(report)), deadline)
-          header = {"op": "quorum", "request_id": request_id, "member": member.to_wire(), "view": view,
-                    "ask": ask}
-          if held is not None:
-            header["held"] = held
-          if terms is not None:
-            header["terms"] = terms.to_wire()
+          header = _schema.encode(_requests.QuorumRequest(
+              request_id=request_id, wire_member=wire_member, view=view, ask=ask, held=held,
+              wire_terms=wire_terms))
           self._route.send(_wire.seal(self._secret, self._stamp(header)), deadline)
         next_send = now + self._resend_secs
       wait = min(deadline, next_send) - now
@@ -128,15 +127,16 @@ class LighthouseClient:
   def ready(self, group_id: str) -> None:
     """Tells the lighthouse that ``group_id`` (catching up) asks in sync next."""
     if not self._drop():
-      self._route.send(_wire.seal(self._secret, self._stamp({"op": "ready", "group": group_id})))
+      self._route.send(_wire.seal(self._secret, self._stamp(
+          _schema.encode(_requests.Ready(group=group_id)))))
 
   def failed(self, group_id: str, quorum_id: str, why: str, blame: tuple[str, ...]) -> None:
     """Tells the lighthouse that ``group_id`` failed quorum ``quorum_id``'s attempt, why,
     and whom that shows out of it: the lighthouse has every other member abort it. The
     report goes again with this member's next quorum request (until one is answered),
     so a failure found while the control plane was away reaches it once it is back."""
-    report = {"op": "failed", "group": group_id, "q": quorum_id, "why": why[:MAX_WHY],
-              "blame": list(blame)[:8]}
+    report = _schema.encode(_requests.Failed(group=group_id, q=quorum_id, why=why[:MAX_WHY],
+                                             blame=tuple(blame)[:8]))
     self._unheard[:] = [report]
     if not self._drop():
       self._route.send(_wire.seal(self._secret, self._stamp(report)))
@@ -182,18 +182,17 @@ class Heartbeat:
     while not self._stop.is_set():
       self._route.want(self._private())
       if not self._drop():
-        beat = {"op": "heartbeat", "group": self._group_id}
-        if (where := self._step()) is not None:    # (step, the quorum it goes on with)
-          beat["step"] = where[0]
-          if where[1]:
-            beat["q"] = where[1]
-        self._route.send(_wire.seal(self._secret, self._stamp(beat)))
+        where = self._step()                        # (step, the quorum it goes on with)
+        beat = _requests.Heartbeat(group=self._group_id,
+                                   step=None if where is None else where[0],
+                                   lineage=where[1] if where is not None and where[1] else None)
+        self._route.send(_wire.seal(self._secret, self._stamp(_schema.encode(beat))))
       until = time.monotonic() + self._interval
       while not self._stop.is_set() and (left := until - time.monotonic()) > 0:
         frames = self._route.recv(left)
         if frames is not None and not self._drop():
           self._heard(frames)
-    leave = self._stamp({"op": "leave", "group": self._group_id})
+    leave = self._stamp(_schema.encode(_requests.Leave(group=self._group_id)))
     self._route.close(None if self._drop() else _wire.seal(self._secret, leave))
 
   def _heard(self, frames: list[Any]) -> None:

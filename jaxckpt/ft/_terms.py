@@ -17,9 +17,13 @@ whose terms differ when it joins, naming the field and both values
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from jaxckpt import errors
+import msgspec
+from msgspec import Meta
+
+from jaxckpt.net import _schema
+from jaxckpt.net._schema import Digest
 
 AVERAGING = ("mean", "sum")
 _MAX_ORDER = 256
@@ -49,25 +53,45 @@ class Terms:
 
   @classmethod
   def from_wire(cls, obj: Any) -> Terms:
-    """The terms ``obj`` (a request's field) stands for; InvalidArgumentError naming what is wrong."""
-    if not isinstance(obj, (list, tuple)) or len(obj) != 4:
-      raise errors.InvalidArgumentError(f"terms must be [max_groups, data_order, averaging, layout], got {obj!r:.80}")
-    max_groups, order, averaging, layout = obj
-    if not (isinstance(max_groups, int) and not isinstance(max_groups, bool) and 1 <= max_groups < 1 << 31):
-      raise errors.InvalidArgumentError(f"terms.max_groups must be an int in [1, 2**31), got {max_groups!r:.80}")
-    if not (isinstance(order, str) and len(order) <= _MAX_ORDER):
-      raise errors.InvalidArgumentError(f"terms.data_order must be a string of at most {_MAX_ORDER} "
-                                        f"characters, got {order!r:.80}")
-    if averaging not in AVERAGING:
-      raise errors.InvalidArgumentError(f"terms.averaging must be one of {AVERAGING}, got {averaging!r:.80}")
-    if layout is not None:
-      ok = (isinstance(layout, (list, tuple)) and len(layout) == 5
-            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64 for x in layout[:4])
-            and isinstance(layout[4], str) and len(layout[4]) <= _MAX_DESCRIPTION)
-      if not ok:
-        raise errors.InvalidArgumentError(f"terms.layout must be a gradient layout or null, got {layout!r:.80}")
-      layout = tuple(layout)
-    return cls(max_groups=max_groups, data_order=order, averaging=averaging, layout=layout)
+    """The terms ``obj`` (a request's field, or what etcd keeps) stands for, checked against
+    :class:`TermsWire`; InvalidArgumentError naming what is wrong."""
+    try:
+      return msgspec.convert(obj, TermsWire).to_terms()
+    except msgspec.ValidationError as e:
+      raise _schema.refused(e, obj, "terms", tail="", positions=POSITIONS) from None
+
+
+class LayoutWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+  """A gradient layout (:meth:`jaxckpt.ft._layout.Layout.to_wire`) as terms carry it."""
+  a: Digest
+  b: Digest
+  c: Digest
+  d: Digest
+  description: Annotated[str, Meta(max_length=_MAX_DESCRIPTION)]
+
+  def __post_init__(self) -> None:
+    _schema.check_u64(a=self.a, b=self.b, c=self.c, d=self.d)
+
+
+class TermsWire(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+  """:class:`Terms` as a quorum request carries them: [max_groups, data_order, averaging, layout]."""
+  max_groups: Annotated[int, Meta(ge=1, lt=1 << 31)]
+  data_order: Annotated[str, Meta(max_length=_MAX_ORDER)]
+  averaging: Literal["mean", "sum"]           # AVERAGING
+  layout: LayoutWire | None
+
+  @classmethod
+  def of(cls, t: Terms) -> TermsWire:
+    return msgspec.convert(t.to_wire(), cls)
+
+  def to_terms(self) -> Terms:
+    return Terms(max_groups=self.max_groups, data_order=self.data_order,
+                 averaging=self.averaging,
+                 layout=None if self.layout is None else msgspec.structs.astuple(self.layout))
+
+
+# the fields of TermsWire and its layout, by where they sit (see _schema.refused)
+POSITIONS = {"": TermsWire.__struct_fields__, "layout": LayoutWire.__struct_fields__}
 
 
 _FIX = {"max_groups": "ReplicaGroupOptions.max_groups", "data_order": "ReplicaGroupOptions.data_order",

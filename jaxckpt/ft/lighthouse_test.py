@@ -274,7 +274,7 @@ def test_a_refusal_names_the_field_the_expected_type_and_what_came(job_secret):
     finally:
       sock.close()
       ctx.term()
-  assert "'quorum' needs member.step: an int in [0, 2**63), got '3'" in reply["error"]
+  assert "'quorum' needs member.step (Expected `int`, got `str`), got '3'" in reply["error"]
   assert reply["request_id"] == 1
 
 

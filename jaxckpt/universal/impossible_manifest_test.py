@@ -16,7 +16,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.agent import _paths, _protocol
+from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.host import snapshot as snap
 from jaxckpt.testing import damage, processes
 from jaxckpt.universal import _manifest as man
@@ -128,9 +128,9 @@ def test_a_held_step_whose_manifest_has_a_negative_offset_is_skipped_for_the_old
       c = _protocol.Client(info["ipc"], who="a forger", timeout_secs=30,
                            secret=_paths.job_secret(root, job))
       try:                             # step 2 committed with a manifest that lies
-        r = c.call("reserve", pid=os.getpid(), step=2, nbytes=64)[0]
-        c.call("commit", index=r.index, manifest=_manifest(offset=-64), step=2, nbytes=64,
-               process=[0, 1])
+        r = c.call(_requests.Reserve(pid=os.getpid(), step=2, nbytes=64))[0]
+        c.call(_requests.Commit(index=r.index, manifest=_manifest(offset=-64), step=2, nbytes=64,
+               process=[0, 1]))
       finally:
         c.close()
       assert m.all_steps() == [1, 2]

@@ -169,8 +169,9 @@ def stray_tcp(soak: Any, info: dict[str, Any]) -> None:
   (each must be refused) and an open without a lease (it must come back leased)."""
   from jaxckpt import errors  # pylint: disable=import-outside-toplevel
   from jaxckpt.agent import _paths, _protocol  # pylint: disable=import-outside-toplevel
-  requests = [("reserve", {"pid": 1, "step": 10**6, "nbytes": 64}), ("hello", {"pid": 1}),
-              ("bye", {"pid": 1}), ("preallocate", {"nbytes": 64}), ("stop", {})]
+  from jaxckpt.agent import _requests as rq  # pylint: disable=import-outside-toplevel
+  requests = [rq.Reserve(pid=1, step=10**6, nbytes=64), rq.Hello(pid=1), rq.Bye(pid=1),
+              rq.Preallocate(nbytes=64), rq.Stop()]
   for i in range(len(soak.job.trainers)):
     root = soak.machine(i)[0]
     with open(_paths.address_file(_paths.agent_dir(root, soak.job_name, i))) as f:
@@ -178,23 +179,23 @@ def stray_tcp(soak: Any, info: dict[str, Any]) -> None:
     client = _protocol.Client.of(address, who=f"a stray client of machine {i}'s agent",
                                  timeout_secs=20, secret=_paths.job_secret(root, soak.job_name))
     try:
-      for op, args in requests:
+      for req in requests:
         try:
-          client.call(op, **args)
+          client.call(req)
           soak.stray["accepted"] += 1
-          soak.wrong.append(f"stray_tcp: machine {i}'s agent accepted {op!r} over tcp")
+          soak.wrong.append(f"stray_tcp: machine {i}'s agent accepted {req.op!r} over tcp")
         except errors.PermissionDeniedError:
           soak.stray["refused"] += 1
       for _ in range(5):        # (the running job may drop the step it listed meanwhile)
-        held = [s for s, _, _ in client.call("held")[0].held]
+        held = [s for s, _, _ in client.call(rq.Held())[0].held]
         if not held:
           break
         try:
-          r = client.call("open", pid=1, step=held[-1])[0]
+          r = client.call(rq.Open(pid=1, step=held[-1]))[0]
         except errors.StepNotFoundError:
           continue
         soak.stray["leased_opens" if r.reader is not None else "unleased_opens"] += 1
-        client.call("close", pid=1, step=held[-1], index=r.index, reader=r.reader)
+        client.call(rq.Close(pid=1, step=held[-1], index=r.index, reader=r.reader))
         break
     finally:
       client.close()
