@@ -13,7 +13,6 @@ import uuid
 
 import pytest
 
-from jaxckpt.agent import _paths
 from jaxckpt.testing import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,6 +18,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors, universal
+from jaxckpt.universal import _layout
 from jaxckpt.testing import processes
 from jaxckpt.util import _wait
 
@@ -87,7 +88,7 @@ def test_an_older_save_long_after_a_restore_is_refused_not_a_rollback(tmp_path):
 def test_wait_until_finished_raises_on_time_when_storage_hangs(s3_server, with_agent):
   """wait_until_finished(timeout_secs=2) with the S3 server stopped raised after 122 s: naming
   who was late asked storage for the missing parts with the 120 s request timeout. Now the
-  question is bounded (universal.LATE_PROBE_SECS) and the timeout says it was not answered."""
+  question is bounded (_layout.LATE_PROBE_SECS) and the timeout says it was not answered."""
   d = s3_server.url(uuid.uuid4().hex[:12])
   with contextlib.ExitStack() as stack:
     agent = None
@@ -105,7 +106,7 @@ def test_wait_until_finished_raises_on_time_when_storage_hangs(s3_server, with_a
                                r"5\.0 s"):
         m.wait_until_finished(timeout_secs=2)
       took = time.monotonic() - t0
-    assert took < 2 + universal.LATE_PROBE_SECS + 30, took      # (was 122 s)
+    assert took < 2 + _layout.LATE_PROBE_SECS + 30, took      # (was 122 s)
     m.wait_until_finished()                          # storage answers again: the step is stored
     assert universal.all_steps(d) == [1]
 
@@ -129,7 +130,7 @@ def test_wait_until_persisted_raises_on_time_when_storage_hangs(s3_server):
       m.wait_until_snapshotted()
       waiting = threading.Thread(target=wait)
       waiting.start()
-      waiting.join(2 + universal.LATE_PROBE_SECS + 23)
+      waiting.join(2 + _layout.LATE_PROBE_SECS + 23)
       on_time = not waiting.is_alive()
     waiting.join(300)                     # storage answers again: the listing returns
     assert on_time, "wait_until_persisted(timeout_secs=2) still waited after 30 s"

@@ -153,6 +153,14 @@ class HostStore(abc.ABC):
         f"{type(self).__name__} does not persist snapshots, so a CheckpointManager with a "
         "directory cannot use it; implement HostStore.persist_to, or pass directory=None")
 
+  def persist_held(self, step: int, attempt: str) -> bool:
+    """Persists committed ``step``, saved without a ``persist_attempt``, as ``attempt``
+    (holding its slot until then): a process about to end (SIGTERM's deadline) puts its
+    newest snapshot on storage. False if the store does not (a store whose snapshots
+    outlive the trainer, as the agent's, need not) or no longer holds ``step``."""
+    del step, attempt
+    return False
+
   #: How often this store replaced a dead backing process (the agent).
   restarts: int = 0
 
@@ -355,6 +363,15 @@ class InProcessStore(HostStore):
     with self._cv:
       self._dropped(self._table.release(step, attempt))
       self._cv.notify_all()
+
+  def persist_held(self, step: int, attempt: str) -> bool:
+    with self._cv:
+      s = self._table.committed(step)
+      if self._persister is None or s is None or s.held:
+        return False
+      s.held, s.attempt = True, attempt
+    self._persister.submit(step, attempt)
+    return True
 
   def has_free_slot(self) -> bool:
     with self._cv:

@@ -6,8 +6,8 @@ asks ``reached_preemption(step)`` sees the notice, takes its last snapshot and e
 A loop that never asks must still end, and end cleanly, before the SIGKILL:
 
 * until ``poll_secs`` after SIGTERM the loop may still ask, and then owns the exit;
-* then the deadline callbacks run (the manager's ``close``: the snapshot in flight is committed
-  and due persists end), in the main thread when it runs Python (the loop is paused there, so
+* then the deadline callbacks run (the manager's ``close``: the snapshot in flight is committed,
+  the newest snapshot persisted where host memory ends with the process, and persists end), in the main thread when it runs Python (the loop is paused there, so
   no ``save`` runs beside them), else on the notice's thread;
 * as soon as they return, and at ``grace_secs`` after SIGTERM at the latest, the process ends
   by SIGTERM's default action (killed by SIGTERM, exit status -15), whatever the main thread

@@ -179,3 +179,29 @@ def test_a_manager_loop_that_never_polls_commits_its_newest_step_and_ends_within
     # loaded machine a save between them may be skipped while the previous copy runs).
     assert mgr.latest_step() in (saved, last) and last > 1, out[-3000:]
     assert mgr.restore()["step"] == mgr.latest_step()
+
+
+IDLE_LOOP = r"""
+import sys, time
+import jax.numpy as jnp
+import jaxckpt as jc
+opts = jc.CheckpointOptions(persist_interval_steps=10, sigterm_grace_secs=float(sys.argv[2]))
+mgr = jc.CheckpointManager(directory=sys.argv[1], options=opts)
+for step in range(1, 14):                 # 10 is due for storage; 13 is the newest snapshot
+    assert mgr.save(step, {"w": jnp.full((256,), step, jnp.float32), "step": step})
+mgr.wait_until_snapshotted()
+print("ready", flush=True)
+time.sleep(600)                           # a long evaluation that never asks reached_preemption
+"""
+
+
+def test_the_newest_snapshot_reaches_storage_at_the_deadline_though_it_was_not_due(tmp_path):
+  # The in-process store's snapshots end with the process: at SIGTERM's deadline the newest
+  # one is persisted whatever the persist interval (storage had only step 10 before).
+  code, _, secs = _run(IDLE_LOOP, tmp_path / "ckpt", 4.0, wait=4.0 + 30)
+  assert code == -signal.SIGTERM and secs < 4.0 + 1.0, _run.stderr[-3000:]
+  assert "step 13: persisted at SIGTERM's deadline" in _run.stderr, _run.stderr[-3000:]
+  with jc.CheckpointManager(directory=str(tmp_path / "ckpt"),
+                            options=jc.CheckpointOptions(handle_sigterm=False)) as mgr:
+    assert mgr.latest_step() == 13
+    assert mgr.restore()["step"] == 13
