@@ -59,3 +59,10 @@ def storage_dir(request, tmp_path):
     return str(tmp_path / "ckpt")
   server = request.getfixturevalue("s3_server")
   return server.url(uuid.uuid4().hex[:12])
+
+
+def pytest_collection_modifyitems(session, config, items):
+  """The slow cases first (their order kept), so that under ``-n 2`` (the README's test
+  command) the longest ones start at once, beside the short ones, not last alone."""
+  del session, config
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

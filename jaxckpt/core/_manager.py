@@ -432,21 +432,6 @@ class CoreManager:
   def reached_preemption(self, step: int) -> bool:
     return self._preemption.reached(step)
 
-  def _persist_newest(self) -> None:
-    """Puts the newest snapshot on storage if no persist of it was asked (see
-    ``HostStore.persist_held``); its end is waited for as a due step's."""
-    if self._closed or self._config is None:
-      return
-    if self.ledger.flight is not None:
-      self._wait(self.ledger.flight, self.options.timeout_secs, "close")
-    newest = max(self._store.steps(), default=None)
-    if newest is None or newest in self.ledger.stored or newest in self.ledger.attempts():
-      return
-    if self._store.persist_held(newest, self.ledger.new_attempt(newest)):
-      self.ledger.record(newest).persisting = True
-      logger.warning("step %d: persisted at SIGTERM's deadline (the loop did not ask "
-                     "reached_preemption() in time)", newest)
-
   def check_open(self, what: str) -> None:
     if self._closed:
       raise errors.ManagerClosedError(
@@ -481,7 +466,10 @@ class CoreManager:
     snapshot in flight is committed, and the newest snapshot persisted (due or not,
     where host memory ends with the process), before the process ends."""
     try:
-      self._persist_newest()
+      if not self._closed:
+        if self.ledger.flight is not None:
+          self._wait(self.ledger.flight, self.options.timeout_secs, "close")
+        self._persists.persist_newest(self._store)
       self.close()
     except Exception:  # pylint: disable=broad-except  (the process ends next; say why)
       logger.exception("closing the manager before the SIGTERM deadline failed")

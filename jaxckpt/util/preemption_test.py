@@ -185,7 +185,8 @@ IDLE_LOOP = r"""
 import sys, time
 import jax.numpy as jnp
 import jaxckpt as jc
-opts = jc.CheckpointOptions(persist_interval_steps=10, sigterm_grace_secs=float(sys.argv[2]))
+opts = jc.CheckpointOptions(persist_interval_steps=10, on_busy="wait",
+                            sigterm_grace_secs=float(sys.argv[2]))
 mgr = jc.CheckpointManager(directory=sys.argv[1], options=opts)
 for step in range(1, 14):                 # 10 is due for storage; 13 is the newest snapshot
     assert mgr.save(step, {"w": jnp.full((256,), step, jnp.float32), "step": step})
