@@ -54,8 +54,9 @@ def test_install_cell_is_not_fooled_by_a_jaxckpt_folder(path: pathlib.Path, tmp_
   """
   (tmp_path / "jaxckpt").mkdir()
   (tmp_path / "jaxckpt" / "__init__.py").write_text("")
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # (conftest's: the repo)
   out = subprocess.run([sys.executable, "-S", "-c", _install_cell(path)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+                       env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode != 0
   assert "CalledProcessError" in out.stderr and "git+" + _repository() in out.stderr, out.stderr[-2000:]
 

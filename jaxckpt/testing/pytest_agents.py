@@ -41,7 +41,11 @@ def _interrupted(signum: int, frame: Any) -> None:
 def pytest_configure(config: Any) -> None:
   del config
   _state["previous"] = os.environ.get(ENV)
-  _state["token"] = os.environ[ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+  if worker and _state["previous"]:      # a pytest-xdist worker: within its controller's session,
+    token = f"{_state['previous']}/{worker}-{token}"   # which stops its agents too
+  _state["token"] = os.environ[ENV] = token
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGTERM, signal.SIGHUP):
       if signal.getsignal(sig) in (signal.SIG_DFL, None):
@@ -69,7 +73,8 @@ def pytest_unconfigure(config: Any) -> None:
 
 
 def session_agents(token: str) -> list[tuple[psutil.Process, Any]]:
-  """This user's agent processes (with what they serve) started under session ``token``."""
+  """This user's agent processes (with what they serve) started under session ``token``
+  (or one of its pytest-xdist workers' sessions)."""
   from jaxckpt.agent import jobs  # pylint: disable=import-outside-toplevel  (when needed only)
   out = []
   for proc in psutil.process_iter(["uids"]):
@@ -77,7 +82,8 @@ def session_agents(token: str) -> list[tuple[psutil.Process, Any]]:
       if proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
         continue
       agent = jobs.agent_of(proc)
-      if agent is not None and proc.environ().get(ENV) == token:
+      mark = proc.environ().get(ENV) if agent is not None else None
+      if mark is not None and (mark == token or mark.startswith(token + "/")):
         out.append((proc, agent))
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
       continue
