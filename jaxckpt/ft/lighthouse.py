@@ -312,8 +312,6 @@ class Lighthouse:
     return dict(self._members.status(now), cpu_secs=self._cpu_secs, refused=self._refusals.count,
                 malformed=self._malformed.count)
 
-
-
   # ---- the loop: a batch from each door, sealed messages first, then maybe a quorum ----------------
 
   def _run(self) -> None:
@@ -361,7 +359,6 @@ class Lighthouse:
     # (A flood of the public port can hold its pings' answers back: not evidence.)
     flooded = sock is self._sock and now - self._flooded_at < 2 * self.options.connection_timeout.total_seconds()
     self._members.conns.closed(sock, fd, now, flooded)
-
 
   def _serve(self, batch: list[tuple[Peer, list[bytes]]], lagging: bool = False) -> None:
     """Handles the sealed messages of ``batch``, checks the attempt in flight (unless
