@@ -50,33 +50,28 @@ not consume it.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.ft import _allreduce, _group_comm, _layout, _links, _peer, _terms
-from jaxckpt.ft.agent_source import AgentSnapshotSource
-from jaxckpt.ft.catch_up import (CatchUpServer, RemoteSnapshotSource, SnapshotSource, fetch_ring,
-                                 rebuild_leaf, rebuild_state)
-from jaxckpt.ft.lighthouse import Heartbeat, LighthouseClient, Member, Quorum, View
+from jaxckpt.ft import _allreduce, _group_comm, _layout, _links, _peer, _recovery, _session, _terms
+from jaxckpt.ft._recovery import ApplyFn, PeerSourceFactory
+from jaxckpt.ft.catch_up import CatchUpServer, SnapshotSource, rebuild_leaf
+from jaxckpt.ft.lighthouse import Member, Quorum
 from jaxckpt.ft.metrics import FtCounters, StepMetrics
 from jaxckpt.ft.ring import INITIAL_DIGEST, DigestLog, GradientRing, RingEntry, chain_digest
 from jaxckpt.net import _wire
 
 logger = logging.getLogger(__name__)
 
-ApplyFn = Callable[[Any, Any], Any]
 _CHASES = 4          # catch-ups in one start_step before the group sits the attempt out
 _SETTLE_SECS = 2.0   # after a failed attempt, the longest its queued sends (the abort) may take
-_SLOW_PLANE_SECS = 1.0   # a quorum request unanswered this long: the wait is said at WARNING
-PeerSourceFactory = Callable[[Member], SnapshotSource]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,15 +182,8 @@ class ReplicaGroup:
     self._current: _Attempt | None = None
     self._committed = False
     self._retries = 0
-    self._no_quorum_since: float | None = None
     self._layout: tuple[list[Any], Any] | None = None
     self._layout_wire: tuple[Any, ...] | None = None    # the layout of start_step's grads_like
-    self._next: Quorum | None = None       # the quorum to go on with, after a step every member committed
-    self._lineage: str | None = None       # the lighthouse's id of the quorum the ring goes on with
-    self._ended: set[str] = set()          # lineages the lighthouse ended (an abort): ask again
-    self._called_back = False              # the lighthouse wants this ring to ask again (a group joins)
-    self._why_ask = "it joins the job"     # why the next start_step asks the lighthouse
-    self._view = View()            # the quorum membership this group holds (see ft/_quorum.py)
     self._comm = _group_comm.GroupComm()
     self._ctx = zmq.Context() if self._comm.is_talker else None
     if self._ctx is not None:
@@ -206,16 +194,20 @@ class ReplicaGroup:
       self._sender = _peer.PeerSender(self._ctx, secret=key, drop=self._dropping)
       self._links = _links.Links(self.options.host, key, group_id=group_id,
                                  timeout_secs=timeout.total_seconds())
-      self._lighthouse = LighthouseClient(self._ctx, lighthouse, secret=key, drop=self._dropping)
-      self._heartbeat = Heartbeat(self._ctx, lighthouse, group_id, self.options.heartbeat_interval,
-                                  secret=key, drop=self._dropping, on_abort=self._aborted_by_lighthouse,
-                                  private_port=lambda: self._lighthouse.private_ports,
-                                  step=lambda: (self.step, self._lineage),
-                                  on_call_back=self._call_back)
+    # Its heartbeats, quorum requests and lineage (ft/_session.py; a client and heartbeat on process 0).
+    self._plane = _session.LighthouseSession(
+        self._ctx, lighthouse, group_id=group_id, key=key, heartbeat_interval=self.options.heartbeat_interval,
+        timeout_secs=timeout.total_seconds(), lighthouse_timeout=self.options.lighthouse_timeout,
+        comm=self._comm, drop=self._dropping, on_abort=self._aborted_by_lighthouse, step=lambda: self.step,
+        extra=self._extra)
     self.bytes_sent = 0          # gradient bytes this group sent in all-reduces
     # Flat all-reduce buffers, reused once no ring entry or result refers to them.
     self._buffers = _allreduce.BufferPool(self.options.ring_size + 2)
-    self._peer_source = peer_source or self._default_peer_source
+    # The catch-up path (ft/_recovery.py): fetches from a healthy peer, and replays.
+    self._recovery = _recovery.Recovery(
+        group_id=group_id, timeout_secs=timeout.total_seconds(), comm=self._comm,
+        sender=self._sender if self._ctx is not None else None, lighthouse=self._plane.client,
+        peer_source=peer_source, extra=self._extra)
 
   # ---- the training-loop API --------------------------------------------------------------------
 
@@ -332,10 +324,10 @@ class ReplicaGroup:
     """
     if self._ctx is None:
       return
-    self._heartbeat.stop()
+    self._plane.close()
     self._server.stop()
     self._links.close(linger_secs=self.timeout.total_seconds())
-    self._lighthouse.close()
+    self._plane.close_client()
     self._ctx.term()
     self._ctx = None
 
@@ -363,70 +355,8 @@ class ReplicaGroup:
                         layout=self._layout_wire)
 
   def _join(self) -> Quorum | None:
-    """The quorum of this attempt: the last one, one step on, when every member of the
-    ring committed the last step and none asked to change it (no lighthouse is asked, so
-    the ring trains through a control-plane outage); else the lighthouse's."""
-    limit = self.options.lighthouse_timeout.total_seconds()
-    go_on, wire, waited, refused = False, None, 0.0, None
-    if self._comm.is_talker:
-      # (A group the fault injector cuts off hears nothing, its ring included: it asks, in vain.)
-      go_on = self._next is not None and self._next.lineage not in self._ended and not self._dropping()
-      if not go_on:
-        now = time.monotonic()
-        since = self._no_quorum_since if self._no_quorum_since is not None else now
-        # The others may still be waiting out the last attempt's ring (up to
-        # ``timeout``) before they ask: a shorter wait would keep a group that failed
-        # fast one attempt out of phase with them for good. Never past lighthouse_timeout.
-        wait = min(2 * self.timeout.total_seconds(), max(1e-3, since + limit - now))
-        try:
-          wire = self._lighthouse.ask(self._me(), timedelta(seconds=wait), self._view.key,
-                                      len(self._view.members) or None, terms=self._terms(),
-                                      slow=self._plane_slow, slow_secs=_SLOW_PLANE_SECS)
-        except errors.TermsMismatchError as e:
-          refused = str(e)
-        self._no_quorum_since = None if wire is not None else since
-        waited = time.monotonic() - since
-    go_on, wire, waited, refused = self._comm.share([go_on, wire, waited, refused])
-    if refused is not None:
-      raise errors.TermsMismatchError(refused)
-    nxt, self._next = self._next, None
-    if go_on:
-      return nxt
-    quorum = None
-    if wire is not None:
-      try:
-        quorum = self._view.resolve(self.group_id, wire)
-      except errors.QuorumError as e:     # (the next request asks for the whole view)
-        logger.warning("%s", e, extra=self._extra())
-    if quorum is not None:
-      self._lineage, self._called_back = quorum.lineage, False
-      return quorum
-    logger.warning("group %s got no quorum from lighthouse %s for %.1fs", self.group_id,
-                   self._lighthouse_address(), waited, extra=self._extra())
-    if waited >= limit:
-      self._no_quorum_since = None
-      raise errors.QuorumError(
-          f"group {self.group_id!r} got no quorum from the lighthouse at "
-          f"{self._lighthouse_address()} for {waited:.1f}s (lighthouse_timeout="
-          f"{self.options.lighthouse_timeout}): is the lighthouse running, and do at least "
-          "min_replicas groups reach it?")
-    return None
-
-  def _plane_slow(self, secs: float) -> None:
-    # (A group's first join waits for the others to start: said, but no warning.)
-    logger.log(logging.WARNING if self._lineage is not None else logging.INFO,
-               "group %s waits for the control plane (the lighthouse at %s has not answered for "
-               "%.1f s) because %s: a change of membership waits for it, while a ring whose "
-               "members all commit goes on without it", self.group_id, self._lighthouse_address(),
-               secs, self._why_ask, extra=self._extra())
-
-  def _call_back(self, lineage: str) -> None:
-    """The lighthouse wants the members of quorum ``lineage`` to ask again (a group joins)."""
-    if lineage == self._lineage:
-      self._called_back = True
-
-  def _lighthouse_address(self) -> str:
-    return self._lighthouse.address if self._comm.is_talker else "?"
+    """The quorum of this attempt (ft/_session.py: the ring's own, one step on, or the lighthouse's)."""
+    return self._plane.join(self._me, self._terms)
 
   def _in_sync(self, quorum: Quorum) -> bool:
     return self.step == quorum.max_step and self.digest == quorum.digest and quorum.in_ring
@@ -463,8 +393,7 @@ class ReplicaGroup:
     # Whether any member wants the lighthouse asked before the next step (it called them back):
     # each piece carries the OR of its sender's wish and what the sender heard, so after
     # the reduce-scatter's G - 1 hops every member knows every member's wish at its start.
-    asked = [bool(self._called_back)]
-    self._called_back = False
+    asked = [self._plane.take_called_back()]
 
     def send(tag: int, segments: list[np.ndarray]) -> None:
       if not self._dropping() and not lost:
@@ -507,7 +436,7 @@ class ReplicaGroup:
           # Members that did commit go on to the next step without asking: its attempt ends too.
           following = dict(expect, q=f"{quorum.lineage}@{self.step + 1}", step=self.step + 1)
           self._links.abort(right.group_id, right.ring_address, following, why, why.blame)
-        self._lighthouse.failed(self.group_id, quorum.quorum_id, why, why.blame)
+        self._plane.client.failed(self.group_id, quorum.quorum_id, why, why.blame)
       # The first hop goes out of the caller's own arrays: none may still be read
       # once allreduce returns them (on success the ring itself proves it). The
       # abort gets a bound of its own (the attempt's deadline may have passed);
@@ -521,9 +450,6 @@ class ReplicaGroup:
   def _aborted_by_lighthouse(self, quorum_id: str, why: str, blame: tuple[str, ...]) -> None:
     """The lighthouse ended the attempt of ``quorum_id`` (a member is out, or the job moved
     on): the attempt in flight of that quorum and the next one it would go on with."""
-    if len(self._ended) >= 64:            # (the lineages of long ago cannot come back)
-      self._ended.clear()
-    self._ended.add(quorum_id)
     reason = f"the lighthouse ended quorum {quorum_id}'s attempt: {why}"
     self._links.fail(quorum_id, reason, blame)
     step = self.step
@@ -541,15 +467,15 @@ class ReplicaGroup:
     self._committed = committed
     quorum = attempt.quorum
     if committed and go_on:
-      self._next = quorum.continued(self.digest, self.batches)
+      self._plane.next = quorum.continued(self.digest, self.batches)
     elif quorum is None:
-      self._why_ask = "it has no quorum"
+      self._plane.why_ask = "it has no quorum"
     elif not committed:
-      self._why_ask = f"step {attempt.step}'s attempt failed ({attempt.failure or 'no reason given'})"
+      self._plane.why_ask = f"step {attempt.step}'s attempt failed ({attempt.failure or 'no reason given'})"
     elif quorum.members != quorum.healthy:
-      self._why_ask = "groups of its quorum catch up"
+      self._plane.why_ask = "groups of its quorum catch up"
     else:
-      self._why_ask = "the lighthouse called the ring back (a group joins)"
+      self._plane.why_ask = "the lighthouse called the ring back (a group joins)"
     members = quorum.members if quorum is not None else ()
     dropped = tuple(sorted(set(quorum.dropped if quorum else ()) |
                            (set(members) - set(contributors) if committed else set())))
@@ -571,7 +497,7 @@ class ReplicaGroup:
   def _extra(self) -> dict[str, Any]:
     return {"group_id": self.group_id, "step": self.step, "jax_process": jax.process_index()}
 
-  # ---- catch-up ------------------------------------------------------------------------------------
+  # ---- catch-up (ft/_recovery.py fetches and replays) --------------------------------------------
 
   def _catch_up(self, state: Any, apply_fn: ApplyFn, grads_like: Any, attempt: _Attempt) -> Any:
     """Replays what this group missed (a snapshot and ring entries), then the step
@@ -582,72 +508,29 @@ class ReplicaGroup:
     quorum, before = attempt.quorum, state
     try:
       like = self._grads_like(grads_like)
-      plan = self._talker_plan(lambda: self._fetch_plan(quorum), state, like)
-      state, step, digest = self._replay(plan, state, apply_fn, like)
-      if plan["snapshot"] is not None:
-        attempt.snapshot_step = plan["step"]
-        self.counters.snapshot_fetches += 1
-        # A group that needed a snapshot (a restarted process: JAX, its compiles) holds many
-        # new objects; Python's next full collection would pause it for a large fraction of
-        # a second in its first steps back, which the healthy groups would wait for. Now,
-        # while nobody waits for it, is the time.
-        gc.collect()
-      if (step, digest) != (quorum.max_step, quorum.digest):
-        raise errors.QuorumError(f"catch-up reached step {step} digest {digest:#x}, not the quorum's "
-                                 f"step {quorum.max_step} digest {quorum.digest:#x}")
-      # Replayed up to the step in flight: tell the lighthouse to wait for us next, then take
-      # that step's result from a peer once it has committed it.
-      last = self._talker_plan(lambda: self._await_entry(quorum), state, like)
-      state, step, digest = self._replay(last, state, apply_fn, like)
-      plan["entries"] = plan["entries"] + last["entries"]
-      # (the healthy members' count at the quorum's step, then the step in flight's own)
-      batches = last["entries"][-1].batches_after if last["entries"] else quorum.batches
+      state, entries, step, digest, batches = self._recovery.replay_to(
+          quorum, state, apply_fn, like, attempt, at=(self.step, self.digest), retries=self._retries,
+          counters=self.counters)
     except (OSError, KeyError, ValueError, errors.QuorumError) as e:
       logger.warning("group %s could not catch up to step %d: %s; sitting this attempt out",
                      self.group_id, quorum.max_step, e, extra=self._extra())
       attempt.catch_up_secs += time.monotonic() - t0
       return before
-    for entry in plan["entries"]:
+    for entry in entries:
       self.ring.put(entry)
       self.digests.record(entry.step + 1, entry.digest_after)
     self.step, self.digest, self.batches = step, digest, batches
     self.digests.record(step, digest)
     secs = time.monotonic() - t0
     attempt.step = step
-    attempt.caught_up_steps += len(plan["entries"])
+    attempt.caught_up_steps += len(entries)
     attempt.catch_up_secs += secs
     self.counters.catch_ups += 1
     self.counters.catch_up_secs += secs
     logger.info("group %s caught up to step %d in %.3fs (%d steps replayed, snapshot %s)",
-                self.group_id, step, secs, len(plan["entries"]), attempt.snapshot_step,
+                self.group_id, step, secs, len(entries), attempt.snapshot_step,
                 extra=dict(self._extra(), catch_up_secs=secs))
     return state
-
-  def _talker_plan(self, fetch: Callable[[], dict[str, Any]], state: Any,
-                   like: tuple[list[Any], Any]) -> dict[str, Any]:
-    """``fetch()`` on process 0 of the group, shared with the others."""
-    plan, error = None, None
-    if self._comm.is_talker:
-      try:
-        plan = fetch()
-      except (OSError, KeyError, ValueError) as e:
-        error = e
-    plan = self._share_plan(plan, state, like)
-    if plan is None:
-      raise error or KeyError("process 0 of the group could not fetch the catch-up data")
-    return plan
-
-  def _replay(self, plan: dict[str, Any], state: Any, apply_fn: ApplyFn,
-              like: tuple[list[Any], Any]) -> tuple[Any, int, int]:
-    """``state`` after the plan's snapshot and entries, with its step and digest."""
-    step, digest = plan["step"], plan["digest"]
-    if plan["snapshot"] is not None:
-      state = rebuild_state(state, plan["snapshot"])
-    for entry in plan["entries"]:
-      grads = jax.tree_util.tree_unflatten(like[1], [rebuild_leaf(l, h) for l, h in zip(like[0], entry.leaves)])
-      state = apply_fn(state, grads)
-      step, digest = entry.step + 1, entry.digest_after
-    return state, step, digest
 
   def _grads_like(self, grads_like: Any) -> tuple[list[Any], Any]:
     if grads_like is not None:
@@ -657,103 +540,6 @@ class ReplicaGroup:
       return self._layout
     raise errors.InvalidArgumentError(f"group {self.group_id} must replay averaged gradients but does not know their "
                      "layout: pass grads_like= (e.g. the params) to start_step()")
-
-  def _catch_up_peer(self, quorum: Quorum) -> Member:
-    healthy = [m for m in quorum.peers if m.group_id != self.group_id]
-    if not healthy:
-      raise KeyError(f"quorum {quorum.quorum_id} names no healthy peer for group {self.group_id} to "
-                     "catch up from")
-    # Each failed attempt in a row asks the next healthy peer, so one that is slow to answer
-    # (busy serving someone else, or gone) delays catch-up by one attempt, never for good.
-    return healthy[self._retries % len(healthy)]
-
-  def _fetch_plan(self, quorum: Quorum) -> dict[str, Any]:
-    peer = self._catch_up_peer(quorum)
-    logger.info("group %s catches up from %s (%s) to step %d", self.group_id, peer.group_id,
-                peer.address, quorum.max_step, extra=self._extra())
-    secs = self.timeout.total_seconds()
-    entries = None
-    if self.step < quorum.max_step:
-      entries = fetch_ring(self._sender, peer.address, self.step, self.digest, quorum.max_step, secs)
-    if entries is not None:
-      return {"step": self.step, "digest": self.digest, "snapshot": None, "entries": entries}
-    source = self._peer_source(peer)
-    snap_step = source.latest_step()
-    if snap_step is None:
-      raise KeyError(f"peer {peer.group_id} serves no snapshot and its ring does not reach back to "
-                     f"step {self.step}: give it a snapshot_source or a larger ring_size")
-    reply = self._sender.request(peer.address, {"op": "digest", "step": snap_step}, secs)
-    if reply is None or reply[0].get("digest") is None:
-      raise KeyError(f"peer {peer.group_id} knows no digest of its snapshot step {snap_step}")
-    snap_digest = int(reply[0]["digest"])
-    entries = fetch_ring(self._sender, peer.address, snap_step, snap_digest, quorum.max_step, secs)
-    if entries is None:
-      raise KeyError(f"peer {peer.group_id}'s ring does not cover steps {snap_step}..{quorum.max_step}")
-    return {"step": snap_step, "digest": snap_digest, "snapshot": source.fetch(snap_step),
-            "entries": entries}
-
-  def _await_entry(self, quorum: Quorum) -> dict[str, Any]:
-    """A plan of the step the healthy members reduce now, once a peer has
-    committed it (within ``timeout``; no entry if none did), so this group asks
-    for the next quorum in sync. The lighthouse learns first that it will."""
-    self._lighthouse.ready(self.group_id)
-    peer = self._catch_up_peer(quorum)
-    deadline = time.monotonic() + self.timeout.total_seconds()
-    entries: list[RingEntry] = []
-    while (left := deadline - time.monotonic()) > 0:
-      got = fetch_ring(self._sender, peer.address, quorum.max_step, quorum.digest,
-                       quorum.max_step + 1, min(left, 1.0), wait_secs=left)   # (held until committed)
-      if got is not None:
-        entries = got
-        break
-      time.sleep(0.005)
-    return {"step": quorum.max_step, "digest": quorum.digest, "snapshot": None,
-            "entries": entries}
-
-  def _default_peer_source(self, peer: Member) -> SnapshotSource:
-    """The peer's snapshot agents when it advertises them (``snap_where``), else its serving thread."""
-    secs = self.timeout.total_seconds()
-    reply = self._sender.request(peer.address, {"op": "snap_where"}, secs)
-    if reply is not None and reply[0].get("agent"):
-      source = AgentSnapshotSource(**reply[0]["agent"], timeout_secs=secs)
-      try:
-        source.latest_step()
-      except (OSError, KeyError) as e:
-        logger.warning("group %s cannot reach the snapshot agents of group %s (%s): %s; asking "
-                       "its serving thread instead", self.group_id, peer.group_id,
-                       reply[0]["agent"], e, extra=self._extra())
-      else:
-        logger.info("group %s fetches its snapshot from the snapshot agents of group %s (%s)",
-                    self.group_id, peer.group_id, reply[0]["agent"], extra=self._extra())
-        return source
-    return RemoteSnapshotSource(self._sender, peer.address, secs)
-
-  def _share_plan(self, plan: dict[str, Any] | None, state: Any, like: tuple[list[Any], Any]
-                  ) -> dict[str, Any] | None:
-    if self._comm.size == 1:
-      return plan
-    head = None
-    if plan is not None:
-      head = {"step": plan["step"], "digest": plan["digest"], "snapshot": plan["snapshot"] is not None,
-              "entries": [[e.step, e.digest_before, e.digest_after, e.batches_after]
-                          for e in plan["entries"]]}
-    head = self._comm.share(head)
-    if head is None:
-      return None
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
-    snapshot = None
-    if head["snapshot"]:
-      arrays = self._comm.share_arrays([plan["snapshot"][p] for p in paths] if plan else None,
-                                       [(x.shape, x.dtype) for _, x in flat])
-      snapshot = dict(zip(paths, arrays))
-    entries = []
-    for i, (s, before, after, batches) in enumerate(head["entries"]):
-      arrays = self._comm.share_arrays(plan["entries"][i].leaves if plan else None,
-                                       [(x.shape, x.dtype) for x in like[0]])
-      entries.append(RingEntry(step=s, digest_before=before, digest_after=after, leaves=tuple(arrays),
-                               batches_after=batches))
-    return {"step": head["step"], "digest": head["digest"], "snapshot": snapshot, "entries": entries}
 
 
 def _like(x: Any) -> Any:
