@@ -80,6 +80,7 @@ class CoreManager:
     self._copy_pool = None if threads == 1 else concurrent.futures.ThreadPoolExecutor(
         threads, thread_name_prefix="jaxckpt-copy")
     self._closed = False
+    self._ending = False               # SIGTERM's deadline closes it: the process ends next
     self._unfinalized = False
     self._flow = _flow.SaveFlow(self._schedule, self._store, self.ledger,
                                 None if config is None else directory, options=options,
@@ -449,6 +450,8 @@ class CoreManager:
       if self.ledger.flight is not None:
         self._wait(self.ledger.flight, self.options.timeout_secs, "close")
       if self._config is not None:
+        if self._process[1] == 1 or self._ending:   # (a job's processes may differ in it)
+          self._persists.persist_newest(self._store, "close")
         self._persists.wait_ended(self._store, self.options.timeout_secs, "close")
       self._raise_background_error()
       self._finalized()
@@ -466,10 +469,7 @@ class CoreManager:
     snapshot in flight is committed, and the newest snapshot persisted (due or not,
     where host memory ends with the process), before the process ends."""
     try:
-      if not self._closed:
-        if self.ledger.flight is not None:
-          self._wait(self.ledger.flight, self.options.timeout_secs, "close")
-        self._persists.persist_newest(self._store)
+      self._ending = True
       self.close()
     except Exception:  # pylint: disable=broad-except  (the process ends next; say why)
       logger.exception("closing the manager before the SIGTERM deadline failed")

@@ -38,18 +38,18 @@ class Persists:
                where: str) -> None:
     self.ledger, self.directory, self.process, self.where = ledger, directory, process, where
 
-  def persist_newest(self, store: HostStore) -> None:
-    """Puts the store's newest snapshot on storage if no persist of it was asked (a
-    process about to end: ``HostStore.persist_held``); its end is waited for as a due
-    step's."""
+  def persist_newest(self, store: HostStore, what: str) -> None:
+    """Puts the store's newest snapshot on storage if no persist of it was asked and
+    host memory ends with the manager (``HostStore.persist_held``: the in-process
+    store); its end is waited for as a due step's."""
     newest = max(store.steps(), default=None)
     if (self.directory is None or newest is None or newest in self.ledger.stored
         or newest in self.ledger.attempts()):
       return
     if store.persist_held(newest, self.ledger.new_attempt(newest)):
       self.ledger.record(newest).persisting = True
-      logger.warning("step %d: persisted at SIGTERM's deadline (the loop did not ask "
-                     "reached_preemption() in time)", newest)
+      logger.info("step %d: persisted at %s (the newest snapshot; host memory ends with "
+                  "this manager)", newest, what)
 
   def refuse_existing(self, step: int, store: HostStore,
                       error: Callable[[str], Exception]) -> None:

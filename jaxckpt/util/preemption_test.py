@@ -201,7 +201,6 @@ def test_the_newest_snapshot_reaches_storage_at_the_deadline_though_it_was_not_d
   # one is persisted whatever the persist interval (storage had only step 10 before).
   code, _, secs = _run(IDLE_LOOP, tmp_path / "ckpt", 4.0, wait=4.0 + 30)
   assert code == -signal.SIGTERM and secs < 4.0 + 1.0, _run.stderr[-3000:]
-  assert "step 13: persisted at SIGTERM's deadline" in _run.stderr, _run.stderr[-3000:]
   with jc.CheckpointManager(directory=str(tmp_path / "ckpt"),
                             options=jc.CheckpointOptions(handle_sigterm=False)) as mgr:
     assert mgr.latest_step() == 13
