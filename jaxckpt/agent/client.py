@@ -146,21 +146,6 @@ class AgentStore(HostStore):
   def who(self) -> str:
     return f"snapshot agent of job {self.opts.job_name!r} host {self.host} (pid {self.pid})"
 
-  @property
-  def directory(self) -> list[dict[str, Any]]:
-    """The job's agents on other machines (``JobAgents.directory``)."""
-    return self.job.directory
-
-  @property
-  def elsewhere(self) -> list[dict[str, Any]]:
-    """The earlier run's agents outside this run (``JobAgents.elsewhere``)."""
-    return self.job.elsewhere
-
-  @property
-  def job_size(self) -> int | None:
-    """The processes of the job (``discover``)."""
-    return self.job.size
-
   def _connect(self) -> None:
     if not self.opts.spawn:
       info = read_address(_paths.agent_dir(self.run_root, self.opts.job_name, self.host))
