@@ -138,7 +138,7 @@ def test_a_second_restore_of_a_step_reads_the_memory_the_first_one_lent():
       assert max(faults[1:]) < nbytes // (64 << 10) // 4, faults
       assert m.save(2, state)                 # a reservation lets the lent map go
       m.wait_until_finished()
-      assert not m._core._store._lent
+      assert not m._core._store.maps.lent
 
 
 def test_prepare_maps_every_slot_for_writing_so_no_save_faults_a_page():

@@ -339,17 +339,17 @@ def test_a_relaunch_that_persists_elsewhere_leaves_an_earlier_runs_persist_alone
 def test_a_rollback_or_a_delete_fences_a_persist_rebuilt_after_a_lost_agent(sandbox):
   # A persist of step 5 rebuilt by this trainer (after its agent was lost) must not
   # commit once the job rolls back below it (a save of step 4) or deletes it.
-  from jaxckpt.agent.client import _Fenced  # pylint: disable=import-outside-toplevel
+  from jaxckpt.agent._repersist import _Fenced  # pylint: disable=import-outside-toplevel
   with Cluster(*sandbox, 1) as c:
     st = c.stores[0]
-    st._repersisting.update({(5, "r-s5-0"), (3, "r-s3-0")})   # pylint: disable=protected-access
+    st.repersist.running.update({(5, "r-s5-0"), (3, "r-s3-0")})
     c.save(4, hosts=[0])                          # a new timeline from step 4 on
     with pytest.raises(_Fenced):
-      st._check_fence(5, "r-s5-0")                # pylint: disable=protected-access
-    st._check_fence(3, "r-s3-0")                  # pylint: disable=protected-access  (older: goes on)
-    st._fence_rebuilds(lambda s: s == 3)          # pylint: disable=protected-access  (what discard does)
+      st.repersist.check(5, "r-s5-0")
+    st.repersist.check(3, "r-s3-0")                    # (older: goes on)
+    st.repersist.fence(lambda s: s == 3)          # (what discard does)
     with pytest.raises(_Fenced):
-      st._check_fence(3, "r-s3-0")                # pylint: disable=protected-access
+      st.repersist.check(3, "r-s3-0")
 
 
 def test_a_replaced_agent_is_announced_to_its_peers_and_parity_goes_on(sandbox):
@@ -360,7 +360,7 @@ def test_a_replaced_agent_is_announced_to_its_peers_and_parity_goes_on(sandbox):
   with Cluster(*sandbox, 1, timeout_secs=60.0) as c:
     infos = {str(h): c.stores[h].info for h in range(HOSTS)}
     for st in c.stores:                           # what AgentStore.discover sets up
-      st.directory, st._peers = list(infos.values()), dict(infos)   # pylint: disable=protected-access
+      st.job.directory, st.job.peers = list(infos.values()), dict(infos)
       st.call(_requests.Peers(peers=infos))
     c.protect(1)
     dead = c.stores[0].pid

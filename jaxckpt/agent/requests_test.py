@@ -163,10 +163,10 @@ def test_a_commit_s_manifest_is_parsed_once_for_every_use_on_the_agent(tmp_path)
                          process=[0, 1]))
     first = agent.manifest_of(5)
     assert first == manifest and agent.manifest_of(5) is first
-    with agent._pinned(5) as (read, _):             # pylint: disable=protected-access
+    with agent.durable.pinned(5) as (read, _):
       assert read is first
     assert ask(_requests.Discard(step=5)).discarded
-    assert agent._parsed == {}                       # pylint: disable=protected-access
+    assert agent.durable.parsed == {}
     with pytest.raises(errors.StepNotFoundError):
       agent.manifest_of(5)
   finally:
