@@ -450,8 +450,11 @@ class CoreManager:
       if self.ledger.flight is not None:
         self._wait(self.ledger.flight, self.options.timeout_secs, "close")
       if self._config is not None:
-        if self._process[1] == 1 or self._ending:   # (a job's processes may differ in it)
-          self._persists.persist_newest(self._store, "close")
+        # the newest step on storage whose persists follow storage's pace (the user chose no
+        # steps), or at SIGTERM's deadline (a job's processes may differ in their newest)
+        if self._ending or (self._process[1] == 1 and self.options.persist_interval_steps is None):
+          self._persists.persist_newest(self._store, "SIGTERM's deadline" if self._ending
+                                        else "close")
         self._persists.wait_ended(self._store, self.options.timeout_secs, "close")
       self._raise_background_error()
       self._finalized()

@@ -62,7 +62,8 @@ class Persists:
     if step in universal.all_steps(directory):
       where = (f"is already committed in {directory!r} (persist attempt "
                f"{universal.committed_by(directory, step)!r})")
-    elif step in store.persist_status(ask=False).pending:
+    elif (step in store.persist_status(ask=False).pending        # (or its snapshot, then its
+          or any(r.step == step for r in led.persisting())):      # persist, is on its way)
       where = "is already being persisted (its first save)"
     else:                                     # deleted since (gc, delete), or never stored
       led.stored.discard(step)

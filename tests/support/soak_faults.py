@@ -76,7 +76,16 @@ def damage_newest(soak: Any, info: dict[str, Any], *, how: str = "flip") -> None
   relaunches: the restore must skip that step for the one before."""
   from jaxckpt import universal  # pylint: disable=import-outside-toplevel
   from jaxckpt.testing import damage  # pylint: disable=import-outside-toplevel
+  from jaxckpt.util import _wait  # pylint: disable=import-outside-toplevel
+  from tests.support.soak import PERSIST_INTERVAL  # pylint: disable=import-outside-toplevel
   job = soak.job
+  # two stored steps first (a fault may have destroyed a due step): one to damage, one older
+  # to go back to; the job goes on (at most two persist intervals more) until it stored them
+  if len(universal.all_steps(soak.directory)) < 2:
+    job.send(f"GO {max(job.furthest(), min(job.progress() + 2 * PERSIST_INTERVAL + 1, soak.steps - 3))}")
+  _wait.until(lambda: len(universal.all_steps(soak.directory)) >= 2, timeout_secs=240,
+              late=lambda: f"{info['kind']}: the job stored fewer than 2 steps in "
+                           f"{soak.directory} within 240 s", max_poll_secs=0.5)
   progress = soak.stop_job("restart")
   for i in range(len(job.trainers)):
     for pid in processes.agent_pids(soak.machine(i)[0]):
