@@ -108,7 +108,12 @@ class Durability:
     too) for the persist thread while it reads the slot."""
     me = -os.getpid()                   # a pin owner that reap() never treats as dead
     with self.agent.lock:
-      s = self.agent.table.pin(step, me, attempt) or self.agent.slot_of(step)
+      s = self.agent.table.pin(step, me, attempt)
+      if s is None and attempt is None:
+        s = self.agent.slot_of(step)    # (raises StepNotFoundError)
+      if s is None:                     # (never another run's step of that number)
+        raise errors.StepNotFoundError(f"agent of job {self.agent.job!r} host {self.agent.host} "
+                                       f"holds step {step} for no persist attempt {attempt!r}")
     mm = None
     try:
       manifest = self.manifest_of(step, s)

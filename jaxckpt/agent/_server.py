@@ -64,6 +64,7 @@ class Agent:
     self.table = _slots.SlotTable(max_snapshots)   # which slot holds what (shared rules)
     self.manifests: dict[int, str] = {}        # step -> manifest JSON
     self.foreign_manifests: dict[int, str] = {}   # slot -> manifest JSON of an earlier run's
+    self.foreign_processes: dict[int, tuple[int, int]] = {}   # slot -> its (process, count)
     self.processes: dict[int, tuple[int, int]] = {}   # step -> (saving process, of how many)
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
@@ -101,6 +102,7 @@ class Agent:
       self.durable.parsed.pop(d.index, None)
       if d.foreign:                     # an earlier run's step: its persist ended
         self.foreign_manifests.pop(d.index, None)
+        self.foreign_processes.pop(d.index, None)
         self.files.free_retired(self.table.slots[d.index])
         continue
       if d.state == _slots.COMMITTED and self.parity is not None:
@@ -156,13 +158,21 @@ class Agent:
     fences them, whatever its step numbers) until those persists end; the same run
     resumes them."""
     if self.run is not None and run != self.run:
-      dropped = self.table.new_run()
-      foreign = [s for s in self.table.slots if s.foreign]
-      for st in foreign:
-        if st.step in self.manifests:
-          self.foreign_manifests[st.index] = self.manifests.pop(st.step)
-        self.processes.pop(st.step, None)
+      t = self.table
+      ending = [s for s in t.slots if s.state == _slots.COMMITTED and not s.foreign and s.held]
+      before = {s.index for s in t.slots if s.foreign}
+      dropped = t.new_run(run)
+      for st in ending:                  # the ending run's steps still being persisted
+        self.foreign_manifests[st.index] = self.manifests.pop(st.step)
+        if st.step in self.processes:
+          self.foreign_processes[st.index] = self.processes.pop(st.step)
       self.dropped(dropped)
+      for st in t.slots:                 # ``run`` comes back: its own steps still persisting
+        if st.index in before and st.state == _slots.COMMITTED and not st.foreign:
+          self.manifests[st.step] = self.foreign_manifests.pop(st.index)
+          if st.index in self.foreign_processes:
+            self.processes[st.step] = self.foreign_processes.pop(st.index)
+      foreign = [s for s in t.slots if s.foreign]
       if self.persister is not None:
         self.persister.disown({st.attempt for st in foreign if st.attempt})
       if self.parity is not None:
@@ -172,7 +182,7 @@ class Agent:
                   "of steps %s of the previous run are freed, those of %s once their "
                   "persists end", self.job, self.host, run, self.run,
                   [d.step for d in dropped], [st.step for st in foreign])
-    self.run = run
+    self.run = self.table.run = run
 
   def _take_lease(self, pid: int, owner: str | None = None) -> None:
     """One manager per job and host, in any process: a live holder keeps the lease

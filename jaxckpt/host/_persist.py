@@ -247,9 +247,10 @@ class Persister:
     self._pool.submit(self._run, attempt)
 
   def disown(self, attempts: set[str]) -> None:
-    """``attempts`` are an earlier run's (see the class docstring)."""
+    """``attempts`` are those of earlier runs (see the class docstring); any other,
+    one a run that came back takes back included, is the present run's."""
     with self._lock:
-      self._foreign = {a for a in self._foreign if a in self._jobs} | set(attempts)
+      self._foreign = set(attempts)
 
   def _ours(self) -> list[_Job]:
     return [j for j in self._jobs.values() if j.attempt not in self._foreign]

@@ -36,7 +36,7 @@ bytes; the table decides:
   held for their persists become *foreign* (invisible to every query and rule by
   step, found only by their persist ``attempt``, freed when it ends, and never
   dropped as a rolled back step of the new run, whatever its step numbers); the
-  others are freed.
+  others are freed. A run that comes back takes its own foreign steps back.
 
 Every method that frees a slot returns what it freed (:class:`Dropped`), so the
 store can release what it keeps beside the table (manifests, parity, hashing).
@@ -65,6 +65,7 @@ class SlotState:
   held: bool = False            # committed and due for storage: kept until its persist ends
   protected: bool = False       # its parity is done (the newest such step is kept)
   attempt: str | None = None    # the persist attempt a held step is held for
+  run: str | None = None        # the run that committed it (the table's run then)
   foreign: bool = False         # an earlier run's step, held only until its persist ends
   pins: dict[int, int] = dataclasses.field(default_factory=dict)   # reader -> count
 
@@ -153,6 +154,7 @@ class SlotTable:
     self.keep = keep
     self.base = keep + 1 if count is None else count    # the loop's slots
     self.spare = 0
+    self.run: str | None = None   # the run whose steps are this table's own
     self._squeezed = False     # a kept step went to free a slot a held one took (crowded)
     self.slots: list[SlotState] = []
     self.grow_to(self.base)
@@ -293,18 +295,23 @@ class SlotTable:
     s = self.writing(index, step)
     dropped = [self._drop(o) for o in self._own() if o.step >= step]
     s.state, s.owner, s.held, s.protected = COMMITTED, None, hold, False
-    s.attempt = attempt if hold else None
+    s.attempt, s.run = (attempt if hold else None), self.run
     return dropped + self._trim()
 
-  def new_run(self) -> list[Dropped]:
-    """A new run of the job: this run's steps held for their persists become foreign
-    (see the module docstring), the others are freed (returned)."""
+  def new_run(self, run: str | None) -> list[Dropped]:
+    """Run ``run`` follows: this run's steps held for their persists become foreign
+    (see the module docstring), the others are freed (returned), and the foreign
+    steps ``run`` itself committed (it comes back) are its own again."""
     out = []
     for o in self._own():
       if o.held:
         o.foreign, o.protected = True, False
       else:
         out.append(self._drop(o))
+    self.run = run
+    for o in self.slots:
+      if o.state == COMMITTED and o.foreign and run is not None and o.run == run:
+        o.foreign = False
     return out
 
   def protect(self, step: int) -> list[Dropped]:
@@ -326,9 +333,7 @@ class SlotTable:
     """Ends the hold of committed ``step`` (its persist ``attempt`` ended: then the
     slot held for that attempt, a foreign one included, which is freed); returns what
     the keep rule drops now that it may (a no-op if ``step`` is not held)."""
-    s = self.of_attempt(attempt) if attempt is not None else None
-    if s is None:
-      s = self.committed(step)
+    s = self.of_attempt(attempt) if attempt is not None else self.committed(step)
     if s is None or not s.held:
       return []
     if s.foreign:
@@ -384,10 +389,9 @@ class SlotTable:
 
   def pin(self, step: int, reader: int, attempt: str | None = None) -> SlotState | None:
     """Pins committed ``step`` for ``reader`` (None if not held); with ``attempt``, the
-    slot held for that persist attempt (a foreign one too) if there is one."""
-    s = self.of_attempt(attempt) if attempt is not None else None
-    if s is None:
-      s = self.committed(step)
+    slot held for that persist attempt (a foreign one too), or None: never another
+    slot of the same step number."""
+    s = self.of_attempt(attempt) if attempt is not None else self.committed(step)
     if s is not None:
       s.pins[reader] = s.pins.get(reader, 0) + 1
     return s
@@ -436,5 +440,5 @@ class SlotTable:
   def _drop(s: SlotState) -> Dropped:
     d = Dropped(s.index, s.step, s.state, s.held, s.foreign)
     s.state, s.step, s.owner, s.held, s.protected = FREE, None, None, False, False
-    s.attempt, s.foreign = None, False
+    s.attempt, s.foreign, s.run = None, False, None
     return d

@@ -317,7 +317,7 @@ def test_a_new_run_sees_none_of_the_earlier_runs_steps_and_its_own_step_numbers_
   for step, hold in ((1, False), (2, True)):
     t.commit(t.reserve(step, 8, owner=1).index, step, hold=hold, attempt=f"r1-s{step}-0")
   held = t.committed(2)
-  assert [(d.step, d.foreign) for d in t.new_run()] == [(1, False)]   # not held: freed
+  assert [(d.step, d.foreign) for d in t.new_run("r2")] == [(1, False)]   # not held: freed
   assert t.steps() == [] and t.held_steps() == [] and t.committed(2) is None
   assert t.foreign_steps() == [2] and t.pin(2, reader=7) is None
   # the new run's own step 2: no rollback of the earlier run's, each found by its attempt
