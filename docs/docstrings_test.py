@@ -1,8 +1,10 @@
-"""Runs the ``>>>`` examples in the docstrings of every jaxckpt module.
+"""Runs the ``>>>`` examples in the docstrings of every jaxckpt module, and of the
+test harness's modules that have some (``tests/support``: e.g. starting SeaweedFS or an
+etcd cluster).
 
 The examples are part of the API reference (``docs/api.md``), so they must run
-as written. Test modules and ``__main__`` modules are not imported (the worker
-scripts of the test harness live outside the package, in ``tests/support``).
+as written. Test modules and ``__main__`` modules are not imported (nor the harness's
+worker scripts without examples: they are run, not imported).
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ def _modules() -> list[str]:
     if info.name.endswith(_SKIP_SUFFIXES):
       continue
     names.append(info.name)
+  support = pathlib.Path(__file__).resolve().parent.parent / "tests" / "support"
+  names += [f"tests.support.{f.stem}" for f in support.glob("*.py")
+            if not f.stem.endswith(_SKIP_SUFFIXES) and ">>>" in f.read_text()]
   return sorted(names)
 
 
 def test_every_module_is_collected():
   names = _modules()
   assert "jaxckpt.manager" in names and "jaxckpt.universal.convert" in names
+  assert "tests.support.soak" in names and "tests.support.ft_simulate" in names
   assert not [n for n in names if n.endswith("_test")]
 
 

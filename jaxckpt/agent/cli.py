@@ -19,6 +19,7 @@ from jaxckpt.agent._server import Agent, serve
 from jaxckpt.agent._remote import job_agents
 from jaxckpt.agent.client import start_agent, wait_exited
 from jaxckpt.options import default_host_memory_limit_bytes
+from jaxckpt.util._progress import human_bytes
 
 
 def _common(p: argparse.ArgumentParser, *, found: bool = False) -> None:
@@ -148,14 +149,6 @@ def _status(args) -> int:
     finally:
       c.close()
   return 0
-
-
-def human_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  raise AssertionError("unreachable")
 
 
 def _duration(secs: float) -> str:

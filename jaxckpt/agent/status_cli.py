@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths, jobs
+from jaxckpt.util._progress import human_bytes
 from jaxckpt.util._text import shown
 
 _HELP = """Show a job's snapshot agents on every host: pid, address, alive, the steps each
@@ -67,14 +68,6 @@ def _steps(steps: list[int], most: int = 4) -> str:
   return ("... " if len(steps) > most else "") + shown
 
 
-def _size(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  raise AssertionError("unreachable")
-
-
 def row(a: jobs.AgentView) -> dict[str, str]:
   """One agent's cells, as the table shows them (escaped: an agent's and a peer's
   addresses and names are data, see :func:`jaxckpt.util._text.shown`)."""
@@ -92,7 +85,7 @@ def _cells(a: jobs.AgentView) -> dict[str, str]:
   return {"host": str(a.host), "pid": str(a.pid), "address": a.address, "alive": "yes",
           "held": _steps(a.held), "protected": "-" if a.protected is None else str(a.protected),
           "persisted": _steps(a.persisted), "pending": _steps(a.pending), "lag": lag,
-          "memory": f"{_size(a.bytes)} / {_size(a.limit_bytes)}{share}"}
+          "memory": f"{human_bytes(a.bytes)} / {human_bytes(a.limit_bytes)}{share}"}
 
 
 def title(st: jobs.JobStatus) -> str:
