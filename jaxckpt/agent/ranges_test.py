@@ -9,7 +9,6 @@ the agent by mistake either.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -37,8 +36,7 @@ def held():
     with jc.CheckpointManager(options=opts) as m:
       assert m.save(1, {"w": W})
       m.wait_until_finished()
-    with open(_paths.address_file(_paths.agent_dir(root, job, 0))) as f:
-      yield opts, root, job, json.load(f)
+    yield opts, root, job, processes.agent_address(root, job)
 
 
 def _sealed(endpoint: str, secret: bytes, header: dict) -> dict:

@@ -3,7 +3,6 @@ means nothing on the agent's machine, is never looked up."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt.util import _wait
-from jaxckpt.agent import _paths, _protocol, _requests
+from jaxckpt.agent import _requests
 from jaxckpt.testing import processes
 
 W = np.arange(512, dtype=np.float32).reshape(64, 8)
@@ -27,16 +26,9 @@ def one_slot():
     with jc.CheckpointManager(options=opts) as mgr:
       assert mgr.save(1, {"w": W})
       mgr.wait_until_finished()
-      with open(_paths.address_file(_paths.agent_dir(root, job, 0))) as f:
-        info = json.load(f)
-      secret = _paths.job_secret(root, job)
-      tcp = _protocol.Client.of(info, who="a remote reader", timeout_secs=20, secret=secret)
-      ipc = _protocol.Client(info["ipc"], who="a local reader", timeout_secs=20, secret=secret)
-      try:
+      with processes.agent_client(root, job, who="a remote reader") as tcp, \
+          processes.agent_client(root, job, who="a local reader", tcp=False) as ipc:
         yield mgr, tcp, ipc
-      finally:
-        tcp.close()
-        ipc.close()
 
 
 def _saves_again(mgr, step: int, timeout_secs: float = 60) -> None:

@@ -3,7 +3,6 @@ run roots others could write are refused; one live trainer per job and host."""
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import re
@@ -33,8 +32,7 @@ def held(tmp_path):
     with jc.CheckpointManager(options=opts) as m:
       assert m.save(1, {"w": np.arange(512, dtype=np.float32).reshape(64, 8)})
       m.wait_until_finished()
-    with open(_paths.address_file(_paths.agent_dir(root, job, 0))) as f:
-      yield opts, root, job, json.load(f)
+    yield opts, root, job, processes.agent_address(root, job)
 
 
 def _nobody() -> pwd.struct_passwd:

@@ -6,7 +6,6 @@ job's lease forever; over the local socket a pin is its caller's, whatever lease
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.agent import _paths, _protocol, _requests
+from jaxckpt.agent import _requests
 from jaxckpt.testing import processes
 from jaxckpt.util import _wait
 
@@ -31,16 +30,9 @@ def agent():
     with jc.CheckpointManager(options=opts) as m:
       assert m.save(1, {"w": W})
       m.wait_until_finished()
-    with open(_paths.address_file(_paths.agent_dir(root, job, 0))) as f:
-      info = json.load(f)
-    secret = _paths.job_secret(root, job)
-    tcp = _protocol.Client.of(info, who="another machine", timeout_secs=20, secret=secret)
-    ipc = _protocol.Client(info["ipc"], who="this machine", timeout_secs=20, secret=secret)
-    try:
+    with processes.agent_client(root, job, who="another machine") as tcp, \
+        processes.agent_client(root, job, who="this machine", tcp=False) as ipc:
       yield opts, tcp, ipc
-    finally:
-      tcp.close()
-      ipc.close()
 
 
 @pytest.mark.parametrize("op,args", [

@@ -20,7 +20,9 @@ import uuid
 from typing import Any, Iterator
 
 
+from jaxckpt.agent import _paths
 from jaxckpt.agent._paths import pid_alive
+from jaxckpt.agent._protocol import Client
 from jaxckpt.agent.client import wait_exited
 
 
@@ -111,6 +113,26 @@ def agent_sandbox(prefix: str = "jt") -> Iterator[tuple[str, str]]:
       with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def agent_address(root: str, job: str, host: int = 0) -> dict[str, Any]:
+  """The address record of job ``job``'s agent of ``host`` under run root ``root``."""
+  with open(_paths.address_file(_paths.agent_dir(root, job, host))) as f:
+    return json.load(f)
+
+
+@contextlib.contextmanager
+def agent_client(root: str, job: str, *, who: str, host: int = 0, tcp: bool = True,
+                 timeout_secs: float = 20) -> Iterator[Client]:
+  """A client of that agent with the job's secret, over tcp (as another machine reaches
+  it) or its local socket; closed on exit."""
+  info, secret = agent_address(root, job, host), _paths.job_secret(root, job)
+  client = (Client.of(info, who=who, timeout_secs=timeout_secs, secret=secret) if tcp
+            else Client(info["ipc"], who=who, timeout_secs=timeout_secs, secret=secret))
+  try:
+    yield client
+  finally:
+    client.close()
 
 
 def agent_pids(root: str) -> list[int]:
