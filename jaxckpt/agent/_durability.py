@@ -68,7 +68,7 @@ class Durability:
     share it (StepNotFoundError if not committed). Parsed outside the agent's lock by
     whichever thread first needs it."""
     s = slot if slot is not None else self.agent.slot_of(step)
-    text = self.agent.foreign_manifests[s.index] if self.agent.table.foreign(s) else self.agent.manifests[step]
+    text = self.agent.foreign_manifests[s.index] if s.foreign else self.agent.manifests[step]
     got = self.parsed.get(s.index)
     if got is not None and got[0] is text:
       return got[1]

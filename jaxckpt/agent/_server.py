@@ -159,8 +159,8 @@ class Agent:
     resumes them."""
     if self.run is not None and run != self.run:
       t = self.table
-      ending = [s for s in t.slots if s.state == _slots.COMMITTED and not t.foreign(s) and s.held]
-      before = {s.index for s in t.slots if t.foreign(s)}
+      ending = [s for s in t.slots if s.state == _slots.COMMITTED and not s.foreign and s.held]
+      before = {s.index for s in t.slots if s.foreign}
       dropped = t.new_run(run)
       for st in ending:                  # the ending run's steps still being persisted
         self.foreign_manifests[st.index] = self.manifests.pop(st.step)
@@ -168,11 +168,11 @@ class Agent:
           self.foreign_processes[st.index] = self.processes.pop(st.step)
       self.dropped(dropped)
       for st in t.slots:                 # ``run`` comes back: its own steps still persisting
-        if st.index in before and not t.foreign(st):
+        if st.index in before and st.state == _slots.COMMITTED and not st.foreign:
           self.manifests[st.step] = self.foreign_manifests.pop(st.index)
           if st.index in self.foreign_processes:
             self.processes[st.step] = self.foreign_processes.pop(st.index)
-      foreign = [s for s in t.slots if t.foreign(s)]
+      foreign = [s for s in t.slots if s.foreign]
       if self.persister is not None:
         self.persister.disown({st.attempt for st in foreign if st.attempt})
       if self.parity is not None:

@@ -65,8 +65,8 @@ class SlotState:
   held: bool = False            # committed and due for storage: kept until its persist ends
   protected: bool = False       # its parity is done (the newest such step is kept)
   attempt: str | None = None    # the persist attempt a held step is held for
-  run: str | None = None        # the run that committed it (the table's run then): another
-                                # run's is foreign, held only until its persist ends
+  run: str | None = None        # the run that committed it (the table's run then)
+  foreign: bool = False         # an earlier run's step, held only until its persist ends
   pins: dict[int, int] = dataclasses.field(default_factory=dict)   # reader -> count
 
   @property
@@ -171,13 +171,9 @@ class SlotTable:
 
   # -- queries ---------------------------------------------------------------
 
-  def foreign(self, s: SlotState) -> bool:
-    """Whether ``s`` holds another run's step (see the module docstring)."""
-    return s.state == COMMITTED and s.run != self.run
-
   def _own(self) -> list[SlotState]:
     """This run's committed slots (not an earlier run's foreign ones)."""
-    return [s for s in self.slots if s.state == COMMITTED and s.run == self.run]
+    return [s for s in self.slots if s.state == COMMITTED and not s.foreign]
 
   def steps(self) -> list[int]:
     """Committed steps, oldest first."""
@@ -198,7 +194,7 @@ class SlotTable:
 
   def foreign_steps(self) -> list[int]:
     """The earlier runs' steps still held for their persists."""
-    return sorted(s.step for s in self.slots if self.foreign(s))
+    return sorted(s.step for s in self.slots if s.state == COMMITTED and s.foreign)
 
   def held_apart(self) -> int:
     """Held steps older than the newest ``keep``, and the foreign ones: each may take
@@ -206,7 +202,7 @@ class SlotTable:
     committed = self.steps()
     newest = set(committed[-self.keep:])
     return (sum(1 for s in self.held_steps() if s not in newest)
-            + sum(1 for s in self.slots if self.foreign(s)))
+            + sum(1 for s in self.slots if s.state == COMMITTED and s.foreign))
 
   def capacity(self) -> int:
     """The slots the table may have now: the loop's (``keep + 1``), and one per step
@@ -306,10 +302,16 @@ class SlotTable:
     """Run ``run`` follows: this run's steps held for their persists become foreign
     (see the module docstring), the others are freed (returned), and the foreign
     steps ``run`` itself committed (it comes back) are its own again."""
-    out = [self._drop(o) for o in self._own() if not o.held]
+    out = []
     for o in self._own():
-      o.protected = False
+      if o.held:
+        o.foreign, o.protected = True, False
+      else:
+        out.append(self._drop(o))
     self.run = run
+    for o in self.slots:
+      if o.state == COMMITTED and o.foreign and run is not None and o.run == run:
+        o.foreign = False
     return out
 
   def protect(self, step: int) -> list[Dropped]:
@@ -334,7 +336,7 @@ class SlotTable:
     s = self.of_attempt(attempt) if attempt is not None else self.committed(step)
     if s is None or not s.held:
       return []
-    if self.foreign(s):
+    if s.foreign:
       return [self._drop(s)]
     s.held = False
     return self._trim()
@@ -434,8 +436,9 @@ class SlotTable:
           f"slot index {index!r} is not one of this store's {len(self.slots)} slots")
     return self.slots[index]
 
-  def _drop(self, s: SlotState) -> Dropped:
-    d = Dropped(s.index, s.step, s.state, s.held, self.foreign(s))
+  @staticmethod
+  def _drop(s: SlotState) -> Dropped:
+    d = Dropped(s.index, s.step, s.state, s.held, s.foreign)
     s.state, s.step, s.owner, s.held, s.protected = FREE, None, None, False, False
-    s.attempt, s.run = None, None
+    s.attempt, s.foreign, s.run = None, False, None
     return d
