@@ -373,7 +373,7 @@ def test_options_validation_names_field():
 def test_budget_error_gives_sizes():
   opts = jc.CheckpointOptions(max_snapshots=2, host_memory_limit_bytes=1 << 20)
   with jc.CheckpointManager(options=opts) as m:
-    with pytest.raises(errors.HostMemoryBudgetError, match=r"3 snapshot slots x 2.0 MiB") as e:
+    with pytest.raises(errors.HostMemoryBudgetError, match=r"2 snapshots kept \(max_snapshots=2\) \+ 1 being saved: 3 slots x 2.0 MiB") as e:
       m.save(1, {"w": np.zeros(1 << 19, np.float32)})
     assert isinstance(e.value, MemoryError)
 

@@ -187,7 +187,7 @@ class SlotFiles:
     usable = a.max_snapshots + 1             # the loop's slots
     need = usable * nbytes
     per_slot = nbytes
-    what = f"{usable} snapshot slots x {nbytes / 2**20:.1f} MiB"
+    what = f"{_slots.loop_slots(a.max_snapshots)} x {nbytes / 2**20:.1f} MiB"
     if a.parity is not None:
       pbytes = a.parity.estimate_bytes(nbytes)
       need += usable * pbytes

@@ -189,9 +189,20 @@ def test_budget_error_names_the_sizes(sandbox):
   opts = jc.CheckpointOptions(agent=agent_opts(root, job), host_memory_limit_bytes=1 << 20)
   with jc.CheckpointManager(options=opts) as m:
     with pytest.raises(errors.HostMemoryBudgetError,
-                       match=r"3 snapshot slots x 2\.0 MiB = 6\.0 MiB exceed") as e:
+                       match=r"2 snapshots kept \(max_snapshots=2\) \+ 1 being saved: 3 slots x 2\.0 MiB = 6\.0 MiB exceed") as e:
       m.save(1, {"w": np.zeros(1 << 19, np.float32)})
     assert isinstance(e.value, MemoryError)
+
+
+def test_budget_error_counts_the_snapshots_the_user_set(sandbox):
+  # It said "1001 snapshot slots" for max_snapshots=1000: the slot a save writes into, unnamed.
+  root, job = sandbox
+  opts = jc.CheckpointOptions(agent=agent_opts(root, job), max_snapshots=1000, host_memory_limit_bytes=1 << 20)
+  with jc.CheckpointManager(options=opts) as m:
+    with pytest.raises(errors.HostMemoryBudgetError) as e:
+      m.save(1, {"w": np.zeros(1 << 10, np.float32)})
+  assert ("1000 snapshots kept (max_snapshots=1000) + 1 being saved: 1001 slots x 0.0 MiB = 3.9 MiB exceed "
+          "host_memory_limit_bytes=1048576") in str(e.value), e.value
 
 
 def test_agent_stop_frees_every_segment(sandbox):

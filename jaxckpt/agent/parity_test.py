@@ -544,7 +544,7 @@ def test_memory_budget_counts_parity_slots(sandbox):
                      limit_bytes=1 << 20, parity=config)
   try:
     with pytest.raises(errors.HostMemoryBudgetError,
-                       match=r"3 snapshot slots x 0\.3 MiB \+ 3 parity slots x 0\.1 MiB = "
+                       match=r"2 snapshots kept \(max_snapshots=2\) \+ 1 being saved: 3 slots x 0\.3 MiB \+ 3 parity slots x 0\.1 MiB = "
                        r"1\.2 MiB exceed host_memory_limit_bytes=1048576"):
       store.reserve(1, 300 << 10, timeout_secs=0)     # 0.9 MiB of slots alone would fit
   finally:

@@ -84,7 +84,7 @@ def test_a_full_shm_is_a_budget_error_in_the_trainer_not_sigbus(tmp_path):
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "REFUSED" in r.stdout and "ALIVE" in r.stdout, r.stdout
     # refused at the first save, before any memory is taken, naming what is needed
-    assert "3 snapshot slots x 16.0 MiB = 48.0 MiB do not fit in" in r.stdout, r.stdout
+    assert "(max_snapshots=2) + 1 being saved: 3 slots x 16.0 MiB = 48.0 MiB do not fit in" in r.stdout, r.stdout
     assert "8.0 MiB free there" in r.stdout
     # and said at start: the budget (1 GiB) is more than the run root can hold
     assert "host_memory_limit_bytes=1073741824 (1024.0 MiB) is more than the free space of " \

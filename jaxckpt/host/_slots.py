@@ -95,14 +95,24 @@ class Reservation:
   grow: bool
 
 
-def check_budget(*, slots: int, nbytes: int, limit_bytes: int, where: str,
+def loop_slots(keep: int) -> str:
+  """The loop's slots as a budget error says them: the ``max_snapshots`` (``keep``) it keeps
+  and the one a save writes into, so the count a user reads is the one they set.
+
+  >>> loop_slots(1000)
+  '1000 snapshots kept (max_snapshots=1000) + 1 being saved: 1001 slots'
+  """
+  return f"{keep} snapshots kept (max_snapshots={keep}) + 1 being saved: {keep + 1} slots"
+
+
+def check_budget(*, keep: int, nbytes: int, limit_bytes: int, where: str,
                  extra_bytes: int = 0, extra_what: str = "") -> None:
-  """Raises HostMemoryBudgetError if ``slots`` x ``nbytes`` (+ ``extra_bytes``)
-  exceeds ``limit_bytes``."""
-  need = slots * nbytes + extra_bytes
+  """Raises HostMemoryBudgetError if the loop's ``keep + 1`` slots x ``nbytes``
+  (+ ``extra_bytes``) exceed ``limit_bytes``."""
+  need = (keep + 1) * nbytes + extra_bytes
   if need > limit_bytes:
     raise errors.HostMemoryBudgetError(
-        f"{where}: {slots} snapshot slots x {nbytes / 2**20:.1f} MiB{extra_what} = "
+        f"{where}: {loop_slots(keep)} x {nbytes / 2**20:.1f} MiB{extra_what} = "
         f"{need / 2**20:.1f} MiB exceed host_memory_limit_bytes="
         f"{limit_bytes} ({limit_bytes / 2**20:.1f} MiB); lower max_snapshots, "
         "shard the state over more hosts, or raise host_memory_limit_bytes")

@@ -342,5 +342,5 @@ def test_bad_slot_index_and_keep_are_refused():
 
 def test_budget_error_names_the_sizes_and_the_fix():
   with pytest.raises(errors.HostMemoryBudgetError,
-                     match=r"3 snapshot slots x 1.0 MiB = 3.0 MiB exceed .*lower max_snapshots"):
-    _slots.check_budget(slots=3, nbytes=2**20, limit_bytes=2**20, where="here")
+                     match=r"here: 2 snapshots kept \(max_snapshots=2\) \+ 1 being saved: 3 slots x 1.0 MiB = 3.0 MiB exceed .*lower max_snapshots"):
+    _slots.check_budget(keep=2, nbytes=2**20, limit_bytes=2**20, where="here")

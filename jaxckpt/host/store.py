@@ -288,7 +288,7 @@ class InProcessStore(HostStore):
     """Raises HostMemoryBudgetError if the loop's ``max_snapshots + 1`` slots do not
     fit; sets how many more the held steps may take. Called holding the lock."""
     keep = self._table.keep
-    _slots.check_budget(slots=keep + 1, nbytes=nbytes, limit_bytes=self._limit,
+    _slots.check_budget(keep=keep, nbytes=nbytes, limit_bytes=self._limit,
                         where="in-process snapshot store")
     self._table.spare = _slots.spare_slots(keep=keep, nbytes=nbytes, limit_bytes=self._limit)
     self._fit_buffers()
