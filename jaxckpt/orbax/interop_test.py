@@ -268,6 +268,27 @@ def test_an_nnx_optax_checkpoint_imports_into_the_abstract_nnx_state(tmp_path):
 
 
 
+def test_a_manager_opened_on_an_nnx_orbax_directory_says_it_reads_not_writes(tmp_path, caplog):
+  # It logged "Flax NNX layout; writing NNX paths" while it only read orbax's step.
+  import logging  # pylint: disable=import-outside-toplevel
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  build, nnx = _nnx_model_and_optimizer(3)
+  state = nnx.state(build())
+  with ocp.CheckpointManager(str(tmp_path / "orbax")) as m:
+    m.save(7, args=ocp.args.StandardSave(state))
+    m.wait_until_finished()
+  before = sorted(os.listdir(tmp_path / "orbax"))
+  with caplog.at_level(logging.INFO, logger="jaxckpt"):
+    with jc.CheckpointManager(str(tmp_path / "orbax")) as mgr:
+      assert mgr.all_steps() == [7]
+      restored = mgr.restore(7, target=nnx.state(nnx.eval_shape(build)))
+  assert len(jax.tree_util.tree_leaves(restored)) == len(jax.tree_util.tree_leaves(state))
+  said = [r.getMessage() for r in caplog.records]
+  assert any("a Flax NNX layout: its leaves are taken at their NNX paths" in m for m in said), said
+  assert not [m for m in said if "writing" in m], said
+  assert sorted(os.listdir(tmp_path / "orbax")) == before        # (and it wrote nothing)
+
+
 def _assert_same_tree(restored, state):
   want = jax.tree_util.tree_flatten_with_path(state)[0]
   got = jax.tree_util.tree_flatten_with_path(restored)[0]

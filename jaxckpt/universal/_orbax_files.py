@@ -467,7 +467,7 @@ def _pytree_item(item_dir: str, prefix: str, progress: Any, layout: str
   if layout != "plain":
     new = ({p: nnx_path(p) for p in leaves} if layout == "nnx" else nnx_paths(list(leaves)))
     if any(new[p] != p for p in leaves):
-      log.info("%s: Flax NNX layout; writing NNX paths", item_dir)
+      log.info("%s: a Flax NNX layout: its leaves are taken at their NNX paths", item_dir)   # (read or imported)
     leaves = {new[p]: (_nnx_leaf(p, new[p], info, key_impls is None) if new[p] != p else info)
               for p, info in leaves.items()}
     sources = {new[p]: src for p, src in sources.items()}
