@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 
@@ -197,8 +198,31 @@ def _list(args) -> int:
       print(f"  ! pid {a.pid} (job {a.job} host {a.host}): {a.error}")
   total = sum(a.bytes for a in agents)
   print(f"{len(agents)} agent{'s' if len(agents) != 1 else ''}, {human_bytes(total)} of shared "
-        "memory; `jaxckpt agent stop --all` stops them")
+        "memory; to stop them:")
+  for line in _stop_commands(agents):
+    print(f"  {line}")
   return 0 if all(a.answered for a in agents) else 1
+
+
+def _stop_commands(agents: list[jobs.LocalAgent]) -> list[str]:
+  """What stops the listed agents: one command per job and run root (each stops that job's
+  agents only: the others may serve trainers started elsewhere, whose rows say so), and
+  ``stop --all``, which stops every one listed."""
+  by_job: dict[tuple[str, str], list[jobs.LocalAgent]] = {}
+  for a in agents:
+    by_job.setdefault((a.job, a.run_root), []).append(a)
+  cmds = []
+  for (job, root), these in sorted(by_job.items()):
+    trainers = sorted({t for a in these for t in a.trainers})
+    serves = (f"serve{'s' if len(these) == 1 else ''} trainer pid{'s' if len(trainers) != 1 else ''} "
+              + ", ".join(map(str, trainers))) if trainers else "no trainer attached"
+    cmds.append((f"jaxckpt agent stop --job-name {shlex.quote(job)} --run-root {shlex.quote(root)}",
+                 f"job {job}'s {len(these)} agent{'s' if len(these) != 1 else ''}: {serves}"))
+  jobs_n = len({job for job, _ in by_job})
+  cmds.append(("jaxckpt agent stop --all", f"all {len(agents)} listed, of {jobs_n} "
+                                           f"job{'s' if jobs_n != 1 else ''}"))
+  width = max(len(c) for c, _ in cmds)
+  return [f"{c.ljust(width)}   # {what}" for c, what in cmds]
 
 
 def _stop(args) -> int:

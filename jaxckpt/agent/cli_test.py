@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -89,6 +91,45 @@ def test_agent_list_shows_every_agent_of_the_user_and_stop_all_stops_them():
     assert not listed & set(pids)
     bad = _jaxckpt("agent", "stop", "--all", "--job-name", job_a)
     assert bad.returncode == 2 and "give --job-name JOB" in bad.stderr
+
+
+def test_agent_list_suggests_for_each_job_the_command_that_stops_only_its_agents():
+  # It suggested `jaxckpt agent stop --all` beneath agents of other jobs of the same user,
+  # started elsewhere (another run root, maybe serving trainers): the suggestion read as if it
+  # stopped what the reader meant. Each job's line must stop that job's agents and no other.
+  with processes.agent_sandbox() as (root_a, job_a), processes.agent_sandbox() as (root_b, job_b):
+    def start(root, job, host):
+      out = _jaxckpt("agent", "start", "--job-name", job, "--run-root", root, "--host-id",
+                     str(host), "--idle-timeout-secs", "600")
+      assert out.returncode == 0, out.stderr
+      return json.loads(out.stdout)["pid"]
+    a0, a1, b0 = start(root_a, job_a, 0), start(root_a, job_a, 1), start(root_b, job_b, 0)
+    try:
+      out = _jaxckpt("agent", "list")
+      lines = out.stdout.splitlines()
+      footer = lines[lines.index(next(line for line in lines if line.endswith("; to stop them:"))):]
+      line_a = next(line for line in footer if f"--job-name {job_a} " in line)
+      line_b = next(line for line in footer if f"--job-name {job_b} " in line)
+      assert line_a.split("#")[1].strip() == f"job {job_a}'s 2 agents: no trainer attached", line_a
+      assert f"--run-root {root_a}" in line_a and f"--run-root {root_b}" in line_b, footer
+      assert any(line.strip().startswith("jaxckpt agent stop --all   ") and "listed" in line
+                 for line in footer), footer
+      cmd = shlex.split(line_a.split("#")[0])
+      assert cmd[:3] == ["jaxckpt", "agent", "stop"], cmd
+      ran = _jaxckpt(*cmd[1:])
+      assert ran.returncode == 0, ran.stderr
+      for pid in (a0, a1):
+        processes.wait_gone(pid, 30, f"an agent of job {job_a}")
+      assert psutil.pid_exists(b0) and psutil.Process(b0).status() != psutil.STATUS_ZOMBIE
+      listed = {a["job"] for a in map(json.loads, _jaxckpt("agent", "list", "--json").stdout.splitlines())}
+      assert job_b in listed and job_a not in listed
+      ran = _jaxckpt(*shlex.split(line_b.split("#")[0])[1:])
+      assert ran.returncode == 0, ran.stderr
+      processes.wait_gone(b0, 30, f"the agent of job {job_b}")
+    finally:
+      for pid in (a0, a1, b0):
+        with contextlib.suppress(psutil.NoSuchProcess):
+          psutil.Process(pid).kill()
 
 
 def test_agent_list_takes_only_jaxckpt_agents_for_agents():
