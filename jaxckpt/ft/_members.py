@@ -45,6 +45,7 @@ class _Pending:
   ask: int | None                       # which ask of the member this is (its resends repeat it)
   held: int | None = None               # how many members that view has
   terms: _terms.Terms | None = None     # what it must agree on with the job
+  lineage: str | None = None            # the quorum the group went on with when it asked
 
 
 class BeatConnections:
@@ -147,8 +148,17 @@ class Members:
     if request.step is not None:
       self._beat_steps[gid] = request.step
     if request.lineage is not None:
+      asked = self._pending.get(gid)
+      if asked is not None and asked.lineage != request.lineage and (asked.lineage or not asked.view):
+        # It asked, and goes on with a quorum formed since (by another lighthouse: this one
+        # followed, or was away): that request is answered, nobody waits on it.
+        del self._pending[gid]
+        if not self._pending:
+          self._first_pending = None
       self._lineage_of[gid] = request.lineage
       self._adopt(gid, request.lineage, request.step, now)
+    elif gid not in self._inflight:
+      self._lineage_of.pop(gid, None)     # (a new process of the group: it holds no quorum yet)
     self.conns.heard(gid, peer)
     if gid in self._out and self._notices.allow(gid, now):
       self._notify(gid, self._out[gid], ())    # (its attempt is stale: it learns at once)
@@ -189,7 +199,10 @@ class Members:
           "error": f"step {member.step} claimed, but the job is at step "
                    f"{newest}: a group can be at most one step ahead"})
       return
-    if request.terms is not None and self.job.terms is not None and not self.passive:
+    if (request.terms is not None and self.job.terms is not None and not self.passive
+        and (request.view or self._run_live(now, but=member.group_id))):
+      # (A group of no quorum, while no group of the run is left, may start a new run: its
+      # first quorum decides, see _fix_terms.)
       why = self.job.refused(member.group_id, request.terms)
       if why is not None:
         self._reply(peer, {"op": "refused", "request_id": request.request_id, "terms": True, "error": why})
@@ -211,24 +224,28 @@ class Members:
     if not self._pending:
       self._first_pending = now
     self._pending[gid] = _Pending(peer, request.request_id, member, old.since if old else now,
-                                  request.view, request.ask, request.held, request.terms)
+                                  request.view, request.ask, request.held, request.terms,
+                                  self._lineage_of.get(gid))
 
   def status(self, now: float) -> dict[str, Any]:
     """What :meth:`jaxckpt.ft.lighthouse.Lighthouse.status` says of the state (its counters aside)."""
     return {"live": sorted(self._live(now)), "pending": sorted(self._pending),
             "last_members": list(self._last_members), "quorums_formed": self._quorums_formed,
             "out": sorted(self._out), "terms": None if self.job.terms is None else self.job.terms.to_wire(),
+            "run": self.job.run,
             "leading": not self.passive, "lineage": self._quorum_id,
             "reported_failures": [[g, q, why] for (g, q), why in self._reported.items()],
             "last_form_secs": self._last_form_secs}
 
   # ---- leading (a replica on etcd) -----------------------------------------------------------------
 
-  def elected(self, terms: _terms.Terms | None, now: float) -> None:
-    """This replica leads from now: the job's ``terms`` from etcd, and the quorum the groups
-    go on with adopted from their heartbeats (a follower heard them all along)."""
+  def elected(self, stored: tuple[_terms.Terms, str | None] | None, now: float) -> None:
+    """This replica leads from now: the job's terms and their run from etcd (``stored``), and
+    the quorum the groups go on with adopted from their heartbeats (a follower heard them all
+    along)."""
     self.passive, self.started_at = False, now
-    self.job.terms = terms or self.job.terms
+    if stored is not None:
+      self.job.terms, self.job.run = stored
     self._quorum_id, self._inflight, self._last_members, self._adopted = None, {}, (), False
     self._aborted, self._called_back, self._out = None, False, {}
     ring = [(self._beat_steps.get(g, 0), self._lineage_of[g], g) for g in self._live(now)
@@ -330,6 +347,15 @@ class Members:
     _wire.send(peer[0], [peer[1], *_wire.seal(self._key, {
         "op": "abort", "q": lineage, "why": why[:MAX_WHY], "blame": list(blame)[:8]})])
 
+  def _run_live(self, now: float, but: str | None = None) -> bool:
+    """Whether a group of the run the job's terms are of is still here: a pending request that
+    holds a view, or a live group (not ``but``, not asking without a view) that goes on with a
+    quorum (its heartbeats name one, or it is in the attempt in flight)."""
+    if any(p.view for p in self._pending.values()):
+      return True
+    return any(g != but and (g not in self._pending) and self._is_live(g, now)
+               for g in (*self._lineage_of, *self._inflight))
+
   def _live(self, now: float) -> set[str]:
     limit = self.options.heartbeat_timeout.total_seconds()
     return {g for g, t in self._last_seen.items() if now - t <= limit}
@@ -430,7 +456,7 @@ class Members:
     """The job's terms, from the first quorum's requests if not fixed yet; pending members
     whose terms differ are refused (with the field and both values) and not in the quorum."""
     asking = [(g, bool(p.view), p.terms) for g, p in sorted(self._pending.items()) if p.terms is not None]
-    for gid, why in self.job.fix(asking):
+    for gid, why in self.job.fix(asking, self._run_live(time.monotonic())):
       p = self._pending.pop(gid)
       self._reply(p.peer, {"op": "refused", "request_id": p.request_id, "terms": True, "error": why})
     if self.job.terms is not None and not self._pending:

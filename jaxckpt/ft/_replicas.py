@@ -17,9 +17,12 @@ to abort or ask again.
   key is still its own (the same create revision and value): a deposed leader
   (its lease expired while it was paused, or it lost etcd) learns it from the
   failed transaction, forms nothing and answers no one.
-* **Terms.** The job's terms (:mod:`jaxckpt.ft._terms`) are created once in
-  ``/jaxckpt/<job>/terms`` and read by every later leader, so a group relaunched
-  with other options is refused whichever replica leads.
+* **Terms.** A run's terms (:mod:`jaxckpt.ft._terms`) are recorded in
+  ``/jaxckpt/<job>/terms`` with the run's id (``{"run": ..., "terms": ...}``) and
+  read by every later leader, so a group relaunched into a live run with other
+  options is refused whichever replica leads. A run ends when none of its groups
+  is left (:mod:`jaxckpt.ft._job_terms`): the next run's first quorum records its
+  own terms over them, as a new lighthouse would start afresh.
 
 Groups never wait for any of this while their quorum holds: they go on without
 asking (:meth:`jaxckpt.ft._quorum.Quorum.continued`). A new leader adopts the
@@ -144,25 +147,44 @@ class Candidacy:
       self._step_down(f"another lighthouse holds {self.leader_key}")
     return ok
 
-  def terms(self, terms: _terms.Terms) -> _terms.Terms:
-    """The job's terms: ``terms`` if none were recorded (now they are), else the recorded ones
-    (with ``terms``' layout when they had none)."""
-    wire = json.dumps(terms.to_wire())
+  def terms(self, terms: _terms.Terms, run: str, new: bool) -> tuple[_terms.Terms, str | None]:
+    """The job's terms and their run. ``new``: ``terms`` start run ``run`` (no group of the
+    run recorded is left), recorded over it while this replica leads. Else the recorded ones
+    when there are (with ``terms``' layout when they had none), or ``terms`` of ``run``, now
+    recorded."""
+    record = json.dumps({"run": run, "terms": terms.to_wire()})
     try:
+      if new:
+        ok, _ = self._fence_etcd.txn(
+            [_etcd.compare(self.leader_key, "CREATE", self._revision),
+             _etcd.compare(self.leader_key, "VALUE", self.me)],
+            [_etcd.put_op(self.terms_key, record)])
+        if not ok:
+          logger.warning("lighthouse %s could not record run %s's terms: it no longer leads", self.me, run)
+        return terms, run
       ok, got = self._fence_etcd.txn([_etcd.compare(self.terms_key, "CREATE", 0)],
-                                     [_etcd.put_op(self.terms_key, wire)], [_etcd.get_op(self.terms_key)])
+                                     [_etcd.put_op(self.terms_key, record)], [_etcd.get_op(self.terms_key)])
     except _etcd.EtcdError as e:
       logger.warning("lighthouse %s cannot record the job's terms in etcd (%s): kept in memory", self.me, e)
-      return terms
+      return terms, run
     if ok:
-      return terms
-    stored = _terms.Terms.from_wire(json.loads(got[0]["kvs"][0].value))
+      return terms, run
+    stored, stored_run = _record(got[0]["kvs"][0].value)
     if stored.layout is None and terms.layout is not None and _terms.differ(terms, stored, "-") is None:
       stored = _terms.Terms(max_groups=stored.max_groups, data_order=stored.data_order,
                             averaging=stored.averaging, layout=terms.layout)
-      self._fence_etcd.put(self.terms_key, json.dumps(stored.to_wire()))
-    return stored
+      self._fence_etcd.put(self.terms_key, json.dumps({"run": stored_run, "terms": stored.to_wire()}))
+    return stored, stored_run
 
-  def stored_terms(self) -> _terms.Terms | None:
+  def stored_terms(self) -> tuple[_terms.Terms, str | None] | None:
+    """The recorded terms and their run (None: no run recorded any)."""
     kv = self._fence_etcd.get(self.terms_key)
-    return None if kv is None else _terms.Terms.from_wire(json.loads(kv.value))
+    return None if kv is None else _record(kv.value)
+
+
+def _record(value: bytes) -> tuple[_terms.Terms, str | None]:
+  """The terms and the run of ``/jaxckpt/<job>/terms`` (a record of before runs: its terms, no run)."""
+  obj = json.loads(value)
+  if isinstance(obj, dict):
+    return _terms.Terms.from_wire(obj.get("terms")), obj.get("run") if isinstance(obj.get("run"), str) else None
+  return _terms.Terms.from_wire(obj), None

@@ -4,6 +4,7 @@ through the loss of any of its processes, and through a whole outage while their
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -46,6 +47,15 @@ def test_the_etcd_client_answers_through_the_loss_of_any_one_member(etcd_cluster
   assert client.get("/t/leased") is None
 
 
+@contextlib.contextmanager
+def _joined(lh, gid, options, grads_like=None):
+  """A group in the job (its first step's quorum taken), live until the block ends."""
+  with ReplicaGroup(lighthouse=lh, group_id=gid, timeout=timedelta(seconds=2), options=options,
+                    secret=SECRET) as ft:
+    ft.start_step(grads_like=grads_like)
+    yield ft
+
+
 def _ask(lh, gid, options, out, grads_like=None):
   try:
     with ReplicaGroup(lighthouse=lh, group_id=gid, timeout=timedelta(seconds=2), options=options,
@@ -68,9 +78,8 @@ def test_a_group_whose_terms_differ_is_refused_at_join_with_the_field_and_both_v
   odd = ReplicaGroupOptions(**{**{k: getattr(job, k) for k in ("max_groups", "data_order", "heartbeat_interval")},
                                field: theirs})
   opts = LighthouseOptions(min_replicas=1, join_timeout=timedelta(seconds=0.1))
-  with Lighthouse("127.0.0.1:0", opts, secret=SECRET) as lh:
+  with Lighthouse("127.0.0.1:0", opts, secret=SECRET) as lh, _joined(lh.address, "g0", job):
     out = {}
-    _ask(lh.address, "g0", job, out)
     t0 = time.monotonic()
     _ask(lh.address, "g1", odd, out)
     assert isinstance(out["g1"], errors.TermsMismatchError) and isinstance(out["g1"], ValueError)
@@ -79,15 +88,100 @@ def test_a_group_whose_terms_differ_is_refused_at_join_with_the_field_and_both_v
     assert lh.status()["terms"][:3] == [5, "c4-seed17", "mean"]
 
 
+def test_a_lighthouse_that_outlives_a_run_gives_the_next_run_its_own_terms():
+  opts = LighthouseOptions(join_timeout=timedelta(seconds=0.1), straggler_timeout=timedelta(seconds=0.3))
+  group = lambda n: ReplicaGroupOptions(max_groups=n, heartbeat_interval=timedelta(milliseconds=50))
+  with Lighthouse("127.0.0.1:0", opts, secret=SECRET) as lh:
+    with _joined(lh.address, "g0", group(3)):
+      first = lh.status()["run"]
+    with _joined(lh.address, "g0", group(4)):              # (refused before: "the job's is 3")
+      assert lh.status()["terms"][0] == 4 and lh.status()["run"] not in (None, first)
+      out = {}
+      _ask(lh.address, "g1", group(3), out)                 # the live run's terms hold
+      assert "group g1's max_groups is 3, the job's is 4" in str(out["g1"]), out
+
+
 def test_a_group_of_another_tree_layout_is_refused_at_join():
   opts = ReplicaGroupOptions(heartbeat_interval=timedelta(milliseconds=50))
-  with Lighthouse("127.0.0.1:0", LighthouseOptions(join_timeout=timedelta(seconds=0.1)), secret=SECRET) as lh:
+  with (Lighthouse("127.0.0.1:0", LighthouseOptions(join_timeout=timedelta(seconds=0.1)), secret=SECRET) as lh,
+        _joined(lh.address, "g0", opts, grads_like={"a": np.zeros(8, np.float32)})):
     out = {}
-    _ask(lh.address, "g0", opts, out, grads_like={"a": np.zeros(8, np.float32)})
     _ask(lh.address, "g1", opts, out, grads_like={"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)})
   assert isinstance(out["g1"], errors.TermsMismatchError), out
   assert ("group g1's tree layout is {'a': float32[4], 'b': float32[4]}, the job's is {'a': float32[8]}"
           in str(out["g1"])), out["g1"]
+
+
+def _wait(what, cond, timeout_secs):
+  deadline = time.monotonic() + timeout_secs
+  while not cond():
+    assert time.monotonic() < deadline, f"{what} did not happen within {timeout_secs} s"
+    time.sleep(0.02)
+
+
+def test_the_next_run_of_a_job_on_etcd_starts_with_its_own_terms_and_a_live_runs_are_kept(etcd_cluster):
+  # /jaxckpt/<job>/terms was created once and read by every later leader of every later run:
+  # a run whose groups all use max_groups=4 (the ended run's was 3) was refused in every group.
+  job = f"runs{os.getpid()}{int(time.time())}"
+  opts = LighthouseOptions(etcd_endpoints=tuple(etcd_cluster.endpoints), job_name=job, leader_lease=timedelta(seconds=1),
+                           join_timeout=timedelta(seconds=0.1), heartbeat_timeout=timedelta(seconds=2),
+                           straggler_timeout=timedelta(seconds=0.3))
+  etcd = _etcd.Etcd(etcd_cluster.endpoints)
+  def record():                              # (a record of before runs was the terms alone)
+    obj = json.loads(etcd.get(f"/jaxckpt/{job}/terms").value)
+    return obj if isinstance(obj, dict) else {"terms": obj, "run": None}
+  group = lambda max_groups: ReplicaGroupOptions(max_groups=max_groups, heartbeat_interval=timedelta(milliseconds=50))
+  replicas = []
+
+  def start(n):
+    for _ in range(n):
+      replicas.append(Lighthouse("127.0.0.1:0", opts, secret=SECRET).start())
+    live = [r for r in replicas if r.options is opts and not getattr(r, "_stopped", False)]
+    _wait("a replica to lead", lambda: any(r.leading for r in live), 30)
+    return ",".join(r.address for r in live)
+
+  def stop(lh):
+    lh.stop()
+    lh._stopped = True                       # (the test's own mark: not started again)
+
+  try:
+    # Run 1: max_groups=3, on two replicas; it ends (its group leaves).
+    addresses = start(2)
+    with _joined(addresses, "g0", group(3)):
+      pass
+    run1 = record()
+    assert run1["terms"][0] == 3, run1
+    # Run 2, on the same replicas: every group uses max_groups=4, and is not refused.
+    out = {}
+    with _joined(addresses, "g0", group(4)), _joined(addresses, "g1", group(4)):
+      run2 = record()
+      assert run2["terms"][0] == 4 and run1["run"] and run2["run"] != run1["run"], (run1, run2)
+      leader = next(r for r in replicas if r.leading)
+      assert leader.status()["run"] == run2["run"]
+      # A group joining the live run is held to its terms, by the leader and by the next one.
+      _ask(addresses, "g2", group(3), out)
+      assert isinstance(out["g2"], errors.TermsMismatchError), out
+      assert "group g2's max_groups is 3, the job's is 4" in str(out["g2"]), out["g2"]
+      stop(leader)                            # (a clean exit: a follower leads at once)
+      follower = next(r for r in replicas if r is not leader)
+      _wait("the follower to lead", lambda: follower.leading, 30)
+      del out["g2"]
+      _ask(addresses, "g2", group(3), out)
+      assert "group g2's max_groups is 3, the job's is 4" in str(out.get("g2")), out
+      assert record()["run"] == run2["run"]
+    # Run 3, on a control plane started again (every replica new): its own terms too.
+    for r in replicas:
+      if not getattr(r, "_stopped", False):
+        stop(r)
+    addresses = start(2)
+    with _joined(addresses, "g0", group(5)):
+      run3 = record()
+    assert run3["terms"][0] == 5 and run3["run"] not in (run1["run"], run2["run"]), run3
+  finally:
+    for r in replicas:
+      if not getattr(r, "_stopped", False):
+        r.stop()
+    etcd.close()
 
 
 class Replicas:

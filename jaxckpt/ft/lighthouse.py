@@ -70,7 +70,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxckpt import errors
-from jaxckpt.ft import _intake, _members, _replay, _replicas, _requests, _route, _terms
+from jaxckpt.ft import _intake, _job_terms, _members, _replay, _replicas, _requests, _route
 from jaxckpt.ft._clients import Heartbeat, LighthouseClient, Notice
 from jaxckpt.ft._members import Peer
 from jaxckpt.ft._quorum import Member, Quorum, View
@@ -231,12 +231,13 @@ class Lighthouse:
     return self._malformed.count
 
   @property
-  def on_terms(self) -> Callable[[_terms.Terms], _terms.Terms] | None:
-    """Called when the job's terms are fixed (a replica on etcd stores them there)."""
+  def on_terms(self) -> _job_terms.OnTerms | None:
+    """Called when the job's terms are fixed (a replica on etcd stores them there):
+    ``on_terms(terms, run, new) -> (terms, run)``, see :class:`jaxckpt.ft._job_terms.JobTerms`."""
     return self._members.job.on_terms
 
   @on_terms.setter
-  def on_terms(self, fn: Callable[[_terms.Terms], _terms.Terms] | None) -> None:
+  def on_terms(self, fn: _job_terms.OnTerms | None) -> None:
     self._members.job.on_terms = fn
 
   @property
@@ -279,9 +280,9 @@ class Lighthouse:
   def _elected(self) -> None:
     """This replica leads from now: the job's terms from etcd, and the quorum the groups
     go on with adopted from their heartbeats (a follower heard them all along)."""
-    terms = self._candidacy.stored_terms() if self._candidacy is not None else None
+    stored = self._candidacy.stored_terms() if self._candidacy is not None else None
     with self._lock:
-      self._members.elected(terms, time.monotonic())
+      self._members.elected(stored, time.monotonic())
 
   def _deposed(self) -> None:
     with self._lock:
