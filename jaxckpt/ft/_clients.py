@@ -46,6 +46,7 @@ class LighthouseClient:
     self._route = _route.Routes(ctx, address, self._secret)
     self.view = View()
     self._unheard: list[dict[str, Any]] = []   # the last failure report, until a quorum reply came
+    self.waiting: str | None = None    # why the lighthouse holds this member's last ask (its ``waiting``)
 
   @property
   def private_port(self) -> int | None:
@@ -65,12 +66,14 @@ class LighthouseClient:
 
   def ask(self, member: Member, timeout: timedelta, view: str = "",
           held: int | None = None, *, terms: Terms | None = None,
-          slow: Callable[[float], None] | None = None, slow_secs: float = 1.0) -> dict[str, Any] | None:
+          slow: Callable[[float], None] | None = None, slow_secs: float = 1.0,
+          waiting: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """The lighthouse's reply to a quorum request (for :meth:`View.resolve`, with the
     view difference it attached as ``delta``), or None if none came within ``timeout``.
     ``view`` is the key of the view the member holds, ``held`` how many members it has,
     ``terms`` what it must agree on with the job. ``slow(secs)`` is called once when no
-    reply came within ``slow_secs``. A failure reported while the lighthouse could not
+    reply came within ``slow_secs``; ``waiting(why)`` once when the lighthouse answers that it
+    holds the request (fewer groups ask than its ``min_replicas``; also in :attr:`waiting`). A failure reported while the lighthouse could not
     be reached (:meth:`failed`) is sent again with the request.
 
     Raises:
@@ -84,6 +87,7 @@ class LighthouseClient:
     sent: set[int] = set()
     next_send = 0.0
     ask = None
+    self.waiting = None
     while (now := time.monotonic()) < deadline:
       if slow is not None and now - started >= slow_secs:
         slow(now - started)
@@ -116,6 +120,12 @@ class LighthouseClient:
         next_send = 0.0                   # (asks again at once, through the private port)
       if header.get("op") == "refused" and header.get("request_id") in sent and header.get("terms"):
         raise errors.TermsMismatchError(str(header.get("error"))[:MAX_WHY])
+      if header.get("op") == "waiting" and header.get("request_id") in sent:
+        first = self.waiting is None
+        self.waiting = str(header.get("why"))[:MAX_WHY]
+        if first and waiting is not None:
+          waiting(self.waiting)
+        slow = None                       # (the lighthouse answers: it is not the one that is slow)
       if header.get("op") == "quorum" and header.get("request_id") in sent:
         self._unheard.clear()
         wire = dict(header["quorum"])

@@ -31,6 +31,7 @@ _RESCAN_SECS = 0.01                # how stale the set of live groups not yet as
 _CHECK_SECS = 0.05                 # how often the members of the attempt in flight are checked for heartbeats
 _NOTICE_SECS = 0.25                # a group out of the attempt is told so at most this often
 _CLOSE_GRACE_SECS = 0.05           # a closed heartbeat connection counts unless its group left in this time
+_SHORT_NOTE_SECS = 1.0             # a request held for min_replicas is told why at most this often
 _BEAT_LAG_STEPS = 8                # steps a ring that goes on without asking may be ahead of its heartbeats
 Peer = tuple  # (socket, ZeroMQ identity, connection fd): where a message came from, where its answer goes
 
@@ -125,6 +126,7 @@ class Members:
     self._aborted: tuple[str | None, str, tuple[str, ...], str | None] | None = None
     self.conns = BeatConnections()
     self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
+    self._short_notes = _intake.AnswerLimiter(_SHORT_NOTE_SECS)
     self._called_back_at = -math.inf      # when the ring in flight was last called back
     self._called_back = False             # whether the ring in flight was asked to ask again
     self._beat_steps: dict[str, int] = {} # the step each group's last heartbeat named
@@ -427,6 +429,7 @@ class Members:
       return
     self._call_back(now)
     if len(self._pending) < opts.min_replicas:
+      self._too_few(now)
       return
     straggler = opts.straggler_timeout.total_seconds()
     if any(now - t < straggler and self._is_live(g, now) for g, t in self._inflight.items()):
@@ -435,6 +438,22 @@ class Members:
     if now - first < join and self._waiting_for(now):
       return
     self._form(now)
+
+  def _too_few(self, now: float) -> None:
+    """Tells each pending request, at most every _SHORT_NOTE_SECS, that it waits for
+    ``min_replicas``, not for the lighthouse: a ``waiting`` answer with the counts (its group
+    says so, and goes on asking)."""
+    n, need = len(self._pending), self.options.min_replicas
+    asking = ", ".join(sorted(self._pending))
+    others = sorted(self._live(now) - self._pending.keys())
+    why = (f"the lighthouse at {self.address} has {n} of the {need} groups a quorum needs "
+           f"(min_replicas={need}): {asking} ask{'s' if n == 1 else ''}"
+           + (f", {', '.join(others)} live but not asking" if others else "")
+           + "; it forms one when enough groups ask (a group that died, once it is back), "
+             f"or go on with fewer: a lighthouse with --min-replicas {max(1, n)}")
+    for gid, p in self._pending.items():
+      if self._short_notes.allow(gid, now):
+        self._reply(p.peer, {"op": "waiting", "request_id": p.request_id, "why": why[:MAX_WHY]})
 
   def _waiting_for(self, now: float) -> bool:
     """Whether a live group has neither asked nor is catching up. The full scan runs

@@ -88,7 +88,8 @@ class LighthouseSession:
         try:
           wire = self.client.ask(me(), timedelta(seconds=wait), self.view.key,
                                  len(self.view.members) or None, terms=terms(),
-                                 slow=self._plane_slow, slow_secs=_SLOW_PLANE_SECS)
+                                 slow=self._plane_slow, slow_secs=_SLOW_PLANE_SECS,
+                                 waiting=self._held)
         except errors.TermsMismatchError as e:
           refused = str(e)
         self._no_quorum_since = None if wire is not None else since
@@ -112,11 +113,12 @@ class LighthouseSession:
                    self.address(), waited, extra=self._extra())
     if waited >= limit:
       self._no_quorum_since = None
+      held = self.client.waiting if self.client is not None else None
       raise errors.QuorumError(
           f"group {self.group_id!r} got no quorum from the lighthouse at "
           f"{self.address()} for {waited:.1f}s (lighthouse_timeout="
-          f"{self._lighthouse_timeout}): is the lighthouse running, and do at least "
-          "min_replicas groups reach it?")
+          f"{self._lighthouse_timeout}): "
+          + (held if held else "is the lighthouse running, and do at least min_replicas groups reach it?"))
     return None
 
   def take_called_back(self) -> bool:
@@ -151,6 +153,12 @@ class LighthouseSession:
                "%.1f s) because %s: a change of membership waits for it, while a ring whose "
                "members all commit goes on without it", self.group_id, self.address(),
                secs, self.why_ask, extra=self._extra())
+
+  def _held(self, why: str) -> None:
+    """The lighthouse answers that it holds this group's request: too few groups ask."""
+    logger.log(logging.WARNING if self.lineage is not None else logging.INFO,
+               "group %s waits for a quorum because %s: %s", self.group_id, self.why_ask, why,
+               extra=self._extra())
 
   def _call_back(self, lineage: str) -> None:
     """The lighthouse wants the members of quorum ``lineage`` to ask again (a group joins)."""

@@ -308,3 +308,48 @@ def test_a_failure_reaches_every_member_even_past_a_neighbour_that_is_not_readin
     failure, secs = out[g][1], out[g][2]
     assert secs < 2.0, (g, secs, failure)
     assert "group g3 averages {'w': bfloat16[6]}" in failure, (g, failure)
+
+
+def test_a_group_held_by_min_replicas_says_so_at_once_and_its_quorum_error_names_it(caplog):
+  # After a group died under `jaxckpt lighthouse --min-replicas 2`, the other logged for
+  # lighthouse_timeout (5 min) that it "waits for the control plane ... because it has no
+  # quorum" while the lighthouse was up, then raised "is the lighthouse running?".
+  opts = dataclasses.replace(OPTS, lighthouse_timeout=timedelta(seconds=3))
+  lh_opts = dataclasses.replace(LH, min_replicas=2)
+  one = threading.Barrier(2, timeout=60)
+  errors, left_at = [], []
+
+  def group(gid, stay):
+    with ReplicaGroup(lighthouse=lh.address, group_id=gid, timeout=timedelta(seconds=1), options=opts,
+                      secret=lh.secret) as ft:
+      while ft.step < 1:
+        ft.start_step()
+        ft.allreduce({"a": np.ones(2, F32)})
+        ft.should_commit()
+      one.wait()
+      if not stay:
+        left_at.append(time.monotonic())
+        return
+      try:
+        while True:
+          ft.start_step()
+          ft.allreduce({"a": np.ones(2, F32)})
+          ft.should_commit()
+      except QuorumError as e:
+        errors.append((time.monotonic(), e))
+
+  with Lighthouse("127.0.0.1:0", lh_opts) as lh, caplog.at_level("INFO", logger="jaxckpt.ft"):
+    threads = [threading.Thread(target=group, args=(g, g == "g0")) for g in ("g0", "g1")]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+  (failed_at, e), = errors
+  want = f"the lighthouse at {lh.address} has 1 of the 2 groups a quorum needs (min_replicas=2): g0 asks"
+  assert want in str(e) and "--min-replicas 1" in str(e), str(e)
+  said = [(r.created, r.getMessage()) for r in caplog.records
+          if r.levelname == "WARNING" and "group g0 waits for a quorum because" in r.getMessage()]
+  assert said and want in said[0][1], [r.getMessage() for r in caplog.records][-10:]
+  # Said within about a step of the other group's leaving, not at the QuorumError.
+  assert said[0][0] - (time.time() - (time.monotonic() - left_at[0])) < 2.5, said[0]
