@@ -222,7 +222,7 @@ def run_replica_group(args, mesh, graphdef, tx, state) -> int:
   # come from make_batch under the job's seed.
   options = jft.ReplicaGroupOptions(ring_size=args.ring_size, max_groups=args.max_groups,
                                     data_order=f"make_batch(seed={args.seed})",
-                                    heartbeat_interval=timedelta(milliseconds=200))
+                                    heartbeat_interval=timedelta(milliseconds=200), host=args.host)
   source = jft.AgentSnapshotSource(run_root=args.agent_run_root, job_name=agent_job_name(args))
   losses = np.full((args.steps,), np.nan, np.float32)
   tokens = jnp.asarray(make_batch(args.seed, 0, args.batch, args.seq_len, args.vocab),

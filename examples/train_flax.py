@@ -14,6 +14,9 @@ to every process, start `jaxckpt lighthouse --bind 127.0.0.1:29510` first, then
 one process per group):
 
   python examples/train_flax.py --lighthouse 127.0.0.1:29510 --group-id g0 --job-name demo
+
+On two machines, give each group the address the other machine reaches it at (`--host`), and
+every lighthouse replica's address (docs/replica_groups.md, "On two machines").
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="run as one replica group of a fault-tolerant job (needs --group-id, --job-name); "
                       "every lighthouse replica's address when the control plane runs on etcd")
   p.add_argument("--group-id", default=None, help="this replica group's unique name")
+  p.add_argument("--host", default=None, metavar="ADDRESS",
+                 help="replica group: the address the other groups reach this machine at, which its "
+                      "peer and ring ports bind and advertise (ReplicaGroupOptions.host); default: the "
+                      "address this machine reaches the lighthouse from; 0.0.0.0: bind every interface")
   p.add_argument("--ft-timeout", type=float, default=10.0,
                  help="replica group: the longest any wait of a step may take, in seconds")
   p.add_argument("--max-groups", type=int, default=64,

@@ -118,7 +118,8 @@ class Links:
   """This group's ring streams: a listener for its left neighbours' and the
   streams it opens to its right neighbours."""
 
-  def __init__(self, host: str, secret: bytes, *, group_id: str, timeout_secs: float) -> None:
+  def __init__(self, host: str, secret: bytes, *, group_id: str, timeout_secs: float,
+               advertise: str | None = None) -> None:
     self._secret, self.group_id, self._timeout = secret, group_id, timeout_secs
     self._cond = threading.Condition()
     self._incoming: dict[str, _In] = {}
@@ -131,7 +132,8 @@ class Links:
     self._wake_r.setblocking(False)
     self._wake_w.setblocking(False)
     self._listener = _bulk.Listener(host, self._greet, name=f"ring-{group_id}")
-    self.address = self._listener.address
+    # (bound on ``host``; peers are told ``advertise``, see ft/_address.py)
+    self.address = f"{advertise or host}:{self._listener.address.rsplit(':', 1)[1]}"
 
   # ---- failures learned elsewhere ---------------------------------------------------------------------
 

@@ -43,12 +43,13 @@ class PeerServer:
   """The ROUTER socket of one replica group and its serving thread."""
 
   def __init__(self, ctx: zmq.Context, host: str, handler: Handler, *, secret: bytes,
-               drop: Callable[[], bool] = lambda: False):
+               drop: Callable[[], bool] = lambda: False, advertise: str | None = None):
     self._secret = secret
     self.refused = 0            # messages not sealed with the job's secret, or replayed
     self._replays = _wire.Replays()   # each request is served at most once
     self._sock = _wire.socket(ctx, zmq.ROUTER)
-    self.address = f"{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+    # (bound on ``host``; peers are told ``advertise``, see ft/_address.py)
+    self.address = f"{advertise or host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
     self._handler = handler
     self._drop = drop
     self._stop = threading.Event()

@@ -60,7 +60,7 @@ import numpy as np
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.ft import _allreduce, _group_comm, _layout, _links, _peer, _recovery, _session, _terms
+from jaxckpt.ft import _address, _allreduce, _group_comm, _layout, _links, _peer, _recovery, _session, _terms
 from jaxckpt.ft._recovery import ApplyFn, PeerSourceFactory
 from jaxckpt.ft.catch_up import CatchUpServer, SnapshotSource, rebuild_leaf
 from jaxckpt.ft.lighthouse import Member, Quorum
@@ -79,7 +79,13 @@ class ReplicaGroupOptions:
   """Options of a :class:`ReplicaGroup` besides its timeout.
 
   Attributes:
-    host: interface the group's peer server binds (and advertises).
+    host: the address the group's peers reach it at, which its peer server and
+      ring port bind and which its quorum record advertises. None (default): the
+      address this machine reaches the lighthouse from (loopback when the
+      lighthouse is on loopback; on a cluster, the interface the job's network is
+      on), see :mod:`jaxckpt.ft._address`. ``"0.0.0.0"``: bind every interface,
+      advertise that address. A loopback address beside a lighthouse on another
+      machine is refused (InvalidArgumentError): peers there could not reach it.
     heartbeat_interval: period of heartbeats to the lighthouse (keep it well
       under the lighthouse's ``heartbeat_timeout``).
     ring_size: averaged gradients of this many recent steps are kept for peers.
@@ -96,7 +102,7 @@ class ReplicaGroupOptions:
   and the lighthouse refuses a group whose values differ when it joins
   (:class:`~jaxckpt.errors.TermsMismatchError`, naming the field and both values).
   """
-  host: str = "127.0.0.1"
+  host: str | None = None
   heartbeat_interval: timedelta = timedelta(milliseconds=250)
   ring_size: int = 16
   max_groups: int = 64
@@ -187,13 +193,16 @@ class ReplicaGroup:
     self._comm = _group_comm.GroupComm()
     self._ctx = zmq.Context() if self._comm.is_talker else None
     if self._ctx is not None:
+      bind, advertise = _address.choose(self.options.host, lighthouse)
       self._server = _peer.PeerServer(
-          self._ctx, self.options.host, CatchUpServer(self.ring, self.digests, lambda: self.snapshot_source),
-          secret=key, drop=self._dropping)
+          self._ctx, bind, CatchUpServer(self.ring, self.digests, lambda: self.snapshot_source),
+          secret=key, drop=self._dropping, advertise=advertise)
       self.address = self._server.address
       self._sender = _peer.PeerSender(self._ctx, secret=key, drop=self._dropping)
-      self._links = _links.Links(self.options.host, key, group_id=group_id,
-                                 timeout_secs=timeout.total_seconds())
+      self._links = _links.Links(bind, key, group_id=group_id, timeout_secs=timeout.total_seconds(),
+                                 advertise=advertise)
+      logger.info("group %s serves its peers at %s and its ring at %s (bound on %s)", group_id, self.address,
+                  self._links.address, bind, extra={"group_id": group_id})
     # Its heartbeats, quorum requests and lineage (ft/_session.py; a client and heartbeat on process 0).
     self._plane = _session.LighthouseSession(
         self._ctx, lighthouse, group_id=group_id, key=key, heartbeat_interval=self.options.heartbeat_interval,
