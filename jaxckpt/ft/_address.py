@@ -72,3 +72,15 @@ def choose(host: str | None, lighthouse: str) -> tuple[str, str]:
     return host, host
   advertise = toward(lighthouses[0])
   return (advertise if host is None else "0.0.0.0"), advertise
+
+
+def on_this_machine(address: str) -> bool:
+  """Whether ``address`` (``HOST:PORT``, as a peer advertises it) is one of this machine's:
+  loopback, or the source of the route to it is that address itself."""
+  host = _host_of(address)
+  if _is_loopback(host):
+    return True
+  try:
+    return toward(address) == host
+  except errors.InvalidArgumentError:
+    return False

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 
 from jaxckpt import errors
-from jaxckpt.ft import _group_comm, _peer
+from jaxckpt.ft import _address, _group_comm, _peer
 from jaxckpt.ft._clients import LighthouseClient
 from jaxckpt.ft._quorum import Member, Quorum
 from jaxckpt.ft.agent_source import AgentSnapshotSource
@@ -163,13 +163,21 @@ class Recovery:
             "entries": entries}
 
   def default_peer_source(self, peer: Member) -> SnapshotSource:
-    """The peer's snapshot agents when it advertises them (``snap_where``), else its serving thread."""
+    """The peer's snapshot agents when it advertises them (``snap_where``) and is on this machine
+    (their address files are under its run root here), else its serving thread."""
     secs = self.timeout_secs
     reply = self._sender.request(peer.address, {"op": "snap_where"}, secs)
-    if reply is not None and reply[0].get("agent"):
+    if reply is not None and reply[0].get("agent") and not _address.on_this_machine(peer.address):
+      logger.info("group %s fetches its snapshot through the serving thread of group %s, which is on "
+                  "another machine (%s)", self.group_id, peer.group_id, peer.address, extra=self._extra())
+    elif reply is not None and reply[0].get("agent"):
       source = AgentSnapshotSource(**reply[0]["agent"], timeout_secs=secs)
       try:
-        source.latest_step()
+        if source.latest_step() is None:
+          # (Address files found here whose agents do not answer from here, such as another
+          # machine's on loopback through a run root both see, or none that holds a step:
+          # the peer's serving thread reads its own agents.)
+          raise KeyError("none that answers from this machine holds a complete step")
       except (OSError, KeyError) as e:
         logger.warning("group %s cannot reach the snapshot agents of group %s (%s): %s; asking "
                        "its serving thread instead", self.group_id, peer.group_id,
