@@ -440,9 +440,12 @@ class Members:
     self._form(now)
 
   def _too_few(self, now: float) -> None:
-    """Tells each pending request, at most every _SHORT_NOTE_SECS, that it waits for
-    ``min_replicas``, not for the lighthouse: a ``waiting`` answer with the counts (its group
-    says so, and goes on asking)."""
+    """Tells each request pending for _SHORT_NOTE_SECS, and again at most that often, that it
+    waits for ``min_replicas``, not for the lighthouse: a ``waiting`` answer with the counts
+    (its group says so, and goes on asking). (Not sooner: groups that start together ask
+    within that time, and a quorum that forms at once needs no note.)"""
+    if all(now - p.since < _SHORT_NOTE_SECS for p in self._pending.values()):
+      return
     n, need = len(self._pending), self.options.min_replicas
     asking = ", ".join(sorted(self._pending))
     others = sorted(self._live(now) - self._pending.keys())
@@ -452,7 +455,7 @@ class Members:
            + "; it forms one when enough groups ask (a group that died, once it is back), "
              f"or go on with fewer: a lighthouse with --min-replicas {max(1, n)}")
     for gid, p in self._pending.items():
-      if self._short_notes.allow(gid, now):
+      if now - p.since >= _SHORT_NOTE_SECS and self._short_notes.allow(gid, now):
         self._reply(p.peer, {"op": "waiting", "request_id": p.request_id, "why": why[:MAX_WHY]})
 
   def _waiting_for(self, now: float) -> bool:
