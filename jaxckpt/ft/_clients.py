@@ -46,7 +46,7 @@ class LighthouseClient:
     self._route = _route.Routes(ctx, address, self._secret)
     self.view = View()
     self._unheard: list[dict[str, Any]] = []   # the last failure report, until a quorum reply came
-    self.waiting: str | None = None    # why the lighthouse holds this member's last ask (its ``waiting``)
+    self.waiting: str | None = None    # why the lighthouse holds this member's asks (until a quorum comes)
 
   @property
   def private_port(self) -> int | None:
@@ -72,8 +72,9 @@ class LighthouseClient:
     view difference it attached as ``delta``), or None if none came within ``timeout``.
     ``view`` is the key of the view the member holds, ``held`` how many members it has,
     ``terms`` what it must agree on with the job. ``slow(secs)`` is called once when no
-    reply came within ``slow_secs``; ``waiting(why)`` once when the lighthouse answers that it
-    holds the request (fewer groups ask than its ``min_replicas``; also in :attr:`waiting`). A failure reported while the lighthouse could not
+    reply came within ``slow_secs``; ``waiting(why)`` when the lighthouse first answers that it
+    holds the member's requests (fewer groups ask than its ``min_replicas``; kept in
+    :attr:`waiting` until a quorum comes). A failure reported while the lighthouse could not
     be reached (:meth:`failed`) is sent again with the request.
 
     Raises:
@@ -87,7 +88,6 @@ class LighthouseClient:
     sent: set[int] = set()
     next_send = 0.0
     ask = None
-    self.waiting = None
     while (now := time.monotonic()) < deadline:
       if slow is not None and now - started >= slow_secs:
         slow(now - started)
@@ -128,6 +128,7 @@ class LighthouseClient:
         slow = None                       # (the lighthouse answers: it is not the one that is slow)
       if header.get("op") == "quorum" and header.get("request_id") in sent:
         self._unheard.clear()
+        self.waiting = None
         wire = dict(header["quorum"])
         if raw:
           wire["delta"] = raw[0].bytes if isinstance(raw[0], zmq.Frame) else bytes(raw[0])

@@ -453,7 +453,7 @@ class Members:
            f"(min_replicas={need}): {asking} ask{'s' if n == 1 else ''}"
            + (f", {', '.join(others)} live but not asking" if others else "")
            + "; it forms one when enough groups ask (a group that died, once it is back), "
-             f"or go on with fewer: a lighthouse with --min-replicas {max(1, n)}")
+             f"or, to go on with fewer, a lighthouse with min_replicas={n} (--min-replicas {n})")
     for gid, p in self._pending.items():
       if now - p.since >= _SHORT_NOTE_SECS and self._short_notes.allow(gid, now):
         self._reply(p.peer, {"op": "waiting", "request_id": p.request_id, "why": why[:MAX_WHY]})
