@@ -31,7 +31,8 @@ _RESCAN_SECS = 0.01                # how stale the set of live groups not yet as
 _CHECK_SECS = 0.05                 # how often the members of the attempt in flight are checked for heartbeats
 _NOTICE_SECS = 0.25                # a group out of the attempt is told so at most this often
 _CLOSE_GRACE_SECS = 0.05           # a closed heartbeat connection counts unless its group left in this time
-_SHORT_NOTE_SECS = 1.0             # a request held for min_replicas is told why at most this often
+_SHORT_NOTE_SECS = 1.0             # a request held for min_replicas is told why at most this often,
+_SHORT_AFTER_SECS = 0.5            # from when it has waited this long (before its group calls the plane slow)
 _BEAT_LAG_STEPS = 8                # steps a ring that goes on without asking may be ahead of its heartbeats
 Peer = tuple  # (socket, ZeroMQ identity, connection fd): where a message came from, where its answer goes
 
@@ -440,11 +441,11 @@ class Members:
     self._form(now)
 
   def _too_few(self, now: float) -> None:
-    """Tells each request pending for _SHORT_NOTE_SECS, and again at most that often, that it
+    """Tells each request pending for _SHORT_AFTER_SECS, and again every _SHORT_NOTE_SECS, that it
     waits for ``min_replicas``, not for the lighthouse: a ``waiting`` answer with the counts
     (its group says so, and goes on asking). (Not sooner: groups that start together ask
     within that time, and a quorum that forms at once needs no note.)"""
-    if all(now - p.since < _SHORT_NOTE_SECS for p in self._pending.values()):
+    if all(now - p.since < _SHORT_AFTER_SECS for p in self._pending.values()):
       return
     n, need = len(self._pending), self.options.min_replicas
     asking = ", ".join(sorted(self._pending))
@@ -455,7 +456,7 @@ class Members:
            + "; it forms one when enough groups ask (a group that died, once it is back), "
              f"or, to go on with fewer, a lighthouse with min_replicas={n} (--min-replicas {n})")
     for gid, p in self._pending.items():
-      if now - p.since >= _SHORT_NOTE_SECS and self._short_notes.allow(gid, now):
+      if now - p.since >= _SHORT_AFTER_SECS and self._short_notes.allow(gid, now):
         self._reply(p.peer, {"op": "waiting", "request_id": p.request_id, "why": why[:MAX_WHY]})
 
   def _waiting_for(self, now: float) -> bool:

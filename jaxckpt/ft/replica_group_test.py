@@ -351,5 +351,6 @@ def test_a_group_held_by_min_replicas_says_so_at_once_and_its_quorum_error_names
   said = [(r.created, r.getMessage()) for r in caplog.records
           if r.levelname == "WARNING" and "group g0 waits for a quorum because" in r.getMessage()]
   assert said and want in said[0][1], [r.getMessage() for r in caplog.records][-10:]
+  assert not [r.getMessage() for r in caplog.records if "group g0 waits for the control plane" in r.getMessage()]
   # Said within about a step of the other group's leaving, not at the QuorumError.
   assert said[0][0] - (time.time() - (time.monotonic() - left_at[0])) < 2.5, said[0]
