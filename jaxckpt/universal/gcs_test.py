@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
 import jaxckpt.universal as u
+from jaxckpt import errors
 from jaxckpt.testing import processes
 from jaxckpt.universal import _layout
 from tests.support import fixtures as _fixtures
@@ -74,9 +75,29 @@ def test_a_job_on_gcs_keeps_its_newest_steps_and_restores_onto_another_mesh(gcs_
   assert u.verify_step(u.open_step(d, 3)) == []
 
 
+def test_a_bucket_that_does_not_exist_fails_when_the_manager_is_created(gcs_server):
+  """GCS answers a listing of a bucket that does not exist with 404, which tensorstore
+  reads as no keys: the manager took gs://no-such-bucket for an empty directory, and its
+  first persist failed, after 16 s of retries, in the background."""
+  d = f"gs://no-such-{gcs_server.bucket}/run"
+  with pytest.raises(errors.StorageError, match=r"'gs://no-such-jaxckpt-test/run' cannot be "
+                     r"written: .*NOT_FOUND.*does the bucket exist"):
+    jc.CheckpointManager(d, jc.CheckpointOptions(timeout_secs=20))
+  u.check_directory(gcs_server.url(), timeout_secs=20)          # (the bucket that exists)
+  assert not [n for n in gcs_server.object_names() if ".jaxckpt-probe-" in n]   # (deleted)
+
+
+def test_a_gcs_that_does_not_answer_fails_on_time_naming_its_endpoint_variable(gcs_server):
+  with gcs_server.paused(), pytest.raises(
+      errors.StorageError, match=r"took over .* s; is the store reachable \(endpoint: "
+      r"TENSORSTORE_GCS_HTTP_URL for a GCS emulator; credentials\)"):
+    jc.CheckpointManager(gcs_server.url(), jc.CheckpointOptions(timeout_secs=3))
+
+
 RACER = textwrap.dedent("""
     import json, sys
     import jaxckpt.universal as u
+from jaxckpt import errors
     from jaxckpt import errors
     d = sys.argv[1]
     print("ready", flush=True)

@@ -132,6 +132,16 @@ class FakeGcs:
           os.unlink(self._log)
         self._log = None
 
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    """A server that stops answering: SIGSTOPped for the body (requests to it hang; the
+    kernel still accepts connections), SIGCONTed after it, also when the body failed."""
+    os.kill(self._proc.pid, signal.SIGSTOP)
+    try:
+      yield
+    finally:
+      os.kill(self._proc.pid, signal.SIGCONT)
+
   def object_names(self, prefix: str = "") -> list[str]:
     """The names of the bucket's objects under ``prefix``, from the server's own JSON API
     (not through tensorstore), every page."""
