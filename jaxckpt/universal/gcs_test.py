@@ -97,7 +97,6 @@ def test_a_gcs_that_does_not_answer_fails_on_time_naming_its_endpoint_variable(g
 RACER = textwrap.dedent("""
     import json, sys
     import jaxckpt.universal as u
-from jaxckpt import errors
     from jaxckpt import errors
     d = sys.argv[1]
     print("ready", flush=True)
