@@ -54,7 +54,8 @@ def test_a_job_on_gcs_keeps_its_newest_steps_and_restores_onto_another_mesh(gcs_
     if with_agent:      # (the agent inherits the server's variables from this process)
       root, job = stack.enter_context(processes.agent_sandbox())
       agent = jc.AgentOptions(job_name=job, run_root=root)
-    with jc.CheckpointManager(d, jc.CheckpointOptions(max_to_keep=2, agent=agent)) as mgr:
+    opts = jc.CheckpointOptions(max_to_keep=2, persist_interval_steps=1, agent=agent)
+    with jc.CheckpointManager(d, opts) as mgr:
       for step in (1, 2, 3, 4):
         assert mgr.save(step, _state(step))
         mgr.wait_until_persisted(step)
@@ -168,7 +169,7 @@ TRAINER = textwrap.dedent("""
       return {"w": jax.device_put(w, NamedSharding(mesh, P("x"))), "b": np.full(3, step),
               "step": step}
     opts = jc.CheckpointOptions(agent=jc.AgentOptions(job_name=job, run_root=root),
-                                max_to_keep=3)
+                                max_to_keep=3, persist_interval_steps=1)
     with jc.CheckpointManager(d, opts) as mgr:
       print("ready", flush=True)
       sys.stdin.readline()                 # the caller arms the failures first
