@@ -1,9 +1,10 @@
 """gs:// against a real GCS server: fake-gcs-server (tests/support/gcs.py), reached through
 tensorstore's ``gcs`` driver as GCS is. A job persists and keeps its newest steps, with
-and without the snapshot agent, and restores onto another mesh bit-exact; writers in two
-processes racing for one commit leave exactly one winner, whole; and a server that answers
-503 and resets connections for a while (tests/support/flaky_http.py in front of it) only
-slows the job down: it ends with every step on storage."""
+and without the snapshot agent, and restores onto another mesh bit-exact; writers in three
+processes racing for one commit leave exactly one winner, whole; a server that answers 503
+and resets connections for a while (tests/support/flaky_http.py in front of it) only slows
+the job down: it ends with every step on storage; and a bucket that does not exist, or a
+server that does not answer, fails when the manager is created."""
 
 from __future__ import annotations
 
