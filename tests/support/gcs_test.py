@@ -21,7 +21,8 @@ def test_a_second_server_is_refused_while_jaxckpt_holds_a_store_of_the_first(gcs
   other = FakeGcs()
   with pytest.raises(errors.StorageError, match=rf"does not reach fake-gcs-server at "
                      rf"http://{other.host}:\d+; tensorstore reads {URL_ENV} when it opens"):
-    other.__enter__()
+    with other:        # (were it entered, it would be stopped at the end of the body)
+      pass
   del held
   with pytest.raises(ConnectionRefusedError):      # the second server was killed
     host, port = other.endpoint.removeprefix("http://").split(":")
