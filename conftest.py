@@ -62,12 +62,12 @@ def etcd_cluster():
     yield cluster
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=["file", "s3", "gcs"])
 def storage_dir(request, tmp_path):
-  """A fresh checkpoint directory: a local path, or a prefix on the S3 server."""
+  """A fresh checkpoint directory: a local path, or a prefix on the S3 or the GCS server."""
   if request.param == "file":
     return str(tmp_path / "ckpt")
-  server = request.getfixturevalue("s3_server")
+  server = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
   return server.url(uuid.uuid4().hex[:12])
 
 
