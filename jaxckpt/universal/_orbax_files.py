@@ -57,6 +57,26 @@ class _Source:
   metrics_dir: str | None = None
 
 
+def local_dir(orbax_dir: str, *, writing: bool = False) -> str:
+  """The absolute path of an orbax checkpoint directory (orbax reads a relative path as no
+  tree at all; ``file://`` is a local path). A URL is refused: orbax's side of import and
+  export is a local directory (its files are read here with ``os``), and the absolute path
+  of ``gs://b/x`` was ``./gs:/b/x``, where an export wrote and an import found nothing.
+
+  Raises:
+    InvalidArgumentError: ``orbax_dir`` is a URL, naming what to do instead.
+  """
+  if "://" in orbax_dir and not orbax_dir.startswith("file://"):
+    how = (f"export to a local directory and copy that (e.g. gcloud storage cp -r DIR "
+           f"{orbax_dir})" if writing else
+           f"copy it to a local directory first (e.g. gcloud storage cp -r {orbax_dir} DIR) "
+           "and import that")
+    raise errors.InvalidArgumentError(
+        f"orbax checkpoint {orbax_dir!r} is a URL: jaxckpt {'writes' if writing else 'reads'} "
+        f"orbax checkpoints in local directories only; {how}")
+  return os.path.abspath(orbax_dir.removeprefix("file://"))
+
+
 def not_importable(orbax_dir: str) -> str | None:
   """Why ``orbax_dir`` is not a directory import_orbax reads (it does not exist, a jaxckpt
   checkpoint, or a step or item directory inside an orbax CheckpointManager directory), naming
@@ -306,7 +326,7 @@ def orbax_nbytes(orbax_dir: str, *, step: int | None = None, item: str | None = 
   """Bytes of array data :func:`import_orbax` would copy (for progress bars)."""
   import jax  # pylint: disable=import-outside-toplevel
   total = 0
-  for kind, item_dir, _ in selected(os.path.abspath(orbax_dir), step, item).items.values():
+  for kind, item_dir, _ in selected(local_dir(orbax_dir), step, item).items.values():
     if kind == "array":
       total += sum(i.nbytes for i in _array_item(item_dir, "", None, "plain")[0].values())
     if kind == "pytree":

@@ -1,4 +1,4 @@
-"""A persist SIGKILLed mid-write never leaves a step that is listed or restored (file and S3)."""
+"""A persist SIGKILLed mid-write never leaves a step that is listed or restored (file, S3, GCS)."""
 
 import os
 import signal

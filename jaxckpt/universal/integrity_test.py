@@ -1,4 +1,4 @@
-"""Every storage read path returns exactly what was saved or raises (local files and S3).
+"""Every storage read path returns exactly what was saved or raises (local files, S3, GCS).
 
 A chunk that is missing (it would read back as fill values), swapped with
 another chunk, copied from another leaf or bit-flipped is refused by the

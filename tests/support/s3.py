@@ -104,7 +104,7 @@ class SeaweedS3:
     self._env = contextlib.ExitStack()
     for key, value in (("AWS_ENDPOINT_URL", self.endpoint), ("AWS_ACCESS_KEY_ID", "jaxckpt"),
                        ("AWS_SECRET_ACCESS_KEY", "jaxckpt"), ("AWS_REGION", "us-east-1")):
-      self._env.enter_context(_env_var(key, value))
+      self._env.enter_context(env_var(key, value))
     return self
 
   @contextlib.contextmanager
@@ -244,7 +244,8 @@ class SeaweedS3:
 
 
 @contextlib.contextmanager
-def _env_var(key: str, value: str) -> Iterator[None]:
+def env_var(key: str, value: str) -> Iterator[None]:
+  """``os.environ[key] = value`` for the body; the old value (or none) back after it."""
   old = os.environ.get(key)
   os.environ[key] = value
   try:
