@@ -436,15 +436,16 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
   ``peer_pid``: the caller's pid as the kernel gives it for a local (ipc) connection, in
   this agent's pid namespace: a request's ``pid`` (the caller's own, in its namespace:
   a containerised trainer is pid 1 there, each time it restarts) stands for it."""
-  try:
+  try:   # its mac, its framing (ts, nonce, deadline: their schema), the replay window
     req = _protocol.verify(agent.secret, frames, agent.replays)
+    late = _protocol.expired(req)
   except Exception as e:  # pylint: disable=broad-except  (refused, logged, never run)
     logger.warning("refused a request: %s", e)
     err = e if isinstance(e, errors.PermissionDeniedError) else errors.PermissionDeniedError(
         f"malformed request refused ({type(e).__name__})")
     return [_protocol.pack({"ok": False, "error": str(err), "type": type(err).__name__})]
   op = req.get("op", "")
-  if _protocol.expired(req):
+  if late:
     logger.warning("request %s arrived after its caller gave up; not applied", op)
     return [_protocol.pack({"ok": False, "type": "AgentUnavailableError",
                             "error": f"{op!r} arrived after its deadline; not applied"})]

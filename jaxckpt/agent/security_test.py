@@ -288,3 +288,37 @@ def test_a_sealed_request_of_the_wrong_shape_is_refused_naming_the_field(held, h
   assert re.search(why, reply["error"]), reply["error"]
   steps = _protocol.request(_paths.job_secret(root, job), _requests.Steps())
   assert _raw(info["ipc"], steps)["steps"] == [1]
+
+
+def _sealed_by_hand(secret: bytes, header: dict) -> list[bytes]:
+  """``header`` sealed with the job's secret as it stands (a buggy peer's framing)."""
+  body = msgpack.packb(header, use_bin_type=True)
+  return [_protocol.sign(secret, body), body]
+
+
+@pytest.mark.parametrize("op, framing, why", [
+    ("steps", {"deadline": "soon"}, r"field deadline='soon' is refused: Expected `float \| null`"),
+    ("steps", {"deadline": [1.0]}, r"field deadline=\[1.0\] is refused: Expected `float \| null`"),
+    ("steps", {"deadline": float("nan")}, r"field deadline=nan is refused"),
+    ("steps", {"ts": "now"}, r"field ts='now' is refused: Expected `float`"),
+    ("steps", {"nonce": 7}, r"field nonce=7 is refused: Expected `bytes \| null`"),
+    ("discard", {"ts": float("nan")}, r"field ts=nan is refused"),
+    ("discard", {"ts": float("inf")}, r"field ts=inf is refused"),
+])
+@pytest.mark.parametrize("over", ["ipc", "tcp"])
+def test_a_sealed_request_with_a_malformed_framing_field_is_refused_and_the_agent_lives(
+    held, op, framing, why, over):
+  """The framing of a sealed message (its ts, nonce and deadline) is checked by its schema
+  before the replay window, the replay set or the deadline use it: a buggy peer holding
+  the secret gets a refusal naming the field; nothing is applied (step 1 is not
+  discarded) and the agent serves on."""
+  _, root, job, info = held
+  secret = _paths.job_secret(root, job)
+  header = {"op": op, **({"step": 1} if op == "discard" else {}), "ts": time.time(),
+            "nonce": os.urandom(8), **framing}
+  reply = _raw(info[over], _sealed_by_hand(secret, header))
+  assert not reply["ok"] and reply["type"] == "PermissionDeniedError", reply
+  assert "malformed framing field" in reply["error"] and re.search(why, reply["error"]), reply
+  assert processes.pid_alive(info["pid"]), "the agent died of a malformed request"
+  steps = _protocol.request(secret, _requests.Steps())
+  assert _raw(info[over], steps)["steps"] == [1]                 # nothing applied
