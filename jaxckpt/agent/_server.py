@@ -370,16 +370,22 @@ class Agent:
             time.monotonic() - self.last_active > self.idle_timeout_secs)
 
   def cleanup(self) -> None:
+    """Frees the agent's files. The job's secret goes with the job's last agent on this
+    run root, unless a trainer of it still lives (stopped, signalled or crashed under
+    it): that trainer holds the secret, and the agent its next save starts (or a
+    sidecar started again) must share it, never make a new one."""
     self.files.close()
     shutil.rmtree(self.dir, ignore_errors=True)
-    job = os.path.dirname(self.dir)
     with contextlib.suppress(OSError):
       os.unlink(_paths.log_file(self.dir))
     with contextlib.suppress(OSError):
       os.unlink(self.dir + ".lock")
-      if set(os.listdir(job)) <= {"secret"}:    # the last agent of the job on this run root
-        os.unlink(os.path.join(job, "secret"))
-      os.rmdir(job)                             # the job's directory, once empty
+    holders = self.trainers | ({self.lease[0]} if self.lease is not None else set())
+    live = sorted(p for p in holders if p > 0 and _paths.pid_alive(p))
+    if live:
+      logger.info("the job's secret is kept for its live trainers %s", live)
+    else:
+      _paths.release_job_dir(os.path.dirname(os.path.dirname(self.dir)), self.job)
 
   def op_job_view(self) -> _requests.JobView.Reply:
     """The job's agents as this one knows them, its persist configuration and lag."""
