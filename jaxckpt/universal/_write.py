@@ -59,6 +59,7 @@ def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, n
   """
   sums: dict[str, str] = {}
   whole: set[str] = set()                 # chunks written assembled
+  private = isinstance(pieces, _ReadPieces)   # fresh copies: tensorstore need not copy them
   for box in pieces:
     for idx in lay.chunks_in(box, info.chunk_shape):
       key = lay.chunk_key(idx)
@@ -77,7 +78,8 @@ def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, n
     if whole and all(lay.chunk_key(i) in whole for i in lay.chunks_in(box, info.chunk_shape)):
       continue                            # written as part of its chunk
     arr = pieces[box]                     # (a slot's shard is read here, as it is written)
-    budget.track(store[tuple(slice(a, b) for a, b in box)].write(_stored(arr, info)),
+    budget.track(store[tuple(slice(a, b) for a, b in box)].write(
+        _stored(arr, info), can_reference_source_data_indefinitely=private),
                  arr.nbytes, f"leaf {info.path!r} {[list(p) for p in box]}")
   return sums
 
