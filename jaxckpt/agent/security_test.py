@@ -292,7 +292,7 @@ def test_a_sealed_request_of_the_wrong_shape_is_refused_naming_the_field(held, h
 
 def _sealed_by_hand(secret: bytes, header: dict) -> list[bytes]:
   """``header`` sealed with the job's secret as it stands (a buggy peer's framing)."""
-  body = msgpack.packb(header, use_bin_type=True)
+  body = _protocol.pack(header)
   return [_protocol.sign(secret, body), body]
 
 
@@ -345,7 +345,7 @@ def test_a_sealed_bulk_request_of_the_wrong_shape_is_refused_naming_the_field(he
     while chunk := conn.recv(1 << 16):
       got += chunk
   (n,) = struct.unpack("!I", got[:4])
-  reply = msgpack.unpackb(got[4:4 + n], raw=False)
+  reply = _protocol.unpack(got[4:4 + n])
   assert not reply["ok"] and reply["type"] == "InvalidArgumentError", reply
   assert re.search(why, reply["error"]), reply["error"]
   assert processes.pid_alive(info["pid"])
