@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxckpt import errors
 from jaxckpt.agent import _parity_config, _parity_worker, _requests
-from jaxckpt.agent._slot_files import map_slot_file
+from jaxckpt.agent._slot_files import SlotReader
 from jaxckpt.host import _persist, _slots
 from jaxckpt.host.snapshot import SnapshotManifest
 
@@ -114,18 +114,17 @@ class Durability:
       if s is None:                     # (never another run's step of that number)
         raise errors.StepNotFoundError(f"agent of job {self.agent.job!r} host {self.agent.host} "
                                        f"holds step {step} for no persist attempt {attempt!r}")
-    mm = None
+    reader = None
     try:
       manifest = self.manifest_of(step, s)
       if not s.size:
         yield manifest, b""
-      else:
-        mm = map_slot_file(self.agent.files.slots[s.index].path, s.size)
-        yield manifest, mm
+      else:           # read through the file, never a map: a truncated slot is no SIGBUS
+        reader = SlotReader(self.agent.files.slots[s.index].path, s.size, step)
+        yield manifest, reader
     finally:
-      if mm is not None:
-        with contextlib.suppress(BufferError):   # views of a failed write live on a while:
-          mm.close()                             # the map goes with the last of them
+      if reader is not None:
+        reader.close()
       with self.agent.lock:
         self.agent.table.unpin(s.index, me)
 

@@ -7,6 +7,7 @@ so ``jaxckpt agent stop`` frees all of it by removing one directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -89,7 +90,7 @@ def job_dir(run_root: str, job: str) -> str:
   return os.path.join(run_root, check_job_name(job))
 
 
-def job_secret(run_root: str, job: str, given: str | None = None) -> bytes:
+def job_secret(run_root: str, job: str, given: str | bytes | None = None) -> bytes:
   """The job's secret: ``given`` (or $JAXCKPT_JOB_SECRET), else the 0600 file
   ``RUN_ROOT/JOB/secret``, created at the job's first start.
 
@@ -127,6 +128,17 @@ def job_secret(run_root: str, job: str, given: str | None = None) -> bytes:
         "agents use that one: give the same secret to every process, or stop the agents "
         "and remove the file")
   return have
+
+
+def release_job_dir(run_root: str, job: str) -> None:
+  """Removes the job's directory (and its secret) once nothing else is left in it: the
+  last of the job's processes on this run root to go calls it."""
+  d = job_dir(run_root, job)
+  with contextlib.suppress(OSError):
+    if set(os.listdir(d)) <= {"secret"}:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(d, "secret"))
+      os.rmdir(d)
 
 
 def held_secret(run_root: str, job: str) -> str | None:

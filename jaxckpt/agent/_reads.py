@@ -9,11 +9,26 @@ import itertools
 import logging
 import mmap
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Annotated, Any, Iterator, Literal
+
+from msgspec import Meta
 
 from jaxckpt import errors
 from jaxckpt.agent import _requests
 from jaxckpt.host import _slots
+from jaxckpt.net import _schema
+from jaxckpt.net._schema import Bytes, Index, Step
+
+
+class BulkRead(_schema.Message, tag="bulk", frozen=True, kw_only=True,
+               forbid_unknown_fields=True):
+  """A bulk request (:mod:`jaxckpt.net._bulk`, its framing checked by ``_wire.open_``):
+  byte ``ranges`` [[offset, nbytes], ...] of ``step``'s snapshot, or of its parity block
+  ``stripe``; checked by its schema before anything reads by it, as every request is."""
+  what: Literal["snapshot", "parity"]
+  step: Step
+  ranges: Annotated[list[tuple[Bytes, Bytes]], Meta(max_length=1 << 20)]
+  stripe: Index | None = None
 
 if TYPE_CHECKING:
   from jaxckpt.agent._server import Agent
@@ -86,18 +101,20 @@ class Reads:
     ``step``'s snapshot (``what="snapshot"``), as views of the slot's memory
     sent without a copy, the step pinned until they are sent; or of the parity
     block of ``stripe`` (``what="parity"``)."""
-    what, step, ranges = header.get("what"), int(header["step"]), header["ranges"]
+    req = _schema.decode(header, {"bulk": BulkRead}, "bulk request")
+    what, step, ranges = req.what, req.step, req.ranges
     if what == "parity":
+      if req.stripe is None:
+        raise errors.InvalidArgumentError(f"bulk request for the parity of step {step} names "
+                                          "no stripe; nothing was read")
       with self.agent.lock:
         worker = self.agent.durable.worker()
-        path, size, start, nbytes = worker.block_at(step, int(header["stripe"]))
+        path, size, start, nbytes = worker.block_at(step, req.stripe)
         wanted = _checked(ranges, nbytes, f"parity of step {step}")
         self.served += sum(n for _, n in wanted)
       with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
         yield [mm[start + o:start + o + n] for o, n in wanted]       # copies, taken unlocked
       return
-    if what != "snapshot":
-      raise errors.InvalidArgumentError(f"bulk request for {what!r}: expected 'snapshot' or 'parity'")
     reader = -next(self._readers)          # a pin owner no trainer pid can be
     with self.agent.lock:
       s = self.agent.table.pin(step, reader) or self.agent.slot_of(step)

@@ -370,16 +370,22 @@ class Agent:
             time.monotonic() - self.last_active > self.idle_timeout_secs)
 
   def cleanup(self) -> None:
+    """Frees the agent's files. The job's secret goes with the job's last agent on this
+    run root, unless a trainer of it still lives (stopped, signalled or crashed under
+    it): that trainer holds the secret, and the agent its next save starts (or a
+    sidecar started again) must share it, never make a new one."""
     self.files.close()
     shutil.rmtree(self.dir, ignore_errors=True)
-    job = os.path.dirname(self.dir)
     with contextlib.suppress(OSError):
       os.unlink(_paths.log_file(self.dir))
     with contextlib.suppress(OSError):
       os.unlink(self.dir + ".lock")
-      if set(os.listdir(job)) <= {"secret"}:    # the last agent of the job on this run root
-        os.unlink(os.path.join(job, "secret"))
-      os.rmdir(job)                             # the job's directory, once empty
+    holders = self.trainers | ({self.lease[0]} if self.lease is not None else set())
+    live = sorted(p for p in holders if p > 0 and _paths.pid_alive(p))
+    if live:
+      logger.info("the job's secret is kept for its live trainers %s", live)
+    else:
+      _paths.release_job_dir(os.path.dirname(os.path.dirname(self.dir)), self.job)
 
   def op_job_view(self) -> _requests.JobView.Reply:
     """The job's agents as this one knows them, its persist configuration and lag."""
@@ -436,15 +442,16 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
   ``peer_pid``: the caller's pid as the kernel gives it for a local (ipc) connection, in
   this agent's pid namespace: a request's ``pid`` (the caller's own, in its namespace:
   a containerised trainer is pid 1 there, each time it restarts) stands for it."""
-  try:
+  try:   # its mac, its framing (ts, nonce, deadline: their schema), the replay window
     req = _protocol.verify(agent.secret, frames, agent.replays)
+    late = _protocol.expired(req)
   except Exception as e:  # pylint: disable=broad-except  (refused, logged, never run)
     logger.warning("refused a request: %s", e)
     err = e if isinstance(e, errors.PermissionDeniedError) else errors.PermissionDeniedError(
         f"malformed request refused ({type(e).__name__})")
     return [_protocol.pack({"ok": False, "error": str(err), "type": type(err).__name__})]
   op = req.get("op", "")
-  if _protocol.expired(req):
+  if late:
     logger.warning("request %s arrived after its caller gave up; not applied", op)
     return [_protocol.pack({"ok": False, "type": "AgentUnavailableError",
                             "error": f"{op!r} arrived after its deadline; not applied"})]

@@ -12,9 +12,12 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from jaxckpt import errors
 from jaxckpt.agent import _paths, _requests
 from jaxckpt.host import _slots
+from jaxckpt.host.snapshot import aligned_empty
 
 if TYPE_CHECKING:
   from jaxckpt.agent._server import Agent
@@ -84,6 +87,52 @@ def map_slot_file(path: str, size: int) -> mmap.mmap:
           f"snapshot slot file {path} is {have} bytes, shorter than the {size} it holds: it "
           "was truncated (a /dev/shm cleaner, a full tmpfs); its step is lost on this host")
     return mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+
+
+class SlotReader:
+  """``size`` bytes of slot file ``path`` read through its descriptor (``pread``), never
+  through a map: a file truncated under the reader (a /dev/shm cleaner, a full tmpfs)
+  is a short read, a CorruptSnapshotError naming it, where a map is SIGBUS at the
+  first touch past the file's new end. A persist reads its slot this way for as long as
+  storage takes (``read_shard``: each shard, as it is written; a private copy that the
+  trainer's next save into the slot cannot change either)."""
+
+  def __init__(self, path: str, size: int, step: int) -> None:
+    self.path, self.size, self.step = path, size, step
+    self._fd = os.open(path, os.O_RDONLY)
+    try:
+      have = os.fstat(self._fd).st_size
+      if have < size:
+        raise self._short(have)
+    except BaseException:
+      os.close(self._fd)
+      raise
+
+  def _short(self, have: int) -> errors.CorruptSnapshotError:
+    return errors.CorruptSnapshotError(
+        f"snapshot slot file {self.path} is {have} bytes, shorter than the {self.size} of step "
+        f"{self.step} it holds: it was truncated (a /dev/shm cleaner, a full tmpfs) while its "
+        "persist read it; this persist fails and the step is lost on this host")
+
+  def read_shard(self, shard: Any) -> np.ndarray:
+    """Shard ``shard`` (its ``offset`` and ``nbytes``) as a fresh uint8 array."""
+    out = aligned_empty((shard.nbytes,), np.uint8)
+    if not 0 <= shard.offset <= shard.offset + shard.nbytes <= self.size:
+      raise errors.CorruptSnapshotError(
+          f"step {self.step}: a shard at bytes [{shard.offset}, {shard.offset + shard.nbytes}) "
+          f"lies outside its slot of {self.size} bytes")
+    got = 0
+    while got < shard.nbytes:
+      n = os.preadv(self._fd, [memoryview(out)[got:]], shard.offset + got)
+      if n <= 0:
+        raise self._short(os.fstat(self._fd).st_size)
+      got += n
+    return out
+
+  def close(self) -> None:
+    if self._fd >= 0:
+      os.close(self._fd)
+      self._fd = -1
 
 
 def _same_file(mm: mmap.mmap, path: str, size: int, ino: int | None) -> bool:

@@ -53,12 +53,15 @@ def wait_exited(pid: int, timeout_secs: float) -> bool:
 
 def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
                 limit_bytes: int, idle_timeout_secs: float, tcp_host: str = "127.0.0.1",
-                start_timeout_secs: float) -> dict[str, Any]:
+                start_timeout_secs: float, secret: bytes | None = None) -> dict[str, Any]:
   """Finds the running agent of (job, host) or spawns a detached one.
 
   Spawned with a fresh interpreter (fork+exec, new session), never a fork of
   a process that runs JAX. Serialized by a lock file so that two trainers of
-  one host never start two agents.
+  one host never start two agents. A trainer gives the job's ``secret`` it holds:
+  the agent it starts serves with that one (the file ``RUN_ROOT/JOB/secret`` is
+  written again where it is gone, and one that holds another secret is refused),
+  so the agent that replaces a stopped or dead one is never locked out of its trainer.
   """
   d = _paths.agent_dir(run_root, job, host)
   os.makedirs(os.path.dirname(d), exist_ok=True)
@@ -70,6 +73,10 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
     if os.path.isdir(d):
       logger.warning("removing the files of a dead agent of job %s host %d", job, host)
       shutil.rmtree(d, ignore_errors=True)
+    env = None
+    if secret is not None:
+      _paths.job_secret(run_root, job, secret)     # (PermissionDeniedError: another one there)
+      env = dict(os.environ, **{_paths.SECRET_ENV: secret.decode()})
     os.makedirs(d)
     log = _paths.log_file(d)     # in the job's private directory, removed with the agent
     cmd = [sys.executable, "-m", "jaxckpt.agent", "serve", "--job-name", job,
@@ -78,7 +85,7 @@ def start_agent(*, job: str, host: int, run_root: str, max_snapshots: int,
            "--idle-timeout-secs", str(idle_timeout_secs), "--tcp-host", tcp_host]
     with open(log, "ab") as out:
       proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                              start_new_session=True, close_fds=True)
+                              start_new_session=True, close_fds=True, env=env)
     # Reap it whenever it exits, so a dead agent never lingers as our zombie.
     threading.Thread(target=proc.wait, daemon=True, name="jaxckpt-agent-reaper").start()
 
@@ -159,7 +166,7 @@ class AgentStore(HostStore):
                          max_snapshots=self._max, limit_bytes=self._limit,
                          idle_timeout_secs=self.opts.idle_timeout_secs,
                          tcp_host=self.opts.tcp_host,
-                         start_timeout_secs=self.opts.start_timeout_secs)
+                         start_timeout_secs=self.opts.start_timeout_secs, secret=self.secret)
     self.pid = info["pid"]
     self.info = info
     self.client = Client(info["ipc"], who=f"snapshot agent pid {self.pid} of job "
@@ -419,3 +426,5 @@ class AgentStore(HostStore):
     finally:
       self.maps.forget()
       self.client.close()
+      if not pid_alive(self.pid):   # its agent went before it (the secret was kept for it)
+        _paths.release_job_dir(self.run_root, self.opts.job_name)

@@ -288,3 +288,68 @@ def test_a_sealed_request_of_the_wrong_shape_is_refused_naming_the_field(held, h
   assert re.search(why, reply["error"]), reply["error"]
   steps = _protocol.request(_paths.job_secret(root, job), _requests.Steps())
   assert _raw(info["ipc"], steps)["steps"] == [1]
+
+
+def _sealed_by_hand(secret: bytes, header: dict) -> list[bytes]:
+  """``header`` sealed with the job's secret as it stands (a buggy peer's framing)."""
+  body = _protocol.pack(header)
+  return [_protocol.sign(secret, body), body]
+
+
+@pytest.mark.parametrize("op, framing, why", [
+    ("steps", {"deadline": "soon"}, r"field deadline='soon' is refused: Expected `float \| null`"),
+    ("steps", {"deadline": [1.0]}, r"field deadline=\[1.0\] is refused: Expected `float \| null`"),
+    ("steps", {"deadline": float("nan")}, r"field deadline=nan is refused"),
+    ("steps", {"ts": "now"}, r"field ts='now' is refused: Expected `float`"),
+    ("steps", {"nonce": 7}, r"field nonce=7 is refused: Expected `bytes \| null`"),
+    ("discard", {"ts": float("nan")}, r"field ts=nan is refused"),
+    ("discard", {"ts": float("inf")}, r"field ts=inf is refused"),
+])
+@pytest.mark.parametrize("over", ["ipc", "tcp"])
+def test_a_sealed_request_with_a_malformed_framing_field_is_refused_and_the_agent_lives(
+    held, op, framing, why, over):
+  """The framing of a sealed message (its ts, nonce and deadline) is checked by its schema
+  before the replay window, the replay set or the deadline use it: a buggy peer holding
+  the secret gets a refusal naming the field; nothing is applied (step 1 is not
+  discarded) and the agent serves on."""
+  _, root, job, info = held
+  secret = _paths.job_secret(root, job)
+  header = {"op": op, **({"step": 1} if op == "discard" else {}), "ts": time.time(),
+            "nonce": os.urandom(8), **framing}
+  reply = _raw(info[over], _sealed_by_hand(secret, header))
+  assert not reply["ok"] and reply["type"] == "PermissionDeniedError", reply
+  assert "malformed framing field" in reply["error"] and re.search(why, reply["error"]), reply
+  assert processes.pid_alive(info["pid"]), "the agent died of a malformed request"
+  steps = _protocol.request(secret, _requests.Steps())
+  assert _raw(info[over], steps)["steps"] == [1]                 # nothing applied
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"what": "snapshot", "step": "one", "ranges": [[0, 8]]},
+     r"bulk request 'bulk': field step='one' is refused: Expected `int`"),
+    ({"what": "memory", "step": 1, "ranges": [[0, 8]]}, r"field what='memory' is refused"),
+    ({"what": "snapshot", "step": 1, "ranges": [[0, "8"]]}, r"field ranges\[0\]\[1\]='8'"),
+    ({"what": "snapshot", "step": 1, "ranges": [[0, 8]], "extra": 1}, r"has no field 'extra'"),
+    ({"what": "parity", "step": 1, "ranges": [[0, 8]], "stripe": -1}, r"field stripe=-1"),
+])
+def test_a_sealed_bulk_request_of_the_wrong_shape_is_refused_naming_the_field(held, fields, why):
+  """A bulk read's fields are checked by its schema (agent/_reads.BulkRead) before the
+  agent reads anything by them; the agent serves on."""
+  _, root, job, info = held
+  secret = _paths.job_secret(root, job)
+  host, port = info["bulk"].rsplit(":", 1)
+  with socket.create_connection((host, int(port)), timeout=20) as conn:
+    mac, body = _protocol._wire.seal(secret, {"op": "bulk", **fields}, timeout_secs=20)
+    conn.sendall(b"".join(struct.pack("!I", len(f)) + f for f in (mac, body)))
+    got = b""
+    while chunk := conn.recv(1 << 16):
+      got += chunk
+  (n,) = struct.unpack("!I", got[:4])
+  reply = _protocol.unpack(got[4:4 + n])
+  assert not reply["ok"] and reply["type"] == "InvalidArgumentError", reply
+  assert re.search(why, reply["error"]), reply["error"]
+  assert processes.pid_alive(info["pid"])
+  client = _protocol.Client(info["tcp"], who="test", timeout_secs=20, secret=secret,
+                            bulk=info["bulk"])
+  data, = client.read("snapshot", 1, [(0, 2048)])            # and serves the next one
+  np.testing.assert_array_equal(data.view(np.float32), np.arange(512, dtype=np.float32))

@@ -109,3 +109,47 @@ def test_an_agent_answers_a_read_of_a_truncated_slot_with_an_error_and_lives():
       assert m.save(2, {"w": w + 1})
       m.wait_until_finished()
       np.testing.assert_array_equal(m.restore(2)["w"], w + 1)
+
+
+
+@pytest.mark.slow
+def test_a_slot_truncated_while_it_is_persisted_fails_that_persist_and_the_agent_lives(
+    s3_server, monkeypatch):
+  """Storage at 2 kB/s: the agent's persist of step 1 (48 leaves) has pinned its slot and
+  is creating the leaves' arrays on storage (tens of seconds) when the slot file is
+  truncated; it reads the shards after that. It reads them through the file, never
+  through a map taken at its start (past the file's new end: SIGBUS): that persist fails
+  with an error that reaches the trainer (never a success), nothing is committed, and
+  the agent lives on and takes the next save."""
+  from tests.support.throttle import ThrottledProxy  # pylint: disable=import-outside-toplevel
+  from jaxckpt.util import _wait  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(4)
+  state = {f"w{i:02d}": rng.standard_normal(1024).astype(np.float32) for i in range(48)}
+  url = s3_server.url(f"trunc-{os.getpid()}")
+  with processes.agent_sandbox("jtp") as (root, job), ThrottledProxy(s3_server.endpoint,
+                                                                      2e3) as slow:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", slow.endpoint)     # (the agent it starts, too)
+    agent = jc.AgentOptions(job_name=job, run_root=root)
+    opts = jc.CheckpointOptions(agent=agent, persist_interval_steps=1, handle_sigterm=False)
+    with jc.CheckpointManager(url, opts) as m:
+      assert m.save(1, state)
+      m.wait_until_snapshotted()
+      pid = processes.agent_address(root, job)["pid"]
+      _wait.until(lambda: slow.forwarded > 1500, timeout_secs=120, late=lambda: (
+          f"the agent's persist sent only {slow.forwarded} bytes to storage"))
+      for path in glob.glob(os.path.join(_paths.agent_dir(root, job, 0), "slot*.bin")):
+        os.truncate(path, 0)                                    # mid-persist
+      with pytest.raises(errors.JaxckptError, match="truncated") as e:
+        m.wait_until_finished()
+      assert "step 1" in str(e.value), e.value
+      assert processes.pid_alive(pid), "the agent died (SIGBUS) while persisting"
+    assert jc.universal.all_steps(url) == []                  # never committed
+    with jc.CheckpointManager(options=jc.CheckpointOptions(agent=agent,
+                                                           handle_sigterm=False)) as m:
+      assert m.save(2, {"w": W2})
+      m.wait_until_finished()
+      np.testing.assert_array_equal(m.restore(2)["w"], W2)
+      assert m.last_restore.tier == "host" and processes.agent_address(root, job)["pid"] == pid
+
+
+W2 = np.arange(4096, dtype=np.float32)

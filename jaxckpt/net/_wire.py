@@ -29,19 +29,41 @@ import os
 import secrets as _secrets
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 import msgpack
+import msgspec
 import numpy as np
 import zmq
+from msgspec import Meta
 
 from jaxckpt import errors
 from jaxckpt.host.snapshot import dtype_from_name
+from jaxckpt.net import _schema
 
 Header = dict[str, Any]
 MAX_SKEW_SECS = 300.0
 SECRET_ENV = "JAXCKPT_JOB_SECRET"
 _MAC_BYTES = hashlib.sha256().digest_size
+
+# A clock reading of the framing (``ts``, ``deadline``): seconds since the epoch, finite
+# (NaN compares false with every bound: a NaN ``ts`` would pass the replay window, and
+# stay in the replay set for ever).
+_Clock = Annotated[float, Meta(ge=0.0, le=1e11)]
+
+
+class Framing(msgspec.Struct, frozen=True, kw_only=True):
+  """The fields :func:`seal` adds to every header, checked by :func:`open_` (before the
+  window, the replay set or the deadline use them) with the message's own fields
+  left to the message's schema: a malformed one is refused, never raised where it
+  is used."""
+  ts: _Clock
+  nonce: Annotated[bytes, Meta(max_length=64)] | None = None
+  deadline: _Clock | None = None
+  arrays: Annotated[list[tuple[Annotated[str, Meta(min_length=1, max_length=32)],
+                               Annotated[list[Annotated[int, Meta(ge=0, le=_schema.INT64)]],
+                                         Meta(max_length=64)]]],
+                    Meta(max_length=1 << 16)] | None = None
 
 
 def pack(obj: dict[str, Any]) -> bytes:
@@ -121,12 +143,18 @@ def open_(secret: bytes, frames: Sequence[Any], *,
     raise errors.PermissionDeniedError(
         "a message with a wrong mac was refused (not sealed with the job's secret)")
   header = unpack(body)
-  ts = header.pop("ts", 0) if isinstance(header, dict) else 0
-  if not isinstance(ts, (int, float)) or abs(time.time() - ts) > MAX_SKEW_SECS:
+  try:
+    framing = msgspec.convert(header, Framing)
+  except msgspec.ValidationError as e:
+    raise errors.PermissionDeniedError(
+        "a sealed message with a malformed framing field was refused ("
+        f"{_schema.refused(e, header, 'its framing', tail='')}); nothing was applied") from None
+  if abs(time.time() - framing.ts) > MAX_SKEW_SECS:
     raise errors.PermissionDeniedError("a message too old or from the future was refused (a replay?)")
-  nonce = header.pop("nonce", None)
+  del header["ts"]
+  header.pop("nonce", None)
   if replays is not None:
-    replays.check(nonce, float(ts), header)
+    replays.check(framing.nonce, framing.ts, header)
   return header, list(frames[2:])
 
 
@@ -157,11 +185,19 @@ class Replays:
     self._lock = threading.Lock()
     self.refused = 0
 
+  def __len__(self) -> int:
+    """How many nonces it holds (those of the last ``MAX_SKEW_SECS`` or so)."""
+    with self._lock:
+      return len(self._seen)
+
   def check(self, nonce: Any, ts: float, header: Header) -> None:
-    """Records ``nonce``; PermissionDeniedError if it was seen before."""
+    """Records ``nonce``; PermissionDeniedError if it was seen before, or if ``ts`` is
+    not a finite time."""
     del header
     if not isinstance(nonce, bytes) or len(nonce) < 8:
       raise errors.PermissionDeniedError("a sealed message without a nonce was refused")
+    if not math.isfinite(ts):      # (it would never expire, nor let any nonce after it)
+      raise errors.PermissionDeniedError(f"a sealed message with ts={ts!r} was refused")
     now = time.time()
     with self._lock:
       while self._expiry and self._expiry[0][0] < now:
@@ -189,6 +225,8 @@ class NewerPerSender:
     self.refused = 0
 
   def check(self, nonce: Any, ts: float, header: Header) -> None:
+    if not math.isfinite(ts):      # (every later message would compare as not newer)
+      raise errors.PermissionDeniedError(f"a sealed message with ts={ts!r} was refused")
     key = self._sender(header)
     if key is None:
       if self._others is not None:
@@ -211,7 +249,8 @@ def remote_error(reply: dict[str, Any], who: str, op: str) -> Exception:
 
 
 def expired(header: Header) -> bool:
-  """Whether the sender of ``header`` has given up on it (its deadline passed)."""
+  """Whether the sender of ``header`` (opened by :func:`open_`, which checked its
+  ``deadline``) has given up on it (its deadline passed)."""
   deadline = header.pop("deadline", None)
   return deadline is not None and time.time() > float(deadline)
 

@@ -61,6 +61,19 @@ def reseal_manifest(directory: str, step: int,
   kv.write(key, json.dumps(marker).encode()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
 
 
+def nest_manifest(directory: str, step: int, depth: int) -> None:
+  """Reseals committed ``step`` so that its metadata holds a list nested ``depth`` levels
+  deep (``[[[...]]]``: valid JSON, its checksum in the marker), as no encoder of Python
+  writes it past ~1,000 levels: only a reader that refuses it keeps restores going."""
+  kv, key, path, marker, doc = _committed(directory, step)
+  doc.setdefault("metadata", {})["nested"] = "@nested@"
+  body = json.dumps(doc, separators=(",", ":"), sort_keys=True).replace(
+      '"@nested@"', "[" * depth + "]" * depth).encode()
+  kv.write(path, body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  marker["manifest_xxh3"] = snap.checksum(body)
+  kv.write(key, json.dumps(marker).encode()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+
+
 def claim_impossible_leaf(directory: str, step: int, leaf: str) -> None:
   """Reseals committed ``step`` so that ``leaf`` claims 2^40 x 2^40 elements in one chunk
   (its shape, layout and checksum table consistent with that): a manifest no restore

@@ -290,8 +290,8 @@ def json_of(read: Any, key: str, kv: ts.KvStore) -> dict[str, Any] | None:
     return None
   try:
     return json.loads(res.value)
-  except ValueError as e:
-    raise errors.ManifestError(f"{key!r} in {kv.path!r} is not valid JSON: {e}") from e
+  except (ValueError, RecursionError) as e:   # (RecursionError: nested past any we write)
+    raise errors.ManifestError(f"{key!r} in {kv.path!r} is not valid JSON: {e}") from None
 
 
 def array_name(path: str) -> str:

@@ -167,16 +167,36 @@ def _fast_validator() -> Callable[[Any], Any]:
 _DRAFT_07 = "http://json-schema.org/draft-07/schema#"
 
 
+def loads(body: bytes | str, *, what: str) -> Any:
+  """The JSON document ``body`` (a manifest, a commit marker) read from storage;
+  ManifestError naming ``what`` if it is not JSON, or nested deeper than Python's
+  parser goes (valid JSON ``[[[...]]]`` 200,000 levels deep is damage like any other,
+  never a bare RecursionError that stops every restore)."""
+  try:
+    return json.loads(body)
+  except RecursionError:
+    raise errors.ManifestError(
+        f"{what} is nested deeper than Python's JSON parser goes; it cannot be read "
+        "(damaged or forged)") from None
+  except ValueError as e:
+    raise errors.ManifestError(f"{what} is not valid JSON: {e}") from None
+
+
 def validate(obj: dict[str, Any], *, what: str) -> None:
   """Raises ManifestError naming ``what`` and the failing field if ``obj`` is off-schema.
 
   The compiled validator decides; jsonschema runs only to name the failing field."""
   try:
-    _fast_validator()(obj)
-    return
-  except fastjsonschema.JsonSchemaException:
-    pass
-  error = jsonschema.exceptions.best_match(_validator().iter_errors(obj))
+    try:
+      _fast_validator()(obj)
+      return
+    except fastjsonschema.JsonSchemaException:
+      pass
+    error = jsonschema.exceptions.best_match(_validator().iter_errors(obj))
+  except RecursionError:
+    raise errors.ManifestError(
+        f"{what} is nested too deep to be checked against manifest.schema.json v{VERSION}; "
+        "it is damaged or forged") from None
   if error is None:              # the two disagree: refuse, as the compiled one did
     raise errors.ManifestError(f"{what} does not follow manifest.schema.json v{VERSION}; it "
                                "was written by another jaxckpt version or damaged")

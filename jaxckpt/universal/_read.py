@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import threading
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -322,7 +321,7 @@ def open_step(directory: str, step: int | None = None) -> StepReader:
     raise errors.CorruptSnapshotError(
         f"step {step} in {directory!r}: the manifest of attempt {attempt!r} is missing or "
         "does not match the checksum in its commit marker; restore another step")
-  doc = json.loads(body.value)
+  doc = man.loads(body.value, what=f"manifest of step {step} in {directory!r}")
   man.validate(doc, what=f"manifest of step {step} in {directory!r}")
   if doc["step"] != step:
     raise errors.CorruptSnapshotError(

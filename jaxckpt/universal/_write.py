@@ -59,6 +59,7 @@ def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, n
   """
   sums: dict[str, str] = {}
   whole: set[str] = set()                 # chunks written assembled
+  private = isinstance(pieces, _ReadPieces)   # fresh copies: tensorstore need not copy them
   for box in pieces:
     for idx in lay.chunks_in(box, info.chunk_shape):
       key = lay.chunk_key(idx)
@@ -73,12 +74,46 @@ def _write_pieces(store: ts.TensorStore, info: man.LeafInfo, pieces: dict[Box, n
         whole.add(key)
         budget.track(store[tuple(slice(a, b) for a, b in cbox)].write(_stored(region, info)),
                      region.nbytes, f"leaf {info.path!r} chunk {key}")
-  for box, arr in pieces.items():
+  for box in pieces:
     if whole and all(lay.chunk_key(i) in whole for i in lay.chunks_in(box, info.chunk_shape)):
       continue                            # written as part of its chunk
-    budget.track(store[tuple(slice(a, b) for a, b in box)].write(_stored(arr, info)),
+    arr = pieces[box]                     # (a slot's shard is read here, as it is written)
+    budget.track(store[tuple(slice(a, b) for a, b in box)].write(
+        _stored(arr, info), can_reference_source_data_indefinitely=private),
                  arr.nbytes, f"leaf {info.path!r} {[list(p) for p in box]}")
   return sums
+
+
+def _pieces(buffer: Any, unique: dict[Box, Any], info: man.LeafInfo,
+            step: int) -> Mapping[Box, np.ndarray]:
+  """This process's shards of a leaf (``unique``: box -> ShardRecord), each checked against
+  its checksum (never store bytes that are not what was saved): views of ``buffer``, or,
+  where the snapshot is read through its file (``buffer.read_shard``: an agent's slot,
+  which may be truncated under it), a fresh copy read as that shard is written."""
+  if not hasattr(buffer, "read_shard"):
+    for s in unique.values():
+      snap.verify_shard(buffer, s, path=info.path, step=step)
+    return {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
+  return _ReadPieces(buffer, unique, info, step)
+
+
+class _ReadPieces(Mapping):
+  """Shards read from a snapshot's file on each access (see :func:`_pieces`)."""
+
+  def __init__(self, source: Any, unique: dict[Box, Any], info: man.LeafInfo, step: int) -> None:
+    self._source, self._unique, self._info, self._step = source, unique, info, step
+
+  def __getitem__(self, box: Box) -> np.ndarray:
+    s = self._unique[box]
+    data = self._source.read_shard(s)
+    snap.verify_shard(data, s._replace(offset=0), path=self._info.path, step=self._step)
+    return data.view(self._info.numpy_dtype).reshape(snap.box_shape(s.index))
+
+  def __iter__(self):
+    return iter(self._unique)
+
+  def __len__(self) -> int:
+    return len(self._unique)
 
 
 def _covered(cbox: Box, pieces: Mapping[Box, np.ndarray]) -> bool:
@@ -168,9 +203,7 @@ def write_shard_data(directory: str, manifest: SnapshotManifest, buffer: Any, *,
           info = _arrays.replace(info, chunk_shape=None, inner_chunk_shape=None)
         elif info.is_array:
           store, info = store_info
-          for s in unique.values():     # never store bytes that are not what was saved
-            snap.verify_shard(buffer, s, path=info.path, step=step)
-          pieces = {b: snap.shard_view(buffer, s, info.numpy_dtype) for b, s in unique.items()}
+          pieces = _pieces(buffer, unique, info, step)
           sums = _write_pieces(store, info, pieces, {b: s.checksum for b, s in unique.items()},
                                budget)
           info = _arrays.replace(info, chunks=sums)

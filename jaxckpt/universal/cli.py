@@ -35,10 +35,10 @@ that deletes it) and the newest intact step is shown, exit 1."""
 
 _VERIFY_HELP = """Read every chunk of every leaf of a committed step and check it against the
 checksums in its manifest (xxh3-64 per chunk, crc32c per inner chunk).
-Exits 0 if all is intact, 1 naming each damaged leaf and chunk (with
---all-steps, also each step that cannot be opened: every other step is still
-checked), 2 if the one step asked for cannot be opened at all, or storage refused
-or did not answer a read (not damage: nothing is said of the bytes); the command that
+Exits 0 if all is intact, 1 naming each damaged leaf and chunk, or a step whose
+commit marker or manifest is damaged (it cannot be opened; with --all-steps every
+other step is still checked), 2 if there is no such step, or storage refused or did
+not answer a read (not damage: nothing is said of the bytes); the command that
 deletes a damaged step is named. Shows a progress bar on a terminal (plain lines
 otherwise) and the time and rate at the end."""
 
@@ -318,7 +318,7 @@ def verify_command(args: argparse.Namespace) -> int:
     damage = isinstance(e, (errors.CorruptSnapshotError, errors.ManifestError))
     advice = f"; {_advice(args.directory, [step])}" if damage and step is not None else ""
     say(f"jaxckpt verify: {e}{advice}", err=True)
-    return 2
+    return 1 if damage else 2         # (damage found, as in a chunk; else nothing was verified)
   damaged = []
   for step in steps:
     try:
