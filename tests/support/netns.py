@@ -44,6 +44,7 @@ owner's pid in their names.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -54,7 +55,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from jaxckpt import errors
 
@@ -71,6 +72,12 @@ _ROUTER = "router"
 _PREFIX = "jxn"               # namespace names: jxn<owner pid>x<n>-<host>
 _CHAIN = "JXFAULT"            # the router's chain of cuts, jumped to from FORWARD
 _RUN_DIR = "/run/netns"
+_CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+def _libc() -> ctypes.CDLL:
+  return ctypes.CDLL(None, use_errno=True)
 
 
 class NetnsUnavailableError(errors.JaxckptError, RuntimeError):
@@ -215,6 +222,40 @@ class Host:
     proc = subprocess.Popen(self.argv(argv), env=None if env is None else dict(env), **kwargs)
     self._cluster._track(proc)
     return proc
+
+  def call(self, fn: Callable[..., T], *args, timeout: float = 120.0) -> T:
+    """``fn(*args)`` in a thread of this process that joined this host's namespace; its result.
+
+    Sockets ``fn`` opens are this host's (``setns`` moves only the calling thread), so
+    the test itself can reach the cluster's addresses, e.g. to wait until a server in
+    it answers. Threads that already exist (a library's pool) are not moved: keep
+    ``fn`` to plain sockets. Raises what ``fn`` raised; TimeoutError naming the host
+    when it outlives ``timeout`` seconds.
+    """
+    box: dict[str, object] = {}
+
+    def body() -> None:
+      try:
+        fd = os.open(os.path.join(_RUN_DIR, self.namespace), os.O_RDONLY)
+        try:
+          if _libc().setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetnsCommandError(f"setns into {self.namespace} failed: {os.strerror(err)}")
+        finally:
+          os.close(fd)
+        box["result"] = fn(*args)
+      except BaseException as e:  # pylint: disable=broad-except  (raised in the caller)
+        box["error"] = e
+
+    thread = threading.Thread(target=body, name=f"netns-{self.name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+      raise TimeoutError(f"{getattr(fn, '__name__', fn)} on host {self.name} ({self.address}) did not return "
+                         f"within {timeout} s")
+    if "error" in box:
+      raise box["error"]
+    return box["result"]
 
   def run(self, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True,
           env: Mapping[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess:
