@@ -24,7 +24,7 @@ told. Commands:
   barrier NAME          every process reaches NAME (jax.distributed)
   close                 mgr.close(); then the process says DONE and exits
 
-The state is a ``(16, 6)`` float32 sharded over every device of the job and a
+The state is a ``(24, 6)`` float32 sharded over every device of the job and a
 replicated leaf, a function of the step (:func:`expected`), plus a ``ballast`` of
 ``--ballast-mib`` per process (sharded) that makes a persist take a while.
 """
@@ -43,7 +43,7 @@ from jaxckpt.testing import processes
 
 
 def expected(step: int, ballast_rows: int = 0) -> dict[str, np.ndarray]:
-  out = {"w": np.arange(16 * 6, dtype=np.float32).reshape(16, 6) + 1000 * step,
+  out = {"w": np.arange(24 * 6, dtype=np.float32).reshape(24, 6) + 1000 * step,
          "rep": np.full((5,), step, np.int32)}
   if ballast_rows:
     out["ballast"] = (np.arange(ballast_rows * 256, dtype=np.float32).reshape(ballast_rows, 256) + step)
