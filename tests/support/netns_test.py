@@ -7,6 +7,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,22 @@ def test_hosts_reach_each_other_by_address_and_nothing_else():
     # the test's own namespace has no route into the cluster: hosts are reached through them only
     assert all(not line.startswith(netns.SUBNET + ".")
                for line in subprocess.run(["ip", "route"], capture_output=True, text=True).stdout.splitlines())
+
+
+def test_call_runs_in_the_hosts_namespace_and_sees_its_cuts():
+  with Cluster(["h0", "h1"]) as net:
+    Server(net, "h1")
+
+    def hello() -> bytes:
+      with socket.create_connection((net.host("h1").address, PORT), timeout=2) as s:
+        s.sendall(b"\n")
+        return s.recv(3)
+    assert net.host("h0").call(hello) == b"ok\n"
+    net.cut("h0")
+    with pytest.raises(TimeoutError):
+      net.host("h0").call(hello)
+    net.heal()
+    assert net.host("h0").call(hello) == b"ok\n"
 
 
 def test_cut_host_from_everyone_times_out_and_heal_restores():
