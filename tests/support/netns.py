@@ -39,6 +39,8 @@ owner's pid in their names.
 ...   net.cut_oneway("h0", "storage")       # h0's packets to storage are dropped, not the replies
 ...   net.heal()                            # every cut and limit removed
 ...   net.limit("storage", rate="10mbit")   # storage's link capped, both directions
+...   proxy = net.proxy("storage", 8000)    # a path to storage:8000 that can be faulted
+...   proxy.delay(0.5); proxy.blackhole(); proxy.reset(); proxy.clear()
 """
 
 from __future__ import annotations
@@ -47,12 +49,15 @@ import atexit
 import ctypes
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from typing import Callable, Iterable, Mapping, Sequence, TypeVar
@@ -338,6 +343,7 @@ class Cluster:
     self._limited: set[str] = set()
     self._open = False
     self._lock = threading.Lock()
+    self._dir: str | None = None
 
   # -- lifecycle --
 
@@ -387,6 +393,8 @@ class Cluster:
     for ns in [h.namespace for h in self.hosts] + [self.router]:
       if ns in _namespaces():
         _kill_namespace(ns)
+    if self._dir is not None:
+      shutil.rmtree(self._dir, ignore_errors=True)
     with _live_lock:
       _live.pop(self.prefix, None)
 
@@ -485,12 +493,82 @@ class Cluster:
       self.unlimit(name)
     log.info("cluster %s: healed", self.prefix)
 
+  def proxy(self, to: str, port: int, *, timeout_secs: float = 60.0) -> Proxy:
+    """A TCP proxy in the router to host ``to``'s ``port``, whose traffic can be delayed,
+    blackholed or reset (:class:`Proxy`); hosts connect to ``proxy.address:proxy.port``.
+
+    It is a path of its own: a :meth:`cut` of ``to`` does not stop it (the router itself
+    talks to ``to``), so a test points the client it wants to fault at the proxy.
+    """
+    target = self.host(to)
+    control = os.path.join(self._tmp(), f"proxy-{to}-{port}-{next(_counter)}.json")
+    with open(control, "w", encoding="utf-8") as f:
+      json.dump({}, f)
+    router = Host(_ROUTER, self.router, target.gateway, 0, self)
+    proc = router.popen([sys.executable, "-m", "tests.support.netns_proxy", "0.0.0.0", "0", target.address,
+                         str(port), control], stdout=subprocess.PIPE, text=True)
+    line = _readline(proc, timeout_secs, f"the proxy to {to}:{port}")
+    return Proxy(target.gateway, json.loads(line)["ready"], control, proc)
+
+  def _tmp(self) -> str:
+    if self._dir is None:
+      self._dir = tempfile.mkdtemp(prefix=f"{self.prefix}-")
+    return self._dir
+
   @property
   def faults(self) -> dict[str, list]:
     """What is faulted now: ``{"cuts": [(src, dst), ...], "limited": [host, ...]}`` ("*" for everyone)."""
     by_addr = {h.address: h.name for h in self.hosts}
     cuts = sorted((by_addr.get(s, "*"), by_addr.get(d, "*")) for s, d in self._cuts)
     return {"cuts": cuts, "limited": sorted(self._limited)}
+
+
+@dataclasses.dataclass
+class Proxy:
+  """A TCP proxy made by :meth:`Cluster.proxy`: connect to ``address:port``. Its faults
+  last until changed; :meth:`clear` forwards everything at once again.
+
+  Attributes:
+    address: the router's address on the target's link. port: the proxy's port.
+  """
+  address: str
+  port: int
+  _control: str = dataclasses.field(repr=False)
+  _proc: subprocess.Popen = dataclasses.field(repr=False)
+  _settings: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def _set(self, **changes) -> None:
+    self._settings.update(changes)
+    tmp = self._control + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(self._settings, f)
+    os.replace(tmp, self._control)        # (the proxy re-reads it when its mtime changes)
+
+  def delay(self, secs: float) -> None:
+    """Holds every chunk ``secs`` seconds before forwarding it, both ways."""
+    self._set(delay_secs=float(secs))
+
+  def blackhole(self) -> None:
+    """Forwards nothing: connections stay open and bytes vanish."""
+    self._set(blackhole=True)
+
+  def reset(self) -> None:
+    """Closes every connection open now (new ones go through)."""
+    self._set(reset=self._settings.get("reset", 0) + 1)
+
+  def clear(self) -> None:
+    """No delay, no blackhole."""
+    self._set(delay_secs=0, blackhole=False)
+
+
+def _readline(proc: subprocess.Popen, timeout_secs: float, what: str) -> str:
+  box: list[str] = []
+  reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+  reader.start()
+  reader.join(timeout_secs)
+  if not box or not box[0]:
+    raise NetnsCommandError(f"{what} did not start within {timeout_secs} s (exit code {proc.poll()})")
+  return box[0]
 
 
 _UNITS = {"bit": 1, "kbit": 1000, "mbit": 1000**2, "gbit": 1000**3, "bps": 8, "kbps": 8000, "mbps": 8 * 1000**2}
