@@ -308,7 +308,8 @@ _live_lock = threading.Lock()
 @atexit.register
 def _close_live() -> None:
   for cluster in list(_live.values()):
-    cluster.close()
+    if cluster.owner == os.getpid():     # (not in a forked child that exits normally)
+      cluster.close()
 
 
 class Cluster:
@@ -322,6 +323,7 @@ class Cluster:
     names: the hosts' names (lower case letters, digits, ``_``; unique; not ``router``).
 
   Attributes:
+    owner: the pid of the process that made it (its namespaces' names carry it).
     prefix: the unique prefix of this cluster's namespace names.
     hosts: the hosts, in the order given.
     router: the router's namespace name.
@@ -334,7 +336,8 @@ class Cluster:
       raise errors.InvalidArgumentError(
           f"Cluster(names={names!r}): give 1 to 250 unique host names of lower case letters, digits and _ "
           f"(starting with a letter, at most 20 characters, not {_ROUTER!r}); bad: {bad!r}")
-    self.prefix = f"{_PREFIX}{os.getpid()}x{next(_counter)}"
+    self.owner = os.getpid()
+    self.prefix = f"{_PREFIX}{self.owner}x{next(_counter)}"
     self.router = f"{self.prefix}-{_ROUTER}"
     self.hosts = [Host(n, f"{self.prefix}-{n}", f"{SUBNET}.{i}.2", i, self) for i, n in enumerate(names, 1)]
     self._by_name = {h.name: h for h in self.hosts}
