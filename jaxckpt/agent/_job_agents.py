@@ -44,6 +44,8 @@ class JobAgents:
     self.elsewhere: list[dict[str, Any]] = []
     self.size: int | None = None                  # processes of the job (discover)
     self.peers: dict[str, dict[str, Any]] = {}    # process index -> its agent (discover)
+    # the agents that did not answer the last survey of them all (holders, parity_steps)
+    self.unanswered: list[str] = []
 
   def announce(self, dead: dict[str, Any]) -> None:
     """Tells the job's agents (this host's new one too) where this host's agent is
@@ -111,35 +113,41 @@ class JobAgents:
   # -- the job's other agents (HostStore's job methods) -------------------------
 
   @contextlib.contextmanager
-  def clients(self) -> Iterator[dict[int, Client]]:
-    """Clients of every agent of the job this store knows of (see :func:`clients_of`)."""
+  def clients(self, timeout_secs: float | None = None) -> Iterator[dict[int, Client]]:
+    """Clients of every agent of the job this store knows of (see :func:`clients_of`),
+    each request bounded by ``timeout_secs`` (a wait's time left) when shorter than
+    ``AgentOptions.request_timeout_secs``."""
     store = self.store
+    timeout = store.opts.request_timeout_secs
+    if timeout_secs is not None:
+      timeout = max(0.05, min(timeout, timeout_secs))
     with clients_of(self.all(), store.opts.job_name, local_pid=store.pid, secret=store.secret,
-                    timeout_secs=store.opts.request_timeout_secs) as clients:
+                    timeout_secs=timeout) as clients:
       yield clients
 
   def complete_steps(self) -> list[int]:
     with self.clients() as clients:
       return complete_steps_of(clients)
 
-  def holders(self, step: int) -> tuple[set[int], int | None]:
-    held, count = set(), None
-    with self.clients() as clients:
-      for c in clients.values():
-        try:
-          for s, index, n in c.call(_requests.Held())[0].held:
-            if s == step:
-              held.add(index)
-              count = n
-        except errors.AgentUnavailableError as e:
-          logger.warning("skipping %s: %s", c.who, e)
+  def holders(self, step: int, *, timeout_secs: float | None = None) -> tuple[set[int], int | None]:
+    held, count, skipped = set(), None, []
+    with self.clients(timeout_secs) as clients:
+      for here in each(clients, lambda c: c.call(_requests.Held())[0].held, skipped=skipped).values():
+        for s, index, n in here:
+          if s == step:
+            held.add(index)
+            count = n
+    self.unanswered = skipped
     return held, count
 
-  def parity_steps(self) -> dict[int, Any]:
+  def parity_steps(self, *, timeout_secs: float | None = None) -> dict[int, Any]:
     if not self.store.parity_options:                  # this trainer's job keeps no parity
       return {}
-    with self.clients() as clients:
-      return _parity_recovery.survey(clients)
+    skipped: list[str] = []
+    with self.clients(timeout_secs) as clients:
+      out = _parity_recovery.survey(clients, skipped=skipped)
+    self.unanswered = skipped
+    return out
 
   def step_manifest(self, step: int) -> SnapshotManifest | None:
     """Any agent's manifest of ``step`` (each records every leaf), else one of the

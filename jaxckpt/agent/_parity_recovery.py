@@ -74,14 +74,16 @@ class StepParity:
           "an older protected step or from storage")
 
 
-def survey(clients: dict[int, Client]) -> dict[int, StepParity]:
+def survey(clients: dict[int, Client], *, skipped: list[str] | None = None) -> dict[int, StepParity]:
   """Steps that some live agent holds parity (or a parity record) for, by the step's
   process indices (an agent's record says which process saved the step there, and
   with which parity options). Where another run of the job saved the same step on
-  another number of processes, the size whose snapshots more agents hold stands."""
+  another number of processes, the size whose snapshots more agents hold stands.
+  ``skipped`` gets the agents that did not answer (:func:`each`)."""
   out: dict[tuple[int, int], StepParity] = {}
   held: dict[int, dict[int, set[int]]] = {}    # step -> count -> indices
-  said = each(clients, lambda c: (c.call(_requests.ParityStatus())[0], c.call(_requests.Held())[0].held))
+  said = each(clients, lambda c: (c.call(_requests.ParityStatus())[0], c.call(_requests.Held())[0].held),
+              skipped=skipped)
   for key, (status, here) in sorted(said.items()):
     c = clients[key]
     for step, index, count in here:

@@ -202,10 +202,12 @@ class Client:
         self._reset()
 
 
-def each(clients: dict[int, Client], ask: Callable[[Client], T]) -> dict[int, T]:
+def each(clients: dict[int, Client], ask: Callable[[Client], T], *,
+         skipped: list[str] | None = None) -> dict[int, T]:
   """``ask(client)`` of every client at once (a restore asks each agent of the job:
   one after another, each round trip would add up). An agent that does not answer
-  (AgentUnavailableError) is left out with a warning: what it holds counts as lost."""
+  (AgentUnavailableError) is left out with a warning: what it holds counts as lost;
+  ``skipped`` (when given) gets one line per agent left out, naming it and why."""
   if not clients:
     return {}
 
@@ -214,6 +216,8 @@ def each(clients: dict[int, Client], ask: Callable[[Client], T]) -> dict[int, T]
       return True, ask(c)
     except errors.AgentUnavailableError as e:
       logger.warning("skipping %s: %s", c.who, e)
+      if skipped is not None:
+        skipped.append(str(e))
       return False, None
   with concurrent.futures.ThreadPoolExecutor(min(_AT_ONCE, len(clients)),
                                              thread_name_prefix="jaxckpt-ask") as pool:

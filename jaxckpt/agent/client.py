@@ -250,11 +250,14 @@ class AgentStore(HostStore):
   def complete_steps(self) -> list[int]:
     return self.job.complete_steps()
 
-  def holders(self, step: int) -> tuple[set[int], int | None]:
-    return self.job.holders(step)
+  def holders(self, step: int, *, timeout_secs: float | None = None) -> tuple[set[int], int | None]:
+    return self.job.holders(step, timeout_secs=timeout_secs)
 
-  def parity_steps(self) -> dict[int, Any]:
-    return self.job.parity_steps()
+  def parity_steps(self, *, timeout_secs: float | None = None) -> dict[int, Any]:
+    return self.job.parity_steps(timeout_secs=timeout_secs)
+
+  def unanswered(self) -> list[str]:
+    return list(self.job.unanswered)
 
   def step_manifest(self, step: int) -> SnapshotManifest | None:
     return self.job.step_manifest(step)

@@ -170,9 +170,11 @@ class HostStore(abc.ABC):
     """Steps for which every saving process's snapshot is held somewhere in the job."""
     return self.steps()
 
-  def holders(self, step: int) -> tuple[set[int], int | None]:
+  def holders(self, step: int, *, timeout_secs: float | None = None) -> tuple[set[int], int | None]:
     """The saving processes whose snapshot of ``step`` is held in the job, and how
-    many processes saved it (None: no one holds it)."""
+    many processes saved it (None: no one holds it); the job's agents are asked for
+    ``timeout_secs`` at most (None: one request's timeout)."""
+    del timeout_secs
     with contextlib.suppress(errors.StepNotFoundError):
       with self.read(step) as (manifest, _):
         return {manifest.process_index}, manifest.process_count
@@ -186,9 +188,16 @@ class HostStore(abc.ABC):
     with self.read(step) as (manifest, _):
       return manifest
 
-  def parity_steps(self) -> dict[int, ParityReport]:
-    """What the job's agents say of each step they protect (none here)."""
+  def parity_steps(self, *, timeout_secs: float | None = None) -> dict[int, ParityReport]:
+    """What the job's agents say of each step they protect (none here); asked for
+    ``timeout_secs`` at most (None: one request's timeout)."""
+    del timeout_secs
     return {}
+
+  def unanswered(self) -> list[str]:
+    """The job's agents that did not answer the last question asked of them all
+    (:meth:`holders`, :meth:`parity_steps`), each named with why; none here."""
+    return []
 
   def other_pieces(self, step: int, local_index: int | None, *, rebuild: bool,
                    have: list[Piece], stack: contextlib.ExitStack) -> list[Piece]:

@@ -47,9 +47,15 @@ def storage_steps(directory: str | None, *, timeout_secs: float | None = None) -
   return universal.stored_steps(directory, timeout_secs=max(timeout_secs, 0.1))
 
 
-def parity_steps(store: HostStore) -> dict[int, ParityReport]:
-  """What the job's agents say about the parity of each step they protect."""
-  return store.parity_steps()
+# How long a timeout's message may ask the agents who holds the step (one that is cut off
+# from this host never answers: the wait must still end on time).
+_LATE_PROBE_SECS = 2.0
+
+
+def parity_steps(store: HostStore, *, timeout_secs: float | None = None) -> dict[int, ParityReport]:
+  """What the job's agents say about the parity of each step they protect (asked for
+  ``timeout_secs`` at most; None: one request's timeout)."""
+  return store.parity_steps(timeout_secs=timeout_secs)
 
 
 def protected_steps(store: HostStore) -> list[int]:
@@ -58,11 +64,14 @@ def protected_steps(store: HostStore) -> list[int]:
 
 
 def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
-  """Polls the agents until ``step`` is protected; the timeout names the late hosts."""
+  """Polls the agents until ``step`` is protected; the timeout names the late hosts and
+  the agents that did not answer. No question to an agent outlives the wait: each is
+  asked for the time left at most (an agent cut off from this host never answers)."""
   last: list[ParityReport | None] = [None]
+  deadline = time.monotonic() + timeout_secs
 
   def protected() -> bool:
-    sp = last[0] = parity_steps(store).get(step)
+    sp = last[0] = parity_steps(store, timeout_secs=deadline - time.monotonic()).get(step)
     if sp is not None and sp.errors:      # a failed parity is never retried: say so now
       raise errors.ParityError(
           f"step {step} will not be protected: " + "; ".join(
@@ -71,7 +80,9 @@ def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
 
   def late() -> str:
     sp = last[0]
-    held, count = store.holders(step)
+    silent = store.unanswered()            # (the last survey's, before holders asks again)
+    held, count = store.holders(step, timeout_secs=_LATE_PROBE_SECS)
+    silent += [s for s in store.unanswered() if s not in silent]
     count = count or (sp.process_count if sp is not None else None)
     done = set() if sp is None else sp.done
     why = []
@@ -82,6 +93,8 @@ def wait_protected(store: HostStore, step: int, *, timeout_secs: float) -> None:
     if waiting or not why:
       who = f"hosts {waiting}" if waiting else "all hosts"
       why.append(f"{who} hold no finished parity of it")
+    if silent:
+      why.append("no answer from " + "; ".join(silent))
     return f"step {step} was not protected within {timeout_secs} s: " + "; ".join(why)
   _wait.until(protected, timeout_secs=timeout_secs, late=late, poll_secs=0.005)
 

@@ -34,9 +34,12 @@ def free_port() -> int:
 
 
 def add_job_arguments(parser: Any) -> None:
-  """A test job's worker process arguments: ``--port`` (jax.distributed's coordinator
-  on loopback), ``--num-processes`` and ``--process-id``."""
+  """A test job's worker process arguments: ``--port`` (jax.distributed's coordinator,
+  on loopback unless ``--coordinator`` names process 0's address), ``--num-processes``
+  and ``--process-id``."""
   parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--coordinator", default="127.0.0.1")
+  parser.add_argument("--heartbeat-timeout-secs", type=int, default=100)
   parser.add_argument("--num-processes", type=int, required=True)
   parser.add_argument("--process-id", type=int, required=True)
 
@@ -56,9 +59,10 @@ def join_job(args: Any, *, devices: int = 2, timeout_secs: int = 120) -> None:
   (:func:`add_job_arguments`) through jax.distributed."""
   import jax  # pylint: disable=import-outside-toplevel  (after the caller's own setup)
   jax.config.update("jax_num_cpu_devices", devices)
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+  jax.distributed.initialize(coordinator_address=f"{getattr(args, 'coordinator', '127.0.0.1')}:{args.port}",
                              num_processes=args.num_processes, process_id=args.process_id,
-                             initialization_timeout=timeout_secs)
+                             initialization_timeout=timeout_secs,
+                             heartbeat_timeout_seconds=getattr(args, "heartbeat_timeout_secs", 100))
 
 
 def barrier(name: str) -> None:
@@ -155,8 +159,11 @@ class Proc:
   """A child process with its output captured line by line, killed on exit."""
 
   def __init__(self, args: list[str], *, env: dict[str, str] | None = None,
-               cwd: str | None = None, stdin: bool = False) -> None:
-    self.p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+               cwd: str | None = None, stdin: bool = False,
+               popen: Any = subprocess.Popen) -> None:
+    """``python ARGS`` started by ``popen`` (``subprocess.Popen``'s signature; e.g. a
+    network namespace's ``Host.popen``, so the process runs on that host)."""
+    self.p = popen([sys.executable, *args], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=cwd,
                               stdin=subprocess.PIPE if stdin else None,
                               env={**os.environ, **(env or {})})

@@ -88,14 +88,16 @@ def open_for_write(directory: str, step: int,
   except TimeoutError:
     raise errors.StorageError(
         f"step {step}: creating the array of leaf {info.path!r} in {directory!r} took over "
-        f"{lay.REQUEST_TIMEOUT_SECS} s; is the store reachable?") from None
+        f"{lay.REQUEST_TIMEOUT_SECS} s: {lay.server_of(directory)} did not answer; is it "
+        "reachable?") from None
   except ValueError as e:
     if "ALREADY_EXISTS" not in str(e) and "already exists" not in str(e):
       raise errors.StorageError(
           f"step {step}: cannot create the array of leaf {info.path!r} in {directory!r}: "
           f"{lay.ts_error(e)}") from None
   del spec["metadata"]
-  store = ts.open(spec, open=True, context=lay.context()).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  store = lay.storage_result(ts.open(spec, open=True, context=lay.context()),
+                             f"step {step}: opening the array of leaf {info.path!r}", directory)
   if tuple(store.shape) != info.shape or str(store.dtype.name) != (info.storage_dtype or info.dtype):
     raise errors.ManifestError(
         f"step {step}: leaf {info.path!r} exists in storage as {store.dtype.name}{list(store.shape)}, "

@@ -169,7 +169,8 @@ def missing_parts(directory: str, step: int, attempt: str, process_count: int | 
     try:
       state = r.result(timeout=max(0.0, deadline - time.monotonic())).state
     except TimeoutError:
-      raise TimeoutError(f"storage did not answer within {timeout_secs} s") from None
+      raise TimeoutError(f"storage ({lay.server_of(directory)}) did not answer within "
+                         f"{timeout_secs} s") from None
     if state != "value":
       missing.append(i)
   return missing
@@ -203,7 +204,7 @@ def _wait_for_parts(kv: ts.KvStore, directory: str, step: int, attempt: str,
     waiting = missing()
     reads = [lay.read(kv, lay.part_key(step, i, attempt)) for i in waiting]   # all at once
     for i, read in zip(waiting, reads):
-      res = read.result(timeout=lay.REQUEST_TIMEOUT_SECS)
+      res = lay.storage_result(read, f"reading the part record of process {i} at step {step}", directory)
       if res.state != "value":
         continue
       part = _merge.decode(res.value, f"part record of process {i} at step {step}")

@@ -60,6 +60,22 @@ def s3_endpoint() -> str | None:
   return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def server_of(directory: str) -> str:
+  """Where ``directory``'s requests go, for a message that must name the store that did
+  not answer: an S3 directory's endpoint (AWS itself when no endpoint variable is
+  set), or the local path.
+
+  >>> server_of("/ckpt")
+  'the local filesystem'
+  """
+  if directory.startswith("s3://"):
+    endpoint = s3_endpoint()
+    return f"S3 endpoint {endpoint}" if endpoint else "AWS S3 (no AWS_ENDPOINT_URL set)"
+  if local_path(directory) is not None:
+    return "the local filesystem"
+  return f"the {directory.partition('://')[0]} store"
+
+
 def kvstore_spec(directory: str, sub: str = "") -> Any:
   """The tensorstore kvstore spec of ``sub`` (a key prefix) under ``directory``.
 
@@ -130,7 +146,8 @@ def storage_result(future: Any, what: str, directory: str,
     return future.result(timeout=timeout_secs)
   except TimeoutError:
     raise errors.StorageError(
-        f"{what} at {directory!r} took over {timeout_secs} s; is the store reachable "
+        f"{what} at {directory!r} took over {timeout_secs} s: {server_of(directory)} did not "
+        f"answer; is it reachable "
         f"({_ENDPOINT_HINT.get(directory.partition('://')[0], 'its address')}; "
         "credentials)?") from None
   except ValueError as e:

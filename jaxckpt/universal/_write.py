@@ -240,7 +240,7 @@ def _put(kv: ts.KvStore, directory: str, key: str, body: bytes, what: str) -> No
   except TimeoutError:
     raise errors.StorageError(
         errno.ETIMEDOUT, f"writing the {what} to {directory!r} took over "
-        f"{lay.REQUEST_TIMEOUT_SECS} s", key) from None
+        f"{lay.REQUEST_TIMEOUT_SECS} s ({lay.server_of(directory)} did not answer)", key) from None
   except ValueError as e:
     raise errors.StorageError(
         f"writing the {what} to {directory!r} ({key}) failed: {lay.ts_error(e)}") from None

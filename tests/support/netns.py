@@ -39,22 +39,28 @@ owner's pid in their names.
 ...   net.cut_oneway("h0", "storage")       # h0's packets to storage are dropped, not the replies
 ...   net.heal()                            # every cut and limit removed
 ...   net.limit("storage", rate="10mbit")   # storage's link capped, both directions
+...   proxy = net.proxy("storage", 8000)    # a path to storage:8000 that can be faulted
+...   proxy.delay(0.5); proxy.blackhole(); proxy.reset(); proxy.clear()
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from jaxckpt import errors
 
@@ -71,6 +77,12 @@ _ROUTER = "router"
 _PREFIX = "jxn"               # namespace names: jxn<owner pid>x<n>-<host>
 _CHAIN = "JXFAULT"            # the router's chain of cuts, jumped to from FORWARD
 _RUN_DIR = "/run/netns"
+_CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+def _libc() -> ctypes.CDLL:
+  return ctypes.CDLL(None, use_errno=True)
 
 
 class NetnsUnavailableError(errors.JaxckptError, RuntimeError):
@@ -216,6 +228,40 @@ class Host:
     self._cluster._track(proc)
     return proc
 
+  def call(self, fn: Callable[..., T], *args, timeout: float = 120.0) -> T:
+    """``fn(*args)`` in a thread of this process that joined this host's namespace; its result.
+
+    Sockets ``fn`` opens are this host's (``setns`` moves only the calling thread), so
+    the test itself can reach the cluster's addresses, e.g. to wait until a server in
+    it answers. Threads that already exist (a library's pool) are not moved: keep
+    ``fn`` to plain sockets. Raises what ``fn`` raised; TimeoutError naming the host
+    when it outlives ``timeout`` seconds.
+    """
+    box: dict[str, object] = {}
+
+    def body() -> None:
+      try:
+        fd = os.open(os.path.join(_RUN_DIR, self.namespace), os.O_RDONLY)
+        try:
+          if _libc().setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetnsCommandError(f"setns into {self.namespace} failed: {os.strerror(err)}")
+        finally:
+          os.close(fd)
+        box["result"] = fn(*args)
+      except BaseException as e:  # pylint: disable=broad-except  (raised in the caller)
+        box["error"] = e
+
+    thread = threading.Thread(target=body, name=f"netns-{self.name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+      raise TimeoutError(f"{getattr(fn, '__name__', fn)} on host {self.name} ({self.address}) did not return "
+                         f"within {timeout} s")
+    if "error" in box:
+      raise box["error"]
+    return box["result"]
+
   def run(self, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True,
           env: Mapping[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess:
     """Runs ``argv`` in this host's namespace to completion; stdout and stderr captured as text.
@@ -262,7 +308,8 @@ _live_lock = threading.Lock()
 @atexit.register
 def _close_live() -> None:
   for cluster in list(_live.values()):
-    cluster.close()
+    if cluster.owner == os.getpid():     # (not in a forked child that exits normally)
+      cluster.close()
 
 
 class Cluster:
@@ -276,6 +323,7 @@ class Cluster:
     names: the hosts' names (lower case letters, digits, ``_``; unique; not ``router``).
 
   Attributes:
+    owner: the pid of the process that made it (its namespaces' names carry it).
     prefix: the unique prefix of this cluster's namespace names.
     hosts: the hosts, in the order given.
     router: the router's namespace name.
@@ -288,7 +336,8 @@ class Cluster:
       raise errors.InvalidArgumentError(
           f"Cluster(names={names!r}): give 1 to 250 unique host names of lower case letters, digits and _ "
           f"(starting with a letter, at most 20 characters, not {_ROUTER!r}); bad: {bad!r}")
-    self.prefix = f"{_PREFIX}{os.getpid()}x{next(_counter)}"
+    self.owner = os.getpid()
+    self.prefix = f"{_PREFIX}{self.owner}x{next(_counter)}"
     self.router = f"{self.prefix}-{_ROUTER}"
     self.hosts = [Host(n, f"{self.prefix}-{n}", f"{SUBNET}.{i}.2", i, self) for i, n in enumerate(names, 1)]
     self._by_name = {h.name: h for h in self.hosts}
@@ -297,6 +346,7 @@ class Cluster:
     self._limited: set[str] = set()
     self._open = False
     self._lock = threading.Lock()
+    self._dir: str | None = None
 
   # -- lifecycle --
 
@@ -346,6 +396,8 @@ class Cluster:
     for ns in [h.namespace for h in self.hosts] + [self.router]:
       if ns in _namespaces():
         _kill_namespace(ns)
+    if self._dir is not None:
+      shutil.rmtree(self._dir, ignore_errors=True)
     with _live_lock:
       _live.pop(self.prefix, None)
 
@@ -444,12 +496,82 @@ class Cluster:
       self.unlimit(name)
     log.info("cluster %s: healed", self.prefix)
 
+  def proxy(self, to: str, port: int, *, timeout_secs: float = 60.0) -> Proxy:
+    """A TCP proxy in the router to host ``to``'s ``port``, whose traffic can be delayed,
+    blackholed or reset (:class:`Proxy`); hosts connect to ``proxy.address:proxy.port``.
+
+    It is a path of its own: a :meth:`cut` of ``to`` does not stop it (the router itself
+    talks to ``to``), so a test points the client it wants to fault at the proxy.
+    """
+    target = self.host(to)
+    control = os.path.join(self._tmp(), f"proxy-{to}-{port}-{next(_counter)}.json")
+    with open(control, "w", encoding="utf-8") as f:
+      json.dump({}, f)
+    router = Host(_ROUTER, self.router, target.gateway, 0, self)
+    proc = router.popen([sys.executable, "-m", "tests.support.netns_proxy", "0.0.0.0", "0", target.address,
+                         str(port), control], stdout=subprocess.PIPE, text=True)
+    line = _readline(proc, timeout_secs, f"the proxy to {to}:{port}")
+    return Proxy(target.gateway, json.loads(line)["ready"], control, proc)
+
+  def _tmp(self) -> str:
+    if self._dir is None:
+      self._dir = tempfile.mkdtemp(prefix=f"{self.prefix}-")
+    return self._dir
+
   @property
   def faults(self) -> dict[str, list]:
     """What is faulted now: ``{"cuts": [(src, dst), ...], "limited": [host, ...]}`` ("*" for everyone)."""
     by_addr = {h.address: h.name for h in self.hosts}
     cuts = sorted((by_addr.get(s, "*"), by_addr.get(d, "*")) for s, d in self._cuts)
     return {"cuts": cuts, "limited": sorted(self._limited)}
+
+
+@dataclasses.dataclass
+class Proxy:
+  """A TCP proxy made by :meth:`Cluster.proxy`: connect to ``address:port``. Its faults
+  last until changed; :meth:`clear` forwards everything at once again.
+
+  Attributes:
+    address: the router's address on the target's link. port: the proxy's port.
+  """
+  address: str
+  port: int
+  _control: str = dataclasses.field(repr=False)
+  _proc: subprocess.Popen = dataclasses.field(repr=False)
+  _settings: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def _set(self, **changes) -> None:
+    self._settings.update(changes)
+    tmp = self._control + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(self._settings, f)
+    os.replace(tmp, self._control)        # (the proxy re-reads it when its mtime changes)
+
+  def delay(self, secs: float) -> None:
+    """Holds every chunk ``secs`` seconds before forwarding it, both ways."""
+    self._set(delay_secs=float(secs))
+
+  def blackhole(self) -> None:
+    """Forwards nothing: connections stay open and bytes vanish."""
+    self._set(blackhole=True)
+
+  def reset(self) -> None:
+    """Closes every connection open now (new ones go through)."""
+    self._set(reset=self._settings.get("reset", 0) + 1)
+
+  def clear(self) -> None:
+    """No delay, no blackhole."""
+    self._set(delay_secs=0, blackhole=False)
+
+
+def _readline(proc: subprocess.Popen, timeout_secs: float, what: str) -> str:
+  box: list[str] = []
+  reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+  reader.start()
+  reader.join(timeout_secs)
+  if not box or not box[0]:
+    raise NetnsCommandError(f"{what} did not start within {timeout_secs} s (exit code {proc.poll()})")
+  return box[0]
 
 
 _UNITS = {"bit": 1, "kbit": 1000, "mbit": 1000**2, "gbit": 1000**3, "bps": 8, "kbps": 8000, "mbps": 8 * 1000**2}

