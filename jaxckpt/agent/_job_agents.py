@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import msgspec
 
 from jaxckpt import errors
-from jaxckpt.util import _wait
+from jaxckpt.util import _crash, _wait
 from jaxckpt.agent import _parity_recovery, _requests
 from jaxckpt.agent._protocol import Client, each
 from jaxckpt.agent._remote import (clients_of, complete_steps_of, job_agents,
@@ -267,6 +267,38 @@ class JobAgents:
               f"not stop within {timeout_secs} s (it will not commit)"))
         except errors.AgentUnavailableError as e:
           logger.warning("delete of step %d: skipping %s: %s", step, c.who, e)
+
+
+  def rollback_elsewhere(self, rid: str, steps: list[int], timeout_secs: float) -> None:
+    """The job's other agents apply rollback ``rid`` (``steps`` discarded at once, each
+    fenced until its persist has ended; once per agent, whoever asks again); one that
+    does not answer is skipped with a warning (its snapshots count as lost)."""
+    with self.clients() as clients:
+      for c in clients.values():
+        if c.pid == self.store.pid:
+          continue
+        req = _requests.Rollback(id=rid, steps=steps, by=self.store.process)
+
+        def ended(c: Client = c) -> bool:
+          return not c.call(req)[0].persisting
+        try:
+          _wait.until(ended, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda c=c: (
+              f"rollback {rid}: the persists that {c.who} runs of steps {steps} did "
+              f"not stop within {timeout_secs} s (they will not commit)"))
+        except errors.AgentUnavailableError as e:
+          logger.warning("rollback %s: skipping %s: %s", rid, c.who, e)
+        _crash.point("rollback")
+
+  def rollbacks(self) -> dict[str, list[int]]:
+    """The rollbacks the job's agents recorded (id -> steps), every agent's."""
+    out: dict[str, list[int]] = {}
+    with self.clients() as clients:
+      for c in clients.values():
+        try:
+          out.update(c.call(_requests.Rollback())[0].rollbacks)
+        except errors.AgentUnavailableError as e:
+          logger.warning("skipping %s: %s", c.who, e)
+    return out
 
 
 def _listening(endpoint: str, timeout_secs: float) -> bool:

@@ -27,7 +27,7 @@ from typing import Any, Iterator, TypeVar
 import msgspec
 
 from jaxckpt import errors
-from jaxckpt.util import _wait
+from jaxckpt.util import _crash, _wait
 from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent._job_agents import JobAgents
 from jaxckpt.agent._paths import pid_alive, read_address
@@ -386,6 +386,29 @@ class AgentStore(HostStore):
     self._attempts.pop(step, None)
     self.job.discard_elsewhere(step, timeout_secs)
     return any(discarded) or first[0] not in (None, self.process)
+
+  def rollback(self, rid: str, steps: list[int], *, timeout_secs: float = 60.0) -> None:
+    """Rollback ``rid``: ``steps`` discarded on this host's agent in one request (a
+    trainer killed meanwhile leaves it whole, and recorded there), then on every other
+    agent of the job; each fenced until its persists have ended. Applied once per
+    agent: asked again (a relaunch completing it), it discards nothing more."""
+    doomed = frozenset(steps)
+    self.repersist.fence(doomed.__contains__)
+    req = _requests.Rollback(id=rid, steps=sorted(doomed), by=self.process)
+
+    def fenced() -> bool:
+      r = self.call(req)
+      return not r.persisting and not any(self.repersist.rebuilding(s) for s in steps)
+    _wait.until(fenced, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda: (
+        f"rollback {rid}: the persists that {self.who} runs of steps {steps} did not stop "
+        f"within {timeout_secs} s (they will not commit)"))
+    for s in steps:
+      self._attempts.pop(s, None)
+    _crash.point("rollback")
+    self.job.rollback_elsewhere(rid, sorted(doomed), timeout_secs)
+
+  def rollbacks(self) -> dict[str, list[int]]:
+    return self.job.rollbacks()
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import uuid
+from typing import Any
 
 from jaxckpt import errors, universal
 from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._policy import DirectoryRules, Policy
 from jaxckpt.host.store import HostStore
 from jaxckpt.restore import _tiers
+from jaxckpt.util import _crash
 
 logger = logging.getLogger("jaxckpt.manager")
 
@@ -128,14 +131,72 @@ class Deletes:
             f"so step {step} would start another timeline beside them; {how}")
       return
     abandoned = sorted(s for s in stored | set(self.store.steps()) | set(led.attempts())
-                       | set(_tiers.complete_steps(self.store)) if s > fork)
+                   | set(_tiers.complete_steps(self.store)) if s > fork)
     logger.warning("step %d starts a new timeline from step %d (restored): steps %s of the "
                    "abandoned timeline are deleted from every tier", step, fork, abandoned)
     self.drain()
-    for s in abandoned:                 # fenced first: nothing commits them again
-      self.store.discard(s, timeout_secs=self.timeout)
-    if stored & set(abandoned) and self._clears_storage:
-      universal.unlist_steps(self.directory, [s for s in abandoned if s in stored])
-    for s in abandoned:
-      self.everywhere(s, listed_before=s in stored)
+    self._roll_back({"id": self._rollback_id(), "fork": fork, "step": step,
+                     "steps": abandoned}, stored)
     led.restored, led.high = None, step
+
+  def _rollback_id(self) -> str:
+    """A new rollback's id, the job's (process 0's): every process's rollback of the
+    job is one on every agent, applied there once."""
+    if self.process[1] == 1:
+      return uuid.uuid4().hex
+    from jaxckpt.net import _kv  # pylint: disable=import-outside-toplevel  (JAX: a job's)
+    return _kv.broadcast_from_0("rollback", lambda: uuid.uuid4().hex,
+                                timeout_secs=self.timeout)
+
+  def _roll_back(self, record: dict[str, Any], stored: set[int]) -> None:
+    """Deletes the abandoned timeline's steps (``record``) from every tier, atomic against
+    a crash at any point: recorded first (on storage, by the processes that clear it;
+    on the agents, by the one request that discards them on each), so that whoever
+    comes next completes it (:meth:`resume`). The agent's host memory, its peers' and
+    their parity go in one request per agent; storage's markers, newest first, then
+    their data; then the record. ``stored``: the steps storage lists."""
+    steps = record["steps"]
+    recorded = self._clears_storage
+    if recorded:
+      universal.record_rollback(self.directory, record)
+      _crash.point("rollback")
+    self.store.rollback(record["id"], steps, timeout_secs=self.timeout)   # fenced first
+    self._complete(record, stored)
+    if recorded:
+      universal.clear_rollback(self.directory)
+      _crash.point("rollback")
+
+  def _complete(self, record: dict[str, Any], stored: set[int]) -> None:
+    """Storage's and the ledger's part of rollback ``record`` (its host part done)."""
+    steps = record["steps"]
+    for s in steps:
+      self.ledger.fence(s)
+    if self._clears_storage:
+      for s in sorted(stored & set(steps), reverse=True):   # none listed, whatever comes
+        universal.unlist_steps(self.directory, [s])
+        _crash.point("rollback")
+      for s in steps:
+        universal.discard_step(self.directory, s, todelete_subdir=self.rules.todelete_subdir)
+        _crash.point("rollback")
+    for s in steps:
+      self.ledger.forget(s)
+
+  def resume(self) -> None:
+    """At start: completes the rollback a crash interrupted (see :meth:`_roll_back`),
+    as its record on storage or on the job's agents has it: its steps deleted from
+    every tier (an agent that applied it already discards nothing more: a step of the
+    new timeline is never deleted by it), then the record removed."""
+    for rid, steps in sorted(self.store.rollbacks().items()):
+      self.store.rollback(rid, steps, timeout_secs=self.timeout)   # (the agents that missed it)
+    if self.directory is None:
+      return
+    record = universal.rollback_record(self.directory)
+    if record is None:
+      return
+    logger.warning("completing the rollback that a crash interrupted: steps %s of the timeline "
+                   "abandoned at step %s (restored step %s) are deleted from every tier",
+                   record["steps"], record["step"], record["fork"])
+    self.store.rollback(record["id"], record["steps"], timeout_secs=self.timeout)
+    self._complete(record, set(_tiers.storage_steps(self.directory, timeout_secs=self.timeout)))
+    if self._clears_storage:
+      universal.clear_rollback(self.directory)

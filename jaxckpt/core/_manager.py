@@ -94,6 +94,8 @@ class CoreManager:
           self._store.persist_status().pending))     # what crashed saves left
     self._deletes = _deletes.Deletes(self._store, self.ledger, directory, self._process, rules,
                                      self.policy, options.timeout_secs)
+    if not rules.read_only:
+      self._deletes.resume()            # a rollback a crash interrupted, before any listing
     self.listing = _listing.Listing(self._store, self.ledger, directory, self.policy,
                                     parity=options.parity is not None,
                                     settle=self.wait_until_snapshotted)
