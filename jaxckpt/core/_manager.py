@@ -36,6 +36,11 @@ def _no_log(event: str, step: int, t0: float, **figures: Any) -> None:
   del event, step, t0, figures
 
 
+def _decider(options: CheckpointOptions) -> str:
+  """The option whose save decisions a job follows process 0's in."""
+  return ("should_save_fn" if options.should_save_fn is not None else "save_decision_policy")
+
+
 class CoreManager:
   """Snapshots a tree every step and restores it from the fastest tier.
 
@@ -61,6 +66,11 @@ class CoreManager:
     self._process = (jax.process_index(), jax.process_count())
     _identity.agree_options(options, directory, process=self._process)   # first: all agree
     self.policy = policy or _policy.plain(options)
+    self._decisions = None if self.policy.decides_alike or self._process[1] == 1 else (
+        _policy.JobDecisions(process=self._process, what=_decider(options),
+                             compare=not self.policy.asks_progress,
+                             timeout_secs=options.timeout_secs,
+                             channel=_kv.Channel("decisions", timeout_secs=options.timeout_secs)))
     self._log, self._already_exists = log_entry, already_exists
     config, run_id = _factory.persistence(directory, options, writes=not rules.read_only,
                                           create=rules.create)
@@ -133,9 +143,12 @@ class CoreManager:
 
   def _policy_saves(self, step: int) -> bool:
     p = self.policy
-    saving = p.asks_progress and self.is_saving_in_progress()   # (an agent request)
-    preempted = p.asks_preemption and self.reached_preemption(step)
-    return p.should_save(step, self.ledger.kept() if p.reads_kept else (), saving, preempted)
+
+    def own() -> bool:
+      saving = p.asks_progress and self.is_saving_in_progress()   # (an agent request)
+      preempted = p.asks_preemption and self.reached_preemption(step)
+      return p.should_save(step, self.ledger.kept() if p.reads_kept else (), saving, preempted)
+    return own() if self._decisions is None else self._decisions.decide(step, own)
 
   def _snapshot(self, step: int, state: Any, metadata: dict[str, Any] | None, metrics: Any,
                 force: bool, t0: float) -> bool:
