@@ -289,16 +289,30 @@ class JobAgents:
           logger.warning("rollback %s: skipping %s: %s", rid, c.who, e)
         _crash.point("rollback")
 
-  def rollbacks(self) -> dict[str, list[int]]:
-    """The rollbacks the job's agents recorded (id -> steps), every agent's."""
-    out: dict[str, list[int]] = {}
+  def complete_rollbacks(self, timeout_secs: float) -> None:
+    """The rollbacks some agent of the job recorded, applied on every agent that missed
+    them (its trainer was killed between the agents), each fenced until its persists
+    have ended; an agent that does not answer is skipped with a warning."""
+    held: dict[int, dict[str, list[int]]] = {}
     with self.clients() as clients:
-      for c in clients.values():
+      for h, c in clients.items():
         try:
-          out.update(c.call(_requests.Rollback())[0].rollbacks)
+          held[h] = dict(c.call(_requests.Rollback())[0].rollbacks)
         except errors.AgentUnavailableError as e:
           logger.warning("skipping %s: %s", c.who, e)
-    return out
+      every = {rid: steps for mine in held.values() for rid, steps in mine.items()}
+      for h, mine in held.items():
+        c = clients[h]
+        for rid in sorted(set(every) - set(mine)):
+          logger.warning("completing rollback %s (steps %s) on %s: its trainer was killed "
+                         "before it reached it", rid, every[rid], c.who)
+          req = _requests.Rollback(id=rid, steps=every[rid], by=self.store.process)
+
+          def ended(c: Client = c, req: _requests.Rollback = req) -> bool:
+            return not c.call(req)[0].persisting
+          _wait.until(ended, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda c=c: (
+              f"rollback {rid}: the persists that {c.who} runs of its steps did not stop "
+              f"within {timeout_secs} s (they will not commit)"))
 
 
 def _listening(endpoint: str, timeout_secs: float) -> bool:

@@ -407,8 +407,8 @@ class AgentStore(HostStore):
     _crash.point("rollback")
     self.job.rollback_elsewhere(rid, sorted(doomed), timeout_secs)
 
-  def rollbacks(self) -> dict[str, list[int]]:
-    return self.job.rollbacks()
+  def complete_rollbacks(self, *, timeout_secs: float = 60.0) -> None:
+    self.job.complete_rollbacks(timeout_secs)
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:

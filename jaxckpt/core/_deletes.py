@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from jaxckpt import errors, universal
+from jaxckpt.universal import _commit
 from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._policy import DirectoryRules, Policy
 from jaxckpt.host.store import HostStore
@@ -158,12 +159,12 @@ class Deletes:
     steps = record["steps"]
     recorded = self._clears_storage
     if recorded:
-      universal.record_rollback(self.directory, record)
+      _commit.record_rollback(self.directory, record)
       _crash.point("rollback")
     self.store.rollback(record["id"], steps, timeout_secs=self.timeout)   # fenced first
     self._complete(record, stored)
     if recorded:
-      universal.clear_rollback(self.directory)
+      _commit.clear_rollback(self.directory)
       _crash.point("rollback")
 
   def _complete(self, record: dict[str, Any], stored: set[int]) -> None:
@@ -186,11 +187,10 @@ class Deletes:
     as its record on storage or on the job's agents has it: its steps deleted from
     every tier (an agent that applied it already discards nothing more: a step of the
     new timeline is never deleted by it), then the record removed."""
-    for rid, steps in sorted(self.store.rollbacks().items()):
-      self.store.rollback(rid, steps, timeout_secs=self.timeout)   # (the agents that missed it)
+    self.store.complete_rollbacks(timeout_secs=self.timeout)   # on the agents that missed one
     if self.directory is None:
       return
-    record = universal.rollback_record(self.directory)
+    record = _commit.rollback_record(self.directory)
     if record is None:
       return
     logger.warning("completing the rollback that a crash interrupted: steps %s of the timeline "
@@ -199,4 +199,4 @@ class Deletes:
     self.store.rollback(record["id"], record["steps"], timeout_secs=self.timeout)
     self._complete(record, set(_tiers.storage_steps(self.directory, timeout_secs=self.timeout)))
     if self._clears_storage:
-      universal.clear_rollback(self.directory)
+      _commit.clear_rollback(self.directory)

@@ -229,9 +229,11 @@ class HostStore(abc.ABC):
     for step in steps:
       self.discard(step, timeout_secs=timeout_secs)
 
-  def rollbacks(self) -> dict[str, list[int]]:
-    """The rollbacks this store recorded (id -> steps): none in this process's memory."""
-    return {}
+  def complete_rollbacks(self, *, timeout_secs: float = 60.0) -> None:
+    """Applies the rollbacks that some agent of the job recorded on every agent that
+    missed them (a trainer killed between them); a no-op here (this process's memory
+    records none)."""
+    del timeout_secs
 
   def preallocate(self, nbytes: int) -> None:
     """Allocates and touches every free slot for snapshots of ``nbytes`` now, so

@@ -27,9 +27,6 @@ from jaxckpt.universal._commit import missing_parts
 from jaxckpt.universal._commit import quarantine_step
 from jaxckpt.universal._commit import quarantined
 from jaxckpt.universal._commit import unlist_steps
-from jaxckpt.universal._commit import clear_rollback
-from jaxckpt.universal._commit import record_rollback
-from jaxckpt.universal._commit import rollback_record
 from jaxckpt.universal._commit import read_json
 from jaxckpt.universal._commit import stored_steps
 from jaxckpt.universal._commit import write_json
@@ -77,9 +74,6 @@ __all__ = [
     "orbax_steps",
     "quarantine_step",
     "unlist_steps",
-    "clear_rollback",
-    "record_rollback",
-    "rollback_record",
     "quarantined",
     "read_json",
     "stored_steps",
