@@ -107,7 +107,7 @@ def test_orbax_managers_never_roll_back(tmp_path):
 # A rollback killed at each of its points (the trainer SIGKILLs itself at the K-th, K = 1,
 # 2, ... until it passes them all): the tiers, the storage it persists to, and the crash
 # points each case passes (its record, the agent's request, each marker, each step's data).
-_KILLED = {"agent_and_directory": ("agent", 10, 9), "agent_only": ("agent", None, 1),
+_KILLED = {"agent_and_directory": ("agent", 10, 5), "agent_only": ("agent", None, 1),
            "directory_only": (None, 1, 12)}
 
 
@@ -166,3 +166,41 @@ def test_a_rollback_killed_at_any_point_never_resumes_the_abandoned_timeline(tmp
         _check_new_timeline(m, directory) if directory is not None else None
         assert m.all_steps()[-3:] == [26, 27, 28] and 30 not in m.all_steps()
   assert kills == points, (kills, points)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_job_killed_at_any_point_of_its_rollback_resumes_the_new_timeline(tmp_path):
+  """Two processes with agents and parity roll back (21-30, restore(25), save(26)), both
+  SIGKILLed at the K-th point of their rollback, K = 1, 2, ... (the job dies mid-way: an
+  agent, or a peer's agent and its parity, or storage reached and the rest not). The
+  relaunched job lists 21-25 on every process, storage none of 26-30, and every process
+  restores step 25 bit for bit."""
+  from jaxckpt.job_faults_test import finish, launch, lines  # pylint: disable=import-outside-toplevel
+  for k in range(1, 30):
+    directory = str(tmp_path / f"run{k}")
+    with processes.agent_sandbox() as (root, job):
+      with launch(2, root, job, "rollback_killed", directory, str(k)) as procs:
+        for p in procs:
+          p.wait_for("RESTORED 25 ok", timeout_secs=240)
+        rcs = []
+        for p in procs:              # one killed takes the job's coordination with it
+          try:
+            rcs.append(p.p.wait(timeout=120))
+          except Exception:  # pylint: disable=broad-except
+            p.kill()
+            rcs.append(p.p.returncode)
+        outs = [p.p.stdout.read() for p in procs]
+      if all(rc == 0 for rc in rcs):                 # past every point
+        assert all("DONE" in out for out in outs), outs
+        assert k == 7, f"the job's rollback passed {k - 1} crash points, not 6"
+        return
+      assert -9 in rcs, (k, rcs, [o[-2000:] for o in outs])
+      with launch(2, root, job, "after_rollback", directory, "") as procs:
+        outs = finish(procs, timeout=240)
+      for i, out in enumerate(outs):
+        assert lines(out, "STEPS") == ["[21, 22, 23, 24, 25]"], (k, i, out[-3000:])
+        assert lines(out, "STORED") == ["[]"], (k, i, lines(out, "STORED"))
+        (restored,) = lines(out, "RESTORED")
+        assert restored.startswith("25 ") and restored.endswith(" ok"), (k, i, restored)
+  pytest.fail("the rollback did not end within 29 crash points")

@@ -22,7 +22,7 @@ from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._policy import DirectoryRules, Policy
 from jaxckpt.host.store import HostStore
 from jaxckpt.restore import _tiers
-from jaxckpt.util import _crash
+from jaxckpt.util import _crash, _wait
 
 logger = logging.getLogger("jaxckpt.manager")
 
@@ -53,6 +53,12 @@ class Deletes:
     """Whether this process removes deleted steps from storage."""
     return (self.directory is not None and not self.rules.read_only
             and (self.process[0] == 0 or self.store.fences_job))
+
+  @property
+  def _clears_rollback(self) -> bool:
+    """Whether this process records a rollback on storage and deletes its steps there
+    (process 0: one writer, whose record the others' relaunch waits on)."""
+    return self.directory is not None and not self.rules.read_only and self.process[0] == 0
 
   def delete(self, step: int) -> None:
     """``delete(step)``: from every tier, now (StepNotFoundError if none held it)."""
@@ -151,13 +157,13 @@ class Deletes:
 
   def _roll_back(self, record: dict[str, Any], stored: set[int]) -> None:
     """Deletes the abandoned timeline's steps (``record``) from every tier, atomic against
-    a crash at any point: recorded first (on storage, by the processes that clear it;
+    a crash at any point: recorded first (on storage, by process 0;
     on the agents, by the one request that discards them on each), so that whoever
     comes next completes it (:meth:`resume`). The agent's host memory, its peers' and
     their parity go in one request per agent; storage's markers, newest first, then
     their data; then the record. ``stored``: the steps storage lists."""
     steps = record["steps"]
-    recorded = self._clears_storage
+    recorded = self._clears_rollback
     if recorded:
       _commit.record_rollback(self.directory, record)
       _crash.point("rollback")
@@ -172,13 +178,14 @@ class Deletes:
     steps = record["steps"]
     for s in steps:
       self.ledger.fence(s)
-    if self._clears_storage:
+    if self._clears_rollback:
       for s in sorted(stored & set(steps), reverse=True):   # none listed, whatever comes
         universal.unlist_steps(self.directory, [s])
         _crash.point("rollback")
       for s in steps:
         universal.discard_step(self.directory, s, todelete_subdir=self.rules.todelete_subdir)
-        _crash.point("rollback")
+        if s in stored:               # (a step never listed: its data only, nothing to see)
+          _crash.point("rollback")
     for s in steps:
       self.ledger.forget(s)
 
@@ -197,6 +204,12 @@ class Deletes:
                    "abandoned at step %s (restored step %s) are deleted from every tier",
                    record["steps"], record["step"], record["fork"])
     self.store.rollback(record["id"], record["steps"], timeout_secs=self.timeout)
+    if not self._clears_rollback:     # process 0 completes storage's part: listed once it has
+      _wait.until(lambda: _commit.rollback_record(self.directory) is None,
+                  timeout_secs=self.timeout, poll_secs=0.05, late=lambda: (
+                      f"process {self.process[0]}: process 0 did not complete the rollback "
+                      f"recorded in {self.directory!r} (steps {record['steps']}) within "
+                      f"{self.timeout} s"))
     self._complete(record, set(_tiers.storage_steps(self.directory, timeout_secs=self.timeout)))
-    if self._clears_storage:
+    if self._clears_rollback:
       _commit.clear_rollback(self.directory)

@@ -36,11 +36,6 @@ def _no_log(event: str, step: int, t0: float, **figures: Any) -> None:
   del event, step, t0, figures
 
 
-def _decider(options: CheckpointOptions) -> str:
-  """The option whose save decisions a job follows process 0's in."""
-  return ("should_save_fn" if options.should_save_fn is not None else "save_decision_policy")
-
-
 class CoreManager:
   """Snapshots a tree every step and restores it from the fastest tier.
 
@@ -66,8 +61,8 @@ class CoreManager:
     self._process = (jax.process_index(), jax.process_count())
     _identity.agree_options(options, directory, process=self._process)   # first: all agree
     self.policy = policy or _policy.plain(options)
-    self._decisions = None if self.policy.decides_alike or self._process[1] == 1 else (
-        _policy.JobDecisions(process=self._process, what=_decider(options),
+    self._decisions = None if self.policy.decided_by is None or self._process[1] == 1 else (
+        _policy.JobDecisions(process=self._process, what=self.policy.decided_by,
                              compare=not self.policy.asks_progress,
                              timeout_secs=options.timeout_secs,
                              channel=_kv.Channel("decisions", timeout_secs=options.timeout_secs)))

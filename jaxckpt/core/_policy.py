@@ -66,12 +66,13 @@ class Policy:
   - ``rollback``: a save of a step older than the run's newest, after a restore of
     an older one, starts a new timeline (jaxckpt's); orbax's manager saves only
     newer steps, so it never rolls back.
-  - ``decides_alike``: ``should_save`` reads only what the job's processes agree on
-    (the options' digest, the step, the kept steps): every process decides alike.
-    False where it runs code of the user's (``should_save_fn``, a save decision
-    policy of its own: a bound method's object, the globals it reads, no digest sees
-    them) or reads what one process sees (the time, a save in progress): a job of
-    several processes then follows process 0's decisions (:class:`JobDecisions`).
+  - ``decided_by``: None where ``should_save`` reads only what the job's processes
+    agree on (the options' digest, the step, the kept steps): every process decides
+    alike. Else the option whose decision runs code of the user's (``should_save_fn``,
+    a ``save_decision_policy`` of its own: a bound method's object and the globals it
+    reads, which no digest sees) or reads what one process sees (the time, a save in
+    progress): a job of several processes then follows process 0's decisions
+    (:class:`JobDecisions`).
   """
 
   should_save: SaveRule
@@ -85,7 +86,7 @@ class Policy:
   asks_preemption: bool = False
   reads_kept: bool = False
   rollback: bool = True
-  decides_alike: bool = True
+  decided_by: str | None = None
 
   def best(self, kept: Sequence[StepInfo]) -> int | None:
     """The best of ``kept`` by ``best_key`` (None if none has metrics)."""
@@ -144,7 +145,7 @@ def plain(o: CheckpointOptions) -> Policy:
 
 class JobDecisions:
   """The save decisions of a job whose policy does not decide alike on every process
-  (``Policy.decides_alike`` False): process 0's are the job's. Process 0 publishes
+  (``Policy.decided_by``): process 0's are the job's. Process 0 publishes
   each call's decision (with its step) through the job's key-value store as it makes
   it, and never waits; another process reads it (at once when process 0 is ahead;
   else until process 0 makes it: no barrier, process 0 never waits for them). A

@@ -396,6 +396,47 @@ def schedules_differ(job: Job) -> None:
   say("DONE")
 
 
+@scenario
+def rollback_killed(job: Job) -> None:
+  """The guide's rollback on every process (21-30 saved with parity, 30 persisted,
+  ``restore(25)``, then 26-28): each process SIGKILLs itself at the K-th crash point of
+  the rollback (``--variant K``, :mod:`jaxckpt.util._crash`); DONE if it passed them all."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  os.environ["JAXCKPT_CRASH_AT"] = f"rollback:{job.a.variant}"
+  mgr = jc.CheckpointManager(job.a.directory, job.options(
+      max_snapshots=10, persist_interval_steps=10, on_busy="wait"))
+  for s in range(21, 31):
+    assert mgr.save(s, job.state(s))
+  mgr.wait_until_finished()
+  mgr.wait_until_protected(30)
+  out = mgr.restore(25, target=job.state(0))
+  say("RESTORED", mgr.last_restore.step, job.check(out, 25))
+  job.barrier("restored")
+  for s in (26, 27, 28):
+    assert mgr.save(s, job.state(s))
+  mgr.wait_until_finished()
+  job.barrier("rolled")
+  mgr.close()
+  say("DONE")
+
+
+@scenario
+def after_rollback(job: Job) -> None:
+  """The relaunch of ``rollback_killed``: every process lists (STEPS, STORED) and
+  restores the newest step (RESTORED step tier check)."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory, job.options(
+      max_snapshots=10, persist_interval_steps=10, on_busy="wait"))
+  say("STEPS", mgr.all_steps())
+  say("STORED", jc.universal.all_steps(job.a.directory))
+  out = mgr.restore(target=job.state(0))
+  r = mgr.last_restore
+  say("RESTORED", r.step, r.tier, job.check(out, r.step))
+  job.barrier("looked")
+  mgr.close()
+  say("DONE")
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)
