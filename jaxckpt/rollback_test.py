@@ -204,3 +204,23 @@ def test_a_job_killed_at_any_point_of_its_rollback_resumes_the_new_timeline(tmp_
         (restored,) = lines(out, "RESTORED")
         assert restored.startswith("25 ") and restored.endswith(" ok"), (k, i, restored)
   pytest.fail("the rollback did not end within 29 crash points")
+
+
+def test_a_rollback_asked_again_never_deletes_the_new_timeline(tmp_path):
+  """The agent records the rollback (its id and steps) and applies it once: the same
+  rollback asked again (a relaunch completing it, another process's) after steps 26-28
+  of the new timeline were saved leaves them held, in this manager and after a relaunch."""
+  from jaxckpt.agent import _requests  # pylint: disable=import-outside-toplevel
+  directory = str(tmp_path / "run")
+  with processes.agent_sandbox() as (root, job):
+    agent = jc.AgentOptions(job_name=job, run_root=root)
+    with jc.CheckpointManager(directory, _options(agent)) as m:
+      _spike_and_roll_back(m)
+      with processes.agent_client(root, job, who="the test") as c:
+        (rid, steps), = c.call(_requests.Rollback())[0].rollbacks.items()
+        assert steps == [26, 27, 28, 29, 30], steps
+        again = c.call(_requests.Rollback(id=rid, steps=steps))[0]
+        assert not again.applied and again.persisting == [], again
+      _check_new_timeline(m, directory)
+    with jc.CheckpointManager(directory, _options(agent)) as m:
+      _check_new_timeline(m, directory)
