@@ -208,20 +208,24 @@ RollbackId = Annotated[str, Meta(pattern=r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z"
 class RollbackReply(Reply):
   applied: bool                  # this request discarded them (False: applied before, or a query)
   persisting: list               # the rollback's steps whose (fenced) persist still runs
-  rollbacks: dict                # every rollback this agent recorded: id -> its steps
+  rollbacks: dict                # every rollback this agent recorded: id -> {steps, run, agents}
 
 
 class Rollback(Request[RollbackReply], tag="rollback"):
-  """Rollback ``id`` of the job (a new timeline): discard every step of ``steps`` at
-  once and fence their persists, as the delete of host ``by``, and record it, so that a
-  relaunch finds it and completes it on the job's other agents. Applied once: the same
-  ``id`` again only says which of its steps still persist (so a step of the new
+  """Rollback ``id`` of the job's run ``run`` (a new timeline): discard every step of
+  ``steps`` at once and fence their persists, as the delete of host ``by``, and record
+  it with the agents it was sent to (``agents``: their tcp addresses), so that a
+  relaunch of the run finds it and completes it on those that missed it (never on an
+  agent started since: it holds no step of the abandoned timeline). Applied once: the
+  same ``id`` again only says which of its steps still persist (so a step of the new
   timeline with a number of the old one is never discarded by it). Without ``id``:
   only the records (``rollbacks``)."""
   Reply = RollbackReply
   id: RollbackId | None = None
   steps: Annotated[list[Step], Meta(max_length=1 << 16)] = []
   by: Index | None = None
+  run: Annotated[str, Meta(max_length=4096)] | None = None
+  agents: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(max_length=1 << 16)] = []
 
 
 class PersistedReply(Reply):

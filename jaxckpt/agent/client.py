@@ -389,23 +389,25 @@ class AgentStore(HostStore):
 
   def rollback(self, rid: str, steps: list[int], *, timeout_secs: float = 60.0) -> None:
     """Rollback ``rid``: ``steps`` discarded on this host's agent in one request (a
-    trainer killed meanwhile leaves it whole, and recorded there), then on every other
-    agent of the job; each fenced until its persists have ended. Applied once per
-    agent: asked again (a relaunch completing it), it discards nothing more."""
+    trainer killed meanwhile leaves it whole, and recorded there, with the job's agents
+    it goes to), then on every other agent of the job; each fenced until its persists
+    have ended. Applied once per agent: asked again (a relaunch completing it), it
+    discards nothing more."""
     doomed = frozenset(steps)
     self.repersist.fence(doomed.__contains__)
-    req = _requests.Rollback(id=rid, steps=sorted(doomed), by=self.process)
+    req = _requests.Rollback(id=rid, steps=sorted(doomed), by=self.process, run=self.run,
+                             agents=self.job.agent_addresses())
 
     def fenced() -> bool:
       r = self.call(req)
-      return not r.persisting and not any(self.repersist.rebuilding(s) for s in steps)
+      return not r.persisting and not any(self.repersist.rebuilding(s) for s in doomed)
     _wait.until(fenced, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda: (
-        f"rollback {rid}: the persists that {self.who} runs of steps {steps} did not stop "
-        f"within {timeout_secs} s (they will not commit)"))
-    for s in steps:
+        f"rollback {rid}: the persists that {self.who} runs of steps {sorted(doomed)} did not "
+        f"stop within {timeout_secs} s (they will not commit)"))
+    for s in doomed:
       self._attempts.pop(s, None)
     _crash.point("rollback")
-    self.job.rollback_elsewhere(rid, sorted(doomed), timeout_secs)
+    self.job.rollback_elsewhere(req, timeout_secs)
 
   def complete_rollbacks(self, *, timeout_secs: float = 60.0) -> None:
     self.job.complete_rollbacks(timeout_secs)
