@@ -6,7 +6,10 @@ discard returns once none runs; with agents it reaches every agent of the job,
 parity included), then removed from storage by process 0 (or by any process,
 where the agents fence the whole job), its commit marker first. The keep policy's
 drops leave the host tier and storage's listing in the save that drops them (a
-relaunch never finds them again) and their data goes off the loop's path.
+relaunch never finds them again) and their data goes off the loop's path. A
+rollback's steps go as one: recorded first (storage's ``rollback.json``, the agents'
+record of the one request that discards them there), so that a crash at any point
+leaves it for the next manager to complete (``Deletes.resume``).
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ class Deletes:
             f"so step {step} would start another timeline beside them; {how}")
       return
     abandoned = sorted(s for s in stored | set(self.store.steps()) | set(led.attempts())
-                   | set(_tiers.complete_steps(self.store)) if s > fork)
+                       | set(_tiers.complete_steps(self.store)) if s > fork)
     logger.warning("step %d starts a new timeline from step %d (restored): steps %s of the "
                    "abandoned timeline are deleted from every tier", step, fork, abandoned)
     self.drain()
@@ -157,11 +160,12 @@ class Deletes:
 
   def _roll_back(self, record: dict[str, Any], stored: set[int]) -> None:
     """Deletes the abandoned timeline's steps (``record``) from every tier, atomic against
-    a crash at any point: recorded first (on storage, by process 0;
-    on the agents, by the one request that discards them on each), so that whoever
-    comes next completes it (:meth:`resume`). The agent's host memory, its peers' and
-    their parity go in one request per agent; storage's markers, newest first, then
-    their data; then the record. ``stored``: the steps storage lists."""
+    a crash at any point: recorded first (on storage, by process 0; on the agents, by
+    the one request that discards them on each), so that whoever comes next completes
+    it (:meth:`resume`). The agent's host memory, its peers' and their parity go in one
+    request per agent; storage's markers, newest first, then their data (process 0);
+    then the record. ``stored``: the steps storage lists. A crash point
+    (:mod:`jaxckpt.util._crash`) follows each step a crash could interrupt."""
     steps = record["steps"]
     recorded = self._clears_rollback
     if recorded:
