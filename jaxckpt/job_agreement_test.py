@@ -74,3 +74,26 @@ def test_a_step_deleted_beside_the_running_job_is_not_waited_for(tmp_path):
   for i, out in enumerate(outs):
     assert not lines(out, "TIMEOUT"), (i, lines(out, "TIMEOUT"))
     assert lines(out, "WAITED") == lines(out, "CLOSED") == ["[2, 3]"], (i, out[-3000:])
+
+
+@pytest.mark.parametrize("variant", ["bound", "global"])
+def test_processes_with_other_save_schedules_save_the_same_steps(tmp_path, variant):
+  """should_save_fn=Every(2).due on process 0 and Every(3).due on process 1 (a per-host
+  configuration object), or a module function reading a per-host setting: the options'
+  digest saw the same function, so the job was accepted, and process 0 saved 2, 4, 6, 8,
+  process 1 3, 6; the job held [6] only. Now the job follows process 0's decisions: both
+  processes save (and should_save says) 2, 4, 6, 8, every one of them held by the job, and
+  process 1 says at WARNING that its own schedule differs, naming the option, the step,
+  both decisions and the processes."""
+  with processes.agent_sandbox() as (root, job):
+    with launch(2, root, job, "schedules_differ", str(tmp_path / "ckpt"), variant) as procs:
+      outs = finish(procs, timeout=240)
+  want = " ".join(f"{s}:{11 if s % 2 == 0 else '00'}" for s in range(1, 9))
+  for i, out in enumerate(outs):
+    assert lines(out, "DECIDED") == [want], (i, out[-3000:])
+    assert lines(out, "STEPS") == ["[2, 4, 6, 8]"], (i, lines(out, "STEPS"))
+  assert not lines(outs[0], "WARNED"), lines(outs[0], "WARNED")
+  (warned,) = lines(outs[1], "WARNED")
+  assert warned.startswith("process 1: should_save_fn decides False for step 2 where "
+                           "process 0 decides True"), warned
+  assert "the 2 processes follow process 0's decisions" in warned, warned

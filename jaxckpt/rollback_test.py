@@ -9,6 +9,7 @@ import pytest
 import jaxckpt as jc
 from jaxckpt import errors, universal
 from jaxckpt.testing import processes
+from jaxckpt.universal import _commit
 
 
 def _state(step: int, version: int = 0) -> dict:
@@ -101,3 +102,126 @@ def test_orbax_managers_never_roll_back(tmp_path):
     assert not m.save(15, args=ocp.args.StandardSave(_state(15)))
     m.wait_until_finished()
     assert m.all_steps() == [10, 20] == universal.all_steps(directory)
+
+
+# A rollback killed at each of its points (the trainer SIGKILLs itself at the K-th, K = 1,
+# 2, ... until it passes them all): the tiers, the storage it persists to, and the crash
+# points each case passes (its record, the agent's request, each marker, each step's data).
+_KILLED = {"agent_and_directory": ("agent", 10, 5), "agent_only": ("agent", None, 1),
+           "directory_only": (None, 1, 12)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(_KILLED))
+def test_a_rollback_killed_at_any_point_never_resumes_the_abandoned_timeline(tmp_path, case):
+  """The guide's rollback (21-30 saved, restore(25), save(26)) with the trainer SIGKILLed
+  at each point of the rollback that save(26) runs. Before, with the agent, a kill while
+  the host tier discarded steps 26-30 one by one left [21..25, 28, 29, 30] listed and
+  restore(None) gave the abandoned step 30 from host memory. Now every relaunch lists
+  21-25 and restores step 25 bit for bit, storage lists none of 26-30 and keeps no record
+  of a rollback under way; a run past the last point ends on the new timeline."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  agent_kind, interval, points = _KILLED[case]
+  kills = 0
+  for k in range(1, points + 2):
+    directory = None if interval is None else str(tmp_path / f"run{k}")
+    with processes.agent_sandbox() as (root, job):
+      args = ["-m", "tests.support.rollback_worker", "--run-root", root, "--job", job]
+      args += ["--agent"] * (agent_kind == "agent")
+      args += [] if directory is None else ["--directory", directory,
+                                            "--persist-interval", str(interval)]
+      with processes.Proc(args, env={"JAXCKPT_CRASH_AT": f"rollback:{k}"}) as proc:
+        proc.wait_for("RESTORED 25", timeout_secs=240)
+        try:
+          rc = proc.p.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+          pytest.fail(f"crash point {k}: the trainer (pid {proc.p.pid}) neither died nor "
+                      f"ended within 240 s")
+        out = proc.p.stdout.read()
+      agent = jc.AgentOptions(job_name=job, run_root=root) if agent_kind else None
+      opts = jc.CheckpointOptions(max_snapshots=10, agent=agent, on_busy="wait",
+                                  **({} if directory is None else
+                                     {"persist_interval_steps": interval}))
+      if rc == -9:                                   # killed in the rollback
+        kills += 1
+        with jc.CheckpointManager(directory, opts) as m:
+          assert m.all_steps() == [21, 22, 23, 24, 25], (k, m.all_steps())
+          got = m.restore(None, _state(0))
+          assert m.last_restore.step == 25 and got["step"] == 25, (k, m.last_restore)
+          np.testing.assert_array_equal(got["w"], _state(25)["w"])
+          for s in (26, 30):
+            with pytest.raises(errors.StepNotFoundError):
+              m.restore(s, _state(0))
+          if directory is not None:
+            assert [s for s in universal.all_steps(directory) if s > 25] == [], k
+            assert _commit.rollback_record(directory) is None, k
+          assert m.save(26, _state(26, version=1))   # the new timeline goes on
+          m.wait_until_finished()
+          assert m.all_steps() == [21, 22, 23, 24, 25, 26], (k, m.all_steps())
+        continue
+      assert rc == 0 and "DONE" in out, (k, rc, out[-3000:])
+      assert k == points + 1, f"the rollback passed {k - 1} crash points, not {points}"
+      with jc.CheckpointManager(directory, opts) as m:
+        _check_new_timeline(m, directory) if directory is not None else None
+        assert m.all_steps()[-3:] == [26, 27, 28] and 30 not in m.all_steps()
+  assert kills == points, (kills, points)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_job_killed_at_any_point_of_its_rollback_resumes_the_new_timeline(tmp_path):
+  """Two processes with agents and parity roll back (21-30, restore(25), save(26)), both
+  SIGKILLed at the K-th point of their rollback, K = 1, 2, ... (the job dies mid-way: an
+  agent, or a peer's agent and its parity, or storage reached and the rest not). The
+  relaunched job lists 21-25 on every process, storage none of 26-30, and every process
+  restores step 25 bit for bit."""
+  from jaxckpt.job_faults_test import finish, launch, lines  # pylint: disable=import-outside-toplevel
+  for k in range(1, 30):
+    directory = str(tmp_path / f"run{k}")
+    with processes.agent_sandbox() as (root, job):
+      with launch(2, root, job, "rollback_killed", directory, str(k)) as procs:
+        for p in procs:
+          p.wait_for("RESTORED 25 ok", timeout_secs=240)
+        rcs = []
+        for p in procs:              # one killed takes the job's coordination with it
+          try:
+            rcs.append(p.p.wait(timeout=120))
+          except Exception:  # pylint: disable=broad-except
+            p.kill()
+            rcs.append(p.p.returncode)
+        outs = [p.p.stdout.read() for p in procs]
+      if all(rc == 0 for rc in rcs):                 # past every point
+        assert all("DONE" in out for out in outs), outs
+        assert k == 7, f"the job's rollback passed {k - 1} crash points, not 6"
+        return
+      assert -9 in rcs, (k, rcs, [o[-2000:] for o in outs])
+      with launch(2, root, job, "after_rollback", directory, "") as procs:
+        outs = finish(procs, timeout=240)
+      for i, out in enumerate(outs):
+        assert lines(out, "STEPS") == ["[21, 22, 23, 24, 25]"], (k, i, out[-3000:])
+        assert lines(out, "STORED") == ["[]"], (k, i, lines(out, "STORED"))
+        (restored,) = lines(out, "RESTORED")
+        assert restored.startswith("25 ") and restored.endswith(" ok"), (k, i, restored)
+  pytest.fail("the rollback did not end within 29 crash points")
+
+
+def test_a_rollback_asked_again_never_deletes_the_new_timeline(tmp_path):
+  """The agent records the rollback (its id and steps) and applies it once: the same
+  rollback asked again (a relaunch completing it, another process's) after steps 26-28
+  of the new timeline were saved leaves them held, in this manager and after a relaunch."""
+  from jaxckpt.agent import _requests  # pylint: disable=import-outside-toplevel
+  directory = str(tmp_path / "run")
+  with processes.agent_sandbox() as (root, job):
+    agent = jc.AgentOptions(job_name=job, run_root=root)
+    with jc.CheckpointManager(directory, _options(agent)) as m:
+      _spike_and_roll_back(m)
+      with processes.agent_client(root, job, who="the test") as c:
+        (rid, record), = c.call(_requests.Rollback())[0].rollbacks.items()
+        steps = record["steps"]
+        assert steps == [26, 27, 28, 29, 30], steps
+        again = c.call(_requests.Rollback(id=rid, steps=steps))[0]
+        assert not again.applied and again.persisting == [], again
+      _check_new_timeline(m, directory)
+    with jc.CheckpointManager(directory, _options(agent)) as m:
+      _check_new_timeline(m, directory)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import msgspec
 
 from jaxckpt import errors
-from jaxckpt.util import _wait
+from jaxckpt.util import _crash, _wait
 from jaxckpt.agent import _parity_recovery, _requests
 from jaxckpt.agent._protocol import Client, each
 from jaxckpt.agent._remote import (clients_of, complete_steps_of, job_agents,
@@ -113,16 +113,17 @@ class JobAgents:
   # -- the job's other agents (HostStore's job methods) -------------------------
 
   @contextlib.contextmanager
-  def clients(self, timeout_secs: float | None = None) -> Iterator[dict[int, Client]]:
-    """Clients of every agent of the job this store knows of (see :func:`clients_of`),
-    each request bounded by ``timeout_secs`` (a wait's time left) when shorter than
-    ``AgentOptions.request_timeout_secs``."""
+  def clients(self, timeout_secs: float | None = None,
+              agents: list[dict[str, Any]] | None = None) -> Iterator[dict[int, Client]]:
+    """Clients of every agent of the job this store knows of (or of ``agents``; see
+    :func:`clients_of`), each request bounded by ``timeout_secs`` (a wait's time left)
+    when shorter than ``AgentOptions.request_timeout_secs``."""
     store = self.store
     timeout = store.opts.request_timeout_secs
     if timeout_secs is not None:
       timeout = max(0.05, min(timeout, timeout_secs))
-    with clients_of(self.all(), store.opts.job_name, local_pid=store.pid, secret=store.secret,
-                    timeout_secs=timeout) as clients:
+    with clients_of(self.all() if agents is None else agents, store.opts.job_name,
+                    local_pid=store.pid, secret=store.secret, timeout_secs=timeout) as clients:
       yield clients
 
   def complete_steps(self) -> list[int]:
@@ -275,6 +276,60 @@ class JobAgents:
               f"not stop within {timeout_secs} s (it will not commit)"))
         except errors.AgentUnavailableError as e:
           logger.warning("delete of step %d: skipping %s: %s", step, c.who, e)
+
+
+  def rollback_elsewhere(self, req: _requests.Rollback, timeout_secs: float) -> None:
+    """The job's other agents apply rollback ``req`` (its steps discarded at once, each
+    fenced until its persist has ended; once per agent, whoever asks again); one that
+    does not answer is skipped with a warning (its snapshots count as lost)."""
+    with self.clients() as clients:
+      for c in clients.values():
+        if c.pid == self.store.pid:
+          continue
+        try:
+          self._rolled_back(c, req, timeout_secs)
+        except errors.AgentUnavailableError as e:
+          logger.warning("rollback %s: skipping %s: %s", req.id, c.who, e)
+        _crash.point("rollback")
+
+  def agent_addresses(self) -> list[str]:
+    """The tcp addresses of every agent of the job this store knows of (a rollback's)."""
+    return sorted(a["tcp"] for a in self.all())
+
+  def complete_rollbacks(self, timeout_secs: float) -> None:
+    """The rollbacks of this run that some agent of the job recorded, applied on every
+    agent they were sent to that missed them (its trainer was killed between the
+    agents; an agent started since holds none of their steps and is left alone); an
+    agent that does not answer is skipped with a warning."""
+    agents = sorted(self.all(), key=lambda a: (a["host"], a["tcp"]))   # (clients_of's order)
+    with self.clients(agents=agents) as clients:
+      held: dict[int, dict[str, Any]] = {}
+      for h, c in clients.items():
+        try:
+          held[h] = dict(c.call(_requests.Rollback())[0].rollbacks)
+        except errors.AgentUnavailableError as e:
+          logger.warning("skipping %s: %s", c.who, e)
+      every = {rid: r for mine in held.values() for rid, r in mine.items()
+               if r.get("run") == self.store.run}
+      for h, mine in held.items():
+        c = clients[h]
+        for rid in sorted(set(every) - set(mine)):
+          r = every[rid]
+          if agents[h]["tcp"] not in r.get("agents", ()):
+            continue
+          logger.warning("completing rollback %s (steps %s) on %s: its trainer was killed "
+                         "before it reached it", rid, r["steps"], c.who)
+          self._rolled_back(c, _requests.Rollback(
+              id=rid, steps=r["steps"], by=self.store.process, run=r["run"],
+              agents=r["agents"]), timeout_secs)
+
+  @staticmethod
+  def _rolled_back(c: Client, req: _requests.Rollback, timeout_secs: float) -> None:
+    """``req`` applied by agent ``c``, once none of its steps' persists runs there."""
+    _wait.until(lambda: not c.call(req)[0].persisting, timeout_secs=timeout_secs,
+                poll_secs=0.01, late=lambda: (
+                    f"rollback {req.id}: the persists that {c.who} runs of steps {req.steps} "
+                    f"did not stop within {timeout_secs} s (they will not commit)"))
 
 
 def _listening(endpoint: str, timeout_secs: float) -> bool:

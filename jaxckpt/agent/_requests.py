@@ -202,6 +202,32 @@ class Discard(Request[DiscardReply], tag="discard"):
   by: Index | None = None
 
 
+RollbackId = Annotated[str, Meta(pattern=r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
+
+
+class RollbackReply(Reply):
+  applied: bool                  # this request discarded them (False: applied before, or a query)
+  persisting: list               # the rollback's steps whose (fenced) persist still runs
+  rollbacks: dict                # every rollback this agent recorded: id -> {steps, run, agents}
+
+
+class Rollback(Request[RollbackReply], tag="rollback"):
+  """Rollback ``id`` of the job's run ``run`` (a new timeline): discard every step of
+  ``steps`` at once and fence their persists, as the delete of host ``by``, and record
+  it with the agents it was sent to (``agents``: their tcp addresses), so that a
+  relaunch of the run finds it and completes it on those that missed it (never on an
+  agent started since: it holds no step of the abandoned timeline). Applied once: the
+  same ``id`` again only says which of its steps still persist (so a step of the new
+  timeline with a number of the old one is never discarded by it). Without ``id``:
+  only the records (``rollbacks``)."""
+  Reply = RollbackReply
+  id: RollbackId | None = None
+  steps: Annotated[list[Step], Meta(max_length=1 << 16)] = []
+  by: Index | None = None
+  run: Annotated[str, Meta(max_length=4096)] | None = None
+  agents: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(max_length=1 << 16)] = []
+
+
 class PersistedReply(Reply):
   persist: dict
   persist_errors: list
@@ -379,9 +405,9 @@ class JobView(Request[JobViewReply], tag="job_view"):
 # Every request, by op (the tagged union of requests): a new request is taken once
 # it is listed here.
 REQUESTS: dict[str, type[Request]] = _schema.table(
-    Hello, Reserve, Preallocate, Commit, Abort, Discard, Persisted, Bye, Steps, Held, Open,
-    Close, Manifest, Peers, PeerManifest, ParityDone, ParityStatus, ParityInfo, Status, Stop,
-    JobView)
+    Hello, Reserve, Preallocate, Commit, Abort, Discard, Rollback, Persisted, Bye, Steps, Held,
+    Open, Close, Manifest, Peers, PeerManifest, ParityDone, ParityStatus, ParityInfo, Status,
+    Stop, JobView)
 AnyRequest = Union[tuple(REQUESTS.values())]      # (for readers and type checkers)
 
 

@@ -76,6 +76,7 @@ class Agent:
     self.parity = None                 # a _parity_worker.ParityWorker once a trainer asks for parity
     self.replays = _wire.Replays()     # requests are applied at most once
     self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
+    self.rollbacks: dict[str, dict] = {}   # the job's rollbacks applied here (op_rollback)
     self.crowded = 0                   # reserves that found held steps in the loop's slots
     self.run: str | None = None        # the run whose snapshots it holds (its directory)
     self.files = SlotFiles(self)       # each slot's file, and the room they take
@@ -316,6 +317,24 @@ class Agent:
       while len(self.deleted) > _DELETES_KEPT:
         self.deleted.pop(next(iter(self.deleted)))
     return _requests.Discard.Reply(discarded=d is not None, persisting=busy, deleted_by=before)
+
+  def op_rollback(self, id: str | None = None,  # pylint: disable=redefined-builtin
+                  steps: tuple[int, ...] = (), by: int | None = None, run: str | None = None,
+                  agents: tuple[str, ...] = ()) -> _requests.Rollback.Reply:
+    """Rollback ``id``: its steps discarded in one request (no other request sees a part
+    of it: a trainer killed meanwhile leaves it whole), recorded once (the newest
+    ``_DELETES_KEPT``) for a relaunch to complete on the other agents."""
+    applied = id is not None and id not in self.rollbacks
+    if applied:
+      for step in steps:
+        self.op_discard(step, by)
+      self.rollbacks[id] = {"steps": sorted(steps), "run": run, "agents": sorted(agents)}
+      while len(self.rollbacks) > _DELETES_KEPT:
+        self.rollbacks.pop(next(iter(self.rollbacks)))
+    mine = self.rollbacks[id]["steps"] if id in self.rollbacks else []
+    busy = [s for s in mine if self.persister is not None and self.persister.busy(s)]
+    return _requests.Rollback.Reply(applied=applied, persisting=busy,
+                                    rollbacks=dict(self.rollbacks))
 
   def op_steps(self) -> _requests.Steps.Reply:
     return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.room(),

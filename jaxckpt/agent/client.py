@@ -27,7 +27,7 @@ from typing import Any, Iterator, TypeVar
 import msgspec
 
 from jaxckpt import errors
-from jaxckpt.util import _wait
+from jaxckpt.util import _crash, _wait
 from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent._job_agents import JobAgents
 from jaxckpt.agent._paths import pid_alive, read_address
@@ -396,6 +396,31 @@ class AgentStore(HostStore):
     self._attempts.pop(step, None)
     self.job.discard_elsewhere(step, timeout_secs)
     return any(discarded) or first[0] not in (None, self.process)
+
+  def rollback(self, rid: str, steps: list[int], *, timeout_secs: float = 60.0) -> None:
+    """Rollback ``rid``: ``steps`` discarded on this host's agent in one request (a
+    trainer killed meanwhile leaves it whole, and recorded there, with the job's agents
+    it goes to), then on every other agent of the job; each fenced until its persists
+    have ended. Applied once per agent: asked again (a relaunch completing it), it
+    discards nothing more."""
+    doomed = frozenset(steps)
+    self.repersist.fence(doomed.__contains__)
+    req = _requests.Rollback(id=rid, steps=sorted(doomed), by=self.process, run=self.run,
+                             agents=self.job.agent_addresses())
+
+    def fenced() -> bool:
+      r = self.call(req)
+      return not r.persisting and not any(self.repersist.rebuilding(s) for s in doomed)
+    _wait.until(fenced, timeout_secs=timeout_secs, poll_secs=0.01, late=lambda: (
+        f"rollback {rid}: the persists that {self.who} runs of steps {sorted(doomed)} did not "
+        f"stop within {timeout_secs} s (they will not commit)"))
+    for s in doomed:
+      self._attempts.pop(s, None)
+    _crash.point("rollback")
+    self.job.rollback_elsewhere(req, timeout_secs)
+
+  def complete_rollbacks(self, *, timeout_secs: float = 60.0) -> None:
+    self.job.complete_rollbacks(timeout_secs)
 
   @contextlib.contextmanager
   def read(self, step: int) -> Iterator[tuple[SnapshotManifest, Any]]:

@@ -6,19 +6,26 @@ discard returns once none runs; with agents it reaches every agent of the job,
 parity included), then removed from storage by process 0 (or by any process,
 where the agents fence the whole job), its commit marker first. The keep policy's
 drops leave the host tier and storage's listing in the save that drops them (a
-relaunch never finds them again) and their data goes off the loop's path.
+relaunch never finds them again) and their data goes off the loop's path. A
+rollback's steps go as one: recorded first (storage's ``rollback.json``, the agents'
+record of the one request that discards them there), so that a crash at any point
+leaves it for the next manager to complete (``Deletes.resume``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import uuid
+from typing import Any
 
 from jaxckpt import errors, universal
+from jaxckpt.universal import _commit
 from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._policy import DirectoryRules, Policy
 from jaxckpt.host.store import HostStore
 from jaxckpt.restore import _tiers
+from jaxckpt.util import _crash, _wait
 
 logger = logging.getLogger("jaxckpt.manager")
 
@@ -49,6 +56,12 @@ class Deletes:
     """Whether this process removes deleted steps from storage."""
     return (self.directory is not None and not self.rules.read_only
             and (self.process[0] == 0 or self.store.fences_job))
+
+  @property
+  def _clears_rollback(self) -> bool:
+    """Whether this process records a rollback on storage and deletes its steps there
+    (process 0: one writer, whose record the others' relaunch waits on)."""
+    return self.directory is not None and not self.rules.read_only and self.process[0] == 0
 
   def delete(self, step: int) -> None:
     """``delete(step)``: from every tier, now (StepNotFoundError if none held it)."""
@@ -132,10 +145,75 @@ class Deletes:
     logger.warning("step %d starts a new timeline from step %d (restored): steps %s of the "
                    "abandoned timeline are deleted from every tier", step, fork, abandoned)
     self.drain()
-    for s in abandoned:                 # fenced first: nothing commits them again
-      self.store.discard(s, timeout_secs=self.timeout)
-    if stored & set(abandoned) and self._clears_storage:
-      universal.unlist_steps(self.directory, [s for s in abandoned if s in stored])
-    for s in abandoned:
-      self.everywhere(s, listed_before=s in stored)
+    self._roll_back({"id": self._rollback_id(), "fork": fork, "step": step,
+                     "steps": abandoned}, stored)
     led.restored, led.high = None, step
+
+  def _rollback_id(self) -> str:
+    """A new rollback's id, the job's (process 0's): every process's rollback of the
+    job is one on every agent, applied there once."""
+    if self.process[1] == 1:
+      return uuid.uuid4().hex
+    from jaxckpt.net import _kv  # pylint: disable=import-outside-toplevel  (JAX: a job's)
+    return _kv.broadcast_from_0("rollback", lambda: uuid.uuid4().hex,
+                                timeout_secs=self.timeout)
+
+  def _roll_back(self, record: dict[str, Any], stored: set[int]) -> None:
+    """Deletes the abandoned timeline's steps (``record``) from every tier, atomic against
+    a crash at any point: recorded first (on storage, by process 0; on the agents, by
+    the one request that discards them on each), so that whoever comes next completes
+    it (:meth:`resume`). The agent's host memory, its peers' and their parity go in one
+    request per agent; storage's markers, newest first, then their data (process 0);
+    then the record. ``stored``: the steps storage lists. A crash point
+    (:mod:`jaxckpt.util._crash`) follows each step a crash could interrupt."""
+    steps = record["steps"]
+    recorded = self._clears_rollback
+    if recorded:
+      _commit.record_rollback(self.directory, record)
+      _crash.point("rollback")
+    self.store.rollback(record["id"], steps, timeout_secs=self.timeout)   # fenced first
+    self._complete(record, stored)
+    if recorded:
+      _commit.clear_rollback(self.directory)
+      _crash.point("rollback")
+
+  def _complete(self, record: dict[str, Any], stored: set[int]) -> None:
+    """Storage's and the ledger's part of rollback ``record`` (its host part done)."""
+    steps = record["steps"]
+    for s in steps:
+      self.ledger.fence(s)
+    if self._clears_rollback:
+      for s in sorted(stored & set(steps), reverse=True):   # none listed, whatever comes
+        universal.unlist_steps(self.directory, [s])
+        _crash.point("rollback")
+      for s in steps:
+        universal.discard_step(self.directory, s, todelete_subdir=self.rules.todelete_subdir)
+        if s in stored:               # (a step never listed: its data only, nothing to see)
+          _crash.point("rollback")
+    for s in steps:
+      self.ledger.forget(s)
+
+  def resume(self) -> None:
+    """At start: completes the rollback a crash interrupted (see :meth:`_roll_back`),
+    as its record on storage or on the job's agents has it: its steps deleted from
+    every tier (an agent that applied it already discards nothing more: a step of the
+    new timeline is never deleted by it), then the record removed."""
+    self.store.complete_rollbacks(timeout_secs=self.timeout)   # on the agents that missed one
+    if self.directory is None:
+      return
+    record = _commit.rollback_record(self.directory)
+    if record is None:
+      return
+    logger.warning("completing the rollback that a crash interrupted: steps %s of the timeline "
+                   "abandoned at step %s (restored step %s) are deleted from every tier",
+                   record["steps"], record["step"], record["fork"])
+    self.store.rollback(record["id"], record["steps"], timeout_secs=self.timeout)
+    if not self._clears_rollback:     # process 0 completes storage's part: listed once it has
+      _wait.until(lambda: _commit.rollback_record(self.directory) is None,
+                  timeout_secs=self.timeout, poll_secs=0.05, late=lambda: (
+                      f"process {self.process[0]}: process 0 did not complete the rollback "
+                      f"recorded in {self.directory!r} (steps {record['steps']}) within "
+                      f"{self.timeout} s"))
+    self._complete(record, set(_tiers.storage_steps(self.directory, timeout_secs=self.timeout)))
+    if self._clears_rollback:
+      _commit.clear_rollback(self.directory)

@@ -61,6 +61,11 @@ class CoreManager:
     self._process = (jax.process_index(), jax.process_count())
     _identity.agree_options(options, directory, process=self._process)   # first: all agree
     self.policy = policy or _policy.plain(options)
+    self._decisions = None if self.policy.decided_by is None or self._process[1] == 1 else (
+        _policy.JobDecisions(process=self._process, what=self.policy.decided_by,
+                             compare=not self.policy.asks_progress,
+                             timeout_secs=options.timeout_secs,
+                             channel=_kv.Channel("decisions", timeout_secs=options.timeout_secs)))
     self._log, self._already_exists = log_entry, already_exists
     config, run_id = _factory.persistence(directory, options, writes=not rules.read_only,
                                           create=rules.create)
@@ -94,6 +99,8 @@ class CoreManager:
           self._store.persist_status().pending))     # what crashed saves left
     self._deletes = _deletes.Deletes(self._store, self.ledger, directory, self._process, rules,
                                      self.policy, options.timeout_secs)
+    if not rules.read_only:
+      self._deletes.resume()            # a rollback a crash interrupted, before any listing
     self.listing = _listing.Listing(self._store, self.ledger, directory, self.policy,
                                     parity=options.parity is not None,
                                     settle=self.wait_until_snapshotted)
@@ -131,9 +138,12 @@ class CoreManager:
 
   def _policy_saves(self, step: int) -> bool:
     p = self.policy
-    saving = p.asks_progress and self.is_saving_in_progress()   # (an agent request)
-    preempted = p.asks_preemption and self.reached_preemption(step)
-    return p.should_save(step, self.ledger.kept() if p.reads_kept else (), saving, preempted)
+
+    def own() -> bool:
+      saving = p.asks_progress and self.is_saving_in_progress()   # (an agent request)
+      preempted = p.asks_preemption and self.reached_preemption(step)
+      return p.should_save(step, self.ledger.kept() if p.reads_kept else (), saving, preempted)
+    return own() if self._decisions is None else self._decisions.decide(step, own)
 
   def _snapshot(self, step: int, state: Any, metadata: dict[str, Any] | None, metrics: Any,
                 force: bool, t0: float) -> bool:

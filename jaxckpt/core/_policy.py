@@ -26,10 +26,18 @@ decides the same.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from jaxckpt import errors
 from jaxckpt.core._ledger import StepInfo
 from jaxckpt.options import CheckpointOptions
+
+if TYPE_CHECKING:
+  from jaxckpt.net._kv import Channel
+
+logger = logging.getLogger("jaxckpt.manager")
 
 #: (step, the kept steps oldest first, a save is in progress, a preemption was reached)
 SaveRule = Callable[[int, Sequence[StepInfo], bool, bool], bool]
@@ -58,6 +66,13 @@ class Policy:
   - ``rollback``: a save of a step older than the run's newest, after a restore of
     an older one, starts a new timeline (jaxckpt's); orbax's manager saves only
     newer steps, so it never rolls back.
+  - ``decided_by``: None where ``should_save`` reads only what the job's processes
+    agree on (the options' digest, the step, the kept steps): every process decides
+    alike. Else the option whose decision runs code of the user's (``should_save_fn``,
+    a ``save_decision_policy`` of its own: a bound method's object and the globals it
+    reads, which no digest sees) or reads what one process sees (the time, a save in
+    progress): a job of several processes then follows process 0's decisions
+    (:class:`JobDecisions`).
   """
 
   should_save: SaveRule
@@ -71,6 +86,7 @@ class Policy:
   asks_preemption: bool = False
   reads_kept: bool = False
   rollback: bool = True
+  decided_by: str | None = None
 
   def best(self, kept: Sequence[StepInfo]) -> int | None:
     """The best of ``kept`` by ``best_key`` (None if none has metrics)."""
@@ -125,3 +141,71 @@ def plain(o: CheckpointOptions) -> Policy:
     return Policy(should_save)
   return Policy(should_save, to_remove=lambda kept: [i.step for i in kept[:-n]] if n else
                 [i.step for i in kept], records=True)
+
+
+class JobDecisions:
+  """The save decisions of a job whose policy does not decide alike on every process
+  (``Policy.decided_by``): process 0's are the job's. Process 0 publishes
+  each call's decision (with its step) through the job's key-value store as it makes
+  it, and never waits; another process reads it (at once when process 0 is ahead;
+  else until process 0 makes it: no barrier, process 0 never waits for them). A
+  process whose own decision differs says so at WARNING (once), naming the option,
+  the step, both decisions and the processes, and follows process 0's; one whose
+  call is of another step than process 0's same call is refused (its loop differs).
+  A ``should_save(step)`` and the ``save(step)`` after it are one decision.
+
+  Args:
+    process: (this process's index, the job's process count).
+    channel: the job's key-value channel of this manager's decisions.
+    what: the option that decides (``should_save_fn``, ``save_decision_policy``).
+    compare: whether a process's own decision is compared (not for a policy that
+      reads the time or a save in progress: those differ by nature).
+    timeout_secs: the longest a process waits for process 0's decision.
+  """
+
+  #: Decisions kept published (a process this many calls behind process 0 is lost).
+  KEPT = 4096
+
+  def __init__(self, *, process: tuple[int, int], channel: "Channel", what: str,
+               compare: bool, timeout_secs: float) -> None:
+    self.index, self.count = process
+    self.channel, self.what, self.compare, self.timeout = channel, what, compare, timeout_secs
+    self.calls = 0
+    self._last: tuple[int, bool] | None = None
+    self._warned = False
+
+  def decide(self, step: int, own: Callable[[], bool]) -> bool:
+    """The job's decision of ``step`` (``own()``: this process's)."""
+    if self._last is not None and self._last[0] == step:
+      return self._last[1]
+    n, self.calls = self.calls, self.calls + 1
+    if self.index == 0:
+      d = bool(own())
+      self.channel.set(f"d/{n}", json.dumps([step, d]))
+      if n >= self.KEPT:
+        self.channel.delete(f"d/{n - self.KEPT}")
+      self._last = (step, d)
+      return d
+    text = self.channel.get(f"d/{n}", self.timeout)
+    if text is None:
+      raise errors.SnapshotTimeoutError(
+          f"process {self.index}: process 0 did not publish its save decision of call {n} "
+          f"(step {step}) within {self.timeout} s ({self.what} decides there: it is that far "
+          "behind, or gone)")
+    theirs, d = json.loads(text)
+    if theirs != step:
+      raise errors.InvalidArgumentError(
+          f"process {self.index}: its save decision {n} is of step {step}, process 0's of "
+          f"step {theirs}: the processes of this job call save()/should_save() with other "
+          "steps; every process must make the same calls")
+    if self.compare and not self._warned:
+      mine = bool(own())
+      if mine != d:
+        self._warned = True
+        logger.warning(
+            "process %d: %s decides %s for step %d where process 0 decides %s: the job's "
+            "processes were given save schedules that differ (a per-host setting the function "
+            "reads, or the object a bound method belongs to); the %d processes follow process "
+            "0's decisions", self.index, self.what, mine, step, d, self.count)
+    self._last = (step, d)
+    return d

@@ -230,6 +230,20 @@ class HostStore(abc.ABC):
     ``timeout_secs``). False if the step was not held (a store shared by the
     job's hosts: nor deleted by another host's delete first)."""
 
+  def rollback(self, rid: str, steps: list[int], *, timeout_secs: float = 60.0) -> None:
+    """Rollback ``rid`` (a new timeline): discards ``steps`` as ``discard`` does. A
+    store whose memory outlives the trainer (the agents) applies it at once and
+    records it, applied once per id; here (this process's memory) each is discarded."""
+    del rid
+    for step in steps:
+      self.discard(step, timeout_secs=timeout_secs)
+
+  def complete_rollbacks(self, *, timeout_secs: float = 60.0) -> None:
+    """Applies the rollbacks that some agent of the job recorded on every agent that
+    missed them (a trainer killed between them); a no-op here (this process's memory
+    records none)."""
+    del timeout_secs
+
   def preallocate(self, nbytes: int) -> None:
     """Allocates and touches every free slot for snapshots of ``nbytes`` now, so
     that no save pays for it (a no-op where slots are sized on reserve)."""

@@ -55,7 +55,8 @@ def build(o: CheckpointOptions) -> Policy:
                 asks_progress=_asks_progress(cm, save_policy),
                 records=keep_policy is not None or o.best_fn is not None,
                 forced=on_steps.__contains__, asks_preemption=True, reads_kept=True,
-                rollback=not isinstance(save_policy, NewerOnly))
+                rollback=not isinstance(save_policy, NewerOnly),
+                decided_by=_decided_by(cm, save_policy))
 
 
 def _retains(o: CheckpointOptions) -> bool:
@@ -163,3 +164,19 @@ def _asks_progress(cm: Any, policy: Any) -> bool:
             cm.PreemptionCheckpointingPolicy, ShouldSaveFn)
   flat = _flat(policy.policy if isinstance(policy, NewerOnly) else policy, cm.AnySavePolicy)
   return any(not isinstance(p, simple) for p in flat)
+
+
+def _decided_by(cm: Any, policy: Any) -> str | None:
+  """None where a save decision policy is orbax's own rules of the step and the kept
+  steps only (an interval, given steps, the first step, a preemption): every process
+  given the same options decides alike. Else the option that may decide otherwise on
+  each process (see ``Policy.decided_by``): ``should_save_fn`` (given as such, or in
+  orbax's options), or ``save_decision_policy`` (one of the user's, or one that reads
+  the time or a save in progress)."""
+  alike = (cm.FixedIntervalPolicy, cm.SpecificStepsPolicy, cm.InitialSavePolicy,
+           cm.PreemptionCheckpointingPolicy)
+  flat = _flat(policy.policy if isinstance(policy, NewerOnly) else policy, cm.AnySavePolicy)
+  if all(isinstance(p, alike) for p in flat):
+    return None
+  return "should_save_fn" if any(isinstance(p, ShouldSaveFn) for p in flat) else (
+      "save_decision_policy")

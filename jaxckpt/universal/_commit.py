@@ -676,6 +676,27 @@ def unlist_steps(directory: str, steps: Iterable[int]) -> None:
       _delete(kv, lay.commit_key(step))
 
 
+def record_rollback(directory: str, record: dict[str, Any]) -> None:
+  """Records a rollback under way (one put): the steps of the abandoned timeline, named
+  before any of them is unlisted, so that whoever comes next after a crash completes it
+  (:func:`rollback_record`); :func:`clear_rollback` once every one is deleted."""
+  write_json(directory, lay.ROLLBACK_KEY, record)
+
+
+def rollback_record(directory: str) -> dict[str, Any] | None:
+  """The rollback under way in ``directory`` (:func:`record_rollback`), or None."""
+  return read_json(directory, lay.ROLLBACK_KEY)
+
+
+def clear_rollback(directory: str) -> None:
+  """The rollback recorded in ``directory`` is complete: its record goes."""
+  local = lay.local_path(directory)
+  if local is not None:
+    _local.remove(local, lay.ROLLBACK_KEY, what=f"ending the rollback of {directory!r}")
+  else:
+    _delete(lay.open_kvstore(directory), lay.ROLLBACK_KEY)
+
+
 def discard_attempt(directory: str, step: int, attempt: str) -> None:
   """Deletes what one persist attempt wrote of ``step`` (never the committed data:
   refuses if the marker names this attempt); in a local directory never through a link."""

@@ -220,6 +220,11 @@ def commit_key(step: int) -> str:
   return f"{COMMITS_PREFIX}{step:010d}.json"
 
 
+#: A rollback under way (``core._deletes``): the abandoned timeline's steps, recorded
+#: before any of them is deleted, removed once all are.
+ROLLBACK_KEY = "rollback.json"
+
+
 def quarantine_key(step: int) -> str:
   """Where a committed step found damaged is set aside (its marker, and why)."""
   return f"quarantine/{step:010d}.json"

@@ -333,6 +333,110 @@ def options_differ_in_value(job: Job) -> None:
       say("REFUSED", str(e).replace("\n", " "))
 
 
+class Every:
+  """A per-host configuration object's save schedule (``should_save_fn=Every(n).due``:
+  one bound method whatever ``n`` is)."""
+
+  def __init__(self, n: int) -> None:
+    self.n = n
+
+  def due(self, step: int, latest: int | None) -> bool:
+    del latest
+    return step % self.n == 0
+
+
+SAVE_EVERY = 1           # a per-host setting a module function reads (set per process)
+
+
+def due_by_setting(step: int, latest: int | None) -> bool:
+  del latest
+  return step % SAVE_EVERY == 0
+
+
+@scenario
+def schedules_differ(job: Job) -> None:
+  """Process 0 saves every 2 steps, process 1 every 3 (``--variant``: ``bound``, a
+  per-host ``Every(n).due``; ``global``, a module function reading a per-host
+  setting): each process says what should_save and save answer for steps 1-8
+  (DECIDED), what the job then holds (STEPS), and the warnings it logged (WARNED); or
+  REFUSED at construction."""
+  import logging  # pylint: disable=import-outside-toplevel
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  global SAVE_EVERY  # pylint: disable=global-statement
+  n = (2, 3)[job.me]
+  SAVE_EVERY = n
+  fn = Every(n).due if job.a.variant == "bound" else due_by_setting
+  warned: list[str] = []
+
+  class Catch(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+      if record.levelno >= logging.WARNING and "should_save_fn" in record.getMessage():
+        warned.append(record.getMessage())
+  logging.getLogger("jaxckpt").addHandler(Catch())
+  try:
+    mgr = jc.CheckpointManager(job.a.directory, job.options(
+        parity=False, max_snapshots=8, persist_interval_steps=100, on_busy="wait",
+        should_save_fn=fn))
+  except jc.errors.InvalidArgumentError as e:
+    say("REFUSED", str(e).replace("\n", " "))
+    say("DONE")
+    return
+  decided = []
+  for s in range(1, 9):
+    asked = mgr.should_save(s)
+    decided.append(f"{s}:{int(asked)}{int(mgr.save(s, job.state(s)))}")
+  mgr.wait_until_snapshotted()
+  job.barrier("saved")
+  say("DECIDED", " ".join(decided))
+  say("STEPS", mgr.all_steps())
+  for w in warned:
+    say("WARNED", w.replace("\n", " "))
+  job.barrier("looked")
+  mgr.close()
+  say("DONE")
+
+
+@scenario
+def rollback_killed(job: Job) -> None:
+  """The guide's rollback on every process (21-30 saved with parity, 30 persisted,
+  ``restore(25)``, then 26-28): each process SIGKILLs itself at the K-th crash point of
+  the rollback (``--variant K``, :mod:`jaxckpt.util._crash`); DONE if it passed them all."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  os.environ["JAXCKPT_CRASH_AT"] = f"rollback:{job.a.variant}"
+  mgr = jc.CheckpointManager(job.a.directory, job.options(
+      max_snapshots=10, persist_interval_steps=10, on_busy="wait"))
+  for s in range(21, 31):
+    assert mgr.save(s, job.state(s))
+  mgr.wait_until_finished()
+  mgr.wait_until_protected(30)
+  out = mgr.restore(25, target=job.state(0))
+  say("RESTORED", mgr.last_restore.step, job.check(out, 25))
+  job.barrier("restored")
+  for s in (26, 27, 28):
+    assert mgr.save(s, job.state(s))
+  mgr.wait_until_finished()
+  job.barrier("rolled")
+  mgr.close()
+  say("DONE")
+
+
+@scenario
+def after_rollback(job: Job) -> None:
+  """The relaunch of ``rollback_killed``: every process lists (STEPS, STORED) and
+  restores the newest step (RESTORED step tier check)."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(job.a.directory, job.options(
+      max_snapshots=10, persist_interval_steps=10, on_busy="wait"))
+  say("STEPS", mgr.all_steps())
+  say("STORED", jc.universal.all_steps(job.a.directory))
+  out = mgr.restore(target=job.state(0))
+  r = mgr.last_restore
+  say("RESTORED", r.step, r.tier, job.check(out, r.step))
+  job.barrier("looked")
+  mgr.close()
+  say("DONE")
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser()
   processes.add_job_arguments(p)
