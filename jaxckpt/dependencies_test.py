@@ -42,6 +42,19 @@ def test_flax_and_optax_are_core_and_test_packages_are_extras():
   assert any(d.startswith("equinox") for d in extras["test"])
 
 
+def test_msgspec_is_the_one_serialization_library():
+  """The wire's MessagePack is msgspec's (issue 49): msgpack is not a dependency, and no
+  module of the library, its tests or its tools imports it."""
+  project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+  deps = [d for d in project["dependencies"] + sum(project["optional-dependencies"].values(), [])]
+  assert not [d for d in deps if d.split(">")[0].split("=")[0].strip() == "msgpack"], deps
+  assert any(d.startswith("msgspec") for d in project["dependencies"])
+  users = [f.relative_to(_ROOT) for d in ("jaxckpt", "tests", "tools", "benchmarks")
+           for f in sorted((_ROOT / d).rglob("*.py"))
+           if any(m.split(".")[0] == "msgpack" for m in _imports(f))]
+  assert not users, users
+
+
 def test_library_does_not_import_extras_at_run_time():
   mods = _library_modules()
   assert "jaxckpt.manager" in mods and "jaxckpt.universal.cli" in mods
