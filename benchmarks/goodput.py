@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # Uninstalled repo.
 
-from jaxckpt import goodput as sim
+from tools import goodput as sim
 
 
 def _median_result(runs: list[sim.SimulationResult]) -> sim.SimulationResult:

@@ -1,6 +1,6 @@
 """Runs the ``>>>`` examples in the docstrings of every jaxckpt module, and of the
 test harness's modules that have some (``tests/support``: e.g. starting SeaweedFS or an
-etcd cluster).
+etcd cluster), and of the goodput simulator's (``tools/goodput``).
 
 The examples are part of the API reference (``docs/api.md``), so they must run
 as written. Test modules and ``__main__`` modules are not imported (nor the harness's
@@ -31,6 +31,9 @@ def _modules() -> list[str]:
   support = pathlib.Path(__file__).resolve().parent.parent / "tests" / "support"
   names += [f"tests.support.{f.stem}" for f in support.glob("*.py")
             if not f.stem.endswith(_SKIP_SUFFIXES) and ">>>" in f.read_text()]
+  research = support.parent.parent / "tools" / "goodput"    # (the simulator, not in the wheel)
+  names += [f"tools.goodput.{f.stem}" for f in research.glob("*.py")
+            if not f.stem.endswith(_SKIP_SUFFIXES) and ">>>" in f.read_text()]
   return sorted(names)
 
 
@@ -38,6 +41,7 @@ def test_every_module_is_collected():
   names = _modules()
   assert "jaxckpt.manager" in names and "jaxckpt.universal.convert" in names
   assert "tests.support.soak" in names and "tests.support.ft_simulate" in names
+  assert "tools.goodput.simulator" in names
   assert not [n for n in names if n.endswith("_test")]
 
 

@@ -2,7 +2,9 @@
 test-only packages live in extras."""
 
 import ast
+import functools
 import importlib.util
+import os
 import pathlib
 import shutil
 import subprocess
@@ -38,6 +40,19 @@ def test_flax_and_optax_are_core_and_test_packages_are_extras():
   assert any(d.startswith("reedsolo") for d in extras["test"])
   assert any(d.startswith("equinox") for d in extras["equinox"])
   assert any(d.startswith("equinox") for d in extras["test"])
+
+
+def test_msgspec_is_the_one_serialization_library():
+  """The wire's MessagePack is msgspec's (issue 49): msgpack is not a dependency, and no
+  module of the library, its tests or its tools imports it."""
+  project = tomllib.loads((_ROOT / "pyproject.toml").read_text())["project"]
+  deps = [d for d in project["dependencies"] + sum(project["optional-dependencies"].values(), [])]
+  assert not [d for d in deps if d.split(">")[0].split("=")[0].strip() == "msgpack"], deps
+  assert any(d.startswith("msgspec") for d in project["dependencies"])
+  users = [f.relative_to(_ROOT) for d in ("jaxckpt", "tests", "tools", "benchmarks")
+           for f in sorted((_ROOT / d).rglob("*.py"))
+           if any(m.split(".")[0] == "msgpack" for m in _imports(f))]
+  assert not users, users
 
 
 def test_library_does_not_import_extras_at_run_time():
@@ -89,8 +104,28 @@ def test_the_wheel_holds_the_library_and_not_the_test_harness(tmp_path):
   assert testing == _SHIPPED_TESTING, sorted(testing ^ _SHIPPED_TESTING)
   for f in sorted((_ROOT / "jaxckpt").rglob("*.py")):
     if not f.name.endswith("_test.py"):
-      harness = sorted(m for m in _imports(f) if m == "tests" or m.startswith("tests."))
+      harness = sorted(m for m in _imports(f) if m.split(".")[0] in ("tests", "tools"))
       assert not harness, f"{f.relative_to(_ROOT)} imports {harness}"
+  # The goodput simulator is research code (tools/goodput/): the wheel holds what
+  # `jaxckpt plan` needs (the closed forms), and the installed `jaxckpt plan` runs without it.
+  goodput = {pathlib.PurePosixPath(n).name for n in files if n.startswith("jaxckpt/goodput/")}
+  assert goodput == {"__init__.py", "_research.py", "closed_form.py", "inputs.py", "plan.py"}, goodput
+  assert not [n for n in files if pathlib.PurePosixPath(n).name in (
+      "simulator.py", "plots.py", "simulate_cli.py")]
+  site = tmp_path / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                  "--target", str(site), str(wheel)], check=True, timeout=300, capture_output=True)
+  env = dict(os.environ, PYTHONPATH=str(site))           # the wheel's jaxckpt, no checkout
+  run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+  plan = run([sys.executable, "-m", "jaxckpt", "plan", "--state-gib-per-host", "8",
+              "--host-ram-gib", "512", "--hosts", "64", "--step-secs", "1", "--storage-gbps", "1"])
+  assert plan.returncode == 0 and "recommended: " in plan.stdout, plan.stderr[-3000:]
+  where = run([sys.executable, "-c", "import jaxckpt; print(jaxckpt.__file__)"])
+  assert where.stdout.startswith(str(site)), (where.stdout, where.stderr[-2000:])
+  sim = run([sys.executable, "-m", "jaxckpt", "simulate", "--from-benchmarks", "measured"])
+  assert sim.returncode == 2 and "tools/goodput/" in sim.stderr and "checkout" in sim.stderr, (
+      sim.returncode, sim.stdout[-2000:], sim.stderr[-2000:])
 
 
 def test_the_layers_import_only_downwards():

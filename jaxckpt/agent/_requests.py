@@ -110,11 +110,15 @@ class AgentAddress(msgspec.Struct, frozen=True, kw_only=True):
   bulk: Annotated[str, Meta(max_length=4096)] | None = None
 
 
+#: A job's process count.
+Count = Annotated[int, Meta(ge=1, le=2**31)]
+
+
 # -- a trainer and its agent ----------------------------------------------------
 
 class HelloReply(Reply):
   pid: int
-  steps: list
+  steps: list[Step]
   slots: int
   generation: int
 
@@ -151,7 +155,7 @@ class Reserve(Request[ReserveReply], tag="reserve"):
 
 
 class PreallocateReply(Reply):
-  slots: list         # [index, path, size, fresh] of each free slot
+  slots: list[tuple[Index, str, Bytes, bool]]   # [index, path, size, fresh] of each free slot
 
 
 class Preallocate(Request[PreallocateReply], tag="preallocate"):
@@ -161,7 +165,7 @@ class Preallocate(Request[PreallocateReply], tag="preallocate"):
 
 
 class CommitReply(Reply):
-  steps: list
+  steps: list[Step]
   persist: dict
   persist_errors: list
 
@@ -248,7 +252,7 @@ class Bye(Request[Done], tag="bye"):
 # -- reading a step ----------------------------------------------------------------
 
 class StepsReply(Reply):
-  steps: list
+  steps: list[Step]
   free_slots: int
   protected: int | None
 
@@ -258,7 +262,7 @@ class Steps(Request[StepsReply], tag="steps"):
 
 
 class HeldReply(Reply):
-  held: list          # [step, saving process index, process count] each
+  held: list[tuple[Step, Index, Count]]   # [step, saving process index, process count] each
 
 
 class Held(Request[HeldReply], tag="held"):

@@ -13,7 +13,7 @@ import os
 import signal
 import time
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -47,7 +47,7 @@ def _sealed(endpoint: str, secret: bytes, header: dict) -> dict:
   try:
     sock.send_multipart(_wire.seal(secret, header, timeout_secs=20))
     assert sock.poll(20000), "the agent did not answer"
-    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    return msgspec.msgpack.decode(sock.recv_multipart()[0])
   finally:
     sock.close()
 

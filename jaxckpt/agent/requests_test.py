@@ -73,6 +73,15 @@ def _peer_answering(reply: dict):
      r"lacks the required field 'manifest'"),
     ("steps", {}, {"ok": True, "steps": "all of them", "free_slots": 1, "protected": None},
      r"field steps='all of them' is refused: Expected `array`, got `str`"),
+    # the reply fields are typed, not bare lists (issue 49): each element is checked too
+    ("steps", {}, {"ok": True, "steps": [3, "four"], "free_slots": 1, "protected": None},
+     r"Expected `int`, got `str`"),
+    ("held", {}, {"ok": True, "held": [[3, 0]]}, r"Expected `array` of length 3"),
+    ("held", {}, {"ok": True, "held": [[3, 0, 0]]}, r"Expected `int` >= 1"),
+    ("commit", {"index": 0, "manifest": "{}", "step": 1, "nbytes": 8, "process": [0, 1]},
+     {"ok": True, "steps": [-1], "persist": {}, "persist_errors": []}, r"Expected `int` >= 0"),
+    ("preallocate", {"nbytes": 8}, {"ok": True, "slots": [[0, "/dev/shm/x", 8, "yes"]]},
+     r"Expected `bool`, got `str`"),
 ])
 def test_a_malformed_reply_is_an_error_naming_the_agent_and_its_address(op, args, reply, why):
   with _peer_answering(reply) as address:

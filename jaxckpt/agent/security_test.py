@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -52,7 +52,7 @@ def _raw(endpoint: str, frames: list[bytes]) -> dict:
   try:
     sock.send_multipart(frames)
     assert sock.poll(20000), "the agent did not answer"
-    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    return msgspec.msgpack.decode(sock.recv_multipart()[0])
   finally:
     sock.close()
 
@@ -68,7 +68,7 @@ def test_requests_without_the_secret_are_refused_and_change_nothing(held, how):
   opts, root, job, info = held
   for endpoint in (info["tcp"], info["ipc"]):
     for op, args in FORGED:
-      header = msgpack.packb({"op": op, "ts": time.time(), **args}, use_bin_type=True)
+      header = msgspec.msgpack.encode({"op": op, "ts": time.time(), **args})
       if how == "no mac":
         frames = [header]
       elif how == "wrong secret":
@@ -89,8 +89,8 @@ def test_requests_without_the_secret_are_refused_and_change_nothing(held, how):
 @pytest.mark.parametrize("how", ["no mac", "wrong secret", "mac of another header"])
 def test_bulk_reads_without_the_secret_get_no_byte(held, how):
   _, root, job, info = held
-  header = msgpack.packb({"op": "bulk", "what": "snapshot", "step": 1, "ranges": [[0, 2048]],
-                          "ts": time.time()}, use_bin_type=True)
+  header = msgspec.msgpack.encode({"op": "bulk", "what": "snapshot", "step": 1, "ranges": [[0, 2048]],
+                          "ts": time.time()})
   mac = {"no mac": b"", "wrong secret": _protocol.sign(b"not the secret", header),
          "mac of another header": _protocol.request(_paths.job_secret(root, job), _requests.Steps())[0]}
   host, port = info["bulk"].rsplit(":", 1)
@@ -100,7 +100,7 @@ def test_bulk_reads_without_the_secret_get_no_byte(held, how):
     while chunk := conn.recv(1 << 16):                 # the agent closes after its refusal
       got += chunk
   (n,) = struct.unpack("!I", got[:4])
-  reply = msgpack.unpackb(got[4:4 + n], raw=False)
+  reply = msgspec.msgpack.decode(got[4:4 + n])
   assert not reply["ok"] and reply["type"] == "PermissionDeniedError", reply
   assert len(got) == 4 + n                              # and not one byte of the snapshot
 
@@ -120,7 +120,7 @@ def test_bulk_reads_outside_the_snapshot_are_refused(held):
 def test_a_replayed_old_request_is_refused(held):
   _, root, job, info = held
   secret = _paths.job_secret(root, job)
-  header = msgpack.packb({"op": "stop", "ts": time.time() - 3600, "nonce": b"x"}, use_bin_type=True)
+  header = msgspec.msgpack.encode({"op": "stop", "ts": time.time() - 3600, "nonce": b"x"})
   reply = _raw(info["ipc"], [_protocol.sign(secret, header), header])
   assert not reply["ok"] and "too old" in reply["error"]
   assert processes.pid_alive(info["pid"])

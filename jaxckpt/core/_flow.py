@@ -152,22 +152,19 @@ class SaveFlow:
     self.last_save_at = t0
     self.schedule.took(d)
     if d.due:
-      rec = self.ledger.record(step)
-      rec.persisting, rec.mark, rec.nbytes = True, None, nbytes
+      self.ledger.persisting_from(step, nbytes)
 
   def committed(self, step: int, due: bool, nbytes: int, copy_secs: float) -> None:
     """``step``'s snapshot committed after ``copy_secs`` (the background thread)."""
     if due:
-      self.ledger.record(step).mark = self.schedule.mark()
+      self.ledger.marked(step, self.schedule.mark())
     self.schedule.measure.copy.append(copy_secs)
     self.ledger.committed(step, nbytes, copy_secs)
     self.note_lag()
 
   def forget(self, step: int) -> None:
     """``step``'s snapshot failed, or the step was deleted."""
-    rec = self.ledger.get(step)
-    if rec is not None:
-      rec.persisting = False
+    self.ledger.not_persisting(step)
 
   def note_lag(self) -> None:
     """Measures the persists that ended and updates ``stats``' persist lag as of the

@@ -29,6 +29,8 @@ from jaxckpt.restore import _read, _tiers
 
 logger = logging.getLogger("jaxckpt.manager")
 
+_LISTING_TRIES = 3
+
 
 class Listing:
   """One manager's listing (see the module docstring).
@@ -47,24 +49,23 @@ class Listing:
     self._unlisted = False            # storage's listing did not answer last time
 
   def all_steps(self) -> list[int]:
+    """The listing (see the module docstring). The tiers are read, then the ledger updated
+    from what they said, unless another thread saved or deleted a step meanwhile: then
+    they are read again (three times at most, then answered from the last reading)."""
     led = self.ledger
-    flight = led.in_flight()          # first: once it is done, the host tier holds it
-    held = set(_tiers.complete_steps(self.store))
-    if self.parity:
-      held |= set(_tiers.rebuildable_steps(sorted(held), self.store))
-    stored = self._stored()
-    led.listed.update(held)
-    pending = set(self.store.persist_status().pending)
-    on_its_way = {s for s, a in led.attempts().items()          # saved for storage, its persist
-                  if a not in led.told and s not in led.stored and s in pending}   # not ended
-    led.listed.intersection_update(stored | held | flight | on_its_way)   # gone: forgotten
-    for s in led.listed & stored:
-      led.stored.add(s)
-    passed = max(held, default=None)    # a host lost what the job went past: not restorable
-    coming = {s for s in on_its_way if passed is None or s > passed}
-    listed = flight | held | (led.listed & stored) | coming
-    led.prune(listed)
-    return sorted(listed - set(led.dropped()))
+    for attempt in range(_LISTING_TRIES):
+      since = led.version() if attempt < _LISTING_TRIES - 1 else None
+      flight = led.in_flight()          # first: once it is done, the host tier holds it
+      held = set(_tiers.complete_steps(self.store))
+      if self.parity:
+        held |= set(_tiers.rebuildable_steps(sorted(held), self.store))
+      stored = self._stored()
+      pending = set(self.store.persist_status().pending)
+      out = led.list_steps(since=since, flight=flight, stored=stored, held=held,
+                           pending=pending)
+      if out is not None:
+        return out
+    raise AssertionError("unreachable: the last reading always answers")
 
   def _stored(self) -> set[int]:
     """The stored steps: storage's listing, asked for at most ``LATE_PROBE_SECS``; while
@@ -108,9 +109,8 @@ class Listing:
     with their time and metrics (what orbax reads at start)."""
     led = self.ledger
     stored = _tiers.storage_steps(self.directory)
-    led.listed = set(stored)
     held = _tiers.complete_steps(self.store)
-    led.high = max([*stored, *held, *([led.high] if led.high is not None else [])], default=None)
+    led.loaded(stored, held)
     if self.policy.records:
       infos = [self._info(s) for s in sorted(set(stored) | set(held)) if s not in led.dropped()]
       led.found(i for i in infos if i is not None and (i.step in stored or i.time is not EPOCH))

@@ -124,6 +124,7 @@ class CoreManager:
     try:
       return self._snapshot(step, state, metadata, metrics, force, t0)
     finally:
+      self.ledger.starting(None)
       self._schedule.blocked(time.perf_counter() - t0)   # not the loop's own time
 
   def _may_save(self, step: int, force: bool) -> bool:
@@ -157,6 +158,7 @@ class CoreManager:
       return False
     self._deletes.timeline(step)
     self._persists.refuse_existing(step, self._store, self._already_exists)
+    self.ledger.starting(step)             # in flight from its record on (another thread lists)
     metadata = self._record(step, metadata, metrics, d.due)
     if not self.options.host_snapshots:
       if not d.due:

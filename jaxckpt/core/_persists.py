@@ -47,7 +47,7 @@ class Persists:
         or newest in self.ledger.attempts()):
       return
     if store.persist_held(newest, self.ledger.new_attempt(newest)):
-      self.ledger.record(newest).persisting = True
+      self.ledger.persisting_from(newest, 0)
       logger.info("step %d: persisted at %s (the newest snapshot; host memory ends with "
                   "this manager)", newest, what)
 
@@ -84,8 +84,8 @@ class Persists:
 
   def raise_failed(self, failed: list[_persist.PersistError]) -> None:
     led = self.ledger
-    failed = [e for e in failed if e.attempt not in led.told]   # raised once only
-    led.told.update(e.attempt for e in failed)
+    new = led.untold(e.attempt for e in failed)                # raised once only
+    failed = [e for e in failed if e.attempt in new]
     earlier = [e for e in failed if not _persist.of_run(e.attempt, led.run_id)]
     for e in earlier:         # an earlier run's (its agent outlived it): not this run's save
       logger.error("a persist of step %d by an earlier run (attempt %s) failed: %s; that "

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
-import msgpack
+import msgspec
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -37,12 +37,12 @@ class GroupComm:
     """Process 0's ``obj`` (msgpack-able) on every process."""
     if self.size == 1:
       return obj
-    data = msgpack.packb(obj) if self.is_talker else b""
+    data = msgspec.msgpack.encode(obj) if self.is_talker else b""
     n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
     buf = np.zeros(_padded(n), np.uint8)  # few distinct lengths: few compilations of the broadcast
     if self.is_talker:
       buf[:n] = np.frombuffer(data, np.uint8)
-    return msgpack.unpackb(np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes())
+    return msgspec.msgpack.decode(np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes())
 
   def share_arrays(self, arrays: Sequence[np.ndarray] | None,
                    like: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:

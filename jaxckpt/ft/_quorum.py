@@ -41,7 +41,7 @@ import dataclasses
 import hashlib
 from typing import Any, Sequence
 
-import msgpack
+import msgspec
 
 from jaxckpt import errors
 
@@ -201,7 +201,7 @@ class Formation:
       return None
     add = [[g, f] for g, f in flags.items() if old.get(g) is not f]
     gone = [g for g in old if g not in flags]
-    return msgpack.packb({"base": base, "add": add, "del": gone, "dropped": dropped}, use_bin_type=True)
+    return msgspec.msgpack.encode({"base": base, "add": add, "del": gone, "dropped": dropped})
 
   def _remember(self, key: str, flags: dict[str, bool]) -> None:
     self._views[key] = flags
@@ -261,7 +261,7 @@ class View:
       return ()
     if hashlib.sha256(blob).digest() != wire.get("sha"):
       raise ValueError("the view's difference does not match the hash in the sealed reply")
-    delta = msgpack.unpackb(blob, raw=False)
+    delta = msgspec.msgpack.decode(blob)
     if delta["base"] not in ("", self.key):
       raise ValueError(f"the difference is against view {delta['base']}, this member holds {self.key}")
     flags = {} if delta["base"] == "" else dict(self._flags)

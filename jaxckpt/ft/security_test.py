@@ -84,7 +84,7 @@ def test_a_group_without_any_secret_is_told_how_to_give_it(monkeypatch):
 # ---- a flood from a process without the secret --------------------------------------------------
 
 ROGUE = r"""
-import os, sys, time, msgpack, zmq
+import os, sys, time, msgspec, zmq
 address, secs = sys.argv[1], float(sys.argv[2])
 ctx = zmq.Context()
 socks = []
@@ -93,7 +93,7 @@ for _ in range(4):
   s.setsockopt(zmq.LINGER, 0)
   s.connect(f"tcp://{address}")
   socks.append(s)
-head = lambda h: msgpack.packb(dict(h, ts=time.time(), nonce=os.urandom(8)), use_bin_type=True)
+head = lambda h: msgspec.msgpack.encode(dict(h, ts=time.time(), nonce=os.urandom(8)))
 quorum = head({"op": "quorum", "request_id": 1, "member": ["rogue", "127.0.0.1:1", 0, 0, ""]})
 beat = head({"op": "heartbeat", "group": "rogue"})
 messages = [[b"", quorum], [b"", beat], [os.urandom(32), quorum], [os.urandom(32), beat]]

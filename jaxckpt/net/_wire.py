@@ -2,7 +2,7 @@
 
 A message is a ZeroMQ multipart message ``[mac, header, *raw]``:
 
-* ``header`` is msgpack of a dict with an ``op``, the sender's clock ``ts``, a
+* ``header`` is MessagePack (msgspec's encoder) of a dict with an ``op``, the sender's clock ``ts``, a
   random ``nonce``, optionally the ``deadline`` after which the sender has given
   up, and, when arrays follow, their dtypes and shapes (``arrays``);
 * ``mac`` is the HMAC-SHA256 of ``header`` under the job's secret; a receiver
@@ -31,7 +31,6 @@ import threading
 import time
 from typing import Annotated, Any, Callable, Sequence
 
-import msgpack
 import msgspec
 import numpy as np
 import zmq
@@ -67,11 +66,11 @@ class Framing(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def pack(obj: dict[str, Any]) -> bytes:
-  return msgpack.packb(obj, use_bin_type=True)
+  return msgspec.msgpack.encode(obj)
 
 
 def unpack(b: Any) -> dict[str, Any]:
-  return msgpack.unpackb(_bytes(b), raw=False, strict_map_key=False)
+  return msgspec.msgpack.decode(_bytes(b))
 
 
 def sign(secret: bytes, header: bytes) -> bytes:
@@ -163,7 +162,7 @@ def reply_of(raw: Any, who: str, where: str) -> dict[str, Any]:
   ``ok``) is an AgentUnavailableError naming the peer and its address."""
   try:
     reply = unpack(raw)
-  except Exception as e:  # pylint: disable=broad-except  (msgpack raises several kinds)
+  except Exception as e:  # pylint: disable=broad-except  (a decoder raises several kinds)
     raise errors.AgentUnavailableError(
         f"{who} at {where} answered with bytes that are not a reply ({type(e).__name__}); "
         "is something else listening there, or another jaxckpt version?") from None

@@ -6,7 +6,7 @@ import contextlib
 import socket
 import threading
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -99,7 +99,7 @@ def test_a_server_that_dies_mid_transfer_is_named():
     conn, _ = listener.accept()
     with conn:
       conn.recv(1 << 16)
-      ok = msgpack.packb({"ok": True})
+      ok = msgspec.msgpack.encode({"ok": True})
       conn.sendall(len(ok).to_bytes(4, "big") + ok + b"partial")
   t = threading.Thread(target=serve_ok_then_die, daemon=True)
   t.start()
@@ -122,8 +122,8 @@ def test_an_unreachable_server_is_named():
 
 @pytest.mark.parametrize("reply, why", [
     (b"\xc1\xc1garbage", "bytes that are not a reply"),                 # not msgpack
-    (msgpack.packb([1, 2, 3]), "a list that is not a reply"),           # msgpack, not a map
-    (msgpack.packb({"hello": 1}), "a dict that is not a reply"),        # a map without 'ok'
+    (msgspec.msgpack.encode([1, 2, 3]), "a list that is not a reply"),           # msgpack, not a map
+    (msgspec.msgpack.encode({"hello": 1}), "a dict that is not a reply"),        # a map without 'ok'
     (None, r"a bulk frame of 4294967295 bytes \(over 1048576\) was refused"),  # oversized
     (b"", "broke off"),                                                  # truncated frame
 ])
@@ -161,7 +161,7 @@ def test_a_replayed_bulk_request_is_refused():
     def send():
       with socket.create_connection((host, int(port)), timeout=10) as c:
         _bulk.send_frames(c, frames)
-        return msgpack.unpackb(_bulk.recv_frame(c, 1 << 20), raw=False)
+        return msgspec.msgpack.decode(_bulk.recv_frame(c, 1 << 20))
     assert send()["ok"]
     again = send()
     assert not again["ok"] and "replayed" in again["error"]

@@ -96,15 +96,32 @@ def decode(body: bytes, what: str) -> Part:
   except (msgspec.ValidationError, msgspec.DecodeError):
     pass                      # (JSON msgspec does not take, e.g. a NaN in the metadata, or damage)
   try:
-    obj = json.loads(body)
+    obj = json.loads(body)    # (jaxckpt's JSON: a non-finite float as NaN, see util._json)
   except ValueError as e:
     raise errors.ManifestError(f"{what} is not valid JSON: {e}") from None
   try:
-    return msgspec.convert(obj, Part)
+    return msgspec.convert(_raw_chunks(obj), Part)
   except msgspec.ValidationError as e:
     man.validate(obj, what=what)         # (names the field in the schema's words)
     raise errors.ManifestError(f"{what} does not follow manifest.schema.json v{man.VERSION} ({e}); "
                                "it was written by another jaxckpt version or damaged") from None
+
+
+def _raw_chunks(obj: Any) -> Any:
+  """``obj`` (a part record json read) with each leaf's chunk table as JSON text again, as
+  the fast path keeps it (:attr:`Leaf.chunks`); anything else is left for the schema."""
+  leaves = obj.get("leaves") if isinstance(obj, dict) else None
+  if not isinstance(leaves, list):
+    return obj
+  out = []
+  for leaf in leaves:
+    if isinstance(leaf, dict) and isinstance(leaf.get("chunks"), dict):
+      try:
+        leaf = dict(leaf, chunks=msgspec.Raw(msgspec.json.encode(leaf["chunks"])))
+      except (OverflowError, TypeError):
+        pass                  # (not a table of strings: the schema names it)
+    out.append(leaf)
+  return dict(obj, leaves=out)
 
 
 class _Merged:
@@ -263,24 +280,5 @@ def complete(chunks: dict[str, str], grid: tuple[int, ...]) -> bool:
 
 
 def encode(doc: dict[str, Any]) -> bytes:
-  """``doc`` (a merged manifest) as JSON bytes: msgspec's encoder (its chunk tables are
-  most of a large manifest: 11 MB at 4,096 processes), or json's where a value it
-  writes otherwise is in it (a non-finite float: msgspec writes null, json NaN)."""
-  head = [doc.get("metadata")] + [(leaf.get("value"), leaf.get("sharding")) for leaf in doc["leaves"]]
-  if _plain(head):
-    try:
-      return msgspec.json.encode(doc, order="sorted")
-    except (OverflowError, TypeError):
-      pass
+  """``doc`` (a merged manifest) as JSON bytes (:func:`jaxckpt.universal._manifest.encode`)."""
   return man.encode(doc, what="manifest")
-
-
-def _plain(obj: Any) -> bool:
-  """Whether ``obj`` (decoded JSON) holds no non-finite float."""
-  if isinstance(obj, float):
-    return math.isfinite(obj)
-  if isinstance(obj, dict):
-    return all(_plain(v) for v in obj.values())
-  if isinstance(obj, (list, tuple)):
-    return all(_plain(v) for v in obj)
-  return True

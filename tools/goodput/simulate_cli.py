@@ -1,8 +1,8 @@
 """``jaxckpt simulate``: the goodput simulator's command line.
 
-Runs :func:`jaxckpt.goodput.simulator.sweep` (or its sensitivity report, or the closed-form
+Runs :func:`tools.goodput.simulator.sweep` (or its sensitivity report, or the closed-form
 check of :mod:`jaxckpt.goodput.closed_form`) from parsed arguments and prints a table or
-JSON; ``--plot`` writes a PNG (:mod:`jaxckpt.goodput.plots`).
+JSON; ``--plot`` writes a PNG (:mod:`tools.goodput.plots`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import dataclasses
 import json
 import sys
 
-from jaxckpt.goodput import simulator
+from tools.goodput import simulator
 from jaxckpt.goodput.closed_form import SimulationInputError, simulate_synchronous
 from jaxckpt.goodput.inputs import BENCHMARK_FILES, MEASURED_DIR, SOURCES, from_benchmarks
-from jaxckpt.goodput.plots import plot, plot_tornado
-from jaxckpt.goodput.simulator import (MODES, PAPER_ACCELERATORS, SENSITIVITY_ACCELERATORS, Mode,
+from tools.goodput.plots import plot, plot_tornado
+from tools.goodput.simulator import (MODES, PAPER_ACCELERATORS, SENSITIVITY_ACCELERATORS, Mode,
                                        SimulationConfig, explain, paper_comparison, sensitivity,
                                        sweep)
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from jaxckpt import cli, errors
-from jaxckpt import goodput as sim
+from tools import goodput as sim
 from jaxckpt.errors import JaxckptError
-from jaxckpt.goodput import MODES, Mode, SimulationConfig, simulate, simulator, sweep
+from tools.goodput import MODES, Mode, SimulationConfig, simulate, simulator, sweep
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -291,7 +291,7 @@ def test_cli_sensitivity_json(capsys):
 
 
 def test_every_input_cites_a_source_and_the_paper_is_only_a_comparison():
-  from jaxckpt import goodput as gp  # pylint: disable=import-outside-toplevel
+  gp = sim
   names = {f.name for f in dataclasses.fields(gp.SimulationConfig)}
   assert names == set(gp.SOURCES) and all(len(gp.SOURCES[n]) > 20 for n in names)
   text = gp.explain()
@@ -308,7 +308,7 @@ def _write_benchmarks(d):
 
 
 def test_from_benchmarks_derives_jaxckpts_inputs_and_cites_the_files(tmp_path):
-  from jaxckpt import goodput as gp  # pylint: disable=import-outside-toplevel
+  gp = sim
   _write_benchmarks(tmp_path)
   values, cites = gp.from_benchmarks(tmp_path, state_gib_per_host=8)
   assert values == pytest.approx({"host_snapshot_load_secs": 0.5 / 2 * 8,
@@ -335,7 +335,7 @@ def test_from_benchmarks_derives_jaxckpts_inputs_and_cites_the_files(tmp_path):
 
 def test_from_benchmarks_takes_the_replica_group_inputs_from_ft_goodput_when_present(tmp_path):
   # Detection, re-forming and the rejoin stall come from real groups under faults.
-  from jaxckpt import goodput as gp  # pylint: disable=import-outside-toplevel
+  gp = sim
   _write_benchmarks(tmp_path)
   (tmp_path / "ft_goodput.json").write_text(json.dumps({"host": "2 cores", "runs": [{}, {}, {}], "goodput_inputs": {
       "failure_detection_secs": 0.41, "quorum_reform_secs": 0.02, "rejoin_stall_secs": 0.015}}))

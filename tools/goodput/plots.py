@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt.goodput.simulator import MODES, PAPER_ACCELERATORS, PAPER_FIGURES, SimulationResult
+from tools.goodput.simulator import MODES, PAPER_ACCELERATORS, PAPER_FIGURES, SimulationResult
 
 
 def _figure(who: str, **kw: Any) -> Any:
