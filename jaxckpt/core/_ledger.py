@@ -49,7 +49,7 @@ class SaveStats:
   last_blocking_secs: float = 0.0
   last_snapshot_secs: float = 0.0      # save() call to committed snapshot
   last_nbytes: int = 0
-  #: why saves were skipped (``skipped_busy`` in all), by reason
+  #: why saves were skipped (``skipped_busy`` and ``skipped_plan`` in all), by reason
   skip_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
   #: persists queued or running in the store (their slots are held), as of the last commit
   persists_pending: int = 0
@@ -116,6 +116,8 @@ class Ledger:
     self._error: BaseException | None = None
     self._lock = threading.Lock()
     self._lag_warn_at = 4                # persists pending that get a warning (doubles)
+    self.plan_left_out: list[int] = []   # the saves the job's plan left out since its last
+                                         # snapshot (a loop that ends here has not these)
 
   # -- records ------------------------------------------------------------------
 
@@ -265,6 +267,7 @@ class Ledger:
   # -- the stats' writers -------------------------------------------------------
 
   def started(self, step: int, blocking_secs: float) -> None:
+    self.plan_left_out = []
     self.stats.started += 1
     self.stats.last_blocking_secs = blocking_secs
 
@@ -285,8 +288,17 @@ class Ledger:
   def skipped_interval(self) -> None:
     self.stats.skipped_interval += 1
 
-  def skipped_plan(self) -> None:
-    self.stats.skipped_plan += 1
+  def skipped_plan(self, step: int, why: str) -> None:
+    """The job's plan left out the save of ``step`` (``why``: the reason, as counted)."""
+    st = self.stats
+    st.skipped_plan += 1
+    st.skip_reasons[why] = st.skip_reasons.get(why, 0) + 1
+    self.left_out(step)
+
+  def left_out(self, step: int) -> None:
+    """The job's plan leaves out ``step``'s save (``should_save`` said so, or the save)."""
+    if step not in self.plan_left_out[-1:]:
+      self.plan_left_out.append(step)
 
   def skipped_busy(self, why: str) -> int:
     """Counts a busy skip; returns how many so far."""
