@@ -67,6 +67,10 @@ def worker(a: argparse.Namespace) -> int:
       parity=jc.ParityOptions(group_size=a.processes, parity=1))
   with jc.CheckpointManager(options=options) as mgr:
     step = 0
+    if a.resume and mgr.latest_step() is None:      # a relaunch must resume, never retrain
+      print(f"process {me}: NOTHING to resume from: no step is held by every process "
+            "of the job", flush=True)
+      return 2
     if mgr.latest_step() is not None:
       target = {"w": jax.ShapeDtypeStruct((n,), np.float32, sharding=sharding), "step": 0}
       out = mgr.restore(target=target)
@@ -96,14 +100,14 @@ def worker(a: argparse.Namespace) -> int:
 class Job:
   """The job's processes, their output relayed line by line."""
 
-  def __init__(self, a: argparse.Namespace, roots: list[str]) -> None:
+  def __init__(self, a: argparse.Namespace, roots: list[str], *, resume: bool = False) -> None:
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       port = s.getsockname()[1]
     self.procs = [subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--worker", "--processes", str(a.processes),
          "--process-id", str(i), "--port", str(port), "--run-root", roots[i], "--job", a.job,
-         "--steps", str(a.steps)],
+         "--steps", str(a.steps), *(["--resume"] if resume else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO}) for i in range(a.processes)]
     self.steps = [0] * a.processes
@@ -154,6 +158,21 @@ class Job:
         p.wait(30)
 
 
+def resumed_at(job: Job, processes: int) -> int:
+  """The step every process of a relaunched ``job`` resumed at, bit-exact (it said so);
+  RuntimeError if one did not, or they resumed at different steps."""
+  import re  # pylint: disable=import-outside-toplevel
+  said = {int(m.group(1)): (int(m.group(2)), m.group(3)) for m in (
+      re.match(r"process (\d+): resumed at step (\d+) from tier \w+ in [\d.]+ s \((.*)\)", ln)
+      for ln in job.lines) if m}
+  steps = {s for s, _ in said.values()}
+  if sorted(said) != list(range(processes)) or len(steps) != 1 or any(
+      how != "bit-exact" for _, how in said.values()):
+    raise RuntimeError(f"the relaunched job did not resume every process at one step, "
+                       f"bit-exact: {said}:\n" + "\n".join(job.lines[-60:]))
+  return steps.pop()
+
+
 def agent_pids(run_root: str) -> list[int]:
   """The pids of the agents under ``run_root`` (their address files say)."""
   import json  # pylint: disable=import-outside-toplevel
@@ -183,22 +202,24 @@ def launch(a: argparse.Namespace) -> int:
     finally:
       job.kill()
     print("== relaunched: every process resumes from its agent's host memory")
-    job = Job(a, roots)
+    job = Job(a, roots, resume=True)
     try:
       job.finish()
     finally:
       job.kill()
+    resumed_at(job, a.processes)
     for pid in agent_pids(roots[victim]):
       os.kill(pid, signal.SIGKILL)
     shutil.rmtree(roots[victim])
     print(f"== lost the host of process {victim}: its agent SIGKILLed and its run root (its "
           "shared memory) removed; relaunched: its state comes from the others' parity",
           flush=True)
-    job = Job(a, roots)
+    job = Job(a, roots, resume=True)
     try:
       job.finish()
     finally:
       job.kill()
+    resumed_at(job, a.processes)
     return 0
   finally:
     for root in roots:                  # the agents outlive the job: stop them
@@ -220,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
   p.add_argument("--port", type=int, help=argparse.SUPPRESS)
   p.add_argument("--run-root", help=argparse.SUPPRESS)
+  p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.worker:
     return worker(a)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxckpt.job_faults_test import finish, launch, lines
+from jaxckpt.job_faults_test import finish, launch, lines, wait_all
 from jaxckpt.testing import processes
 
 
@@ -97,3 +97,51 @@ def test_processes_with_other_save_schedules_save_the_same_steps(tmp_path, varia
   assert warned.startswith("process 1: should_save_fn decides False for step 2 where "
                            "process 0 decides True"), warned
   assert "the 2 processes follow process 0's decisions" in warned, warned
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("variant", ["", "parity"], ids=["agents", "agents_parity"])
+def test_a_job_killed_while_its_processes_drift_relaunches_from_a_step_every_host_holds(
+    variant):
+  """issue 46 (1): process 0 one step ahead, the last process one behind (its copy
+  running) when the job is killed. Each host kept its own newest steps (host 0 [6, 7],
+  the last host [4, 5]; with parity host 0 kept its protected 4 and 7): no step was
+  held by every host, and the relaunch restored nothing and started from step 1.
+  Now a host drops a step only once a newer one is held by every host."""
+  with processes.agent_sandbox("jd") as (root, job):
+    with launch(4, root, job, "ahead_when_killed", "", variant) as procs:
+      wait_all(procs, "HELD")
+      for p in procs:                   # the scheduler stops the job: SIGKILL, agents stay
+        p.kill()
+    with launch(4, root, job, "relaunched", "", variant) as procs:
+      outs = finish(procs)
+  said = [lines(out, "RESTORED") for out in outs]
+  assert all(not lines(out, "NOTHING") for out in outs), said
+  assert all(len(s) == 1 for s in said), said
+  steps = {s[0].split()[0] for s in said}
+  assert steps == {"5"}, said       # the newest step every host holds, on every process
+  assert all("host" in s[0].split()[1] and s[0].endswith(" ok") for s in said), said
+
+
+@pytest.mark.timeout(600)
+def test_the_last_saves_of_a_loop_are_held_or_said():
+  """issue 46 (4): a job of 4 processes saved every step to 10 and waited: the newest
+  step was 8, skipped_plan=2, skip_reasons empty and nothing said. A loop faster than
+  its copies still has saves left out by the job's plan, but a wait after them says
+  which at WARNING and why, skip_reasons counts them, and force=True holds the last
+  save (protected by parity) on every process."""
+  with processes.agent_sandbox("jl") as (root, job):
+    with launch(4, root, job, "last_saves") as procs:
+      outs = finish(procs)
+  for i, out in enumerate(outs):
+    (newest,) = lines(out, "NEWEST")
+    held, _, skipped, _, reasons = newest.split()
+    assert skipped == reasons, (i, newest)            # each skip has its reason
+    if held != "10":                                  # (left out: said, with why)
+      warned = [w for w in lines(out, "WARNED") if "the job's plan left out" in w]
+      assert len(warned) == 1, (i, lines(out, "WARNED"))
+      assert "wait_until_finished() after saves" in warned[0], warned
+      assert ", 10]" in warned[0] or "-10 (" in warned[0], warned
+      assert "force=True" in warned[0], warned
+    assert lines(out, "FORCED") == ["20 PROTECTED [20]"], (i, out[-3000:])
+  assert len({lines(out, "NEWEST")[0] for out in outs}) == 1, [lines(o, "NEWEST") for o in outs]

@@ -88,7 +88,8 @@ class CheckpointOptions:
     save_interval_steps: ``save(step)`` snapshots only steps divisible by this
       (``force=True`` overrides).
     on_busy: what ``save()`` does while the previous snapshot is still being
-      copied: ``"skip"`` (return False and count the skip) or ``"wait"``.
+      copied: ``"skip"`` (return False and count the skip; never a run of saves: the
+      two saves after a skipped one wait for the copy) or ``"wait"``.
     busy_timeout_secs: the longest ``on_busy="wait"`` waits.
     host_memory_limit_bytes: budget for all snapshot slots of this process;
       None means half of the free RAM and of free /dev/shm at start. With

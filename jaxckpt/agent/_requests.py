@@ -340,6 +340,16 @@ class ParityDone(Request[Done], tag="parity_done"):
   digest: Annotated[str, Meta(max_length=64)]    # xxh3_64 hex (_parity_worker._digest)
 
 
+class PeerHeld(Request[Done], tag="peer_held"):
+  """A peer agent of the job says which steps it holds now (it serves the job's process
+  ``peer``), and which of them its current trainers committed (``fresh``: since the job's
+  map of agents was last published, at the trainers' start): a host drops a step only
+  once a newer one is held by every host, of the same run (``agent._job_keep``)."""
+  peer: Index
+  steps: Annotated[list[Step], Meta(max_length=4 * MAX_SNAPSHOTS)]
+  fresh: Annotated[list[Step], Meta(max_length=4 * MAX_SNAPSHOTS)] = []
+
+
 class ParityStatusReply(Reply):
   steps: list         # [step, state, secs, error, process count, the process that saved
                       # it here, group_size, parity] each (an older agent: the first five)
@@ -410,7 +420,7 @@ class JobView(Request[JobViewReply], tag="job_view"):
 # it is listed here.
 REQUESTS: dict[str, type[Request]] = _schema.table(
     Hello, Reserve, Preallocate, Commit, Abort, Discard, Rollback, Persisted, Bye, Steps, Held,
-    Open, Close, Manifest, Peers, PeerManifest, ParityDone, ParityStatus, ParityInfo, Status,
+    Open, Close, Manifest, Peers, PeerManifest, PeerHeld, ParityDone, ParityStatus, ParityInfo, Status,
     Stop, JobView)
 AnyRequest = Union[tuple(REQUESTS.values())]      # (for readers and type checkers)
 

@@ -27,6 +27,7 @@ import zmq
 from jaxckpt import errors
 from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.agent._durability import Durability
+from jaxckpt.agent._job_keep import JobKeep
 from jaxckpt.agent._reads import Reads
 from jaxckpt.agent._slot_files import _RETIRED, SlotFiles
 from jaxckpt.host import _slots
@@ -83,6 +84,7 @@ class Agent:
     self.slots = self.files.slots      # (the same list)
     self.reads = Reads(self)           # the readers' pins and the bulk path
     self.durable = Durability(self)    # the persist and parity glue
+    self.keep = JobKeep(self)          # what the job's other hosts hold: the keep rule's
 
   # -- helpers --------------------------------------------------------------
 
@@ -99,6 +101,8 @@ class Agent:
 
   def dropped(self, dropped: list[_slots.Dropped]) -> None:
     """Releases what the agent keeps beside slots the table freed."""
+    if any(d.state == _slots.COMMITTED and not d.foreign for d in dropped):
+      self.keep.changed()               # (the job's other hosts hear it)
     for d in dropped:
       self.durable.parsed.pop(d.index, None)
       if d.foreign:                     # an earlier run's step: its persist ended
@@ -266,6 +270,7 @@ class Agent:
     self.manifests[step] = manifest
     self.processes[step] = (int(process[0]), int(process[1]))
     self.deleted.pop(step, None)             # saved again after a delete
+    self.keep.committed(step)
     if persist:
       self.persister.submit(step, str(persist_attempt))
     if self.parity is not None and step in self.manifests:
@@ -297,6 +302,7 @@ class Agent:
     after the old one died)."""
     new = {int(h): msgspec.structs.asdict(info) for h, info in peers.items()}
     self.peers = {**self.peers, **new} if merge else new
+    self.keep.peers_changed(merge)
     return _requests.Done()
 
   def op_discard(self, step: int, by: int | None = None) -> _requests.Discard.Reply:
@@ -494,7 +500,7 @@ def handle(agent: Agent, frames: list[Any], *, remote: bool = False,
 
 
 # The parts of an agent that handle requests of their own, by attribute.
-_PARTS = {"files": SlotFiles, "reads": Reads, "durable": Durability}
+_PARTS = {"files": SlotFiles, "reads": Reads, "durable": Durability, "keep": JobKeep}
 
 
 def _handler(op: str) -> Any:
@@ -561,6 +567,7 @@ def serve(agent: Agent) -> None:
 
     if agent.parity is not None:
       agent.parity.close()
+    agent.keep.close()
     agent.cleanup()
     logger.info("agent of job %s host %d stopped; shared memory freed", agent.job, agent.host)
 

@@ -29,6 +29,11 @@ SKIP_GRACE_MAX_SECS = 0.05
 
 logger = logging.getLogger("jaxckpt.manager")
 
+# skip_reasons' key of a save skipped while the previous snapshot's copy runs.
+COPY_BUSY = "the previous snapshot is still being copied"
+# skip_reasons' key of the saves a job's plan leaves out (``snapshot_every`` > 1).
+PLAN_SKIP = "not in the job's save plan (copies are slower than the loop's step)"
+
 
 class SaveFlow:
   """One manager's saves against its store.
@@ -52,6 +57,13 @@ class SaveFlow:
     self.on_busy, self.agent = options.on_busy, options.agent is not None
     self.last_save_at = time.perf_counter()
     self._asked_store = False          # persisting() asked the store once
+    # Why the next save waits for the copy in flight: a save was skipped while a copy ran
+    # and fewer than two snapshots started since (on_busy="skip" never skips a run of
+    # saves, nor two saves apart by one: a kill loses each save skipped and the snapshot
+    # being copied, so a copy that outlasts the loop's steps sets the loop's pace instead
+    # of costing more than two steps); None: it may skip.
+    self.copy_skipped: str | None = None
+    self._since_skip = 0               # snapshots started since copy_skipped was set
 
   # -- the decision -----------------------------------------------------------
 
@@ -103,11 +115,16 @@ class SaveFlow:
     return bool(done)
 
   def skip_busy(self, step: int, why: str, detail: str = "") -> None:
+    if why == COPY_BUSY:
+      self.copy_skipped = (f"the save of step {step} was skipped while a copy ran: "
+                           "on_busy='skip' skips no save of the next two")
+      self._since_skip = 0
     n = self.ledger.skipped_busy(why)   # a WARNING at the 1st, 2nd, 4th, 8th... skip, not each
     st = self.ledger.stats
     logger.log(logging.WARNING if n & (n - 1) == 0 else logging.DEBUG,
                "step %d: save skipped: %s (%d of %d saves skipped so far; saves due for "
-               "storage wait instead; on_busy='wait' waits)", step, detail or why, n,
+               "storage, and the two saves after a skipped one, wait instead; on_busy='wait' "
+               "waits)", step, detail or why, n,
                st.started + n)
 
   def no_slot(self, step: int, must: str | None) -> None:
@@ -132,6 +149,25 @@ class SaveFlow:
     self.skip_busy(step, "no snapshot slot is free (persists in flight)" if status.pending
                    else "no snapshot slot is free", detail=held)
 
+  def left_out(self, where: str) -> None:
+    """``where`` (a wait, a close) follows saves the job's plan left out since its last
+    snapshot: a loop that ends here does not hold them, so it is said at WARNING, with
+    why and what holds the last one (``force=True``). Once per such run of saves."""
+    steps, self.ledger.plan_left_out = self.ledger.plan_left_out, []
+    if not steps:
+      return
+    p, r = self.schedule.plan, self.schedule.measure.report()
+    pace = "" if r.copy_secs is None or not r.gap_secs else (
+        f"; this process's copy takes {r.copy_secs:.3f} s, its loop {r.gap_secs:.3f} s "
+        "between saves")
+    newest = self.ledger.newest if self.ledger.flight_step is None else self.ledger.flight_step
+    logger.warning(
+        "%s after saves the job's plan left out: steps %s are not snapshotted (the job "
+        "snapshots every %d save calls, so that each copy ends before the next one "
+        "starts%s); the newest step snapshotted is %s. Save the last step with "
+        "force=True to hold it, or use on_busy='wait'", where, _steps(steps),
+        p.snapshot_every, pace, newest)
+
   def _note_plan(self) -> None:
     """Keeps ``stats`` current with the job's plan (several processes); says when it
     changes."""
@@ -150,6 +186,9 @@ class SaveFlow:
   def started(self, step: int, d: _schedule.Decision, nbytes: int, t0: float) -> None:
     """``step``'s snapshot started at ``t0`` (``d.due``: its persist follows its commit)."""
     self.last_save_at = t0
+    self._since_skip += 1
+    if self._since_skip >= 2:
+      self.copy_skipped = None
     self.schedule.took(d)
     if d.due:
       self.ledger.persisting_from(step, nbytes)
@@ -193,3 +232,10 @@ class SaveFlow:
       if s in status.persisted and self.agent:
         logger.info("step %d is on storage: %.1f MiB persisted by the snapshot agent within "
                     "%.2f s of its snapshot (%.3g GB/s)", s, nbytes / 2**20, secs, rate)
+
+
+def _steps(steps: list[int]) -> str:
+  """``[9, 10]``, or ``9-40 (32 saves)`` for a long run."""
+  if len(steps) <= 6:
+    return str(steps)
+  return f"{steps[0]}-{steps[-1]} ({len(steps)} saves)"

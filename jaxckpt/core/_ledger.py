@@ -82,7 +82,7 @@ class SaveStats:
   last_blocking_secs: float = 0.0
   last_snapshot_secs: float = 0.0      # save() call to committed snapshot
   last_nbytes: int = 0
-  #: why saves were skipped (``skipped_busy`` in all), by reason
+  #: why saves were skipped (``skipped_busy`` and ``skipped_plan`` in all), by reason
   skip_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
   #: persists queued or running in the store (their slots are held), as of the last commit
   persists_pending: int = 0
@@ -151,6 +151,8 @@ class Ledger:
     self._lock = threading.RLock()     # every method (see the module docstring)
     self._version = 0                  # +1 each time a step's record comes or goes
     self._lag_warn_at = 4                # persists pending that get a warning (doubles)
+    self.plan_left_out: list[int] = []   # the saves the job's plan left out since its last
+                                         # snapshot (a loop that ends here has not these)
 
   # -- records ------------------------------------------------------------------
 
@@ -401,6 +403,7 @@ class Ledger:
 
   @_locked
   def started(self, step: int, blocking_secs: float) -> None:
+    self.plan_left_out = []
     self.stats.started += 1
     self.stats.last_blocking_secs = blocking_secs
 
@@ -425,8 +428,18 @@ class Ledger:
     self.stats.skipped_interval += 1
 
   @_locked
-  def skipped_plan(self) -> None:
-    self.stats.skipped_plan += 1
+  def skipped_plan(self, step: int, why: str) -> None:
+    """The job's plan left out the save of ``step`` (``why``: the reason, as counted)."""
+    st = self.stats
+    st.skipped_plan += 1
+    st.skip_reasons[why] = st.skip_reasons.get(why, 0) + 1
+    self.left_out(step)
+
+  @_locked
+  def left_out(self, step: int) -> None:
+    """The job's plan leaves out ``step``'s save (``should_save`` said so, or the save)."""
+    if step not in self.plan_left_out[-1:]:
+      self.plan_left_out.append(step)
 
   @_locked
   def skipped_busy(self, why: str) -> int:

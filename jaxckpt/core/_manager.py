@@ -105,6 +105,20 @@ class CoreManager:
                                     parity=options.parity is not None,
                                     settle=self.wait_until_snapshotted)
     self.listing.load()
+    self._said_unrestorable()
+
+  def _said_unrestorable(self) -> None:
+    """A relaunch whose host holds steps while no step is restorable (none held by every
+    process of the job, nor rebuildable, nor stored) starts from scratch: said at
+    WARNING, never silently."""
+    if self._process[1] == 1:
+      return
+    mine = self._store.steps()
+    if mine and not self.listing.all_steps():
+      logger.warning(
+          "process %d: its host holds steps %s, but no step is held by every process of the "
+          "job (nor rebuildable from parity, nor on storage): nothing can be restored, and "
+          "latest_step() is None", self._process[0], mine)
 
   @property
   def stats(self) -> Any:
@@ -154,7 +168,7 @@ class CoreManager:
     self._raise_background_error(ask_agent=False)
     tree.check_metadata(metadata)          # here, not in the background copy
     if not d.snapshot:
-      self.ledger.skipped_plan()
+      self.ledger.skipped_plan(step, _flow.PLAN_SKIP)
       return False
     self._deletes.timeline(step)
     self._persists.refuse_existing(step, self._store, self._already_exists)
@@ -249,11 +263,12 @@ class CoreManager:
     pending = self.ledger.flight
     if pending is None or pending.done():
       return True
+    must = must or self._flow.copy_skipped
     if not must:
       if self._flow.done_within_grace(pending):
         self._raise_background_error(ask_agent=False)
         return True
-      self._flow.skip_busy(step, "the previous snapshot is still being copied")
+      self._flow.skip_busy(step, _flow.COPY_BUSY)
       return False
     self._wait(pending, self._flow.reserve_timeout(must),
                f"save of step {step} ({must}: never skipped)")
@@ -266,9 +281,11 @@ class CoreManager:
     if self._closed or self.rules.read_only or not self._policy_saves(step):
       return False
     d = self._flow.peek(step)
+    if not d.snapshot and self._schedule.agreed:
+      self.ledger.left_out(step)      # (a loop that ends here is told: wait_until_finished)
     if not d.snapshot or not self.options.host_snapshots:
       return d.snapshot and d.due
-    if self._flow.never_skipped(d):
+    if self._flow.never_skipped(d) or self._flow.copy_skipped:
       return True
     pending = self.ledger.flight
     if pending is not None and not pending.done() and not self._flow.done_within_grace(pending):
@@ -300,6 +317,7 @@ class CoreManager:
     """See ``jaxckpt.CheckpointManager.wait_until_finished``."""
     timeout = timeout_secs or self.options.timeout_secs
     t0 = time.perf_counter()
+    self._flow.left_out("wait_until_finished()")
     try:
       self.wait_until_snapshotted(timeout)
       if self._config is not None and self.options.host_snapshots:
@@ -458,6 +476,7 @@ class CoreManager:
     """Waits for the snapshot in flight and the persists, then releases host memory."""
     if self._closed:
       return
+    self._flow.left_out("close()")
     try:
       if self.ledger.flight is not None:
         self._wait(self.ledger.flight, self.options.timeout_secs, "close")

@@ -27,6 +27,14 @@ bytes; the table decides:
   keeps snapshotting with only the newest step and the held ones kept; when
   even then no slot is free (every other slot held), ``reserve`` finds none:
   the store's flow control then skips or waits;
+- in a job of several hosts (``job_wide``) a host keeps the newest step it knows
+  *whole* (every host of the job holds it: ``whole``, from its peers) and every step
+  newer than it, whatever ``keep`` says: a step the job holds is one every host
+  holds, so a host drops a step only once a newer one is whole, never by its own
+  timing alone (a host one step ahead of a slower one, or whose parity was
+  superseded, would otherwise drop the one step they still share). Where that
+  leaves no slot free, ``reserve`` finds none until a slower host catches up and a
+  newer step is whole (the trainer waits, as for its previous copy);
 - a lent slot (restored arrays keep views of its buffer) is never written
   again: the store gives it a new buffer on its next reserve;
 - an owner's earlier ``writing`` slot is stale once it reserves again (a trainer
@@ -166,6 +174,8 @@ class SlotTable:
     self.spare = 0
     self.run: str | None = None   # the run whose steps are this table's own
     self._squeezed = False     # a kept step went to free a slot a held one took (crowded)
+    self.job_wide = False      # a job of several hosts: drops follow ``whole`` (see above)
+    self.whole: int | None = None   # the newest step every host of the job holds, as known
     self.slots: list[SlotState] = []
     self.grow_to(self.base)
 
@@ -304,6 +314,8 @@ class SlotTable:
     to the abandoned timeline), then those the keep rule drops (:meth:`_trim`)."""
     s = self.writing(index, step)
     dropped = [self._drop(o) for o in self._own() if o.step >= step]
+    if self.whole is not None and self.whole >= step:
+      self.whole = None            # rolled back past it: the job agrees anew
     s.state, s.owner, s.held, s.protected = COMMITTED, None, hold, False
     s.attempt, s.run = (attempt if hold else None), self.run
     return dropped + self._trim()
@@ -318,7 +330,7 @@ class SlotTable:
         o.foreign, o.protected = True, False
       else:
         out.append(self._drop(o))
-    self.run = run
+    self.run, self.whole = run, None
     for o in self.slots:
       if o.state == COMMITTED and o.foreign and run is not None and o.run == run:
         o.foreign = False
@@ -333,6 +345,18 @@ class SlotTable:
       return []
     s.protected = True
     return self._trim()
+
+  def agree(self, whole: int | None, *, job_wide: bool = True) -> list[Dropped]:
+    """Step ``whole`` is the newest that every host of the job holds (None: none known);
+    ``job_wide``: the job has several hosts, so drops follow it (see the module
+    docstring). Returns what the keep rule drops now that it may."""
+    self.job_wide, self.whole = job_wide, whole
+    return self._trim()
+
+  def _droppable(self, step: int) -> bool:
+    """Whether the keep rule may drop committed ``step`` (in a job of several hosts:
+    only one older than the newest step every host holds)."""
+    return not self.job_wide or (self.whole is not None and step < self.whole)
 
   def protected_step(self) -> int | None:
     """The newest committed step protected by parity, or None."""
@@ -369,11 +393,12 @@ class SlotTable:
       keepers = committed[-(self.keep - 1):]
     kept = {o.step for o in keepers}
     out = [self._drop(o) for o in committed[:-1]
-           if o.step not in kept and not o.held and o.step != guard]
+           if o.step not in kept and not o.held and o.step != guard and self._droppable(o.step)]
     for o in [o for o in keepers if o.step != guard] + [o for o in committed if o.step == guard]:
       if self.room():
         break
-      if o is not committed[-1] and o.state == COMMITTED and not o.held and not o.pinned:
+      if (o is not committed[-1] and o.state == COMMITTED and not o.held and not o.pinned
+          and self._droppable(o.step)):
         out.append(self._drop(o))
         self._squeezed |= bool(self.held_steps())
     return out
@@ -393,6 +418,8 @@ class SlotTable:
   def discard(self, step: int) -> Dropped | None:
     """Frees the committed slot of ``step`` (None if not held)."""
     s = self.committed(step)
+    if s is not None and s.step == self.whole:
+      self.whole = None
     return None if s is None else self._drop(s)
 
   # -- reading ---------------------------------------------------------------

@@ -344,3 +344,43 @@ def test_budget_error_names_the_sizes_and_the_fix():
   with pytest.raises(errors.HostMemoryBudgetError,
                      match=r"here: 2 snapshots kept \(max_snapshots=2\) \+ 1 being saved: 3 slots x 1.0 MiB = 3.0 MiB exceed .*lower max_snapshots"):
     _slots.check_budget(keep=2, nbytes=2**20, limit_bytes=2**20, where="here")
+
+
+def test_a_host_of_a_job_drops_only_steps_older_than_the_newest_one_every_host_holds():
+  # issue 46 (1): keep=2; this host is ahead. With steps 4 and 5 whole (held by every
+  # host) it keeps 5 and every newer step, whatever keep says: a slower host may hold
+  # only up to 5; the next save finds no slot until a newer step is whole.
+  t = _slots.SlotTable(2)
+  assert t.agree(None) == []
+  for s in (4, 5):
+    assert _commit(t, s) == []
+  assert [d.step for d in t.agree(5)] == []                  # (4 is within keep)
+  assert _commit(t, 6) == [4]                                # older than 5: it may go
+  assert _commit(t, 7) == [] and t.steps() == [5, 6, 7]      # 5 is whole: kept
+  assert t.reserve(8, 8, owner=1) is None                    # until a newer one is whole
+  assert [d.step for d in t.agree(6)] == [5]
+  assert t.reserve(8, 8, owner=1) is not None
+
+
+def test_a_protected_step_never_replaces_the_step_every_host_holds():
+  # host 0 of the issue: protected 4 kept beside the newest took the place of 5 and 6,
+  # the steps the slower hosts held.
+  t = _slots.SlotTable(2, count=4)
+  t.agree(None)
+  _commit(t, 4)
+  t.protect(4)
+  t.agree(4)
+  for s in (5, 6):
+    _commit(t, s)
+  t.agree(5)
+  assert _commit(t, 7) == [4] and t.steps() == [5, 6, 7]    # (before: [4, 7])
+
+
+def test_a_rollback_past_the_whole_step_keeps_every_step_until_the_job_agrees_anew():
+  t = _slots.SlotTable(2)
+  t.agree(None)
+  for s in (1, 2):
+    _commit(t, s)
+  t.agree(2)
+  assert _commit(t, 2) == [2] and t.whole is None            # saved again: a rollback
+  assert _commit(t, 3) == [] and t.steps() == [1, 2, 3]      # nothing goes unagreed

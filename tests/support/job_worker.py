@@ -297,6 +297,79 @@ def agent_killed_while_persisting(job: Job) -> None:
   os._exit(0)                 # (process 0's persist of step 1 still waits: no close)
 
 
+@scenario
+def ahead_when_killed(job: Job) -> None:
+  """Steps 1-4 on every process (``--variant parity``: step 4 protected), then the
+  processes drift as a job's do between two collectives: process 0 commits 5, 6 and 7,
+  processes 1 and 2 commit 5 and 6, the last process 5 only (its copy of 6 was still
+  running). Says HELD, then waits to be SIGKILLed (the test kills them all, as a
+  scheduler stops the job; the agents stay)."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  mgr = jc.CheckpointManager(None, job.options(parity=job.a.variant == "parity",
+                                               on_busy="wait"))
+  for s in range(1, 5):
+    assert mgr.save(s, job.state(s))
+    mgr.wait_until_snapshotted()
+  if job.a.variant == "parity":
+    mgr.wait_until_protected(4)
+  job.barrier("four")
+  last = 7 if job.me == 0 else 5 if job.me == job.n - 1 else 6
+  for s in range(5, last + 1):
+    assert mgr.save(s, job.state(s))
+    mgr.wait_until_snapshotted()
+  job.barrier("drifted")
+  say("HELD", last)
+  time.sleep(3600)
+
+
+@scenario
+def relaunched(job: Job) -> None:
+  """A relaunch of the job: every process restores the newest step the job holds
+  (RESTORED step tier check), or says NOTHING if it lists none."""
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  with jc.CheckpointManager(None, job.options(parity=job.a.variant == "parity",
+                                              on_busy="wait")) as mgr:
+    if mgr.latest_step() is None:
+      say("NOTHING")
+      return
+    out = mgr.restore(target=job.state(0))
+    r = mgr.last_restore
+    say("RESTORED", r.step, r.tier, job.check(out, r.step))
+
+
+@scenario
+def last_saves(job: Job) -> None:
+  """A loop much faster than its copies saves every step to 10, then waits
+  (wait_until_finished, wait_until_protected): NEWEST, the stats and the WARNING lines
+  said. Then steps 11-20, the last with force=True: FORCED NEWEST."""
+  import logging  # pylint: disable=import-outside-toplevel
+  import jaxckpt as jc  # pylint: disable=import-outside-toplevel
+  warned: list[str] = []
+
+  class Catch(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+      if record.levelno >= logging.WARNING:
+        warned.append(record.getMessage().replace("\n", " "))
+  logging.getLogger("jaxckpt").addHandler(Catch())
+  full = np.ones((job.n * 512, 4096), np.float32)    # 8 MiB a process: copies take ms
+  big = job.jax.make_array_from_callback(full.shape, job.shardings["w"], lambda i: full[i])
+  with jc.CheckpointManager(None, job.options()) as mgr:
+    for s in range(1, 11):
+      mgr.save(s, {"w": big, "step": s})
+    mgr.wait_until_finished()
+    mgr.wait_until_protected()
+    st = mgr.stats
+    say("NEWEST", mgr.latest_step(), "SKIPPED_PLAN", st.skipped_plan, "REASONS",
+        sum(st.skip_reasons.values()))
+    for w in warned:
+      say("WARNED", w)
+    for s in range(11, 21):
+      mgr.save(s, {"w": big, "step": s}, force=s == 20)
+    mgr.wait_until_finished()
+    mgr.wait_until_protected()
+    say("FORCED", mgr.latest_step(), "PROTECTED", mgr.protected_steps()[-1:])
+
+
 def _every(n: int) -> Callable[[int], bool]:
   """A save policy that a per-host configuration file parametrizes (a closure: its
   name is the same whatever ``n`` is)."""
