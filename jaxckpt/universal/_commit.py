@@ -340,6 +340,10 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
   doc = man.document(step=step, process_count=process_count, metadata=metadata, leaves=leaves)
   body = _merge.encode(doc)
   kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  local = lay.local_root(kv)
+  if local is not None:       # the step's new directories, then commits/, survive a power loss
+    _local.sync_tree(local, lay.step_dir(step))
+    _local.ensure_dir(local, lay.COMMITS_PREFIX)
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
           "process_count": process_count, "committed_at": time.time()}
   with _claimed(kv, directory, step, attempt, timeout_secs) as claim:

@@ -157,7 +157,7 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
                    timeout_secs)
     return
   try:
-    os.makedirs(local, exist_ok=True)
+    _local.make_durable_dirs(local)     # what it makes survives a power loss
     fd, probe = tempfile.mkstemp(prefix=".jaxckpt-probe-", dir=local)
     try:
       os.write(fd, b"x")

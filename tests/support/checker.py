@@ -53,7 +53,7 @@ RULES = ("restore_not_saved", "restores_differ", "persisted_lost", "resume_too_o
 #: storage), ``"stored_undamaged"`` (the newest stored step not damaged on purpose) or
 #: None (no promise the history can check). Kinds not named: ``"stored"``.
 FLOORS: dict[str, str | None] = {
-    "kill_trainer": "committed", "restart": "committed", "delete": "committed",
+    "kill_trainer": "committed", "restart": "committed", "delete": "stored",
     "second_manager": "committed", "stray_tcp": "committed", "dead_claim": "committed",
     "s3_pause": "committed", "s3_errors": "committed", "clock_jump": "committed",
     "kill_agent": "protected", "lose_host": "protected",
@@ -133,11 +133,11 @@ class _Checker:
     saved: dict[int, dict[int, str]] = collections.defaultdict(dict)   # process -> step -> digest
     deleted: set[int] = set()          # deleted (by an earlier incarnation), not saved since
     abandoned: set[int] = set()        # a restore went back past it, not saved since
-    damaged_at = collections.defaultdict(set)    # incarnation -> steps damaged before it
+    damaged: list[tuple[int, int]] = []          # (incarnation it applies from, step)
     faults_before = collections.defaultdict(list)   # incarnation -> faults that ended the one before
     for e in self.nemesis:
       if e["event"] == "damaged":
-        damaged_at[int(e["incarnation"])].add(int(e["step"]))
+        damaged.append((int(e["incarnation"]), int(e["step"])))
       elif e["event"] == "fault" and e.get("relaunch", True):
         faults_before[int(e["incarnation"]) + 1].append(e)
     self.stored_all: set[int] = set()        # steps the job was told are on storage
@@ -147,7 +147,9 @@ class _Checker:
     committed_floor = protected_floor = None       # of the incarnation before
     cuts = self._cuts()
     for inc, evs in self.incarnations.items():
-      for step in damaged_at.get(inc, ()):         # its bytes changed on purpose: gone
+      due = [d for d in damaged if d[0] <= inc]
+      damaged = [d for d in damaged if d[0] > inc]
+      for _, step in due:                          # its bytes changed on purpose: gone
         for p in saved:
           saved[p].pop(step, None)
         abandoned.add(step)
@@ -167,14 +169,20 @@ class _Checker:
       rolled: set[int] = set()                     # saved steps this restore went back past
       if steps:
         back_to = min(steps.values())
-        for f in faults_before.get(inc, ()):
+        for f in faults_before.pop(inc, ()):
           self._floor(f, back_to, inc, committed_floor, protected_floor)
         rolled = {s for q in saved for s in saved[q] if s > back_to}
         for q in saved:
           for s in rolled:
             saved[q].pop(s, None)
+      elif inc in faults_before:     # an incarnation that never began (its start failed)
+        faults_before[inc + 1] = faults_before.pop(inc) + faults_before.get(inc + 1, [])
       committed: dict[int, set[int]] = collections.defaultdict(set)
       protected_told: dict[int, set[int]] = {}
+      # the steps each process's host tier still holds by its keep rule (max_snapshots)
+      held: dict[int, list[int]] = collections.defaultdict(list)
+      keep = max([int(e.get("max_snapshots") or 1) for e in evs if e["event"] == "start"],
+                 default=1)
       deletes: set[int] = set()
       for p, es in by_p.items():
         gone, dropped = set(deleted), abandoned | rolled     # as this process sees them
@@ -190,11 +198,13 @@ class _Checker:
             s = int(e["step"])
             mine[s] = e["digest"]
             committed[s].add(p)
+            held[p] = [x for x in held[p] if x != s][-(keep - 1):] + [s] if keep > 1 else [s]
             gone.discard(s)
             dropped.discard(s)
             self._cut_report(cuts, inc, p, e, s, "snapshotted")
           elif ev == "listing":
-            protected_told[p] = set(e.get("protected") or ())
+            if e.get("protected") is not None:
+              protected_told[p] = set(e["protected"])
             for s in e.get("stored") or ():
               told_stored.setdefault(int(s), (inc, p))
               self.stored_all.add(int(s))
@@ -229,11 +239,12 @@ class _Checker:
           saved[q].pop(s, None)
         told_stored.pop(s, None)
         self.stored_all.discard(s)
-      full = [s for s, ps in committed.items() if ps == set(by_p) and s not in deletes]
-      committed_floor = max(full, default=None)
+      # held on every host: the newest step in every process's kept window
+      on_all = set.intersection(*(set(held[p]) for p in by_p)) - deletes if by_p else set()
+      committed_floor = max(on_all, default=None)
       protected_floor = None
       if protected_told and len(protected_told) == len(by_p):
-        both = set.intersection(*protected_told.values()) - deletes
+        both = set.intersection(*protected_told.values()) & on_all
         protected_floor = max(both, default=None)
     self._persisted(told_stored)
 
@@ -267,7 +278,9 @@ class _Checker:
       self.add("resume_too_old", f"after {kind} (fault {fault.get('id')}) incarnation {inc} "
                f"restored step {restored}, older than step {floor} whose tier ({how}) "
                "survives that fault")
-    at = fault.get("at_step")
+    at = next((e.get("at_step") for e in self.nemesis if e["event"] == "recovered"
+               and e.get("id") == fault.get("id") and e.get("at_step") is not None),
+              fault.get("at_step"))
     if at is not None:
       self.lost[kind].append(max(0, int(at) - restored))
 

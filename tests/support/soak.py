@@ -74,8 +74,8 @@ from typing import Any, Callable
 
 import psutil
 
-from jaxckpt.testing import processes
-from tests.support import soak_faults
+from jaxckpt.testing import history, processes
+from tests.support import checker, soak_faults
 from tests.support.soak_worker import Reference
 
 KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart",
@@ -141,8 +141,11 @@ class Trainer:
     self.job, self.index = job, index
     self.log = open(log_path, "a", buffering=1)  # pylint: disable=consider-using-with
     self.p = subprocess.Popen([sys.executable, "-m", "tests.support.soak_worker", *argv],
+                              # native libraries' logs (tensorstore's S3 client, gloo) go to
+                              # the log file: a line of theirs written through one of the
+                              # trainer's own lines made the soak miss it (RESTORED lost)
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=REPO,
+                              stderr=self.log, text=True, bufsize=1, cwd=REPO,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
     self.tail: collections.deque[str] = collections.deque(maxlen=60)
     self.restored: tuple[int, str, str, float] | None = None
@@ -243,7 +246,8 @@ class Job:
               "--run-root", root, "--tcp-host", address, "--job", soak.job_name,
               "--directory", soak.directory, "--seed", str(soak.seed),
               "--steps", str(soak.steps), "--rows", str(soak.rows), "--cols", str(soak.cols),
-              "--persist-interval", str(PERSIST_INTERVAL), "--run-ahead", "0"]
+              "--persist-interval", str(PERSIST_INTERVAL), "--run-ahead", "0",
+              "--history", soak.history_dir, "--incarnation", str(incarnation)]
       argv += ["--fresh"] if fresh else []       # (each holds before its first step: GO)
       self.trainers.append(Trainer(self, i, argv, os.path.join(
           soak.log_dir, f"inc{incarnation:02d}-p{i}.log")))
@@ -306,6 +310,10 @@ class Soak:
     self.steps, self.seed, self.short = steps, seed, short
     self.rows, self.cols = rows, cols
     self.log_dir = log_dir
+    # every process's history (jaxckpt.testing.history), checked at the end (tests/support/checker.py)
+    self.history_dir = os.path.join(log_dir, "history")
+    self.nemesis = history.History(self.history_dir, "nemesis", role="nemesis")
+    self.fault_ids = 0
     self.faults = plan(seed, n_faults or len(KINDS), short=short)
     self.job_name = "soak" + uuid.uuid4().hex[:8]
     self.root = tempfile.mkdtemp(prefix="jaxckpt-soak-",
@@ -349,6 +357,7 @@ class Soak:
     self.restart_secs: list[float] = []
     self.pause_progress: list[int] = []
     self.checks: dict[str, Any] = {}
+    self.history: dict[str, Any] = {}
 
   def keep_agent_logs(self, i: int, tag: str) -> None:
     """Copies machine ``i``'s agent logs into the log directory (before its run root goes)."""
@@ -479,6 +488,8 @@ class Soak:
     info: dict[str, Any] = {"kind": fault.kind, "at_step": at}
     if fault.kind in ("kill_trainer", "kill_agent", "lose_host"):
       info["host"] = h
+    in_place = fault.kind in IN_PLACE and not (fault.kind == "kill_agent" and relaunch)
+    fid = self.record_fault(fault.kind, h, at, relaunch=not in_place)
     self.injected[fault.kind] += 1
     newest = (job.complete_steps() or [None])[-1]
     if fault.kind == "kill_trainer":
@@ -551,12 +562,29 @@ class Soak:
       soak_faults.dead_claim(self, info)
     elif fault.kind == "stray_tcp":
       soak_faults.stray_tcp(self, info)
-    if fault.kind in ("s3_pause", "second_manager", "dead_claim", "stray_tcp") or (
-        fault.kind == "kill_agent" and not relaunch):
+    if in_place:
       self.base = self.job.progress()
+      self.nemesis.record("recovered", id=fid, incarnation=self.incarnation,
+                          restored_step=None, at_step=None)
     else:
       info.update({k: self.recoveries[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
+      self.record_recovered(fid)
     return info
+
+  def record_fault(self, kind: str, host: int | None, at: int, *, relaunch: bool) -> int:
+    """The nemesis's history: a fault begins (``relaunch``: the next incarnation's
+    restore is its recovery)."""
+    self.fault_ids += 1
+    self.nemesis.record("fault", id=self.fault_ids, kind=kind, host=host, at_step=at,
+                        incarnation=self.incarnation, relaunch=relaunch)
+    return self.fault_ids
+
+  def record_recovered(self, fid: int) -> None:
+    """The nemesis's history: the relaunch after fault ``fid`` restored (every trainer)."""
+    r = self.recoveries[-1]
+    self.nemesis.record("recovered", id=fid, incarnation=r["incarnation"],
+                        restored_step=r["restored_step"],
+                        at_step=r["restored_step"] + r["steps_redone"])
 
   def stop_job(self, how: str) -> int:
     """``STOP how``: every trainer stops after the same step, closes its manager and
@@ -598,8 +626,10 @@ class Soak:
         raise SoakError("more than 4 unplanned failures; the last:\n" + self.job.tails()) from e
       self.log.append({"kind": "unplanned", "at_step": self.job.progress(),
                        "what": str(e)[:300]})
+      fid = self.record_fault("unplanned", None, self.job.progress(), relaunch=True)
       try:
         self.relaunch_after_kill("unplanned", expect_min=None)
+        self.record_recovered(fid)
         self.log[-1].update({k: self.recoveries[-1][k]
                              for k in ("restored_step", "tiers", "steps_redone")})
         return
@@ -643,6 +673,9 @@ class Soak:
           self._continue_after_failure(e)
       self.checks = soak_faults.run_checks()
       verified, storage_wrong = self.verify_storage()
+      self.nemesis.record("end", stored=verified)
+      self.nemesis.close()
+      self.history = checker.check_run(self.history_dir).to_json()
       wall = time.monotonic() - t0
     return self.result(verified, storage_wrong, wall)
 
@@ -729,6 +762,9 @@ class Soak:
         "steps_progressed_while_s3_paused": self.pause_progress,
         "relaunch_to_restored_secs": [round(x, 1) for x in self.restart_secs],
         "schedule": self.log,
+        # the whole history, checked (tests/support/checker.py, docs/reliability.md): per
+        # fault kind its count, steps lost (median, max), recovery secs; every violation
+        "history": self.history,
         "wall_secs": round(wall, 1),
     }
 
@@ -736,6 +772,7 @@ class Soak:
     """Kills every process this soak started (trainers, then the agents they spawned
     under this soak's run root, found by the root in their command line) by pid,
     and removes the run root (every machine's shared memory)."""
+    self.nemesis.close()
     if self.job is not None:
       with contextlib.suppress(Exception):
         self.job.close()

@@ -50,6 +50,9 @@ def test_chaos_soak_short_form_loses_nothing_and_restores_exactly(tmp_path):
   assert out["wrong_restores"] == 0, report
   assert out["storage_wrong"] == [] and out["delete_violations"] == [], report
   assert out["resurrected"] == 0, report
+  # the whole history against the model of docs/reliability.md (tests/support/checker.py)
+  assert out["history"]["violations"] == [], report
+  assert set(out["history"]["faults"]) == set(soak.KINDS), report
   assert set(out["faults_injected"]) == set(soak.KINDS), report
   assert all(n >= 1 for n in out["faults_injected"].values()), report
   assert {"kind": "lose_host", "host": 0}.items() <= next(
