@@ -1,6 +1,6 @@
 """Storage full on the local-filesystem store (a size-limited tmpfs mounted for the test):
-a persist that runs out of space fails loudly, commits nothing and leaves the steps
-before it intact; once space is back the next persist commits; a delete with the disk
+a persist that runs out of space fails loudly and at once (it was tried again for its
+whole timeout, 5 minutes by default), commits nothing and leaves the steps before it intact; once space is back the next persist commits; a delete with the disk
 full still deletes.
 
 Needs root (``mount -t tmpfs``); the test fails, never skips, without it.
@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -62,15 +63,19 @@ def same(a: dict, b: dict) -> bool:
 def test_a_persist_that_runs_out_of_space_commits_nothing_and_the_next_one_commits(tmp_path):
   with small_disk(str(tmp_path / "disk"), "4m") as disk:
     d = os.path.join(disk, "ckpt")
-    opts = jc.CheckpointOptions(handle_sigterm=False, persist_interval_steps=1)
+    opts = jc.CheckpointOptions(handle_sigterm=False, persist_interval_steps=1,
+                                timeout_secs=300)
     with jc.CheckpointManager(d, opts) as m:
       m.save(1, state(1))
       m.wait_until_finished()
       filler = fill(disk)
       m.save(2, state(2))
+      t0 = time.monotonic()
       with pytest.raises(errors.StorageError) as got:
         m.wait_until_finished()
       assert "step 2" in str(got.value) and "No space left on device" in str(got.value), got.value
+      # at once, not after the persist's 300 s timeout (it was tried again until then)
+      assert time.monotonic() - t0 < 60
       assert jc.universal.all_steps(d) == [1]            # nothing of step 2 committed
       os.unlink(filler)
       m.save(3, state(3))
