@@ -304,3 +304,24 @@ def test_every_rule_has_a_planted_case(rule):
   """Each rule of the model is planted by one of the tests above (by its name)."""
   here = open(__file__).read()
   assert f'"{rule}"' in here.split("def test_every_rule_has_a_planted_case")[0]
+
+
+def test_a_step_the_keep_rule_dropped_on_some_hosts_is_no_floor(tmp_path):
+  """Process 1 skipped steps 11 and 12 (busy). With max_snapshots=2 process 0's keep rule
+  dropped step 10, which process 1 still holds: no step is held on every host, and a
+  resume at stored step 5 is no violation. With max_snapshots=3 both hold step 10, and a
+  resume at 5 is one."""
+  for keep, broken in ((2, set()), (3, {"resume_too_old"})):
+    run = Run(str(tmp_path / str(keep)))
+    for p in range(P):
+      run.h(0, p).record("start", fresh=True, digest=dg(0, p), max_snapshots=keep)
+    for s in range(1, 13):
+      for p in range(P):
+        ok = not (p == 1 and s > 10)
+        run.h(0, p).record("save", step=s, accepted=ok, snapshotted=ok, digest=dg(s, p))
+    run.h(0, 0).record("listing", step=None, protected=None, stored=[5])
+    f = run.fault("kill_trainer", 0, at=12)
+    run.restore(1, 5, tier="storage")
+    run.recovered(f, 1, 5)
+    report = run.end([5])
+    assert report.rules_broken() == broken, (keep, report.violations)

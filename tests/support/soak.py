@@ -17,6 +17,10 @@ faults are injected one at a time:
   which the short form loses), and a long run loses every machine at least once.
 - ``s3_pause``: SIGSTOP the S3 server for 20-30 s (less in the short form)
   while the job runs, then SIGCONT.
+- ``s3_errors``: for 6-9 s (20-30 s in a long run) storage answers a share of the
+  requests itself (:mod:`tests.support.faulty_s3`, the proxy every request of the
+  soak goes through): every 3rd PUT ``503 SlowDown``, every 4th GET ``500``, every
+  7th PUT a connection reset. The job goes on; its persists are retried.
 - ``delete``: every trainer stops at the next step due for storage and deletes it
   after its snapshot, each at another time (seeded delays of 0-3 s, in a seeded
   order: a peer's persist may wait for a commit that process 0's delete
@@ -75,17 +79,17 @@ from typing import Any, Callable
 import psutil
 
 from jaxckpt.testing import history, processes
-from tests.support import checker, soak_faults
+from tests.support import checker, faulty_s3, soak_faults
 from tests.support.soak_worker import Reference
 
-KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart",
+KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "s3_errors", "delete", "restart",
          "second_manager", "damage_newest", "impossible_newest", "truncate_slots",
          "dead_claim", "stray_tcp")
 # The faults that can destroy a committed snapshot: the others leave every agent alive.
 DESTRUCTIVE = ("kill_agent", "lose_host", "damage_newest", "impossible_newest",
                "truncate_slots")
 # The faults after which the job goes on without a relaunch.
-IN_PLACE = ("s3_pause", "kill_agent", "second_manager", "dead_claim", "stray_tcp")
+IN_PLACE = ("s3_pause", "s3_errors", "kill_agent", "second_manager", "dead_claim", "stray_tcp")
 HOSTS = 4
 PERSIST_INTERVAL = 5
 SHORT_STEPS = 110           # the short form's length (CI; benchmarks/soak.py --quick)
@@ -118,12 +122,26 @@ def plan(seed: int, n_faults: int, *, short: bool) -> list[Fault]:
     if kind == "lose_host":     # machines 0, 1, 2, ... in turn: process 0's first
       host, lost = lost % HOSTS, lost + 1
     out.append(Fault(kind, host, gap, rng.randint(1, 3),
-                     round(pause, 1) if kind == "s3_pause" else 0.0))
+                     round(pause, 1) if kind in ("s3_pause", "s3_errors") else 0.0))
   return out
 
 
 # tensorstore's S3 client logs these at every persist: kept in the logs, not in the tails
 _NOISE = re.compile(r"\.aws/|AuthCredentialsProvider|Gloo\]")
+
+
+@contextlib.contextmanager
+def _endpoint(url: str):
+  """``AWS_ENDPOINT_URL`` is ``url`` for the body (the trainers and agents inherit it)."""
+  old = os.environ.get("AWS_ENDPOINT_URL")
+  os.environ["AWS_ENDPOINT_URL"] = url
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop("AWS_ENDPOINT_URL", None)
+    else:
+      os.environ["AWS_ENDPOINT_URL"] = old
 
 
 class SoakError(RuntimeError):
@@ -358,6 +376,8 @@ class Soak:
     self.pause_progress: list[int] = []
     self.checks: dict[str, Any] = {}
     self.history: dict[str, Any] = {}
+    self.proxy = None
+    self.s3_errors_served = 0
 
   def keep_agent_logs(self, i: int, tag: str) -> None:
     """Copies machine ``i``'s agent logs into the log directory (before its run root goes)."""
@@ -519,6 +539,21 @@ class Soak:
       self.keep_agent_logs(h, f"lost{self.incarnation:02d}")
       shutil.rmtree(root)
       self.relaunch_after_kill("lose_host", expect_min=None)
+    elif fault.kind == "s3_errors":
+      info["pause_secs"] = fault.pause_secs
+      faults = (faulty_s3.Fault("503", method="PUT", every=3),
+                faulty_s3.Fault("500", method="GET", every=4),
+                faulty_s3.Fault("reset", method="PUT", every=7))
+      self.proxy.fail(*faults)
+      try:
+        deadline = time.monotonic() + fault.pause_secs
+        with job.cond:
+          while time.monotonic() < deadline:
+            job.cond.wait(deadline - time.monotonic())
+      finally:
+        self.proxy.heal()
+      info["failed_requests"] = {f.how: f.served for f in faults}
+      self.s3_errors_served += sum(f.served for f in faults)
     elif fault.kind == "s3_pause":
       info["pause_secs"] = fault.pause_secs
       before = job.progress()
@@ -639,8 +674,9 @@ class Soak:
   def run(self) -> dict[str, Any]:
     from tests.support.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
     t0 = time.monotonic()
-    with SeaweedS3() as s3:
-      self.s3 = s3
+    with SeaweedS3() as s3, faulty_s3.FaultyS3Proxy(s3.endpoint) as proxy, \
+        _endpoint(proxy.endpoint):            # every request of the soak through the proxy
+      self.s3, self.proxy = s3, proxy
       self.directory = s3.url("soak-" + uuid.uuid4().hex[:8])
       self.launch(fresh=True, cause="start")
       faults = list(self.faults)
@@ -760,6 +796,7 @@ class Soak:
         "save_error_details": self.save_errors[:10],
         "saves_skipped": self.skipped, "agent_restarts": self.agent_restarts,
         "steps_progressed_while_s3_paused": self.pause_progress,
+        "s3_requests_failed_on_purpose": self.s3_errors_served,
         "relaunch_to_restored_secs": [round(x, 1) for x in self.restart_secs],
         "schedule": self.log,
         # the whole history, checked (tests/support/checker.py, docs/reliability.md): per
