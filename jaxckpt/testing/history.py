@@ -40,10 +40,10 @@ stored step's bytes on purpose), ``cut`` / ``heal`` ``{process, incarnation}`` a
 ``end`` ``{stored}`` (the steps on storage when the run ended).
 
 >>> import tempfile
->>> d = tempfile.mkdtemp()
->>> with History(d, "inc01-p0", role="trainer", incarnation=1, process=0) as h:
-...   h.record("save", step=5, accepted=True, snapshotted=True, digest="ab")
->>> events, torn = read_run(d)
+>>> with tempfile.TemporaryDirectory() as d:
+...   with History(d, "inc01-p0", role="trainer", incarnation=1, process=0) as h:
+...     h.record("save", step=5, accepted=True, snapshotted=True, digest="ab")
+...   events, torn = read_run(d)
 >>> events[0]["event"], events[0]["step"], events[0]["process"], torn
 ('save', 5, 0, 0)
 """
