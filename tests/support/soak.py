@@ -48,7 +48,11 @@ such look after it, right after a killed agent or a lost host, found no tier
 holding it (every copy went before it was persisted); *persisted* when its step
 is on storage at the end; else *lost*: it could still be restored after the
 fault (or no fault that destroys snapshots came before the look that missed it),
-yet it never reached storage. Only
+yet it never reached storage. Every trainer and the nemesis also record their history
+(:mod:`jaxckpt.testing.history`, in the log directory's ``history/``), and at the end
+:mod:`tests.support.checker` holds it to the model of docs/reliability.md: the
+result's ``history`` gives, per fault kind, its count, the steps lost and the
+recovery seconds (median, max), and every violation. Only
 processes this module started (the trainers, and the agents they spawned under
 this soak's run root) are ever killed, by pid, and everything is cleaned up when
 the soak fails too.
