@@ -19,6 +19,7 @@ import dataclasses
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 
 from jaxckpt import errors
@@ -95,19 +96,27 @@ class FaultyS3Proxy:
 
   def __exit__(self, *exc: object) -> None:
     self._closed = True
+    with contextlib.suppress(OSError):
+      self._listener.shutdown(socket.SHUT_RDWR)     # wakes the accept
     self._listener.close()
     with self._lock:
       socks = list(self._socks)
-    for s in socks:
+    for s in socks:                 # a shutdown wakes a recv blocked on it (a close does not)
       with contextlib.suppress(OSError):
-        s.close()
+        s.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 30
     for t in self._threads:
-      t.join(timeout=30)
+      t.join(timeout=max(0.0, deadline - time.monotonic()))
+    late = [t for t in self._threads if t.is_alive()]
+    if late:
+      raise errors.JaxckptError(f"FaultyS3Proxy: {len(late)} connection threads did not end "
+                                "within 30 s of closing")
 
   def _start(self, fn, *args) -> None:
     t = threading.Thread(target=fn, args=args, daemon=True, name="faulty-s3")
     t.start()
-    self._threads.append(t)
+    with self._lock:                 # (those that ended are dropped: one per connection)
+      self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
   def _accept(self) -> None:
     while not self._closed:
