@@ -9,9 +9,12 @@ restore compared bit for bit with the reference of the same seed. See
 
   python benchmarks/soak.py --steps 300 --seed 1 [--faults 14] [--short | --quick] [--log-dir D]
 
-Prints one JSON object; exits 1 when a due step was lost, a restore was wrong,
-a step read back from storage differed, a deleted step came back, a second
-manager was accepted or a damaged step was not skipped.
+Prints one JSON object (``history``: per fault kind its count, steps lost and
+recovery seconds, median and max, and every violation of the model of
+docs/reliability.md that tests/support/checker.py found in the whole history);
+exits 1 when a due step was lost, a restore was wrong, a step read back from
+storage differed, a deleted step came back, a second manager was accepted, a
+damaged step was not skipped or the history broke a rule.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def main() -> int:
          or out["stray_tcp"].get("accepted")
          or out["truncated_slots"].get("relaunches_restored") != out["truncated_slots"].get(
              "truncations")
-         or out["dead_claims"].get("committed") != out["dead_claims"].get("planted"))
+         or out["dead_claims"].get("committed") != out["dead_claims"].get("planted")
+         or out["history"]["violations"])
   return 1 if bad else 0
 
 

@@ -154,6 +154,17 @@ class PersistStatus:
 # of these is worth trying again; a full disk or a refused permission is not.
 _TRANSIENT = frozenset({None, errno.ETIMEDOUT, errno.ECONNREFUSED, errno.ECONNRESET,
                         errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH})
+#: A full or read-only filesystem is not tried again: the persist fails at once (a
+#: tensorstore error carries no errno, only its message).
+_PERMANENT = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+              errno.EROFS: "Read-only file system"}
+
+
+def _transient(e: errors.StorageError) -> bool:
+  """Whether a persist that failed with ``e`` is tried again (until its timeout)."""
+  if e.errno in _PERMANENT or any(text in str(e) for text in _PERMANENT.values()):
+    return False
+  return e.errno in _TRANSIENT
 
 
 def persist_part(config: PersistConfig, manifest: SnapshotManifest, buffer: np.ndarray, attempt: str,
@@ -351,7 +362,7 @@ class Persister:
                        storage=self._storage())
           return manifest.nbytes
       except errors.StorageError as e:
-        if e.errno not in _TRANSIENT or time.monotonic() + pause > deadline or job.cancelled:
+        if not _transient(e) or time.monotonic() + pause > deadline or job.cancelled:
           raise
         logger.warning("step %d: storage %s failed (%s); trying again in %.1f s", step,
                        directory, e, pause)

@@ -341,6 +341,10 @@ def _commit_parts(kv: ts.KvStore, directory: str, step: int, attempt: str, proce
   doc = man.document(step=step, process_count=process_count, metadata=metadata, leaves=leaves)
   body = _merge.encode(doc)
   kv.write(lay.manifest_key(step, attempt), body).result(timeout=lay.REQUEST_TIMEOUT_SECS)
+  local = lay.local_root(kv)
+  if local is not None:       # the step's new directories, then commits/, survive a power loss
+    _local.sync_tree(local, lay.step_dir(step))
+    _local.ensure_dir(local, lay.COMMITS_PREFIX)
   mine = {"step": step, "attempt": attempt, "manifest_xxh3": snap.checksum(body),
           "process_count": process_count, "committed_at": time.time()}
   with _claimed(kv, directory, step, attempt, timeout_secs) as claim:
@@ -357,6 +361,10 @@ CLAIM_RENEW_SECS = 1.0
 #: ... and another writer takes a claim it has watched stay unchanged this long for the
 #: claim of a writer that died (a SIGKILL mid-commit leaves it on storage).
 CLAIM_LAPSE_SECS = 6.0
+#: A look at the claims counts at most this much of the waiter's clock towards a claim's
+#: lapse (it looks every 2 x CLAIM_RENEW_SECS at most): a clock that jumps forward between
+#: two looks takes no live writer's claim, one that jumps back keeps no dead one's.
+CLAIM_LOOK_CAP_SECS = 3.0
 #: A wait for other writers' claims that lasts longer than this is logged (whom, why).
 CLAIM_WAIT_LOGGED_SECS = 2.0
 
@@ -429,7 +437,8 @@ def _claimed(kv: ts.KvStore, directory: str, step: int, attempt: str,
   """
   key = lay.claims_prefix(step) + attempt
   claim = _Claim(kv, key, attempt, step)
-  seen: dict[str, tuple[bytes, float]] = {}   # another claim -> (its body, since when seen)
+  # another claim -> (its body, how long this writer has seen it unchanged, its last look)
+  seen: dict[str, tuple[bytes, float, float]] = {}
   start = time.monotonic()
   deadline, logged = start + timeout_secs, False
   pause = 0.05
@@ -465,10 +474,11 @@ def _claimed(kv: ts.KvStore, directory: str, step: int, attempt: str,
 
 
 def _live_claims(kv: ts.KvStore, directory: str, step: int, mine: str,
-                 seen: dict[str, tuple[bytes, float]]) -> list[str]:
+                 seen: dict[str, tuple[bytes, float, float]]) -> list[str]:
   """The attempts of the other claims on ``step`` that live: new to this writer, changed
   (renewed) since it last looked, or unchanged for less than ``CLAIM_LAPSE_SECS`` of
-  its own clock. A lapsed one (its writer died) is removed."""
+  its own clock, each look counting at most ``CLAIM_LOOK_CAP_SECS`` (and never less than
+  nothing: a clock stepped back). A lapsed one (its writer died) is removed."""
   keys = kv.list(lay.prefix_range(lay.claims_prefix(step))).result(
       timeout=lay.REQUEST_TIMEOUT_SECS)
   live = []
@@ -487,13 +497,16 @@ def _live_claims(kv: ts.KvStore, directory: str, step: int, mine: str,
     who = who if isinstance(who, str) else k.rsplit("/", 1)[-1]
     before = seen.get(k)
     if before is None or before[0] != body:
-      seen[k] = (body, now)            # new, or renewed since: its writer lives
+      seen[k] = (body, 0.0, now)       # new, or renewed since: its writer lives
       live.append(who)
-    elif now - before[1] < CLAIM_LAPSE_SECS:
+      continue
+    unchanged = before[1] + min(max(0.0, now - before[2]), CLAIM_LOOK_CAP_SECS)
+    seen[k] = (body, unchanged, now)
+    if unchanged < CLAIM_LAPSE_SECS:
       live.append(who)
     else:
       log.warning("commit of step %d in %s: the claim of attempt %r was not renewed for %.0f s: "
-                  "its writer died mid-commit; removing it", step, directory, who, now - before[1])
+                  "its writer died mid-commit; removing it", step, directory, who, unchanged)
       _delete_key(kv, k, f"removing a dead writer's commit claim on step {step}")
       seen.pop(k, None)
   return live

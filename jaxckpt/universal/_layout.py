@@ -194,7 +194,7 @@ def check_directory(directory: str, *, timeout_secs: float) -> None:
                    "deleting a test object", directory, max(0.0, deadline - time.monotonic()))
     return
   try:
-    os.makedirs(local, exist_ok=True)
+    _local.make_durable_dirs(local)     # what it makes survives a power loss
     fd, probe = tempfile.mkstemp(prefix=".jaxckpt-probe-", dir=local)
     try:
       os.write(fd, b"x")

@@ -20,6 +20,14 @@ Writes go through tensorstore, which replaces a key by renaming a new file
 over it (a link or a hard link there is replaced, its target untouched);
 :func:`check_dirs` refuses a write whose directories pass through a link.
 Object stores have no links: every function here is for local paths only.
+
+A power loss keeps only what was synced. tensorstore fsyncs each file it writes
+and the directory it renames it into, but not the directories it makes on the
+way: the entry of a new directory in its parent is durable only once that parent
+is fsynced. Before a step's commit marker is written, :func:`sync_tree` fsyncs
+every directory of the step and each one on the way to it, and
+:func:`ensure_dir` makes ``commits/`` durable; a removal or a move fsyncs the
+directories whose entries it changed (a deleted step does not come back).
 """
 
 from __future__ import annotations
@@ -182,15 +190,74 @@ def remove(root: str, rel: str, *, what: str) -> bool:
       return False
     if stat.S_ISDIR(mode):
       shutil.rmtree(name, dir_fd=fd)        # fd-based: a link inside loses its name only
-      return True
-    if not stat.S_ISREG(mode):
-      path = os.path.join(root, rel)
-      log.warning("%s: %r was %s%s, not what jaxckpt writes; removed it, not what it points "
-                  "to", what, path, _kind(mode), _target(path) if stat.S_ISLNK(mode) else "")
-    os.unlink(name, dir_fd=fd)
+    else:
+      if not stat.S_ISREG(mode):
+        path = os.path.join(root, rel)
+        log.warning("%s: %r was %s%s, not what jaxckpt writes; removed it, not what it points "
+                    "to", what, path, _kind(mode), _target(path) if stat.S_ISLNK(mode) else "")
+      os.unlink(name, dir_fd=fd)
+    os.fsync(fd)              # the removal survives a power loss: nothing deleted comes back
     return True
   finally:
     os.close(fd)
+
+
+def _fsync_dir(path: str, *, dir_fd: int | None = None) -> None:
+  fd = os.open(path, _FLAGS, dir_fd=dir_fd)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def sync_tree(root: str, rel: str) -> None:
+  """Makes everything written under ``rel`` (a directory below ``root``) survive a
+  power loss: fsyncs each directory in it (deepest first, links never followed),
+  then each directory on the way back up to ``root`` and ``root`` itself.
+
+  Raises:
+    StorageError: an fsync failed (the data may not be on the disk: commit nothing).
+  """
+  top = os.path.join(root, rel)
+  try:
+    for here, _, _ in os.walk(top, topdown=False, followlinks=False):
+      _fsync_dir(here)
+    parts = _parts(rel)
+    for i in range(len(parts) - 1, -1, -1):
+      _fsync_dir(os.path.join(root, *parts[:i]) if i else root)
+  except OSError as e:
+    raise errors.StorageError(e.errno, f"syncing {top!r} to disk failed ({e.strerror}): its "
+                              "files may not survive a power loss, so it is not committed",
+                              top) from None
+
+
+def ensure_dir(root: str, rel: str) -> None:
+  """Makes directory ``rel`` below ``root`` (if missing) and its entry durable."""
+  parts = _parts(rel)
+  path = os.path.join(root, *parts)
+  try:
+    os.makedirs(path, exist_ok=True)
+    for i in range(len(parts) - 1, -1, -1):
+      _fsync_dir(os.path.join(root, *parts[:i]) if i else root)
+  except OSError as e:
+    raise errors.StorageError(e.errno, f"making {path!r} durable failed ({e.strerror})",
+                              path) from None
+
+
+def make_durable_dirs(path: str) -> None:
+  """``os.makedirs(path, exist_ok=True)``, each directory it makes fsynced into its
+  parent (a checkpoint directory made on the first save survives a power loss)."""
+  missing = []
+  here = os.path.abspath(path)
+  while not os.path.isdir(here):
+    missing.append(here)
+    up = os.path.dirname(here)
+    if up == here:
+      break
+    here = up
+  os.makedirs(path, exist_ok=True)
+  for made in reversed(missing):
+    _fsync_dir(os.path.dirname(made))
 
 
 def rmdir_if_empty(root: str, rel: str) -> None:
@@ -225,6 +292,8 @@ def rename(root: str, rel: str, into: str, *, what: str) -> bool:
         os.replace(src_parts[-1], dst_parts[-1], src_dir_fd=src, dst_dir_fd=dst)
       except FileNotFoundError:
         return False
+      os.fsync(dst)           # both entries survive a power loss
+      os.fsync(src)
       return True
     finally:
       os.close(dst)

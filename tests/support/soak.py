@@ -17,6 +17,10 @@ faults are injected one at a time:
   which the short form loses), and a long run loses every machine at least once.
 - ``s3_pause``: SIGSTOP the S3 server for 20-30 s (less in the short form)
   while the job runs, then SIGCONT.
+- ``s3_errors``: for 6-9 s (20-30 s in a long run) storage answers a share of the
+  requests itself (:mod:`tests.support.faulty_s3`, the proxy every request of the
+  soak goes through): every 3rd PUT ``503 SlowDown``, every 4th GET ``500``, every
+  7th PUT a connection reset. The job goes on; its persists are retried.
 - ``delete``: every trainer stops at the next step due for storage and deletes it
   after its snapshot, each at another time (seeded delays of 0-3 s, in a seeded
   order: a peer's persist may wait for a commit that process 0's delete
@@ -44,7 +48,11 @@ such look after it, right after a killed agent or a lost host, found no tier
 holding it (every copy went before it was persisted); *persisted* when its step
 is on storage at the end; else *lost*: it could still be restored after the
 fault (or no fault that destroys snapshots came before the look that missed it),
-yet it never reached storage. Only
+yet it never reached storage. Every trainer and the nemesis also record their history
+(:mod:`jaxckpt.testing.history`, in the log directory's ``history/``), and at the end
+:mod:`tests.support.checker` holds it to the model of docs/reliability.md: the
+result's ``history`` gives, per fault kind, its count, the steps lost and the
+recovery seconds (median, max), and every violation. Only
 processes this module started (the trainers, and the agents they spawned under
 this soak's run root) are ever killed, by pid, and everything is cleaned up when
 the soak fails too.
@@ -74,21 +82,21 @@ from typing import Any, Callable
 
 import psutil
 
-from jaxckpt.testing import processes
-from tests.support import soak_faults
+from jaxckpt.testing import history, processes
+from tests.support import checker, faulty_s3, soak_faults
 from tests.support.soak_worker import Reference
 
-KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "delete", "restart",
+KINDS = ("kill_trainer", "kill_agent", "lose_host", "s3_pause", "s3_errors", "delete", "restart",
          "second_manager", "damage_newest", "impossible_newest", "truncate_slots",
          "dead_claim", "stray_tcp")
 # The faults that can destroy a committed snapshot: the others leave every agent alive.
 DESTRUCTIVE = ("kill_agent", "lose_host", "damage_newest", "impossible_newest",
                "truncate_slots")
 # The faults after which the job goes on without a relaunch.
-IN_PLACE = ("s3_pause", "kill_agent", "second_manager", "dead_claim", "stray_tcp")
+IN_PLACE = ("s3_pause", "s3_errors", "kill_agent", "second_manager", "dead_claim", "stray_tcp")
 HOSTS = 4
 PERSIST_INTERVAL = 5
-SHORT_STEPS = 110           # the short form's length (CI; benchmarks/soak.py --quick)
+SHORT_STEPS = 125           # the short form's length (CI; benchmarks/soak.py --quick): 13 kinds
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -118,12 +126,26 @@ def plan(seed: int, n_faults: int, *, short: bool) -> list[Fault]:
     if kind == "lose_host":     # machines 0, 1, 2, ... in turn: process 0's first
       host, lost = lost % HOSTS, lost + 1
     out.append(Fault(kind, host, gap, rng.randint(1, 3),
-                     round(pause, 1) if kind == "s3_pause" else 0.0))
+                     round(pause, 1) if kind in ("s3_pause", "s3_errors") else 0.0))
   return out
 
 
 # tensorstore's S3 client logs these at every persist: kept in the logs, not in the tails
 _NOISE = re.compile(r"\.aws/|AuthCredentialsProvider|Gloo\]")
+
+
+@contextlib.contextmanager
+def _endpoint(url: str):
+  """``AWS_ENDPOINT_URL`` is ``url`` for the body (the trainers and agents inherit it)."""
+  old = os.environ.get("AWS_ENDPOINT_URL")
+  os.environ["AWS_ENDPOINT_URL"] = url
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop("AWS_ENDPOINT_URL", None)
+    else:
+      os.environ["AWS_ENDPOINT_URL"] = old
 
 
 class SoakError(RuntimeError):
@@ -141,8 +163,11 @@ class Trainer:
     self.job, self.index = job, index
     self.log = open(log_path, "a", buffering=1)  # pylint: disable=consider-using-with
     self.p = subprocess.Popen([sys.executable, "-m", "tests.support.soak_worker", *argv],
+                              # native libraries' logs (tensorstore's S3 client, gloo) go to
+                              # the log file: a line of theirs written through one of the
+                              # trainer's own lines made the soak miss it (RESTORED lost)
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=REPO,
+                              stderr=self.log, text=True, bufsize=1, cwd=REPO,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
     self.tail: collections.deque[str] = collections.deque(maxlen=60)
     self.restored: tuple[int, str, str, float] | None = None
@@ -243,7 +268,8 @@ class Job:
               "--run-root", root, "--tcp-host", address, "--job", soak.job_name,
               "--directory", soak.directory, "--seed", str(soak.seed),
               "--steps", str(soak.steps), "--rows", str(soak.rows), "--cols", str(soak.cols),
-              "--persist-interval", str(PERSIST_INTERVAL), "--run-ahead", "0"]
+              "--persist-interval", str(PERSIST_INTERVAL), "--run-ahead", "0",
+              "--history", soak.history_dir, "--incarnation", str(incarnation)]
       argv += ["--fresh"] if fresh else []       # (each holds before its first step: GO)
       self.trainers.append(Trainer(self, i, argv, os.path.join(
           soak.log_dir, f"inc{incarnation:02d}-p{i}.log")))
@@ -306,6 +332,10 @@ class Soak:
     self.steps, self.seed, self.short = steps, seed, short
     self.rows, self.cols = rows, cols
     self.log_dir = log_dir
+    # every process's history (jaxckpt.testing.history), checked at the end (tests/support/checker.py)
+    self.history_dir = os.path.join(log_dir, "history")
+    self.nemesis = history.History(self.history_dir, "nemesis", role="nemesis")
+    self.fault_ids = 0
     self.faults = plan(seed, n_faults or len(KINDS), short=short)
     self.job_name = "soak" + uuid.uuid4().hex[:8]
     self.root = tempfile.mkdtemp(prefix="jaxckpt-soak-",
@@ -349,6 +379,9 @@ class Soak:
     self.restart_secs: list[float] = []
     self.pause_progress: list[int] = []
     self.checks: dict[str, Any] = {}
+    self.history: dict[str, Any] = {}
+    self.proxy = None
+    self.s3_errors_served = 0
 
   def keep_agent_logs(self, i: int, tag: str) -> None:
     """Copies machine ``i``'s agent logs into the log directory (before its run root goes)."""
@@ -479,6 +512,8 @@ class Soak:
     info: dict[str, Any] = {"kind": fault.kind, "at_step": at}
     if fault.kind in ("kill_trainer", "kill_agent", "lose_host"):
       info["host"] = h
+    in_place = fault.kind in IN_PLACE and not (fault.kind == "kill_agent" and relaunch)
+    fid = self.record_fault(fault.kind, h, at, relaunch=not in_place)
     self.injected[fault.kind] += 1
     newest = (job.complete_steps() or [None])[-1]
     if fault.kind == "kill_trainer":
@@ -508,6 +543,21 @@ class Soak:
       self.keep_agent_logs(h, f"lost{self.incarnation:02d}")
       shutil.rmtree(root)
       self.relaunch_after_kill("lose_host", expect_min=None)
+    elif fault.kind == "s3_errors":
+      info["pause_secs"] = fault.pause_secs
+      faults = (faulty_s3.Fault("503", method="PUT", every=3),
+                faulty_s3.Fault("500", method="GET", every=4),
+                faulty_s3.Fault("reset", method="PUT", every=7))
+      self.proxy.fail(*faults)
+      try:
+        deadline = time.monotonic() + fault.pause_secs
+        with job.cond:
+          while time.monotonic() < deadline:
+            job.cond.wait(deadline - time.monotonic())
+      finally:
+        self.proxy.heal()
+      info["failed_requests"] = {f.how: f.served for f in faults}
+      self.s3_errors_served += sum(f.served for f in faults)
     elif fault.kind == "s3_pause":
       info["pause_secs"] = fault.pause_secs
       before = job.progress()
@@ -551,12 +601,29 @@ class Soak:
       soak_faults.dead_claim(self, info)
     elif fault.kind == "stray_tcp":
       soak_faults.stray_tcp(self, info)
-    if fault.kind in ("s3_pause", "second_manager", "dead_claim", "stray_tcp") or (
-        fault.kind == "kill_agent" and not relaunch):
+    if in_place:
       self.base = self.job.progress()
+      self.nemesis.record("recovered", id=fid, incarnation=self.incarnation,
+                          restored_step=None, at_step=None)
     else:
       info.update({k: self.recoveries[-1][k] for k in ("restored_step", "tiers", "steps_redone")})
+      self.record_recovered(fid)
     return info
+
+  def record_fault(self, kind: str, host: int | None, at: int, *, relaunch: bool) -> int:
+    """The nemesis's history: a fault begins (``relaunch``: the next incarnation's
+    restore is its recovery)."""
+    self.fault_ids += 1
+    self.nemesis.record("fault", id=self.fault_ids, kind=kind, host=host, at_step=at,
+                        incarnation=self.incarnation, relaunch=relaunch)
+    return self.fault_ids
+
+  def record_recovered(self, fid: int) -> None:
+    """The nemesis's history: the relaunch after fault ``fid`` restored (every trainer)."""
+    r = self.recoveries[-1]
+    self.nemesis.record("recovered", id=fid, incarnation=r["incarnation"],
+                        restored_step=r["restored_step"],
+                        at_step=r["restored_step"] + r["steps_redone"])
 
   def stop_job(self, how: str) -> int:
     """``STOP how``: every trainer stops after the same step, closes its manager and
@@ -598,8 +665,10 @@ class Soak:
         raise SoakError("more than 4 unplanned failures; the last:\n" + self.job.tails()) from e
       self.log.append({"kind": "unplanned", "at_step": self.job.progress(),
                        "what": str(e)[:300]})
+      fid = self.record_fault("unplanned", None, self.job.progress(), relaunch=True)
       try:
         self.relaunch_after_kill("unplanned", expect_min=None)
+        self.record_recovered(fid)
         self.log[-1].update({k: self.recoveries[-1][k]
                              for k in ("restored_step", "tiers", "steps_redone")})
         return
@@ -609,8 +678,9 @@ class Soak:
   def run(self) -> dict[str, Any]:
     from tests.support.s3 import SeaweedS3  # pylint: disable=import-outside-toplevel
     t0 = time.monotonic()
-    with SeaweedS3() as s3:
-      self.s3 = s3
+    with SeaweedS3() as s3, faulty_s3.FaultyS3Proxy(s3.endpoint) as proxy, \
+        _endpoint(proxy.endpoint):            # every request of the soak through the proxy
+      self.s3, self.proxy = s3, proxy
       self.directory = s3.url("soak-" + uuid.uuid4().hex[:8])
       self.launch(fresh=True, cause="start")
       faults = list(self.faults)
@@ -643,6 +713,9 @@ class Soak:
           self._continue_after_failure(e)
       self.checks = soak_faults.run_checks()
       verified, storage_wrong = self.verify_storage()
+      self.nemesis.record("end", stored=verified)
+      self.nemesis.close()
+      self.history = checker.check_run(self.history_dir).to_json()
       wall = time.monotonic() - t0
     return self.result(verified, storage_wrong, wall)
 
@@ -727,8 +800,12 @@ class Soak:
         "save_error_details": self.save_errors[:10],
         "saves_skipped": self.skipped, "agent_restarts": self.agent_restarts,
         "steps_progressed_while_s3_paused": self.pause_progress,
+        "s3_requests_failed_on_purpose": self.s3_errors_served,
         "relaunch_to_restored_secs": [round(x, 1) for x in self.restart_secs],
         "schedule": self.log,
+        # the whole history, checked (tests/support/checker.py, docs/reliability.md): per
+        # fault kind its count, steps lost (median, max), recovery secs; every violation
+        "history": self.history,
         "wall_secs": round(wall, 1),
     }
 
@@ -736,6 +813,7 @@ class Soak:
     """Kills every process this soak started (trainers, then the agents they spawned
     under this soak's run root, found by the root in their command line) by pid,
     and removes the run root (every machine's shared memory)."""
+    self.nemesis.close()
     if self.job is not None:
       with contextlib.suppress(Exception):
         self.job.close()

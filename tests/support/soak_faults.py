@@ -104,6 +104,7 @@ def damage_newest(soak: Any, info: dict[str, Any], *, how: str = "flip") -> None
   else:
     damage.claim_impossible_leaf(soak.directory, newest, "['w']")
   info["damage"] = how
+  soak.nemesis.record("damaged", step=newest, incarnation=soak.incarnation + 1)
   saved = [v for v in soak.versions if v[1] == newest]
   soak.damaged.update([max(saved)] if saved else [])   # the version on storage
   info["damaged_step"] = newest

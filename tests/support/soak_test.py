@@ -25,7 +25,7 @@ def test_the_schedule_is_seeded_and_has_every_kind():
   n = len(soak.KINDS) + 2
   a, b = soak.plan(7, n, short=True), soak.plan(7, n, short=True)
   assert a == b and len(a) == n and {f.kind for f in a[:len(soak.KINDS)]} == set(soak.KINDS)
-  assert all(6 <= f.pause_secs <= 9 for f in a if f.kind == "s3_pause")
+  assert all(6 <= f.pause_secs <= 9 for f in a if f.kind in ("s3_pause", "s3_errors"))
   assert all(20 <= f.pause_secs <= 30 for f in soak.plan(7, 10, short=False)
              if f.kind == "s3_pause")
 
@@ -50,6 +50,10 @@ def test_chaos_soak_short_form_loses_nothing_and_restores_exactly(tmp_path):
   assert out["wrong_restores"] == 0, report
   assert out["storage_wrong"] == [] and out["delete_violations"] == [], report
   assert out["resurrected"] == 0, report
+  # the whole history against the model of docs/reliability.md (tests/support/checker.py)
+  assert out["history"]["violations"] == [], report
+  assert out["s3_requests_failed_on_purpose"] >= 1, report     # s3_errors answered some
+  assert set(out["history"]["faults"]) == set(soak.KINDS), report
   assert set(out["faults_injected"]) == set(soak.KINDS), report
   assert all(n >= 1 for n in out["faults_injected"].values()), report
   assert {"kind": "lose_host", "host": 0}.items() <= next(

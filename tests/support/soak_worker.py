@@ -49,7 +49,7 @@ import traceback
 
 import numpy as np
 
-from jaxckpt.testing import processes
+from jaxckpt.testing import history, processes
 
 # The state: w (uint32, rows sharded over every device of the job), f (float32,
 # derived from w, columns sharded), rep (uint32, replicated), a typed PRNG key
@@ -120,7 +120,9 @@ def _commands() -> "queue.Queue[str]":
 
 
 def say(*words: object) -> None:
-  print(*words, flush=True)
+  """One line to the soak, in one write (no other thread's output inside it)."""
+  sys.stdout.write(" ".join(map(str, words)) + "\n")
+  sys.stdout.flush()
 
 
 def main(argv=None) -> int:
@@ -137,6 +139,9 @@ def main(argv=None) -> int:
   p.add_argument("--persist-interval", type=int, default=5)
   p.add_argument("--timeout-secs", type=float, default=90.0)
   p.add_argument("--fresh", action="store_true")
+  p.add_argument("--history", default=None,
+                 help="append this trainer's history here (jaxckpt.testing.history)")
+  p.add_argument("--incarnation", type=int, default=0)
   p.add_argument("--run-ahead", type=int, default=None,
                  help="hold before step START + this + 1 until the soak says GO (default: run on)")
   a = p.parse_args(argv)
@@ -201,24 +206,34 @@ def _run(a: argparse.Namespace) -> int:
   t_init = time.perf_counter()
   mgr = jc.CheckpointManager(a.directory, opts)
   t_mgr = time.perf_counter()
+  hist = _Recorder(a, opts, mgr)
   say(f"TIMING import={t_import - t_start:.2f} distributed={t_init - t_import:.2f} "
       f"manager={t_mgr - t_init:.2f}")
   if a.fresh:
     start = 0
     state = put(ref.arrays(0), ref.key_data(0), 0)
+    hist.record("start", fresh=True, digest=history.digest(state))
     say("FRESH")
   elif not _anything_restorable(mgr):
     # A fault destroyed every copy of every step (a host lost before any step was
     # protected or persisted): the job starts again from step 0, as a real one would.
     start = 0
     state = put(ref.arrays(0), ref.key_data(0), 0)
+    hist.record("start", fresh=False)
+    hist.record("restore", step=0, tier="none", digest=history.digest(state), skipped=[],
+                secs=0.0)
+    hist.record("available", steps=[])
     say("RESTORED 0 none ok 0")
     say("AVAILABLE -")
   else:
     t0 = time.perf_counter()
     target = put(ref.arrays(0), ref.key_data(0), 0)
+    hist.record("start", fresh=False)
     state = mgr.restore(target=target)
     start = mgr.last_restore.step
+    hist.record("restore", step=start, tier=str(mgr.last_restore.tier),
+                digest=history.digest(state), secs=round(time.perf_counter() - t0, 3),
+                skipped=[s for s, _ in mgr.last_restore.skipped])
     if mgr.last_restore.skipped:
       say("DAMAGED_SKIPPED", ",".join(str(s) for s, _ in mgr.last_restore.skipped))
     why = _compare(state, ref, start, shard)
@@ -227,7 +242,7 @@ def _run(a: argparse.Namespace) -> int:
     if why is not None:                  # go on from the reference: later checks stay sharp
       state = put(ref.arrays(start), ref.key_data(start), start)
     # what any tier could restore now (held, rebuildable from parity, stored)
-    say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
+    hist.available()
   ctl = _Control(ceiling=a.steps if a.run_ahead is None else start + a.run_ahead)
   stopping = 0
   for step in range(start + 1, a.steps + 1):
@@ -235,7 +250,7 @@ def _run(a: argparse.Namespace) -> int:
       while not commands.empty():
         ctl.handle(commands.get())
       if ctl.avail and step > ctl.ceiling:         # held: answer at once
-        say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
+        hist.available()
         ctl.avail = False
       if step <= ctl.ceiling:
         break
@@ -248,24 +263,31 @@ def _run(a: argparse.Namespace) -> int:
     agreed = int(np.asarray(agreed.addressable_data(0)))    # the loop's "loss fetch"
     state = {"w": w, "f": f, "rep": rep, "key": key, "data": {"position": step}}
     stopping = max(stopping, agreed % SECOND)
-    saved = _save(mgr, step, state, errors)
+    saved = _save(mgr, step, state, errors, hist)
+    if step % a.persist_interval == 0:
+      hist.listing(step)
     if agreed // SECOND > ctl.second_done:      # every trainer at this same step
       ctl.second_done = ctl.second = agreed // SECOND
       _second_manager(jc, a.directory, opts, errors)
     say("STEP", step, int(saved), mgr.stats.agent_restarts, mgr.stats.skipped_busy)
     if ctl.avail:
-      say("AVAILABLE", ",".join(map(str, mgr.all_steps())) or "-")
+      hist.available()
       ctl.avail = False
     if stopping == CODES["restart"] or (stopping == CODES["delete"]
                                         and step % a.persist_interval == 0):
       if stopping == CODES["delete"]:
         time.sleep(ctl.delays[a.process_id % len(ctl.delays)] if ctl.delays else 0.0)
-        mgr.delete(step)
-        say("DELETED", step, ",".join(map(str, mgr.all_steps())) or "-")
-      _close(mgr, errors)
+        with hist.lock:               # no storage listing across the delete
+          mgr.delete(step)
+          after = mgr.all_steps()
+          hist.record("delete", step=step, after=after)
+        say("DELETED", step, ",".join(map(str, after)) or "-")
+      _close(mgr, errors, hist)
+      hist.record("stopped", step=step)
       say("STOPPED", step)
       _leave(jax)
-  _close(mgr, errors)
+  _close(mgr, errors, hist)
+  hist.record("done", step=a.steps)
   say("DONE", a.steps)
   _leave(jax)
 
@@ -299,6 +321,72 @@ class _Control:
       self.avail = True
     elif words[:1] == ["GO"]:
       self.ceiling = int(words[1])
+
+
+class _Recorder:
+  """This trainer's history (:mod:`jaxckpt.testing.history`; nothing without
+  ``--history``). Process 0 lists the committed steps on storage every second in a
+  thread and records each change (what the job is told is persisted); every
+  process records at each due step what is protected by parity."""
+
+  LIST_EVERY_SECS = 1.0
+
+  def __init__(self, a: argparse.Namespace, opts, mgr) -> None:
+    self.mgr, self.directory, self.process = mgr, a.directory, a.process_id
+    self.timeout_secs = opts.timeout_secs
+    self.lock = threading.Lock()
+    self._h = None if a.history is None else history.History(
+        a.history, f"inc{a.incarnation:02d}-p{a.process_id}", role="trainer",
+        incarnation=a.incarnation, process=a.process_id, max_snapshots=opts.max_snapshots)
+    self._stored: list[int] | None = None
+    self._stop = threading.Event()
+    if self._h is not None and a.process_id == 0:
+      threading.Thread(target=self._list_storage, daemon=True, name="soak-history").start()
+
+  def record(self, event: str, **fields) -> None:
+    if self._h is not None:
+      self._h.record(event, **fields)
+
+  def available(self) -> list[int]:
+    steps = self.mgr.all_steps()
+    self.record("available", steps=steps)
+    say("AVAILABLE", ",".join(map(str, steps)) or "-")
+    return steps
+
+  def listing(self, step: int) -> None:
+    if self._h is None:
+      return
+    try:
+      protected = self.mgr.protected_steps()
+    except Exception as e:  # pylint: disable=broad-except  (an agent away: nothing claimed)
+      self.error(step, e)
+      protected = []
+    self.record("listing", step=step, protected=protected, stored=None)
+
+  def _list_storage(self) -> None:
+    from jaxckpt import universal  # pylint: disable=import-outside-toplevel
+    while not self._stop.wait(self.LIST_EVERY_SECS):
+      with self.lock:
+        try:
+          stored = universal.all_steps(self.directory, timeout_secs=5)
+        except Exception:  # pylint: disable=broad-except  (storage away: nothing told)
+          continue
+        if stored != self._stored:
+          self._stored = stored
+          self.record("listing", step=None, protected=None, stored=stored)
+
+  def wait(self, what: str, secs: float, e: BaseException | None) -> None:
+    if e is not None or secs > 1.0:
+      self.record("wait", what=what, timeout_secs=self.timeout_secs, secs=round(secs, 3),
+                  ok=e is None, message=None if e is None else f"{type(e).__name__}: {e}")
+
+  def error(self, step: int | None, e: BaseException) -> None:
+    self.record("error", step=step, type=type(e).__name__, message=str(e)[:2000])
+
+  def stop(self) -> None:
+    self._stop.set()
+    with self.lock:
+      pass
 
 
 def _second_manager(jc, directory: str, opts, errors) -> None:
@@ -336,7 +424,23 @@ def _persist_failure(e: BaseException) -> bool:
   return text.startswith("persisting step ")
 
 
-def _save(mgr, step: int, state: dict, errors) -> bool:
+def _save(mgr, step: int, state: dict, errors, hist: "_Recorder") -> bool:
+  """:func:`_save_once`, recorded: the step, whether save() took it and its snapshot
+  committed on this host (or why not), and the digest of this process's bytes."""
+  skipped = dict(mgr.stats.skip_reasons)
+  accepted: list[bool] = []
+  snapshotted = _save_once(mgr, step, state, errors, hist, accepted)
+  reason = None
+  if not snapshotted:
+    reason = next((k for k, n in mgr.stats.skip_reasons.items() if n > skipped.get(k, 0)),
+                  "not snapshotted")
+  hist.record("save", step=step, accepted=bool(accepted and accepted[0]), snapshotted=snapshotted,
+              reason=reason, digest=history.digest(state))
+  return snapshotted
+
+
+def _save_once(mgr, step: int, state: dict, errors, hist: "_Recorder",
+               accepted: list[bool]) -> bool:
   """save() then wait_until_snapshotted(); True if the snapshot committed on this host.
 
   A failure the loop goes on after is said (SAVE_ERROR). save() raising it has
@@ -347,33 +451,45 @@ def _save(mgr, step: int, state: dict, errors) -> bool:
   for tries_left in (2, 1, 0):
     try:
       saved = mgr.save(step, state)
+      accepted.append(saved)
       break
     except Exception as e:  # pylint: disable=broad-except
       if not _reported(e, errors):
         raise
+      hist.error(step, e)
       say(f"SAVE_ERROR {step} {type(e).__name__}: {e}".replace("\n", " | "))
       if not tries_left:
         return False
+  t0 = time.monotonic()
   try:
     mgr.wait_until_snapshotted()
   except Exception as e:  # pylint: disable=broad-except
+    hist.wait(f"wait_until_snapshotted() after save({step})", time.monotonic() - t0, e)
     if not _reported(e, errors):
       raise
+    hist.error(step, e)
     say(f"SAVE_ERROR {step} {type(e).__name__}: {e}".replace("\n", " | "))
     # an earlier step's persist (raised after this snapshot committed), or this snapshot's own
     return saved and _persist_failure(e)
+  hist.wait(f"wait_until_snapshotted() after save({step})", time.monotonic() - t0, None)
   return saved
 
 
-def _close(mgr, errors) -> None:
+def _close(mgr, errors, hist: "_Recorder") -> None:
   """close(), which waits for this run's persists; their failures (and a persist
   that did not end in time: the agent goes on with it) are said."""
+  t0 = time.monotonic()
   try:
     mgr.close()
   except Exception as e:  # pylint: disable=broad-except  (closed all the same)
+    hist.wait("close()", time.monotonic() - t0, e)
     if not (_reported(e, errors) or isinstance(e, errors.SnapshotTimeoutError)):
       raise
+    hist.error(None, e)
     say(f"SAVE_ERROR close {type(e).__name__}: {e}".replace("\n", " | "))
+  else:
+    hist.wait("close()", time.monotonic() - t0, None)
+  hist.stop()
 
 
 def _compare(state: dict, ref: Reference, step: int, shard: dict) -> str | None:
