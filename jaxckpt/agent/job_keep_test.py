@@ -23,12 +23,14 @@ _WAIT_SECS = 60.0
 
 class _FakeAgent:
   """A fake agent of process ``p``: it records each request it gets and answers
-  ``peer_held`` with ``self.answer`` (a PeerHeldReply)."""
+  ``peer_held`` with ``self.answer`` (a PeerHeldReply; None: it does not answer), the
+  next one only once ``self.gate`` (an Event) is set, where one is."""
 
   def __init__(self, p: int) -> None:
     self.p = p
     self.got: list[_requests.Request] = []
-    self.answer = _requests.PeerHeldReply()
+    self.answer: _requests.PeerHeldReply | None = _requests.PeerHeldReply()
+    self.gate: threading.Event | None = None
     self.cond = threading.Condition()
     self._sock = zmq.Context.instance().socket(zmq.ROUTER)
     self._sock.setsockopt(zmq.LINGER, 0)
@@ -51,10 +53,13 @@ class _FakeAgent:
       req = _requests.decode(header)
       with self.cond:
         self.got.append(req)
-        answer = self.answer
+        answer, gate, self.gate = self.answer, self.gate, None
         self.cond.notify_all()
-      self._sock.send_multipart([ident, empty, _wire.pack({"ok": True,
-                                                           **_requests.encode_reply(answer)})])
+      if gate is not None:
+        assert gate.wait(_WAIT_SECS), f"the fake agent of process {self.p} was never let answer"
+      if answer is not None:
+          self._sock.send_multipart([ident, empty, _wire.pack({"ok": True,
+                                                             **_requests.encode_reply(answer)})])
 
   def wait_for(self, what: str, ok) -> None:
     """Waits until ``ok(self.got)``; names this fake agent and ``what`` if it does not come."""
@@ -190,3 +195,24 @@ def test_the_hub_answers_the_jobs_whole_step_and_tells_nobody(tmp_path):
         _requests.PeerHeldReply(whole=2, fresh=True))
     assert hub.steps() == [2, 3]
     assert {p: f.got for p, f in hub.fakes.items() if f.got} == {}
+
+
+def test_a_reply_to_a_word_said_before_a_step_was_saved_again_is_not_applied(tmp_path):
+  # The hub's reply says 2 is whole, of the step 2 the host held when it spoke; the host
+  # saved 2 again (a rollback to 1) before the reply came: the new 2 is not whole.
+  with _host(tmp_path, 4, 2) as host:
+    hub = host.fakes[0]
+    host.save(1)
+    host.save(2)
+    hub.wait_for("[1, 2]", _said([1, 2]))
+    gate = threading.Event()
+    with hub.cond:
+      hub.answer, hub.gate = _requests.PeerHeldReply(whole=2, fresh=True), gate
+      assert hub.cond.wait_for(lambda: hub.gate is None, _WAIT_SECS), "host 2 never spoke again"
+    host.save(2)
+    with hub.cond:
+      hub.answer, said = None, len(hub.got)     # (later words: no answer)
+    gate.set()
+    hub.wait_for("a word after the reply", lambda got: len(got) > said)
+    assert host.steps() == [1, 2]
+    assert host.agent.table.whole is None
