@@ -340,11 +340,20 @@ class ParityDone(Request[Done], tag="parity_done"):
   digest: Annotated[str, Meta(max_length=64)]    # xxh3_64 hex (_parity_worker._digest)
 
 
-class PeerHeld(Request[Done], tag="peer_held"):
+class PeerHeldReply(Reply):
+  """The job's whole step as the job's hub agent knows it (None: none known, or it is
+  not the hub), and whether its trainers committed it since the map was published."""
+  whole: Step | None = None
+  fresh: bool = False
+
+
+class PeerHeld(Request[PeerHeldReply], tag="peer_held"):
   """A peer agent of the job says which steps it holds now (it serves the job's process
   ``peer``), and which of them its current trainers committed (``fresh``: since the job's
-  map of agents was last published, at the trainers' start): a host drops a step only
-  once a newer one is held by every host, of the same run (``agent._job_keep``)."""
+  map of agents was last published, at the trainers' start), to the job's hub agent: a
+  host drops a step only once a newer one is held by every host, of the same run
+  (``agent._job_keep``); the reply says the job's whole step."""
+  Reply = PeerHeldReply
   peer: Index
   steps: Annotated[list[Step], Meta(max_length=4 * MAX_SNAPSHOTS)]
   fresh: Annotated[list[Step], Meta(max_length=4 * MAX_SNAPSHOTS)] = []
