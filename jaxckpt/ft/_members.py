@@ -33,6 +33,7 @@ _NOTICE_SECS = 0.25                # a group out of the attempt is told so at mo
 _CLOSE_GRACE_SECS = 0.05           # a closed heartbeat connection counts unless its group left in this time
 _SHORT_NOTE_SECS = 1.0             # a request held for min_replicas is told why at most this often,
 _SHORT_AFTER_SECS = 0.5            # from when it has waited this long (before its group calls the plane slow)
+_NOTE_NAMES = 16                   # the groups a 'waiting' note names (then '...')
 _BEAT_LAG_STEPS = 8                # steps a ring that goes on without asking may be ahead of its heartbeats
 Peer = tuple  # (socket, ZeroMQ identity, connection fd): where a message came from, where its answer goes
 
@@ -128,6 +129,7 @@ class Members:
     self.conns = BeatConnections()
     self._notices = _intake.AnswerLimiter(_NOTICE_SECS)
     self._short_notes = _intake.AnswerLimiter(_SHORT_NOTE_SECS)
+    self._notes_at = 0.0                      # when _too_few next looks (its notes go out together)
     self._called_back_at = -math.inf      # when the ring in flight was last called back
     self._called_back = False             # whether the ring in flight was asked to ask again
     self._beat_steps: dict[str, int] = {} # the step each group's last heartbeat named
@@ -444,20 +446,28 @@ class Members:
     """Tells each request pending for _SHORT_AFTER_SECS, and again every _SHORT_NOTE_SECS, that it
     waits for ``min_replicas``, not for the lighthouse: a ``waiting`` answer with the counts
     (its group says so, and goes on asking). (Not sooner: groups that start together ask
-    within that time, and a quorum that forms at once needs no note.)"""
-    if all(now - p.since < _SHORT_AFTER_SECS for p in self._pending.values()):
+    within that time, and a quorum that forms at once needs no note.) The notes go out
+    together, at most every _SHORT_NOTE_SECS: a scan in between costs nothing, whatever the
+    number of groups asking."""
+    if now < self._notes_at:
+      return
+    oldest = min(p.since for p in self._pending.values())
+    if now - oldest < _SHORT_AFTER_SECS:
+      self._notes_at = oldest + _SHORT_AFTER_SECS
       return
     n, need = len(self._pending), self.options.min_replicas
-    asking = ", ".join(sorted(self._pending))
+    asking = ", ".join(sorted(self._pending)[:_NOTE_NAMES]) + (", ..." if n > _NOTE_NAMES else "")
     others = sorted(self._live(now) - self._pending.keys())
     why = (f"the lighthouse at {self.address} has {n} of the {need} groups a quorum needs "
            f"(min_replicas={need}): {asking} ask{'s' if n == 1 else ''}"
-           + (f", {', '.join(others)} live but not asking" if others else "")
+           + (f", {', '.join(others[:_NOTE_NAMES])}{', ...' if len(others) > _NOTE_NAMES else ''}"
+              " live but not asking" if others else "")
            + "; it forms one when enough groups ask (a group that died, once it is back), "
              f"or, to go on with fewer, a lighthouse with min_replicas={n} (--min-replicas {n})")
     for gid, p in self._pending.items():
       if now - p.since >= _SHORT_AFTER_SECS and self._short_notes.allow(gid, now):
         self._reply(p.peer, {"op": "waiting", "request_id": p.request_id, "why": why[:MAX_WHY]})
+    self._notes_at = now + _SHORT_NOTE_SECS
 
   def _waiting_for(self, now: float) -> bool:
     """Whether a live group has neither asked nor is catching up. The full scan runs

@@ -71,6 +71,8 @@ def server_of(directory: str) -> str:
   if directory.startswith("s3://"):
     endpoint = s3_endpoint()
     return f"S3 endpoint {endpoint}" if endpoint else "AWS S3 (no AWS_ENDPOINT_URL set)"
+  if directory.startswith("gs://"):
+    return f"GCS endpoint {os.environ.get('TENSORSTORE_GCS_HTTP_URL') or 'https://storage.googleapis.com'}"
   if local_path(directory) is not None:
     return "the local filesystem"
   return f"the {directory.partition('://')[0]} store"

@@ -91,7 +91,8 @@ def test_a_bucket_that_does_not_exist_fails_when_the_manager_is_created(gcs_serv
 
 def test_a_gcs_that_does_not_answer_fails_on_time_naming_its_endpoint_variable(gcs_server):
   with gcs_server.paused(), pytest.raises(
-      errors.StorageError, match=r"took over .* s; is the store reachable \(endpoint: "
+      errors.StorageError, match=r"took over .* s: GCS endpoint http://127\.0\.0\.1:\d+ did not answer; is it "
+      r"reachable \(endpoint: "
       r"TENSORSTORE_GCS_HTTP_URL for a GCS emulator; credentials\)"):
     jc.CheckpointManager(gcs_server.url(), jc.CheckpointOptions(timeout_secs=3))
 

@@ -107,9 +107,11 @@ class SimulatedGroups:
       for sock, _ in poller.poll(100):
         while True:
           try:
-            out.append(sock.recv_multipart(zmq.NOBLOCK))
+            frames = sock.recv_multipart(zmq.NOBLOCK)
           except zmq.Again:
             break
+          if _wire.open_(self._key, frames)[0].get("op") != "waiting":
+            out.append(frames)        # (a 'waiting' note: the member goes on waiting)
     return out
 
   def _read(self, replies: list[list[bytes]], asked: dict[int, int]) -> list[int]:
