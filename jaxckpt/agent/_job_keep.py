@@ -74,7 +74,7 @@ class JobKeep:
     self.told: tuple[int, bool] | None = None   # the whole step the hub said, and its fresh
     self._gen = 0                            # counts new maps and steps committed again
     self._top: int | None = None             # the newest step committed here since
-    self._pids: dict[int, Any] = {}          # process index -> its agent's pid, in the map
+    self._pids: dict[int, Any] = {}          # process index -> its agent's identity, in the map
     self._clients: dict[int, tuple[Any, Client]] = {}
     self._said: tuple[int, ...] | None = None
     self._changed_at = time.monotonic()
@@ -89,9 +89,9 @@ class JobKeep:
     what was known; a process whose agent was replaced holds nothing of what its old
     agent held."""
     peers = self.agent.peers
-    mine = [p for p, info in peers.items() if info.get("pid") == os.getpid()]
+    mine = [p for p, info in peers.items() if _is_me(info, self.agent.tcp_address)]
     self.me = mine[0] if len(mine) == 1 else None
-    pids = {p: info.get("pid") for p, info in peers.items()}
+    pids = {p: _identity(info) for p, info in peers.items()}
     if not merge:                 # a relaunch: what the job's hosts hold is said anew, and
       self.held, self.fresh = {}, set()   # its steps of the run before count apart
       self.told, self._top = None, None
@@ -226,15 +226,30 @@ class JobKeep:
 
   def _client(self, p: int, info: dict[str, Any]) -> Client:
     cached = self._clients.get(p)
-    if cached is not None and cached[0] == info.get("pid"):
+    if cached is not None and cached[0] == _identity(info):
       return cached[1]
     self._drop_client(p)
     c = Client.of(info, who=f"snapshot agent of process {p} (pid {info.get('pid')})",
                   timeout_secs=SAY_TIMEOUT_SECS, secret=self.agent.secret)
-    self._clients[p] = (info.get("pid"), c)
+    self._clients[p] = (_identity(info), c)
     return c
 
   def _drop_client(self, p: int) -> None:
     cached = self._clients.pop(p, None)
     if cached is not None:
       cached[1].close()
+
+
+def _identity(info: dict[str, Any]) -> tuple[Any, Any]:
+  """An agent's identity in the job's map: its tcp address and pid. A pid alone is not one:
+  agents on other machines (or in other pid namespaces: containers, pods) may share it,
+  and an agent restarted may get its predecessor's number."""
+  return (info.get("tcp"), info.get("pid"))
+
+
+def _is_me(info: dict[str, Any], tcp_address: str | None) -> bool:
+  """Whether ``info`` is this agent's own record: by its tcp address once it is bound (a
+  pid may repeat on another host), by its pid before."""
+  if tcp_address is not None:
+    return info.get("tcp") == tcp_address and info.get("pid") in (None, os.getpid())
+  return info.get("pid") == os.getpid()

@@ -59,6 +59,7 @@ class Agent:
     self.lease: tuple[int, str | None, int] | None = None   # (trainer pid, its manager, generation)
     self.generation = 0
     self.tcp_host = tcp_host
+    self.tcp_address: str | None = None   # tcp://host:port, once bound (_write_address)
     self.max_snapshots = max_snapshots
     self.limit_bytes = limit_bytes
     self.idle_timeout_secs = idle_timeout_secs
@@ -603,9 +604,9 @@ def _ipc_pid(frame: Any) -> int | None:
 
 
 def _write_address(agent: Agent, tcp_port: int, bulk: str) -> None:
+  agent.tcp_address = f"tcp://{agent.tcp_host}:{tcp_port}"   # (its identity in the job's map)
   info = {"pid": os.getpid(), "job": agent.job, "host": agent.host,
-          "ipc": _paths.ipc_endpoint(agent.dir), "tcp": f"tcp://{agent.tcp_host}:{tcp_port}",
-          "bulk": bulk}
+          "ipc": _paths.ipc_endpoint(agent.dir), "tcp": agent.tcp_address, "bulk": bulk}
   tmp = _paths.address_file(agent.dir) + ".tmp"
   with open(tmp, "w") as f:
     json.dump(info, f)

@@ -39,9 +39,9 @@ class _FakeAgent:
     self._thread = threading.Thread(target=self._serve, daemon=True)
     self._thread.start()
 
-  def address(self) -> _requests.AgentAddress:
-    return _requests.AgentAddress(tcp=f"tcp://127.0.0.1:{self.port}", pid=2_000_000 + self.p,
-                                  host=self.p)
+  def address(self, pid: int | None = None) -> _requests.AgentAddress:
+    return _requests.AgentAddress(tcp=f"tcp://127.0.0.1:{self.port}",
+                                  pid=2_000_000 + self.p if pid is None else pid, host=self.p)
 
   def _serve(self) -> None:
     while not self._stop.is_set():
@@ -77,7 +77,7 @@ class _FakeAgent:
 class _Host:
   """An in-process agent of process ``me`` of a job of ``n`` processes, the others fake."""
 
-  def __init__(self, tmp: str, n: int, me: int) -> None:
+  def __init__(self, tmp: str, n: int, me: int, same_pid: tuple[int, ...] = ()) -> None:
     d = os.path.join(tmp, "j", f"host{me}")
     os.makedirs(d)
     self.agent = _server.Agent(job="j", host=me, directory=d, max_snapshots=2,
@@ -85,8 +85,11 @@ class _Host:
     self.fakes = {p: _FakeAgent(p) for p in range(n) if p != me}
     self.ask(_requests.Hello(pid=os.getpid()))
     own = _requests.AgentAddress(tcp="tcp://127.0.0.1:1", pid=os.getpid(), host=me)
-    self.ask(_requests.Peers(peers={str(p): (own if p == me else self.fakes[p].address())
-                                    for p in range(n)}))
+    self.agent.tcp_address = own.tcp       # (what a served agent learns when it binds)
+    self.ask(_requests.Peers(peers={
+        str(p): (own if p == me else
+                 self.fakes[p].address(os.getpid() if p in same_pid else None))
+        for p in range(n)}))
 
   def ask(self, req):
     reply = _wire.unpack(_server.handle(self.agent, _protocol.request(_SECRET, req, 10.0))[0])
@@ -118,8 +121,8 @@ class _Host:
 
 
 @contextlib.contextmanager
-def _host(tmp_path, n: int, me: int):
-  host = _Host(str(tmp_path), n, me)
+def _host(tmp_path, n: int, me: int, same_pid: tuple[int, ...] = ()):
+  host = _Host(str(tmp_path), n, me, same_pid)
   try:
     yield host
   finally:
@@ -216,3 +219,15 @@ def test_a_reply_to_a_word_said_before_a_step_was_saved_again_is_not_applied(tmp
     hub.wait_for("a word after the reply", lambda got: len(got) > said)
     assert host.steps() == [1, 2]
     assert host.agent.table.whole is None
+
+
+def test_agents_of_other_machines_with_this_agents_pid_do_not_hide_it_from_the_job(tmp_path):
+  # Agents on other machines (other pid namespaces: containers, pods) may have this
+  # agent's pid: it found itself in the job's map by pid, found two, took itself for no
+  # process of the job and kept by its own timing again (issue 46 (1) back), telling
+  # the hub nothing. It finds itself by its own tcp address.
+  with _host(tmp_path, 3, 2, same_pid=(0, 1)) as h:
+    hub = h.fakes[0]
+    h.save(1)
+    hub.wait_for("that the host holds [1]", _said([1]))
+    assert not h.fakes[1].got, h.fakes[1].got
