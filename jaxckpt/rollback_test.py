@@ -225,3 +225,36 @@ def test_a_rollback_asked_again_never_deletes_the_new_timeline(tmp_path):
       _check_new_timeline(m, directory)
     with jc.CheckpointManager(directory, _options(agent)) as m:
       _check_new_timeline(m, directory)
+
+
+@pytest.mark.parametrize("record", [
+    {"id": "r1", "fork": 1, "step": 2, "steps": ["../../etc", "3"]},
+    {"id": "r1", "fork": 0, "step": 2, "steps": [True]},
+    {"id": "r1", "fork": 9, "step": 10, "steps": [1, 2]},      # live steps before the fork
+    {"id": "../x", "fork": 0, "step": 1, "steps": [2]},
+    {"id": "r1", "fork": 0, "step": 1, "steps": [2**64]},
+    {"id": "x"}, [1, 2, 3], "hello",
+], ids=["paths", "bool", "before-fork", "bad-id", "beyond-int64", "partial", "list", "text"])
+def test_a_rollback_record_that_jaxckpt_did_not_write_is_refused_and_deletes_nothing(
+    tmp_path, record):
+  """rollback.json on storage is data: a planted or garbled record (steps that are no
+  steps, a bool, steps at or before the restored one, an id that is a path) is refused
+  with a ManifestError naming the file and the fix; nothing it names is deleted. Before,
+  it raised a bare ValueError/KeyError/TypeError at every open, took true for step 1, or
+  deleted the live steps 1 and 2."""
+  d = str(tmp_path / "ckpt")
+  with jc.CheckpointManager(d, jc.CheckpointOptions(max_snapshots=8, persist_interval_steps=1,
+                                                    on_busy="wait")) as m:
+    for s in (1, 2, 3):
+      assert m.save(s, _state(s))
+      m.wait_until_finished()
+  _commit.write_json(d, "rollback.json", record)
+  with pytest.raises(errors.ManifestError, match=r"rollback\.json .*is not one jaxckpt wrote"
+                     r".*nothing it names was deleted.*remove rollback\.json"):
+    jc.CheckpointManager(d, _options(None))
+  assert universal.all_steps(d) == [1, 2, 3]
+  (tmp_path / "ckpt" / "rollback.json").unlink()
+  with jc.CheckpointManager(d, _options(None)) as m:
+    assert m.all_steps() == [1, 2, 3]
+    out = m.restore(2, target=_state(0))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(_state(2)["w"]))
