@@ -20,6 +20,7 @@ import psutil
 
 from jaxckpt import errors
 from jaxckpt.net import _wire
+from jaxckpt.util._text import shown
 from jaxckpt.options import check_job_name  # noqa: F401  (also this module's name)
 
 
@@ -112,13 +113,27 @@ def job_secret(run_root: str, job: str, given: str | bytes | None = None) -> byt
       pass
     finally:
       os.unlink(tmp)
-  st = os.stat(path)
-  if st.st_uid != os.getuid() or st.st_mode & 0o077:
+  try:     # never through a link, never blocked on a FIFO planted in its place
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+  except OSError as e:
     raise errors.PermissionDeniedError(
-        f"the job secret {path} has mode {oct(st.st_mode & 0o777)} and owner uid "
-        f"{st.st_uid}; it must be yours and 0600: remove it (stop the job's agents first)")
-  with open(path) as f:
-    have = _wire.normalize_secret(f.read())
+        f"the job secret {path} cannot be opened as a plain file ({e.strerror}): remove it "
+        "(stop the job's agents first)") from None
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    os.close(fd)
+    raise errors.PermissionDeniedError(
+        f"the job secret {path} is {'a plain file' if stat.S_ISREG(st.st_mode) else 'not a plain file'} "
+        f"of mode {oct(st.st_mode & 0o777)} and owner uid {st.st_uid}; it must be a plain "
+        "file, yours and 0600: remove it (stop the job's agents first)")
+  with os.fdopen(fd, "rb") as f:
+    raw = f.read(1 << 20)
+  try:
+    have = _wire.normalize_secret(raw.decode())
+  except (UnicodeDecodeError, ValueError, errors.JaxckptError) as e:
+    raise errors.PermissionDeniedError(
+        f"the job secret {path} is not one jaxckpt wrote ({shown(str(e))}): remove it (stop "
+        "the job's agents first)") from None
   if have is None:
     raise errors.PermissionDeniedError(
         f"the job secret {path} is empty; remove it (stop the job's agents first)")

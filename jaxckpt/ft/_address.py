@@ -42,10 +42,21 @@ def _is_loopback(host: str) -> bool:
     return False
 
 
+def _is_ipv6(host: str) -> bool:
+  try:
+    return ipaddress.ip_address(host.strip("[]")).version == 6
+  except ValueError:
+    return False
+
+
 def toward(address: str) -> str:
   """This machine's address on the route to ``address`` (``HOST:PORT``): the source address
   the kernel would use (a UDP socket is "connected", which sends nothing)."""
   host, _, port = address.rpartition(":")
+  if host and _is_ipv6(host):
+    raise errors.InvalidArgumentError(
+        f"the lighthouse at {address} has an IPv6 address: replica groups speak IPv4 only; "
+        "start the lighthouse on an IPv4 address")
   try:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
       s.connect((_host_of(address) if host else address, int(port) if port.isdigit() else 9))
@@ -60,6 +71,11 @@ def choose(host: str | None, lighthouse: str) -> tuple[str, str]:
   """``(bind, advertise)`` for a group whose ``ReplicaGroupOptions.host`` is ``host``, of the
   lighthouse (or replicas, comma-separated) at ``lighthouse``."""
   lighthouses = _route.addresses(lighthouse)
+  if host is not None and _is_ipv6(host):
+    raise errors.InvalidArgumentError(
+        f"ReplicaGroupOptions.host={host!r} is an IPv6 address: a replica group's ring and peer "
+        "server speak IPv4 only; give this machine's IPv4 address, 0.0.0.0 to bind every "
+        "interface, or leave it unset")
   if host not in (None, *ANY):
     if _is_loopback(host):
       remote = [a for a in lighthouses if not _is_loopback(_host_of(a)) and toward(a) != _host_of(a)]
