@@ -218,7 +218,7 @@ def test_a_rollback_asked_again_never_deletes_the_new_timeline(tmp_path):
       _spike_and_roll_back(m)
       with processes.agent_client(root, job, who="the test") as c:
         (rid, record), = c.call(_requests.Rollback())[0].rollbacks.items()
-        steps = record["steps"]
+        steps = record.steps
         assert steps == [26, 27, 28, 29, 30], steps
         again = c.call(_requests.Rollback(id=rid, steps=steps))[0]
         assert not again.applied and again.persisting == [], again

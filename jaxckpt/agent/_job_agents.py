@@ -303,25 +303,25 @@ class JobAgents:
     agent that does not answer is skipped with a warning."""
     agents = sorted(self.all(), key=lambda a: (a["host"], a["tcp"]))   # (clients_of's order)
     with self.clients(agents=agents) as clients:
-      held: dict[int, dict[str, Any]] = {}
+      held: dict[int, dict[str, _requests.RollbackRecord]] = {}
       for h, c in clients.items():
         try:
           held[h] = dict(c.call(_requests.Rollback())[0].rollbacks)
-        except errors.AgentUnavailableError as e:
+        except errors.JaxckptError as e:    # (gone, or an answer that is not one: skipped)
           logger.warning("skipping %s: %s", c.who, e)
       every = {rid: r for mine in held.values() for rid, r in mine.items()
-               if r.get("run") == self.store.run}
+               if r.run == self.store.run}
       for h, mine in held.items():
         c = clients[h]
         for rid in sorted(set(every) - set(mine)):
           r = every[rid]
-          if agents[h]["tcp"] not in r.get("agents", ()):
+          if agents[h]["tcp"] not in r.agents:
             continue
           logger.warning("completing rollback %s (steps %s) on %s: its trainer was killed "
-                         "before it reached it", rid, r["steps"], c.who)
+                         "before it reached it", rid, r.steps, c.who)
           self._rolled_back(c, _requests.Rollback(
-              id=rid, steps=r["steps"], by=self.store.process, run=r["run"],
-              agents=r["agents"]), timeout_secs)
+              id=rid, steps=r.steps, by=self.store.process, run=r.run,
+              agents=r.agents), timeout_secs)
 
   @staticmethod
   def _rolled_back(c: Client, req: _requests.Rollback, timeout_secs: float) -> None:

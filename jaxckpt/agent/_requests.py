@@ -209,10 +209,17 @@ class Discard(Request[DiscardReply], tag="discard"):
 RollbackId = Annotated[str, Meta(pattern=r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
 
 
+class RollbackRecord(msgspec.Struct, kw_only=True):
+  """A rollback an agent recorded: its steps, the run it was of, the agents it was sent to."""
+  steps: Annotated[list[Step], Meta(max_length=1 << 16)]
+  run: Annotated[str, Meta(max_length=4096)] | None = None
+  agents: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(max_length=1 << 16)] = []
+
+
 class RollbackReply(Reply):
   applied: bool                  # this request discarded them (False: applied before, or a query)
-  persisting: list               # the rollback's steps whose (fenced) persist still runs
-  rollbacks: dict                # every rollback this agent recorded: id -> {steps, run, agents}
+  persisting: Annotated[list[Step], Meta(max_length=1 << 16)]   # its steps still persisting (fenced)
+  rollbacks: Annotated[dict[RollbackId, RollbackRecord], Meta(max_length=1 << 10)]  # every one recorded
 
 
 class Rollback(Request[RollbackReply], tag="rollback"):
@@ -230,6 +237,12 @@ class Rollback(Request[RollbackReply], tag="rollback"):
   by: Index | None = None
   run: Annotated[str, Meta(max_length=4096)] | None = None
   agents: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(max_length=1 << 16)] = []
+
+  def __post_init__(self) -> None:
+    if self.id is None and (self.steps or self.agents or self.run is not None):
+      raise errors.InvalidArgumentError(
+          f"a rollback of steps {self.steps[:8]} names no id: without one it is only a query "
+          "of the records, and would discard nothing; give the rollback's id")
 
 
 class PersistedReply(Reply):

@@ -340,8 +340,8 @@ class Agent:
         self.rollbacks.pop(next(iter(self.rollbacks)))
     mine = self.rollbacks[id]["steps"] if id in self.rollbacks else []
     busy = [s for s in mine if self.persister is not None and self.persister.busy(s)]
-    return _requests.Rollback.Reply(applied=applied, persisting=busy,
-                                    rollbacks=dict(self.rollbacks))
+    return _requests.Rollback.Reply(applied=applied, persisting=busy, rollbacks={
+        i: _requests.RollbackRecord(**r) for i, r in self.rollbacks.items()})
 
   def op_steps(self) -> _requests.Steps.Reply:
     return _requests.Steps.Reply(steps=self.steps(), free_slots=self.table.room(),

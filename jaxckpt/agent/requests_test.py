@@ -180,3 +180,11 @@ def test_a_commit_s_manifest_is_parsed_once_for_every_use_on_the_agent(tmp_path)
       agent.manifest_of(5)
   finally:
     agent.cleanup()
+
+
+def test_a_rollback_that_names_steps_but_no_id_is_refused():
+  """Without an id a Rollback is only a query of the records: one that names steps (a
+  buggy peer's) discarded nothing and answered ok, and a caller took it for done."""
+  with pytest.raises(errors.InvalidArgumentError, match=r"rollback of steps \[1, 2\] names no id"):
+    _requests.Rollback(steps=[1, 2])
+  assert _requests.Rollback().steps == []
