@@ -99,6 +99,22 @@ def test_processes_with_other_save_schedules_save_the_same_steps(tmp_path, varia
   assert "the 2 processes follow process 0's decisions" in warned, warned
 
 
+def test_a_save_forced_on_process_0_only_is_the_jobs_and_shifts_no_later_decision(tmp_path):
+  """Both processes save every 2 steps (should_save_fn); process 0 alone saves step 3
+  with force=True, not asking should_save. Process 0 published its decisions by call
+  count, so process 1's every later call read another step's: should_save(3) raised
+  InvalidArgumentError ('other steps'). Now they are keyed by step: process 0's force
+  is the job's True for step 3, process 1 saves it too, and the later steps agree."""
+  with processes.agent_sandbox() as (root, job):
+    with launch(2, root, job, "schedules_differ", str(tmp_path / "ckpt"), "forced") as procs:
+      outs = finish(procs, timeout=240)
+  later = " ".join(f"{s}:{11 if s % 2 == 0 else '00'}" for s in range(4, 9))
+  assert lines(outs[0], "DECIDED") == [f"1:00 2:11 3:-1 {later}"], outs[0][-3000:]
+  assert lines(outs[1], "DECIDED") == [f"1:00 2:11 3:11 {later}"], outs[1][-3000:]
+  for i, out in enumerate(outs):
+    assert lines(out, "STEPS") == ["[2, 3, 4, 6, 8]"], (i, lines(out, "STEPS"))
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("variant", ["", "parity"], ids=["agents", "agents_parity"])
 def test_a_job_killed_while_its_processes_drift_relaunches_from_a_step_every_host_holds(

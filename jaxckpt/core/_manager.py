@@ -146,7 +146,11 @@ class CoreManager:
     if self.rules.read_only:
       logger.warning("%s is read only: save(%d) is skipped", self.directory, step)
       return False
-    if force or self._policy_saves(step):
+    if force:
+      if self._decisions is not None:
+        self._decisions.forced(step)     # process 0's: the job's decision of it is True
+      return True
+    if self._policy_saves(step):
       return True
     self.ledger.skipped_interval()
     return False
@@ -453,6 +457,8 @@ class CoreManager:
                             writes=not self.rules.read_only, onto=onto)
     self.last_restore = r
     self.ledger.restored = r.step
+    if self._decisions is not None:
+      self._decisions.restored()          # an older step's save next starts a new timeline
     self._log("restore", r.step, t0, tier=str(r.tier), restore_secs=r.seconds,
               nbytes=r.nbytes, restore_GBps=r.nbytes / max(r.seconds, 1e-9) / 1e9,
               skipped_steps=[s for s, _ in r.skipped])

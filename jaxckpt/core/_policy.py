@@ -145,14 +145,27 @@ def plain(o: CheckpointOptions) -> Policy:
 
 class JobDecisions:
   """The save decisions of a job whose policy does not decide alike on every process
-  (``Policy.decided_by``): process 0's are the job's. Process 0 publishes
-  each call's decision (with its step) through the job's key-value store as it makes
-  it, and never waits; another process reads it (at once when process 0 is ahead;
-  else until process 0 makes it: no barrier, process 0 never waits for them). A
-  process whose own decision differs says so at WARNING (once), naming the option,
-  the step, both decisions and the processes, and follows process 0's; one whose
-  call is of another step than process 0's same call is refused (its loop differs).
-  A ``should_save(step)`` and the ``save(step)`` after it are one decision.
+  (``Policy.decided_by``): process 0's are the job's. Process 0 publishes its
+  decision of a step through the job's key-value store the first time it decides
+  it, keyed by the step and the timeline, and never waits; another process reads
+  the decision of its call's step (at once when process 0 is ahead; else until
+  process 0 makes it: no barrier, process 0 never waits for them). Keyed by step, a
+  call only some processes make (a ``should_save()`` retried on one, a forced save
+  on one) shifts no later decision. A process whose own decision differs says so at
+  WARNING (once), naming the option, the step, both decisions and the processes,
+  and follows process 0's. A ``should_save(step)`` and the ``save(step)`` after it
+  are one decision (as is any later call of a step already decided in the timeline).
+
+  A ``save(step, force=True)`` (:meth:`forced`) on process 0 publishes True for the
+  step: a process that did not force it follows process 0 and saves it too (force is
+  meant to be given on every process alike; given on process 0 only, the job still
+  takes the step together). Forced on another process only, that process saves it
+  whatever process 0 decides (it cannot wait for process 0 to change its mind).
+
+  Timelines: after a ``restore()`` (:meth:`restored`, on every process alike), the
+  first call of a step not newer than the newest one decided starts a new timeline
+  (a rollback: its step numbers repeat the abandoned one's), whose decisions are
+  keyed apart; every process advances it at the same call, as the ledger does.
 
   Args:
     process: (this process's index, the job's process count).
@@ -163,41 +176,66 @@ class JobDecisions:
     timeout_secs: the longest a process waits for process 0's decision.
   """
 
-  #: Decisions kept published (a process this many calls behind process 0 is lost).
+  #: Decisions kept published (a process this many steps behind process 0 is lost).
   KEPT = 4096
 
   def __init__(self, *, process: tuple[int, int], channel: "Channel", what: str,
                compare: bool, timeout_secs: float) -> None:
     self.index, self.count = process
     self.channel, self.what, self.compare, self.timeout = channel, what, compare, timeout_secs
-    self.calls = 0
-    self._last: tuple[int, bool] | None = None
+    self.timeline = 0                 # the rollbacks so far (every process alike)
+    self._top: int | None = None      # the newest step decided in this timeline
+    self._restored = False            # a restore() since: an older step rolls back
+    self._known: dict[str, bool] = {}  # key -> decision, the newest KEPT (in order)
     self._warned = False
+
+  def restored(self) -> None:
+    """A ``restore()`` was made: the next call of a step not newer than the newest
+    decided starts a new timeline."""
+    self._restored = True
+
+  def _key(self, step: int) -> str:
+    if self._top is None or step > self._top:
+      self._top, self._restored = step, False
+    elif self._restored:
+      self.timeline, self._top, self._restored = self.timeline + 1, step, False
+    return f"d/{self.timeline}/{step}"
+
+  def _remember(self, key: str, d: bool) -> None:
+    self._known[key] = d
+    if len(self._known) > self.KEPT:
+      old = next(iter(self._known))
+      del self._known[old]
+      if self.index == 0:
+        self.channel.delete(old)
+
+  def forced(self, step: int) -> None:
+    """``save(step, force=True)``: the step is saved whatever the policy says; on
+    process 0 the job's decision of it is True."""
+    key = self._key(step)
+    if self.index == 0 and self._known.get(key) is not True:
+      self.channel.set(key, json.dumps([step, True]))
+      self._known.pop(key, None)
+      self._remember(key, True)
 
   def decide(self, step: int, own: Callable[[], bool]) -> bool:
     """The job's decision of ``step`` (``own()``: this process's)."""
-    if self._last is not None and self._last[0] == step:
-      return self._last[1]
-    n, self.calls = self.calls, self.calls + 1
+    key = self._key(step)
+    if key in self._known:
+      return self._known[key]
     if self.index == 0:
       d = bool(own())
-      self.channel.set(f"d/{n}", json.dumps([step, d]))
-      if n >= self.KEPT:
-        self.channel.delete(f"d/{n - self.KEPT}")
-      self._last = (step, d)
+      self.channel.set(key, json.dumps([step, d]))
+      self._remember(key, d)
       return d
-    text = self.channel.get(f"d/{n}", self.timeout)
+    text = self.channel.get(key, self.timeout)
     if text is None:
       raise errors.SnapshotTimeoutError(
-          f"process {self.index}: process 0 did not publish its save decision of call {n} "
-          f"(step {step}) within {self.timeout} s ({self.what} decides there: it is that far "
-          "behind, or gone)")
-    theirs, d = json.loads(text)
-    if theirs != step:
-      raise errors.InvalidArgumentError(
-          f"process {self.index}: its save decision {n} is of step {step}, process 0's of "
-          f"step {theirs}: the processes of this job call save()/should_save() with other "
-          "steps; every process must make the same calls")
+          f"process {self.index}: process 0 did not publish its save decision of step {step} "
+          f"(timeline {self.timeline}) within {self.timeout} s ({self.what} decides there: "
+          "it is that far behind, or gone, or its loop never calls save()/should_save() "
+          "with this step; every process must make the same calls)")
+    d = bool(json.loads(text)[1])
     if self.compare and not self._warned:
       mine = bool(own())
       if mine != d:
@@ -207,5 +245,5 @@ class JobDecisions:
             "processes were given save schedules that differ (a per-host setting the function "
             "reads, or the object a bound method belongs to); the %d processes follow process "
             "0's decisions", self.index, self.what, mine, step, d, self.count)
-    self._last = (step, d)
+    self._remember(key, d)
     return d

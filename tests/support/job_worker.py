@@ -430,13 +430,14 @@ def due_by_setting(step: int, latest: int | None) -> bool:
 def schedules_differ(job: Job) -> None:
   """Process 0 saves every 2 steps, process 1 every 3 (``--variant``: ``bound``, a
   per-host ``Every(n).due``; ``global``, a module function reading a per-host
-  setting): each process says what should_save and save answer for steps 1-8
-  (DECIDED), what the job then holds (STEPS), and the warnings it logged (WARNED); or
-  REFUSED at construction."""
+  setting; ``forced``, both every 2 steps, and process 0 alone saves step 3 with
+  ``force=True``, not asking should_save: its DECIDED says ``3:-1``): each process says
+  what should_save and save answer for steps 1-8 (DECIDED), what the job then holds
+  (STEPS), and the warnings it logged (WARNED); or REFUSED at construction."""
   import logging  # pylint: disable=import-outside-toplevel
   import jaxckpt as jc  # pylint: disable=import-outside-toplevel
   global SAVE_EVERY  # pylint: disable=global-statement
-  n = (2, 3)[job.me]
+  n = 2 if job.a.variant == "forced" else (2, 3)[job.me]
   SAVE_EVERY = n
   fn = Every(n).due if job.a.variant == "bound" else due_by_setting
   warned: list[str] = []
@@ -456,6 +457,9 @@ def schedules_differ(job: Job) -> None:
     return
   decided = []
   for s in range(1, 9):
+    if job.a.variant == "forced" and job.me == 0 and s == 3:
+      decided.append(f"{s}:-{int(mgr.save(s, job.state(s), force=True))}")
+      continue
     asked = mgr.should_save(s)
     decided.append(f"{s}:{int(asked)}{int(mgr.save(s, job.state(s)))}")
   mgr.wait_until_snapshotted()
