@@ -228,7 +228,8 @@ def rebuild_ranges(s: Survivors, lost: list[int], wanted: dict[int, list[tuple[i
         blocks = c.read("parity", s.step, [(lo, n) for _, lo, n in ranges], stripe=stripe)
         for (i, _, _), data in zip(ranges, blocks):
           got[i] = data
-    except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
+    except (errors.StepNotFoundError, errors.AgentUnavailableError,
+            errors.CorruptSnapshotError) as e:   # (a parity file truncated there: damage)
       logger.warning("step %d: %s could not serve its pieces' ranges: %s", s.step, c.who, e)
       return None
     with lock:
@@ -260,7 +261,8 @@ def _fetcher(holders: dict[int, Client], layout: StripeLayout, step: int,
         data, = c.read("snapshot", step, [(piece.start, piece.nbytes)])
       else:
         data, = c.read("parity", step, [(0, piece.stop)], stripe=piece.stripe)
-    except (errors.StepNotFoundError, errors.AgentUnavailableError) as e:
+    except (errors.StepNotFoundError, errors.AgentUnavailableError,
+            errors.CorruptSnapshotError) as e:   # (a parity file truncated there: damage)
       logger.warning("step %d: could not fetch %s: %s", step, piece, e)
       return None
     if read is not None:

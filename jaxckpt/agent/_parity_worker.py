@@ -41,7 +41,7 @@ from jaxckpt import errors
 from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent._parity_config import ParityConfig, _lib
 from jaxckpt.agent._protocol import Client
-from jaxckpt.host.snapshot import SnapshotManifest, checksum
+from jaxckpt.host.snapshot import SnapshotManifest
 
 if TYPE_CHECKING:
   from jaxckpt.parity.placement import Piece, StripeLayout
@@ -284,11 +284,17 @@ class ParityWorker:
     if not sum(p.nbytes for p in mine):
       return                  # this host holds no parity of the step (its group's data is elsewhere)
     slot = self._reserve(rec, sum(p.nbytes for p in mine))
-    buf = np.memmap(slot.path, np.uint8, mode="r+", shape=(slot.size,))
+    # Written through its descriptor (pwrite), never a map: a file truncated under the
+    # agent (a /dev/shm cleaner, a hostile process) is then grown again by the write, its
+    # lost bytes failing the block's checksum when read, where a write through a map past
+    # the file's new end is SIGBUS, the agent and every step it holds lost.
+    fd = os.open(slot.path, os.O_WRONLY)
     try:
-      self._encode(rec, layout, mine, buf)
+      if os.fstat(fd).st_size < slot.size:        # truncated while free: reserve it again
+        _paths.allocate(slot.path, slot.size, host=self.agent.host)
+      self._encode(rec, layout, mine, fd)
     finally:
-      del buf
+      os.close(fd)
 
   def _check_reachable(self, me: int) -> None:
     """Refuses a step whose process index its peers cannot reach this agent by: the
@@ -311,27 +317,29 @@ class ParityWorker:
           "agent serves each process)")
 
   def _encode(self, rec: Record, layout: StripeLayout, mine: tuple[Piece, ...],
-              buf: np.ndarray) -> None:
-    """Streams each stripe in sub-blocks: pull k data ranges, encode them into the
-    parity file. Small, equal-sized transfers reuse memory the allocator already
-    touched (first touch of fresh memory costs seconds per GiB) and bound what is
-    in flight to k sub-blocks."""
+              fd: int) -> None:
+    """Streams each stripe in sub-blocks: pull k data ranges, encode them, write this
+    host's parity row into the parity file ``fd`` (pwrite). Small, equal-sized transfers
+    reuse memory the allocator already touched (first touch of fresh memory costs
+    seconds per GiB) and bound what is in flight to k sub-blocks."""
     off = 0
     for piece in mine:
       stripe = layout.stripes[piece.stripe]
       block, k = stripe.block_bytes, len(stripe.data)
-      out = buf[off:off + block]
       hashes = [xxhash.xxh3_64() for _ in range(k)]
+      written = xxhash.xxh3_64()                       # (checksum() of the whole block)
       rs = _lib().codec.codec(k, len(stripe.parity))   # (the layout's, the record's options)
       sub = self.config.sub_block_bytes
       for lo in range(0, block, sub):
         hi = min(block, lo + sub)
         data = [self._pull(rec.step, p, lo, hi, h) for p, h in zip(stripe.data, hashes)]
-        outs = [out[lo:hi] if p is piece else self._scratch(t + k, hi - lo)
-                for t, p in enumerate(stripe.parity)]
+        outs = [self._scratch(t + k, hi - lo) for t in range(len(stripe.parity))]
         rs.encode_into(data, outs)
+        row = next(o for o, p in zip(outs, stripe.parity) if p is piece)
+        written.update(row)
+        _pwrite_all(fd, row, off + lo)
       rec.checksums += [_ck(p, h.hexdigest()) for p, h in zip(stripe.data, hashes)]
-      rec.checksums.append(_ck(piece, checksum(out)))
+      rec.checksums.append(_ck(piece, written.hexdigest()))
       rec.blocks[stripe.id] = (off, block)
       off += block
 
@@ -465,6 +473,12 @@ def _saved_by(manifest: str, index: int, count: int, step: int) -> SnapshotManif
         f"{m.process_index} of {m.process_count}, not of {count}: the job runs on other "
         f"processes now, so step {step} cannot be protected")
   return m
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+  view, done = memoryview(data).cast("B"), 0
+  while done < len(view):
+    done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _ck(piece: Piece, value: str) -> list[Any]:

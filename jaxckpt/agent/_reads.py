@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import mmap
+import os
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Iterator, Literal
 
+import numpy as np
 from msgspec import Meta
 
 from jaxckpt import errors
@@ -112,9 +113,8 @@ class Reads:
         path, size, start, nbytes = worker.block_at(step, req.stripe)
         wanted = _checked(ranges, nbytes, f"parity of step {step}")
         self.served += sum(n for _, n in wanted)
-      with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-        yield [mm[start + o:start + o + n] for o, n in wanted]       # copies, taken unlocked
-      return
+      yield read_parity(path, size, start, wanted, f"parity of stripe {req.stripe} of step {step}")
+      return                                                      # (copies, taken unlocked)
     reader = -next(self._readers)          # a pin owner no trainer pid can be
     with self.agent.lock:
       s = self.agent.table.pin(step, reader) or self.agent.slot_of(step)
@@ -136,3 +136,31 @@ def _checked(ranges: list[list[int]], size: int, what: str) -> list[tuple[int, i
   if bad:
     raise errors.InvalidArgumentError(f"byte ranges {bad} lie outside {what} ({size} bytes)")
   return out
+
+
+def read_parity(path: str, size: int, start: int, wanted: list[tuple[int, int]],
+                what: str) -> list[np.ndarray]:
+  """Byte ranges ``wanted`` of the block at ``start`` of parity file ``path`` (``size``
+  bytes), read through its descriptor (``pread``), never through a map: a file truncated
+  under the agent (a /dev/shm cleaner, a hostile process) is a short read, a
+  CorruptSnapshotError the reader takes for a missing piece, where a map is SIGBUS at
+  the first touch past the file's new end, the agent and every step it holds lost."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    have = os.fstat(fd).st_size
+    out = []
+    for o, n in wanted:
+      buf = np.empty(n, np.uint8)
+      got = 0
+      while got < n:
+        k = os.preadv(fd, [memoryview(buf)[got:]], start + o + got) if have >= size else 0
+        if k <= 0:
+          raise errors.CorruptSnapshotError(
+              f"{what}: parity file {path} is {os.fstat(fd).st_size} bytes, shorter than "
+              f"the {size} it holds: it was truncated (a /dev/shm cleaner, a full tmpfs); "
+              "this parity is lost on this host")
+        got += k
+      out.append(buf)
+    return out
+  finally:
+    os.close(fd)

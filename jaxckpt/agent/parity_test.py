@@ -62,11 +62,13 @@ class Cluster:
   """Four hosts' stores (one agent each) saving hand-made per-process snapshots."""
 
   def __init__(self, root: str, job: str, parity: int, *, timeout_secs: float = 60.0,
-               empty: tuple[int, ...] = (), persist: dict | None = None):
+               empty: tuple[int, ...] = (), persist: dict | None = None,
+               sub_block_bytes: int = 320):
     self.root, self.job, self.empty, self.persist = root, job, empty, persist
     self.options = jc.ParityOptions(group_size=4, parity=parity)
     # Small sub-blocks: each stripe is pulled and encoded in several ranges, the last padded.
-    self.config = _parity_config.ParityConfig(4, parity, timeout_secs, sub_block_bytes=320).to_obj()
+    self.config = _parity_config.ParityConfig(4, parity, timeout_secs,
+                                              sub_block_bytes=sub_block_bytes).to_obj()
     self.stores = [self._store(h) for h in range(HOSTS)]
 
   def _store(self, h: int) -> AgentStore:
@@ -437,6 +439,50 @@ def test_corrupted_parity_block_is_detected(sandbox):
       with pytest.raises(errors.CorruptSnapshotError,
                          match=r"stripe 1 of group 0 lost hosts \[2\] .*failed its checksum"):
         mgr.restore(target=target())
+
+
+def test_a_parity_file_truncated_under_its_agent_is_damage_and_the_agent_lives(sandbox, caplog):
+  """Host 1's parity file of step 1 is truncated again and again while its agent encodes
+  into it (16-byte sub-blocks: hundreds of pulls from its peers), then once more after:
+  the agent writes and reads it through its descriptor, never a map (a touch past the
+  file's new end: SIGBUS, the agent and every step it holds lost). It lives; a restore
+  that needs that parity (host 2 lost) takes the short read for a missing piece and
+  reports the step unrecoverable."""
+  with Cluster(*sandbox, 1, sub_block_bytes=16) as c:
+    pid = c.stores[1].pid
+    path = os.path.join(_paths.agent_dir(c.root, c.job, 1), "parity0.bin")
+    c.save(1)
+    _wait.until(lambda: os.path.exists(path) or c.parity_status(1)["steps"][0][1] != "pending",
+                timeout_secs=60, late=lambda: "host 1's agent never created its parity file")
+    truncations = 0
+
+    def encoding() -> bool:
+      nonlocal truncations
+      os.truncate(path, 0)
+      truncations += 1
+      try:
+        return c.parity_status(1)["steps"][0][1] == "pending"
+      except errors.AgentUnavailableError:
+        return False
+    _wait.until(lambda: not encoding(), timeout_secs=120,
+                late=lambda: "host 1's agent did not finish the parity of step 1")
+    assert processes.pid_alive(pid), f"host 1's agent died (SIGBUS) after {truncations} truncations"
+    assert truncations > 1, "host 1 encoded step 1 before its file was truncated"
+    assert c.parity_status(1)["steps"][0][1] == "done", c.parity_status(1)
+    with c.manager() as mgr:
+      mgr.wait_until_protected(1, timeout_secs=120)      # (its peers' parity, too)
+    os.truncate(path, 0)
+    c.lose([2])
+    with c.manager() as mgr:
+      with pytest.raises(errors.UnrecoverableLossError,
+                         match=r"stripe \d of group 0 lost hosts \[2\], and hosts \[1\] could "
+                         "not serve its survivors' bytes"):
+        mgr.restore(target=target())
+    assert f"parity file {path} is 0 bytes" in caplog.text and "truncated" in caplog.text
+    assert processes.pid_alive(pid), "host 1's agent died (SIGBUS) serving its parity"
+    c.save(2)                                   # and protects the next step
+    with c.manager() as mgr:
+      mgr.wait_until_protected(2, timeout_secs=60)
 
 
 @pytest.mark.slow
