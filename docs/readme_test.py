@@ -43,6 +43,6 @@ def test_the_two_commands_and_how_long_the_tests_take():
   screen = _first_screen()
   assert "\n    pip install -e . && python examples/train_flax.py --steps 20\n" in screen
   assert "\n    pip install -e \".[test]\" && python -m pytest -q -n 2\n" in screen
-  assert "Install and run the tests (about 12-15 minutes on 2 cores, two at a time):" in screen
+  assert "Install and run the tests (about 20-25 minutes on 2 cores, two at a time):" in screen
   ci = (_ROOT / ".ci" / "run").read_text()
   assert "readme_command 'pip install -e \\. '" in ci

@@ -80,10 +80,11 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 # What jaxckpt.testing ships: what users test their own stores and jobs with (docs/api.md's
-# HostStore contract tests, scenarios, fault injection, processes, damage) and the pytest
+# HostStore contract tests, scenarios, fault injection, processes, damage, a run's history,
+# the power-loss model) and the pytest
 # plugin that stops the snapshot agents a session started (a user's suite starts them too).
-_SHIPPED_TESTING = {"__init__", "damage", "fault_injection", "host_store", "processes",
-                    "pytest_agents", "scenarios"}
+_SHIPPED_TESTING = {"__init__", "damage", "fault_injection", "history", "host_store",
+                    "power_loss", "processes", "pytest_agents", "scenarios"}
 
 
 def test_the_wheel_holds_the_library_and_not_the_test_harness(tmp_path):
