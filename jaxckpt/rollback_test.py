@@ -9,7 +9,7 @@ import pytest
 import jaxckpt as jc
 from jaxckpt import errors, universal
 from jaxckpt.testing import processes
-from jaxckpt.universal import _commit
+from jaxckpt.universal import _commit, _rollbacks
 
 
 def _state(step: int, version: int = 0) -> dict:
@@ -155,7 +155,7 @@ def test_a_rollback_killed_at_any_point_never_resumes_the_abandoned_timeline(tmp
               m.restore(s, _state(0))
           if directory is not None:
             assert [s for s in universal.all_steps(directory) if s > 25] == [], k
-            assert _commit.rollback_record(directory) is None, k
+            assert _rollbacks.rollback_record(directory) is None, k
           assert m.save(26, _state(26, version=1))   # the new timeline goes on
           m.wait_until_finished()
           assert m.all_steps() == [21, 22, 23, 24, 25, 26], (k, m.all_steps())

@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from jaxckpt import errors, universal
-from jaxckpt.universal import _commit
+from jaxckpt.universal import _commit, _rollbacks
 from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._policy import DirectoryRules, Policy
 from jaxckpt.host.store import HostStore
@@ -169,12 +169,12 @@ class Deletes:
     steps = record["steps"]
     recorded = self._clears_rollback
     if recorded:
-      _commit.record_rollback(self.directory, record)
+      _rollbacks.record_rollback(self.directory, record)
       _crash.point("rollback")
     self.store.rollback(record["id"], steps, timeout_secs=self.timeout)   # fenced first
     self._complete(record, stored)
     if recorded:
-      _commit.clear_rollback(self.directory)
+      _rollbacks.clear_rollback(self.directory)
       _crash.point("rollback")
 
   def _complete(self, record: dict[str, Any], stored: set[int]) -> None:
@@ -201,7 +201,7 @@ class Deletes:
     self.store.complete_rollbacks(timeout_secs=self.timeout)   # on the agents that missed one
     if self.directory is None:
       return
-    record = _commit.rollback_record(self.directory)
+    record = _rollbacks.rollback_record(self.directory)
     if record is None:
       return
     logger.warning("completing the rollback that a crash interrupted: steps %s of the timeline "
@@ -209,11 +209,11 @@ class Deletes:
                    record["steps"], record["step"], record["fork"])
     self.store.rollback(record["id"], record["steps"], timeout_secs=self.timeout)
     if not self._clears_rollback:     # process 0 completes storage's part: listed once it has
-      _wait.until(lambda: _commit.rollback_record(self.directory) is None,
+      _wait.until(lambda: _rollbacks.rollback_record(self.directory) is None,
                   timeout_secs=self.timeout, poll_secs=0.05, late=lambda: (
                       f"process {self.process[0]}: process 0 did not complete the rollback "
                       f"recorded in {self.directory!r} (steps {record['steps']}) within "
                       f"{self.timeout} s"))
     self._complete(record, set(_tiers.storage_steps(self.directory, timeout_secs=self.timeout)))
     if self._clears_rollback:
-      _commit.clear_rollback(self.directory)
+      _rollbacks.clear_rollback(self.directory)
