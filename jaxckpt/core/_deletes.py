@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from jaxckpt import errors, universal
-from jaxckpt.universal import _commit, _rollbacks
+from jaxckpt.universal import _rollbacks
 from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._policy import DirectoryRules, Policy
 from jaxckpt.host.store import HostStore
