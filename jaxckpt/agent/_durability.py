@@ -14,7 +14,6 @@ from jaxckpt import errors
 from jaxckpt.agent import _parity_config, _parity_worker, _requests
 from jaxckpt.agent._slot_files import SlotReader
 from jaxckpt.host import _persist, _slots
-from jaxckpt.host.snapshot import SnapshotManifest
 
 if TYPE_CHECKING:
   from jaxckpt.agent._server import Agent
@@ -34,9 +33,6 @@ class Durability:
 
   def __init__(self, agent: Agent) -> None:
     self.agent = agent
-    # slot -> (the manifest JSON of the step it holds, parsed): parsed once, on first use
-    # (the parity thread, the persist, ...), not by each (see ``manifest_of``)
-    self.parsed: dict[int, tuple[str, SnapshotManifest]] = {}
 
   def configure_persist(self, persist: dict[str, Any]) -> None:
     """Starts the persister with a trainer's options, or gives it new ones."""
@@ -61,20 +57,6 @@ class Durability:
         logger.info("parity options changed from %s to %s for later steps; the parity held "
                     "keeps its own", self.agent.parity.config.options, config.options)
       self.agent.parity.reconfigure(config)
-
-  def manifest_of(self, step: int, slot: _slots.SlotState | None = None) -> SnapshotManifest:
-    """The manifest of committed ``step`` (or of the step ``slot`` holds, an earlier
-    run's too), parsed once per commit: the parity thread and each persist of the step
-    share it (StepNotFoundError if not committed). Parsed outside the agent's lock by
-    whichever thread first needs it."""
-    s = slot if slot is not None else self.agent.slot_of(step)
-    text = self.agent.foreign_manifests[s.index] if s.foreign else self.agent.manifests[step]
-    got = self.parsed.get(s.index)
-    if got is not None and got[0] is text:
-      return got[1]
-    manifest = SnapshotManifest.from_json(text)
-    self.parsed[s.index] = (text, manifest)
-    return manifest
 
   def reply(self, errors: bool = True) -> dict[str, Any]:
     """The persist status (and, with ``errors``, the errors since the last ask)."""
@@ -116,11 +98,11 @@ class Durability:
                                        f"holds step {step} for no persist attempt {attempt!r}")
     reader = None
     try:
-      manifest = self.manifest_of(step, s)
+      manifest = s.parsed()               # (once per commit, shared with the parity thread)
       if not s.size:
         yield manifest, b""
       else:           # read through the file, never a map: a truncated slot is no SIGBUS
-        reader = SlotReader(self.agent.files.slots[s.index].path, s.size, step)
+        reader = SlotReader(self.agent.files.of(s.index).path, s.size, step)
         yield manifest, reader
     finally:
       if reader is not None:

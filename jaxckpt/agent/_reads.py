@@ -67,8 +67,8 @@ class Reads:
     s = self.agent.table.pin(step, reader) or self.agent.slot_of(step)
     if lease_secs is not None:
       self.leases[reader] = (time.monotonic() + lease_secs, lease_secs)
-    return _requests.Open.Reply(path=self.agent.files.slots[s.index].path,
-                                manifest=self.agent.manifests[step],
+    return _requests.Open.Reply(path=self.agent.files.of(s.index).path,
+                                manifest=s.manifest,
                                 index=s.index, size=s.size,
                                 reader=None if lease_secs is None else reader)
 
@@ -119,7 +119,7 @@ class Reads:
     with self.agent.lock:
       s = self.agent.table.pin(step, reader) or self.agent.slot_of(step)
       self.renew(s)
-      view = memoryview(self.agent.files.slots[s.index].read_map(s.size))
+      view = memoryview(self.agent.files.of(s.index).read_map(s.size))
     try:
       wanted = _checked(ranges, s.size, f"step {step}")
       with self.agent.lock:

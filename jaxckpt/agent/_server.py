@@ -63,11 +63,9 @@ class Agent:
     self.max_snapshots = max_snapshots
     self.limit_bytes = limit_bytes
     self.idle_timeout_secs = idle_timeout_secs
-    self.table = _slots.SlotTable(max_snapshots)   # which slot holds what (shared rules)
-    self.manifests: dict[int, str] = {}        # step -> manifest JSON
-    self.foreign_manifests: dict[int, str] = {}   # slot -> manifest JSON of an earlier run's
-    self.foreign_processes: dict[int, tuple[int, int]] = {}   # slot -> its (process, count)
-    self.processes: dict[int, tuple[int, int]] = {}   # step -> (saving process, of how many)
+    # which slot holds what (shared rules), and each slot's one record: its step's
+    # manifest, saving process, run, persist attempt and file (nothing kept beside it)
+    self.table = _slots.SlotTable(max_snapshots)
     self.trainers: set[int] = set()
     self.last_active = time.monotonic()
     self.stopping = False
@@ -82,7 +80,6 @@ class Agent:
     self.crowded = 0                   # reserves that found held steps in the loop's slots
     self.run: str | None = None        # the run whose snapshots it holds (its directory)
     self.files = SlotFiles(self)       # each slot's file, and the room they take
-    self.slots = self.files.slots      # (the same list)
     self.reads = Reads(self)           # the readers' pins and the bulk path
     self.durable = Durability(self)    # the persist and parity glue
     self.keep = JobKeep(self)          # what the job's other hosts hold: the keep rule's
@@ -105,17 +102,11 @@ class Agent:
     if any(d.state == _slots.COMMITTED and not d.foreign for d in dropped):
       self.keep.changed()               # (the job's other hosts hear it)
     for d in dropped:
-      self.durable.parsed.pop(d.index, None)
       if d.foreign:                     # an earlier run's step: its persist ended
-        self.foreign_manifests.pop(d.index, None)
-        self.foreign_processes.pop(d.index, None)
         self.files.free_retired(self.table.slots[d.index])
         continue
       if d.state == _slots.COMMITTED and self.parity is not None:
         self.parity.drop(d.step)
-      if d.state == _slots.COMMITTED:
-        self.manifests.pop(d.step, None)
-        self.processes.pop(d.step, None)
       if d.held and self.persister is not None:   # rolled back before it was persisted
         self.persister.fence(d.step)
       self.files.free_retired(self.table.slots[d.index])
@@ -165,19 +156,8 @@ class Agent:
     resumes them."""
     if self.run is not None and run != self.run:
       t = self.table
-      ending = [s for s in t.slots if s.state == _slots.COMMITTED and not s.foreign and s.held]
-      before = {s.index for s in t.slots if s.foreign}
-      dropped = t.new_run(run)
-      for st in ending:                  # the ending run's steps still being persisted
-        self.foreign_manifests[st.index] = self.manifests.pop(st.step)
-        if st.step in self.processes:
-          self.foreign_processes[st.index] = self.processes.pop(st.step)
+      dropped = t.new_run(run)           # (each slot's record goes with it, foreign or not)
       self.dropped(dropped)
-      for st in t.slots:                 # ``run`` comes back: its own steps still persisting
-        if st.index in before and st.state == _slots.COMMITTED and not st.foreign:
-          self.manifests[st.step] = self.foreign_manifests.pop(st.index)
-          if st.index in self.foreign_processes:
-            self.processes[st.step] = self.foreign_processes.pop(st.index)
       foreign = [s for s in t.slots if s.foreign]
       if self.persister is not None:
         self.persister.disown({st.attempt for st in foreign if st.attempt})
@@ -188,7 +168,8 @@ class Agent:
                   "of steps %s of the previous run are freed, those of %s once their "
                   "persists end", self.job, self.host, run, self.run,
                   [d.step for d in dropped], [st.step for st in foreign])
-    self.run = self.table.run = run
+    self.table.new_run(run)              # (the first run: the steps held are its own)
+    self.run = run
 
   def _take_lease(self, pid: int, owner: str | None = None) -> None:
     """One manager per job and host, in any process: a live holder keeps the lease
@@ -243,7 +224,7 @@ class Agent:
       if r is None:
         return _requests.Reserve.Reply(index=None, note=note)
     self.files.fit()
-    slot = self.slots[r.index]
+    slot = self.files.of(r.index)
     if r.grow:                     # too small, or lent to a restore: a new file
       slot.renew(nbytes)
     self.files.check_file_room(r.index)
@@ -257,7 +238,7 @@ class Agent:
     shard as it wrote it (the checksums are those of the slot's bytes); every
     read (a restore, a persist, a peer's parity rebuild) verifies them again."""
     size = self.table.writing(index, step).size
-    have = _paths.file_size(self.slots[index].path)
+    have = _paths.file_size(self.files.of(index).path)
     if not 0 <= nbytes <= min(size, have):
       self.dropped([self.table.abort(index)])
       raise errors.CorruptSnapshotError(
@@ -265,22 +246,24 @@ class Agent:
           f"file holds {have} (truncated under the agent?); the snapshot is not kept")
     persist = persist_attempt is not None and self.persister is not None
     # a rollback, then the oldest; a step due for storage is held until persisted
+    saver = (int(process[0]), int(process[1]))
     self.dropped(self.table.commit(index, step, hold=persist,
-                                    attempt=str(persist_attempt) if persist else None))
-    self.slots[index].allocated = True
-    self.manifests[step] = manifest
-    self.processes[step] = (int(process[0]), int(process[1]))
+                                    attempt=str(persist_attempt) if persist else None,
+                                    manifest=manifest, process=saver))
+    self.files.of(index).allocated = True
     self.deleted.pop(step, None)             # saved again after a delete
     self.keep.committed(step)
     if persist:
       self.persister.submit(step, str(persist_attempt))
-    if self.parity is not None and step in self.manifests:
-      self.parity.on_commit(step, self.manifest_of(step), manifest, self.processes[step])
+    if self.parity is not None:
+      self.parity.on_commit(step, self.manifest_of(step), manifest, saver)
     return _requests.Commit.Reply(steps=self.steps(), **self.durable.reply())
 
   def manifest_of(self, step: int, slot: _slots.SlotState | None = None) -> SnapshotManifest:
-    """The manifest of committed ``step``, parsed once (``Durability.manifest_of``)."""
-    return self.durable.manifest_of(step, slot)
+    """The manifest of committed ``step`` (or of the step ``slot`` holds, an earlier run's
+    too), parsed once per commit by whichever thread first needs it (the parity thread
+    and each persist of the step share it; StepNotFoundError if not committed)."""
+    return (slot if slot is not None else self.slot_of(step)).parsed()
 
   def held_for_persist(self, step: int) -> bool:
     """Whether committed ``step`` is held until its persist ends (parity thread)."""
@@ -357,17 +340,16 @@ class Agent:
     return _requests.Done()
 
   def op_manifest(self, step: int) -> _requests.Manifest.Reply:
-    self.slot_of(step)
-    return _requests.Manifest.Reply(manifest=self.manifests[step])
+    return _requests.Manifest.Reply(manifest=self.slot_of(step).manifest)
 
   def op_held(self) -> _requests.Held.Reply:
     """Every committed step with the saving process index and count."""
-    return _requests.Held.Reply(held=[[step, *self.processes[step]] for step in self.steps()])
+    return _requests.Held.Reply(held=[[s.step, *s.process] for s in self.table.committed_slots()])
 
   def op_peer_manifest(self, step: int) -> _requests.PeerManifest.Reply:
     """A peer's parity thread asks: have you committed ``step``? (its manifest if so)."""
-    steps = self.steps()
-    return _requests.PeerManifest.Reply(manifest=self.manifests.get(step),
+    steps, s = self.steps(), self.table.committed(step)
+    return _requests.PeerManifest.Reply(manifest=None if s is None else s.manifest,
                                         newest=steps[-1] if steps else None)
 
   def op_status(self) -> _requests.Status.Reply:

@@ -146,11 +146,14 @@ def _same_file(mm: mmap.mmap, path: str, size: int, ino: int | None) -> bool:
 
 
 class SlotFiles:
-  """The files of ``agent``'s slots (``slots``, by index, beside its slot table)."""
+  """The files of ``agent``'s slots, each kept in its slot's record (``memory``)."""
 
   def __init__(self, agent: Agent) -> None:
     self.agent = agent
-    self.slots: list[_Slot] = []                    # each slot's file
+
+  def of(self, index: int) -> _Slot:
+    """Slot ``index``'s file record."""
+    return self.agent.table.slots[index].memory
 
   def ensure(self) -> None:
     """The loop's ``max_snapshots + 1`` slots, and up to ``table.spare`` more for steps
@@ -172,15 +175,16 @@ class SlotFiles:
 
   def fit(self) -> None:
     """A file record for every slot of the table (it adds slots for held steps)."""
-    while len(self.slots) < len(self.agent.table):
-      self.slots.append(_Slot(len(self.slots), self.agent.dir))
+    for st in self.agent.table.slots:
+      if st.memory is None:
+        st.memory = _Slot(st.index, self.agent.dir)
 
   def free_retired(self, st: _slots.SlotState) -> None:
     """Gives back the memory of retired slot ``st`` once it is free (the file is
     unlinked, so a reader's or a restored array's map of it stays valid)."""
     if st.state != _slots.FREE or set(st.pins) != {_RETIRED} or not st.size:
       return
-    s = self.slots[st.index]
+    s = st.memory
     if s.map is not None:
       with contextlib.suppress(BufferError):
         s.map.close()
@@ -195,7 +199,7 @@ class SlotFiles:
     given up with HostMemoryBudgetError: said by this save, not by a failed copy."""
     size = self.agent.table.slots[index].size
     try:
-      lacking = size - os.stat(self.slots[index].path).st_blocks * 512
+      lacking = size - os.stat(self.of(index).path).st_blocks * 512
     except FileNotFoundError:
       lacking = size
     free = shutil.disk_usage(self.agent.dir).free
@@ -217,11 +221,11 @@ class SlotFiles:
       self.agent.table.grow_to(max(len(self.agent.table), self.agent.table.base + 1))
       self.fit()
     for i in self.agent.table.grow_free(nbytes):
-      self.slots[i].renew(nbytes)
+      self.of(i).renew(nbytes)
     free = [s.index for s in self.agent.table.slots
             if s.state == _slots.FREE and not s.pinned and s.size >= nbytes]
     return _requests.Preallocate.Reply(slots=[
-        [i, self.slots[i].path, self.agent.table.slots[i].size, not self.slots[i].allocated]
+        [i, self.of(i).path, self.agent.table.slots[i].size, not self.of(i).allocated]
         for i in free])
 
   def check_room(self, nbytes: int) -> tuple[int, int]:
@@ -263,7 +267,7 @@ class SlotFiles:
 
   def close(self) -> None:
     """Closes the kept maps (one a reader still holds is freed with it)."""
-    for s in self.slots:
+    for s in (st.memory for st in self.agent.table.slots if st.memory is not None):
       if s.map is not None:
         with contextlib.suppress(BufferError):   # a reader still holds it: freed with it
           s.map.close()

@@ -174,8 +174,12 @@ def test_a_commit_s_manifest_is_parsed_once_for_every_use_on_the_agent(tmp_path)
     assert first == manifest and agent.manifest_of(5) is first
     with agent.durable.pinned(5) as (read, _):
       assert read is first
+    index = agent.slot_of(5).index
     assert ask(_requests.Discard(step=5)).discarded
-    assert agent.durable.parsed == {}
+    freed = agent.table.slots[index]              # the record let go of its step's manifest
+    assert freed.manifest is None and freed.process is None and freed.run is None
+    with pytest.raises(errors.CorruptSnapshotError, match="holds no manifest"):
+      freed.parsed()
     with pytest.raises(errors.StepNotFoundError):
       agent.manifest_of(5)
   finally:

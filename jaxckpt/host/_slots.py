@@ -46,23 +46,38 @@ bytes; the table decides:
   dropped as a rolled back step of the new run, whatever its step numbers); the
   others are freed. A run that comes back takes its own foreign steps back.
 
-Every method that frees a slot returns what it freed (:class:`Dropped`), so the
-store can release what it keeps beside the table (manifests, parity, hashing).
+Each slot's entry (:class:`SlotState`) is the one record of everything known of
+the slot and the step it holds: its state and step, the manifest (as sent, and
+parsed once), the saving process, the run that committed it, the persist attempt
+it is held for, and the store's memory for its bytes. A store keeps no map of its
+own by step or slot beside the table. Every method that frees a slot returns what
+it freed (:class:`Dropped`), so the store can tell those who keep facts of a *step*
+(the persister's fences, the parity of a step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from jaxckpt import errors
+
+if TYPE_CHECKING:
+  from jaxckpt.host.snapshot import SnapshotManifest
 
 FREE, WRITING, COMMITTED = "free", "writing", "committed"
 
 
 @dataclasses.dataclass
+class _Run:
+  """The table's current run, shared by its slots (a record is foreign against it)."""
+
+  run: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
 class SlotState:
-  """One slot's entry."""
+  """One slot's record: everything known of the slot and of the step it holds."""
 
   index: int
   state: str = FREE
@@ -74,12 +89,48 @@ class SlotState:
   protected: bool = False       # its parity is done (the newest such step is kept)
   attempt: str | None = None    # the persist attempt a held step is held for
   run: str | None = None        # the run that committed it (the table's run then)
-  foreign: bool = False         # an earlier run's step, held only until its persist ends
+  manifest: str | None = None   # the committed step's manifest as its writer sent it (JSON)
+  process: tuple[int, int] | None = None   # (the saving process, of how many)
   pins: dict[int, int] = dataclasses.field(default_factory=dict)   # reader -> count
+  # The store's memory for the slot's bytes (the agent's file record, the in-process
+  # store's buffer): it outlives the steps the slot holds, so a drop keeps it.
+  memory: Any = None
+  _parsed: tuple[Any, SnapshotManifest] | None = dataclasses.field(default=None, repr=False)
+  _now: _Run = dataclasses.field(default_factory=_Run, repr=False)
 
   @property
   def pinned(self) -> bool:
     return bool(self.pins)
+
+  @property
+  def foreign(self) -> bool:
+    """An earlier run's committed step, held only until its persist ends: its run is
+    not the table's."""
+    return self.state == COMMITTED and self.run != self._now.run
+
+  def parsed(self) -> SnapshotManifest:
+    """The committed step's manifest, parsed once (by whichever thread asks first; the
+    text is not parsed again while the slot holds the step). CorruptSnapshotError if
+    the slot holds none."""
+    text, got = self.manifest, self._parsed
+    if got is not None and got[0] is text:
+      return got[1]
+    if text is None:
+      raise errors.CorruptSnapshotError(
+          f"slot {self.index} ({self.state}, step {self.step}) holds no manifest")
+    from jaxckpt.host.snapshot import SnapshotManifest  # pylint: disable=import-outside-toplevel
+    manifest = SnapshotManifest.from_json(text)
+    if self.manifest is text:       # (still the same commit: kept for the next reader)
+      self._parsed = (text, manifest)
+    return manifest
+
+  def _hold_manifest(self, manifest: str | SnapshotManifest | None) -> None:
+    """The committed step's manifest: its text (parsed on first use), or parsed already."""
+    if manifest is None or isinstance(manifest, str):
+      self.manifest, self._parsed = manifest, None
+    else:
+      self.manifest = None
+      self._parsed = (None, manifest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +223,7 @@ class SlotTable:
     self.keep = keep
     self.base = keep + 1 if count is None else count    # the loop's slots
     self.spare = 0
-    self.run: str | None = None   # the run whose steps are this table's own
+    self._now = _Run()         # the run whose steps are this table's own (``run``)
     self._squeezed = False     # a kept step went to free a slot a held one took (crowded)
     self.job_wide = False      # a job of several hosts: drops follow ``whole`` (see above)
     self.whole: int | None = None   # the newest step every host of the job holds, as known
@@ -181,10 +232,15 @@ class SlotTable:
 
   # -- shape -----------------------------------------------------------------
 
+  @property
+  def run(self) -> str | None:
+    """The run whose steps are this table's own (:meth:`new_run` changes it)."""
+    return self._now.run
+
   def grow_to(self, count: int) -> None:
     """Adds free slots until there are ``count`` (slots are never removed)."""
     while len(self.slots) < count:
-      self.slots.append(SlotState(len(self.slots)))
+      self.slots.append(SlotState(len(self.slots), _now=self._now))
 
   def __len__(self) -> int:
     return len(self.slots)
@@ -198,6 +254,10 @@ class SlotTable:
   def steps(self) -> list[int]:
     """Committed steps, oldest first."""
     return sorted(s.step for s in self._own())
+
+  def committed_slots(self) -> list[SlotState]:
+    """This run's committed slots, oldest step first."""
+    return sorted(self._own(), key=lambda s: s.step)
 
   def held_steps(self) -> list[int]:
     """Committed steps held for their persist, oldest first."""
@@ -307,33 +367,43 @@ class SlotTable:
     return s
 
   def commit(self, index: int, step: int, *, hold: bool = False,
-             attempt: str | None = None) -> list[Dropped]:
+             attempt: str | None = None, manifest: str | SnapshotManifest | None = None,
+             process: tuple[int, int] | None = None) -> list[Dropped]:
     """Makes slot ``index`` (writing ``step``) the committed snapshot of ``step``,
-    held for its persist (``attempt``) if ``hold``. Returns the steps dropped: newer
-    or equal ones of this run (a rollback, held ones included: their persists belong
-    to the abandoned timeline), then those the keep rule drops (:meth:`_trim`)."""
+    held for its persist (``attempt``) if ``hold``, with its ``manifest`` (the JSON
+    its writer sent, parsed on first use, or parsed already) and saving ``process``.
+    Returns the steps dropped: newer or equal ones of this run (a rollback, held ones
+    included: their persists belong to the abandoned timeline), then those the keep
+    rule drops (:meth:`_trim`)."""
     s = self.writing(index, step)
     dropped = [self._drop(o) for o in self._own() if o.step >= step]
     if self.whole is not None and self.whole >= step:
       self.whole = None            # rolled back past it: the job agrees anew
     s.state, s.owner, s.held, s.protected = COMMITTED, None, hold, False
-    s.attempt, s.run = (attempt if hold else None), self.run
+    s.attempt, s.run, s.process = (attempt if hold else None), self.run, process
+    s._hold_manifest(manifest)  # pylint: disable=protected-access
     return dropped + self._trim()
 
   def new_run(self, run: str | None) -> list[Dropped]:
     """Run ``run`` follows: this run's steps held for their persists become foreign
-    (see the module docstring), the others are freed (returned), and the foreign
-    steps ``run`` itself committed (it comes back) are its own again."""
+    (their run is no longer the table's: see the module docstring), the others are
+    freed (returned), and the foreign steps ``run`` itself committed (it comes back)
+    are its own again. A table that knew no run yet (a writer that named none) takes
+    its steps as ``run``'s."""
+    if run == self.run:
+      return []
+    if self.run is None:
+      for o in self._own():
+        o.run = run
+      self._now.run = run
+      return []
     out = []
     for o in self._own():
       if o.held:
-        o.foreign, o.protected = True, False
+        o.protected = False
       else:
         out.append(self._drop(o))
-    self.run, self.whole = run, None
-    for o in self.slots:
-      if o.state == COMMITTED and o.foreign and run is not None and o.run == run:
-        o.foreign = False
+    self._now.run, self.whole = run, None
     return out
 
   def protect(self, step: int) -> list[Dropped]:
@@ -477,5 +547,6 @@ class SlotTable:
   def _drop(s: SlotState) -> Dropped:
     d = Dropped(s.index, s.step, s.state, s.held, s.foreign)
     s.state, s.step, s.owner, s.held, s.protected = FREE, None, None, False, False
-    s.attempt, s.foreign, s.run = None, False, None
+    s.attempt, s.run, s.process = None, None, None
+    s._hold_manifest(None)  # pylint: disable=protected-access
     return d

@@ -314,6 +314,7 @@ def test_a_rollback_drops_held_steps_and_says_so():
 def test_a_new_run_sees_none_of_the_earlier_runs_steps_and_its_own_step_numbers_spare_them():
   t = _slots.SlotTable(2)
   t.spare = 2
+  t.new_run("r1")
   for step, hold in ((1, False), (2, True)):
     t.commit(t.reserve(step, 8, owner=1).index, step, hold=hold, attempt=f"r1-s{step}-0")
   held = t.committed(2)
@@ -330,6 +331,70 @@ def test_a_new_run_sees_none_of_the_earlier_runs_steps_and_its_own_step_numbers_
   t.unpin(held.index, 7)
   assert [(d.step, d.foreign) for d in t.release(2, "r1-s2-0")] == [(2, True)]
   assert t.foreign_steps() == [] and t.held_steps() == [2]     # the new run's still held
+
+
+def _commit_of(t, step, run, hold=True):
+  """Commits ``step`` held for its persist, with a manifest and saving process of ``run``'s."""
+  index = t.reserve(step, 8, owner=1).index
+  t.commit(index, step, hold=hold, attempt=f"{run}-s{step}-0", manifest=_manifest(step, run),
+           process=(0, 1))
+  return t.slots[index]
+
+
+def _manifest(step, run):
+  """A manifest of ``step`` that says its run (in its byte count: r1 -> 1)."""
+  from jaxckpt.host.snapshot import SnapshotManifest   # pylint: disable=import-outside-toplevel
+  return SnapshotManifest(step=step, leaves=(), nbytes=int(run[1:]) if run else 0).to_json()
+
+
+def test_a_slots_record_carries_its_steps_facts_and_foreign_follows_its_run():
+  """The case that hung the chaos soak once ``foreign`` was derived from the run (78e17f9):
+  steps committed before the agent knew a run (a hello that named none) stayed the first
+  run's own, not foreign for ever (never freed: the table filled and a stop hung). And the
+  one before it (88280b4): a third run was given the first run's manifest of the same step
+  number. Each record keeps its step's manifest, saving process, run and attempt, so each
+  foreign step keeps its own whatever the step numbers of later runs."""
+  t = _slots.SlotTable(1)
+  t.spare = 3
+  early = _commit_of(t, 2, run=None, hold=False)
+  assert t.new_run("r1") == [] and t.run == "r1"       # a first run: the steps held are its own
+  assert t.steps() == [2] and not early.foreign and early.run == "r1"
+  assert [d.step for d in t.commit(t.reserve(3, 8, owner=1).index, 3)] == [2]  # keep=1 drops it
+  t = _slots.SlotTable(1)
+  t.spare = 3
+  t.new_run("r1")
+  first = _commit_of(t, 5, "r1")
+  t.new_run("r2")
+  second = _commit_of(t, 5, "r2")
+  t.new_run("r3")
+  third = _commit_of(t, 5, "r3", hold=False)
+  assert [s.foreign for s in (first, second, third)] == [True, True, False]
+  assert t.steps() == [5] and t.foreign_steps() == [5, 5]
+  assert t.committed(5) is third and third.manifest == _manifest(5, "r3")
+  for s, run in ((first, "r1"), (second, "r2")):       # each by its attempt, with its own facts
+    assert t.of_attempt(f"{run}-s5-0") is s
+    assert s.manifest == _manifest(5, run) and s.parsed() is s.parsed()
+    assert s.parsed().nbytes == int(run[1:])
+    assert (s.run, s.process, s.held) == (run, (0, 1), True)
+  t.new_run("r1")                     # the first run comes back: its step is its own again
+  assert t.committed(5) is first and not first.foreign and second.foreign
+  assert [(d.step, d.foreign) for d in t.release(5, "r2-s5-0")] == [(5, True)]
+  assert second.manifest is None and second.run is None and t.foreign_steps() == []
+
+
+def test_a_slots_manifest_is_parsed_once_per_commit():
+  """The manifest a record holds is parsed at its first use and kept while the slot holds
+  that commit; the next commit of the slot brings its own."""
+  from jaxckpt.host.snapshot import SnapshotManifest   # pylint: disable=import-outside-toplevel
+  t = _slots.SlotTable(1)
+  text = SnapshotManifest(step=1, leaves=(), nbytes=0).to_json()
+  s = t.slots[t.reserve(1, 8, owner=1).index]
+  t.commit(s.index, 1, manifest=text)
+  assert s.parsed() is s.parsed() and s.parsed().step == 1
+  parsed = SnapshotManifest(step=2, leaves=(), nbytes=0)       # a store that has it parsed
+  s2 = t.slots[t.reserve(2, 8, owner=1).index]
+  t.commit(s2.index, 2, manifest=parsed)
+  assert s2.parsed() is parsed and s.manifest is None          # (step 1 dropped: keep=1)
 
 
 def test_bad_slot_index_and_keep_are_refused():

@@ -281,9 +281,9 @@ class InProcessStore(HostStore):
                storage: PersistStorage | None = None) -> None:
     self._storage = storage
     self._limit = host_memory_limit_bytes
+    # which slot holds what, and each slot's one record (its step's manifest, its
+    # buffer: ``memory``); nothing is kept beside it
     self._table = _slots.SlotTable(max_snapshots)
-    self._buffers: list[np.ndarray | None] = [None] * len(self._table)
-    self._manifests: dict[int, SnapshotManifest] = {}
     self._cv = threading.Condition()
     self._persister = None
     self._note: str | None = None      # why held steps take the loop's slots (room_note)
@@ -314,9 +314,8 @@ class InProcessStore(HostStore):
     _slots.check_budget(keep=keep, nbytes=nbytes, limit_bytes=self._limit,
                         where="in-process snapshot store")
     self._table.spare = _slots.spare_slots(keep=keep, nbytes=nbytes, limit_bytes=self._limit)
-    self._fit_buffers()
     for i in self._table.idle_beyond():      # (no longer within the budget at this size)
-      self._buffers[i] = None
+      self._table.slots[i].memory = None
 
   def _check_crowded(self, nbytes: int) -> None:
     """Says (a WARNING at the 1st, 2nd, 4th... time) when steps held for their persists
@@ -335,9 +334,6 @@ class InProcessStore(HostStore):
     with self._cv:
       return self._note
 
-  def _fit_buffers(self) -> None:
-    self._buffers += [None] * (len(self._table) - len(self._buffers))
-
   def reserve(self, step: int, nbytes: int, *, timeout_secs: float | None) -> Slot | None:
     deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
     with self._cv:
@@ -348,10 +344,10 @@ class InProcessStore(HostStore):
         if left is not None and left <= 0:
           return None
         self._cv.wait(left)
-      self._fit_buffers()
-    buf = self._buffers[r.index]
+      s = self._table.slots[r.index]
+    buf = s.memory
     if r.grow or buf is None:
-      buf = self._buffers[r.index] = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
+      buf = s.memory = aligned_empty((max(nbytes, 1),), np.uint8)   # adoptable
     return Slot(r.index, step, buf, nbytes)
 
   def preallocate(self, nbytes: int) -> None:
@@ -359,9 +355,8 @@ class InProcessStore(HostStore):
       self._check_budget(nbytes)
       if self._persister is not None and self._table.spare:   # a persist's slot too
         self._table.grow_to(max(len(self._table), self._table.keep + 2))
-        self._fit_buffers()
       for i in self._table.grow_free(nbytes):
-        buf = self._buffers[i] = aligned_empty((max(nbytes, 1),), np.uint8)
+        buf = self._table.slots[i].memory = aligned_empty((max(nbytes, 1),), np.uint8)
         buf.fill(0)                # first touch here, not in a save (~4 s/GiB on some VMs)
 
   def commit(self, slot: Slot, manifest: SnapshotManifest, *,
@@ -369,18 +364,15 @@ class InProcessStore(HostStore):
     persist = persist_attempt is not None and self._persister is not None
     with self._cv:
       self._dropped(self._table.commit(slot.index, manifest.step, hold=persist,
-                                       attempt=persist_attempt))
-      self._manifests[manifest.step] = manifest
+                                       attempt=persist_attempt, manifest=manifest))
       self._cv.notify_all()
     if persist:
       self._persister.submit(manifest.step, persist_attempt)
 
   def _dropped(self, dropped: list[_slots.Dropped]) -> None:
     for d in dropped:
-      if d.state == _slots.COMMITTED:
-        self._manifests.pop(d.step, None)
-        if d.held:                          # rolled back before it was persisted
-          self._persister.fence(d.step)
+      if d.state == _slots.COMMITTED and d.held:   # rolled back before it was persisted
+        self._persister.fence(d.step)
 
   def _release(self, step: int, attempt: str | None = None) -> None:
     with self._cv:
@@ -420,7 +412,6 @@ class InProcessStore(HostStore):
   def discard(self, step: int, *, timeout_secs: float = 60.0) -> bool:
     with self._cv:
       d = self._table.discard(step)
-      self._manifests.pop(step, None)
       self._cv.notify_all()
     if self._persister is not None:
       self._persister.fence(step)
@@ -433,7 +424,7 @@ class InProcessStore(HostStore):
 
   def lend(self, step: int, buffer: np.ndarray) -> bool:
     with self._cv:
-      i = next((i for i, b in enumerate(self._buffers) if b is buffer), None)
+      i = next((s.index for s in self._table.slots if s.memory is buffer), None)
       return i is not None and self._table.lend(i)     # False: the caller copies instead
 
   @contextlib.contextmanager
@@ -443,7 +434,7 @@ class InProcessStore(HostStore):
       if s is None:
         raise errors.StepNotFoundError(
             f"step {step} is not held in host memory (held: {self._table.steps()})")
-      manifest, buf = self._manifests[step], self._buffers[s.index]
+      manifest, buf = s.parsed(), s.memory
     try:
       yield manifest, buf
     finally:
@@ -462,6 +453,4 @@ class InProcessStore(HostStore):
 
   def _free(self) -> None:
     with self._cv:
-      self._buffers = [None] * len(self._buffers)
       self._table = _slots.SlotTable(self._table.keep, len(self._table))
-      self._manifests.clear()
