@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxckpt.agent import _paths, _protocol, _requests
 from jaxckpt.agent.client import start_agent
+from jaxckpt.host._persist import PersistStatus
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest
 from jaxckpt.net import _wire
 
@@ -64,15 +65,15 @@ def requests(leaves: int) -> dict[str, tuple[_requests.Request, Any]]:
       f"commit_{leaves}_leaves": (
           _requests.Commit(index=1, manifest=text, step=7, nbytes=1 << 30, process=[0, 1],
                            persist_attempt="a1b2c3"),
-          _requests.Commit.Reply(steps=steps, persist={"pending": [7], "done": [5]},
+          _requests.Commit.Reply(steps=steps, persist=PersistStatus(pending=(7,), persisted=(5,)),
                                  persist_errors=[])),
       "steps": (_requests.Steps(), _requests.Steps.Reply(steps=steps, free_slots=1, protected=5)),
       "status": (_requests.Status(), _requests.Status.Reply(
           pid=4242, job="job", host=0, steps=steps,
-          slots=[{"index": i, "state": "held", "step": i, "bytes": 1 << 30, "readers": 0}
+          slots=[_requests.SlotStatus(index=i, state="held", step=i, bytes=1 << 30, readers=0)
                  for i in range(6)],
           bytes=6 << 30, parity_bytes=0, trainers=[4243], max_snapshots=5,
-          limit_bytes=1 << 40, lease={"pid": 4243, "owner": "m1", "generation": 1},
+          limit_bytes=1 << 40, lease=_requests.LeaseStatus(pid=4243, owner="m1", generation=1),
           served_bytes=0, idle_secs=None, idle_timeout_secs=600.0)),
   }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import struct
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -86,3 +88,61 @@ def test_best_fn_keeps_and_drops_non_finite_steps_as_orbax_does(tmp_path, mode):
     m.wait_until_finished()
     assert (m.all_steps(), m.best_step()) == want_after
   assert universal.all_steps(directory) == want_after[0]
+
+
+# Every kind of float a metric can be: the non-finite ones, a negative zero, the smallest
+# subnormal, the largest finite, and one that only its 17 digits say.
+EVERY_FLOAT = {"nan": NAN, "inf": INF, "-inf": -INF, "-0.0": -0.0, "subnormal": 5e-324,
+               "max": 1.7976931348623157e308, "0.1+0.2": 0.1 + 0.2}
+
+
+def _bits(x: float) -> bytes:
+  return struct.pack("<d", x)
+
+
+def _same_floats(got: dict, want: dict) -> bool:
+  """Each of ``got`` is a float of ``want``'s bits (any NaN for a NaN)."""
+  return set(got) == set(want) and all(
+      type(got[k]) is float and (math.isnan(got[k]) if math.isnan(v) else _bits(got[k]) == _bits(v))
+      for k, v in want.items())
+
+
+def test_every_float_kind_of_a_metric_crosses_the_manifest_and_the_wire_exactly(tmp_path):
+  """A step's manifest (its metadata holds the metrics) as the agent holds it: its JSON,
+  a Commit request's field, sealed and checked as the agent takes it, and the Manifest
+  reply a relaunched trainer reads it back by, parsed once by the slot's record."""
+  from jaxckpt.agent import _protocol, _requests, _server   # pylint: disable=import-outside-toplevel
+  from jaxckpt.host.snapshot import SnapshotManifest        # pylint: disable=import-outside-toplevel
+  from jaxckpt.net import _wire                             # pylint: disable=import-outside-toplevel
+  meta = {"jaxckpt.metrics": dict(EVERY_FLOAT)}
+  manifest = SnapshotManifest(step=3, leaves=(), nbytes=0, metadata=meta)
+  assert _same_floats(SnapshotManifest.from_json(manifest.to_json()).metadata["jaxckpt.metrics"],
+                      EVERY_FLOAT)
+  secret, directory = b"k" * 32, tmp_path / "j" / "host0"
+  directory.mkdir(parents=True)
+  agent = _server.Agent(job="j", host=0, directory=str(directory), max_snapshots=1,
+                        limit_bytes=1 << 20, idle_timeout_secs=60.0, secret=secret)
+  try:
+    def ask(req):
+      reply = _wire.unpack(_server.handle(agent, _protocol.request(secret, req, 10.0))[0])
+      assert reply["ok"], reply
+      return _requests.decode_reply(type(req), reply, "agent", "in-process")
+
+    ask(_requests.Hello(pid=os.getpid()))
+    slot = ask(_requests.Reserve(pid=os.getpid(), step=3, nbytes=0))
+    ask(_requests.Commit(index=slot.index, manifest=manifest.to_json(), step=3, nbytes=0,
+                         process=[0, 1]))
+    assert _same_floats(agent.manifest_of(3).metadata["jaxckpt.metrics"], EVERY_FLOAT)
+    back = SnapshotManifest.from_json(ask(_requests.Manifest(step=3)).manifest)
+    assert _same_floats(back.metadata["jaxckpt.metrics"], EVERY_FLOAT)
+  finally:
+    agent.cleanup()
+
+
+def test_every_float_kind_of_a_metric_comes_back_exactly_from_storage(storage_dir):
+  with jc.CheckpointManager(storage_dir, jc.CheckpointOptions()) as m:
+    m.save(1, _state(1), metrics=dict(EVERY_FLOAT), force=True)
+    m.wait_until_finished()
+  assert _same_floats(universal.open_step(storage_dir, 1).metadata["jaxckpt.metrics"], EVERY_FLOAT)
+  with jc.CheckpointManager(storage_dir, jc.CheckpointOptions()) as m:   # relaunched
+    assert _same_floats(m.metrics(1), EVERY_FLOAT)

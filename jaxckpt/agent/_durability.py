@@ -62,9 +62,8 @@ class Durability:
     """The persist status (and, with ``errors``, the errors since the last ask)."""
     p = self.agent.persister
     if p is None:
-      return {"persist": {}, "persist_errors": []}
-    return {"persist": p.status().to_obj(),
-            "persist_errors": [e.to_obj() for e in p.take_errors()] if errors else []}
+      return {"persist": None, "persist_errors": []}
+    return {"persist": p.status(), "persist_errors": p.take_errors() if errors else []}
 
   def held_for_persist(self, step: int) -> bool:
     """Whether committed ``step`` is held until its persist ends."""

@@ -75,12 +75,12 @@ class Repersister:
         if c.pid == self.store.pid:
           continue
         try:
-          status = PersistStatus.from_obj(c.call(_requests.Persisted(errors=False))[0].persist)
+          status = c.call(_requests.Persisted(errors=False))[0].persist or PersistStatus()
           counts = {s: n for s, _, n in c.call(_requests.Held())[0].held}
         except errors.AgentUnavailableError as e:
           logger.warning("recovering persists: %s", e)
           continue
-        for s, a, where in status.attempts:
+        for s, a, where in ((p.step, p.attempt, p.directory) for p in status.attempts):
           size = self.store.job.size
           if size is not None and counts.get(s, size) != size:
             logger.warning("step %d: not recovering its persist (attempt %s): a job of %d "

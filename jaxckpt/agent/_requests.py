@@ -35,6 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from jaxckpt import errors
+from jaxckpt.host._persist import PersistError, PersistStatus
 from jaxckpt.net import _schema
 from jaxckpt.net._schema import INT64, Bytes, Index, PathText, Pid, Secs, Step
 
@@ -166,8 +167,8 @@ class Preallocate(Request[PreallocateReply], tag="preallocate"):
 
 class CommitReply(Reply):
   steps: list[Step]
-  persist: dict
-  persist_errors: list
+  persist: PersistStatus | None         # None: the agent persists nothing
+  persist_errors: list[PersistError]
 
 
 class Commit(Request[CommitReply], tag="commit"):
@@ -246,8 +247,8 @@ class Rollback(Request[RollbackReply], tag="rollback"):
 
 
 class PersistedReply(Reply):
-  persist: dict
-  persist_errors: list
+  persist: PersistStatus | None         # None: the agent persists nothing
+  persist_errors: list[PersistError]
 
 
 class Persisted(Request[PersistedReply], tag="persisted"):
@@ -373,10 +374,11 @@ class PeerHeld(Request[PeerHeldReply], tag="peer_held"):
 
 
 class ParityStatusReply(Reply):
-  steps: list         # [step, state, secs, error, process count, the process that saved
-                      # it here, group_size, parity] each (an older agent: the first five)
+  # [step, state, secs, error, process count, the process that saved it here, group_size,
+  # parity] each: a list, not a tuple type, since an older agent sends only the first five
+  steps: list[list[Any]]
   bytes: int
-  config: dict | None
+  config: dict[str, Any] | None   # ParityConfig.to_obj(): read by _parity_config, which checks it
 
 
 class ParityStatus(Request[ParityStatusReply], tag="parity_status"):
@@ -385,10 +387,10 @@ class ParityStatus(Request[ParityStatusReply], tag="parity_status"):
 
 class ParityInfoReply(Reply):
   process_count: int
-  config: dict
-  manifests: dict     # group host -> its manifest (JSON)
-  checksums: list
-  stripes: list
+  config: dict[str, Any]    # ParityConfig.to_obj() of the parity held: _parity_config reads it
+  manifests: dict[Any, str]   # group host -> its manifest (JSON); keys as the worker keeps them
+  checksums: list[list[Any]]  # each stripe's piece checksums, as the parity worker records them
+  stripes: list[int]
   index: int | None = None   # the process that saved the step here (None: an older agent)
 
 
@@ -399,18 +401,34 @@ class ParityInfo(Request[ParityInfoReply], tag="parity_info"):
 
 # -- the agent itself --------------------------------------------------------------
 
+class SlotStatus(Reply):
+  """One slot as ``status`` shows it (read as attributes, or as a mapping)."""
+  index: Index
+  state: str
+  step: Step | None
+  bytes: Bytes
+  readers: int
+
+
+class LeaseStatus(Reply):
+  """Who holds an agent's lease: the trainer's pid, its manager, the lease's generation."""
+  pid: int
+  owner: str | None
+  generation: int
+
+
 class StatusReply(Reply):
   pid: int
   job: str
   host: int
-  steps: list
-  slots: list
+  steps: list[Step]
+  slots: list[SlotStatus]
   bytes: int
   parity_bytes: int
-  trainers: list
+  trainers: list[int]
   max_snapshots: int
   limit_bytes: int
-  lease: dict | None
+  lease: LeaseStatus | None
   served_bytes: int = 0        # snapshot and parity bytes sent to other processes so far
   idle_secs: float | None = None           # since its last use (None: a trainer uses it)
   idle_timeout_secs: float | None = None   # it exits once idle that long
@@ -425,10 +443,14 @@ class Stop(Request[Done], tag="stop"):
 
 
 class JobViewReply(Reply):
-  peers: dict                  # process index (str) -> address record
-  persist: dict | None         # the PersistConfig a trainer gave (directory, interval_steps)
+  # process index (str) -> address record: kept as the dicts the job's map publishes
+  # (AgentAddress checks one where it is taken in: op_peers)
+  peers: dict[str, dict[str, Any]]
+  # the PersistConfig a trainer gave (directory, interval_steps), as a mapping: PersistOptions
+  # forbids fields it does not know, and a newer agent's may add one (only shown: jobs.py)
+  persist: dict[str, Any] | None
   lag_secs: float | None       # since the oldest pending persist's step was committed
-  directories: list = msgspec.field(default_factory=list)   # every one it persists to
+  directories: list[str] = msgspec.field(default_factory=list)   # every one it persists to
 
 
 class JobView(Request[JobViewReply], tag="job_view"):

@@ -357,14 +357,15 @@ class Agent:
     parity_bytes = 0 if self.parity is None else self.parity.bytes_held()
     return _requests.Status.Reply(
         pid=os.getpid(), job=self.job, host=self.host, steps=self.steps(),
-        slots=[{"index": s.index, "state": s.state, "step": s.step, "bytes": s.size,
-                "readers": sum(1 for r in s.pins if r != _RETIRED)} for s in self.table.slots],
+        slots=[_requests.SlotStatus(index=s.index, state=s.state, step=s.step, bytes=s.size,
+                                    readers=sum(1 for r in s.pins if r != _RETIRED))
+               for s in self.table.slots],
         bytes=sum(s.size for s in self.table.slots) + parity_bytes,
         parity_bytes=parity_bytes, trainers=sorted(self.trainers),
         max_snapshots=self.max_snapshots, limit_bytes=self.limit_bytes,
         served_bytes=self.reads.served,
-        lease=None if self.lease is None else {"pid": self.lease[0], "owner": self.lease[1],
-                                               "generation": self.lease[2]},
+        lease=None if self.lease is None else _requests.LeaseStatus(
+            pid=self.lease[0], owner=self.lease[1], generation=self.lease[2]),
         idle_secs=None if self.trainers else time.monotonic() - self.last_active,
         idle_timeout_secs=self.idle_timeout_secs)
 

@@ -12,6 +12,7 @@ import shlex
 import signal
 import sys
 
+import msgspec
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths, _requests, jobs
@@ -146,7 +147,7 @@ def _status(args) -> int:
   for _, info in sorted(agents.items()):
     c = _client(args, info)
     try:
-      print(json.dumps({"running": True, **c.call(_requests.Status())[0]}, default=str))
+      print(json.dumps({"running": True, **msgspec.to_builtins(c.call(_requests.Status())[0])}))
     finally:
       c.close()
   return 0

@@ -330,9 +330,9 @@ class AgentStore(HostStore):
   def _take_persist(self, reply: _requests.Persisted.Reply | _requests.Commit.Reply) -> None:
     """Keeps the persist status and errors an agent's reply brings."""
     with self._errors_lock:
-      self._failed += [PersistError(**e) for e in reply.persist_errors]
-      if reply.persist:
-        self._status = PersistStatus.from_obj(reply.persist)
+      self._failed += reply.persist_errors
+      if reply.persist is not None:
+        self._status = reply.persist
 
   def persist_status(self, *, ask: bool = True) -> PersistStatus:
     if ask:

@@ -138,8 +138,8 @@ def _ask(info: dict[str, Any], job: str, local: bool, secret: bytes,
     view.trainers, view.served_bytes = list(st.trainers), st.served_bytes
     view.protected = c.call(_requests.Steps())[0].protected
     persist = c.call(_requests.Persisted(errors=False))[0].persist     # the trainer's errors stay queued
-    view.persisted = list(persist.get("persisted", []))
-    view.pending = list(persist.get("pending", []))
+    view.persisted = [] if persist is None else list(persist.persisted)
+    view.pending = [] if persist is None else list(persist.pending)
     view.alive = True
     view.lag_steps = lag_steps(view.held, view.pending)
     try:

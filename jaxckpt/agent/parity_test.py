@@ -27,6 +27,7 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.agent import _parity_config, _paths, _requests
 from jaxckpt.agent.client import AgentStore
+from jaxckpt.host._persist import PendingAttempt
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
 from jaxckpt.parity.placement import StripeLayout
 from jaxckpt.testing import processes
@@ -287,7 +288,7 @@ def test_a_lost_process_0_is_rebuilt_and_commits_while_its_peers_hold_the_step(
     _wait.until(lambda: u.missing_parts(d, 5, attempt, of=[1, 2, 3]) == [], timeout_secs=60,
                 late=lambda: f"parts {u.missing_parts(d, 5, attempt, of=[1, 2, 3])} not written")
     for h in (1, 2, 3):             # written, and still held: nothing committed it yet
-      assert c.stores[h].persist_status().attempts == ((5, attempt, d),), h
+      assert c.stores[h].persist_status().attempts == (PendingAttempt(5, attempt, d),), h
     c.stores[0].recover_persists(0)
     _wait.until(lambda: 5 in u.all_steps(d), timeout_secs=60,
                 late=lambda: f"step 5 was not committed: parts missing "

@@ -15,7 +15,7 @@ from jaxckpt import errors
 from jaxckpt import universal as u
 from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent.client import AgentStore
-from jaxckpt.host._persist import PersistConfig
+from jaxckpt.host._persist import PendingAttempt, PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes
 from tests.support.fixtures import run_cli
@@ -81,7 +81,7 @@ def test_a_relaunch_with_other_persist_options_still_fences_the_running_persist(
   first = PersistConfig(directory=d, interval_steps=5, timeout_secs=120).to_obj()
   with _relaunched(sandbox, first, timeout_secs=60.0, hold_until_committed=True) as store:
     status = store.persist_status()
-    assert status.pending == (5,) and status.attempts == ((5, ATTEMPT, d),), status
+    assert status.pending == (5,) and status.attempts == (PendingAttempt(5, ATTEMPT, d),), status
     assert store.discard(5, timeout_secs=60)
     assert store.persist_status().pending == ()
     manifest, data = _piece(1, 5)                       # host 1's part arrives late

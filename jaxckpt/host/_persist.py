@@ -29,6 +29,7 @@ import time
 import uuid
 from typing import Any, Callable, ContextManager, Iterable, Protocol
 
+import msgspec
 import numpy as np
 
 from jaxckpt import errors
@@ -75,18 +76,15 @@ class PersistConfig:
     return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass(frozen=True)
-class PersistError:
-  """A failed persist: which step and attempt, and the error (its jaxckpt type and errno kept)."""
+class PersistError(msgspec.Struct, frozen=True):
+  """A failed persist: which step and attempt, and the error (its jaxckpt type and errno
+  kept). It crosses from an agent to its trainer as it is (a reply's typed field)."""
 
   step: int
   attempt: str
   type: str
   message: str
   errno: int | None = None
-
-  def to_obj(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
 
   @classmethod
   def of(cls, step: int, attempt: str, e: BaseException) -> "PersistError":
@@ -123,31 +121,27 @@ def new_run_id() -> str:
   return "r" + uuid.uuid4().hex[:16]
 
 
-@dataclasses.dataclass(frozen=True)
-class PersistStatus:
+class PendingAttempt(msgspec.Struct, frozen=True, array_like=True):
+  """A pending persist: its step, attempt and directory (an agent's may be of a trainer's
+  earlier persist options: another directory than the present one). On the wire
+  ``[step, attempt, directory]``; an agent of an older jaxckpt (still holding a job's
+  snapshots) sends ``[step, attempt]``: its directory is then ``""``, the asking
+  trainer's own, as it then meant."""
+
+  step: int
+  attempt: str
+  directory: str = ""
+
+
+class PersistStatus(msgspec.Struct, frozen=True):
   """Where a store's persists stand: what is queued or running (oldest first),
-  since when the oldest has waited, and what was persisted."""
+  since when the oldest has waited, and what was persisted. It crosses from an agent
+  to its trainer as it is (a reply's typed field)."""
 
   pending: tuple[int, ...] = ()
   oldest_since: float | None = None      # time.time() the oldest pending step was committed
   persisted: tuple[int, ...] = ()
-  # (step, attempt, directory) of each pending persist (an agent's may be of a trainer's
-  # earlier persist options: another directory than the present one)
-  attempts: tuple[tuple[int, str, str], ...] = ()
-
-  def to_obj(self) -> dict[str, Any]:
-    return {"pending": list(self.pending), "oldest_since": self.oldest_since,
-            "persisted": list(self.persisted), "attempts": [list(a) for a in self.attempts]}
-
-  @classmethod
-  def from_obj(cls, o: dict[str, Any]) -> "PersistStatus":
-    return cls(tuple(int(s) for s in o.get("pending", ())),
-               None if o.get("oldest_since") is None else float(o["oldest_since"]),
-               tuple(int(s) for s in o.get("persisted", ())),
-               # (an agent of an older jaxckpt, still holding a job's snapshots, sends no
-               # directory: "" is the asking trainer's own, as it then meant)
-               tuple((int(x[0]), str(x[1]), str(x[2]) if len(x) > 2 else "")
-                     for x in o.get("attempts", ())))
+  attempts: tuple[PendingAttempt, ...] = ()    # each pending persist's
 
 
 # A storage error with no errno (a timeout, an object store's HTTP failure) or one
@@ -284,7 +278,8 @@ class Persister:
       jobs = sorted((j for j in self._ours() if not j.cancelled), key=lambda j: j.since)
       return PersistStatus(tuple(sorted(j.step for j in jobs)),
                            jobs[0].since if jobs else None, tuple(self.persisted),
-                           tuple(sorted((j.step, j.attempt, j.config.directory) for j in jobs)))
+                           tuple(PendingAttempt(*a) for a in sorted(
+                               (j.step, j.attempt, j.config.directory) for j in jobs)))
 
   def directories(self) -> list[str]:
     """Where this persister writes: its present directory and those of the persists

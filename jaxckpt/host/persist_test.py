@@ -16,6 +16,7 @@ import textwrap
 import uuid
 
 import jax
+import msgspec
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -302,12 +303,14 @@ def test_an_earlier_runs_failed_persist_is_logged_not_raised_to_the_next_run(tmp
 
 
 def test_a_persist_status_names_each_attempts_directory_and_reads_an_older_agents():
-  st = _persist.PersistStatus((5,), 1.5, (4,), ((5, "r1-s5-1", "s3://b/run"),))
-  assert _persist.PersistStatus.from_obj(st.to_obj()) == st
+  st = _persist.PersistStatus((5,), 1.5, (4,), (_persist.PendingAttempt(5, "r1-s5-1", "s3://b/run"),))
+  wire = msgspec.msgpack.decode(msgspec.msgpack.encode(st))    # as a reply's field travels
+  assert wire["attempts"] == [[5, "r1-s5-1", "s3://b/run"]]
+  assert msgspec.convert(wire, _persist.PersistStatus) == st
   # An agent of an older jaxckpt (still holding a job's snapshots) sends (step, attempt):
   # its directory is unknown, which recover_persists reads as the asking trainer's own.
-  old = _persist.PersistStatus.from_obj({"pending": [5], "attempts": [[5, "r1-s5-1"]]})
-  assert old.attempts == ((5, "r1-s5-1", ""),)
+  old = msgspec.convert({"pending": [5], "attempts": [[5, "r1-s5-1"]]}, _persist.PersistStatus)
+  assert old.attempts == (_persist.PendingAttempt(5, "r1-s5-1", ""),)
 
 
 class _CountingStorage:
