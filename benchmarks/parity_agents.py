@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wr
 
 import jaxckpt as jc  # pylint: disable=wrong-import-position
 from jaxckpt.agent import _parity_config, _paths, _requests  # pylint: disable=wrong-import-position
-from jaxckpt.agent.client import AgentStore  # pylint: disable=wrong-import-position
+from jaxckpt.agent.trainer.client import AgentStore  # pylint: disable=wrong-import-position
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest,  # pylint: disable=wrong-import-position
                               checksum)
 from jaxckpt.testing import processes  # pylint: disable=wrong-import-position

@@ -37,8 +37,8 @@ import numpy as np
 
 import jaxckpt as jc
 from jaxckpt.agent._protocol import Client
-from jaxckpt.agent._remote import open_remote_piece  # pylint: disable=wrong-import-position
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent.trainer._remote import open_remote_piece  # pylint: disable=wrong-import-position
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes
 

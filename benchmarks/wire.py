@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxckpt.agent import _paths, _protocol, _requests
-from jaxckpt.agent.client import start_agent
+from jaxckpt.agent.trainer.client import start_agent
 from jaxckpt.host._persist import PersistStatus
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest
 from jaxckpt.net import _wire

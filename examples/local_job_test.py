@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxckpt.agent import jobs
+from jaxckpt.agent.commands import jobs
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "local_job.py")
 

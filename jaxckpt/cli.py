@@ -7,8 +7,8 @@ import re
 import sys
 
 from jaxckpt import goodput
-from jaxckpt.agent import cli as agent_cli
-from jaxckpt.agent import delete_cli, status_cli
+from jaxckpt.agent.commands import cli as agent_cli
+from jaxckpt.agent.commands import delete_cli, status_cli
 from jaxckpt.ft import cli as ft_cli
 from jaxckpt.goodput import plan as goodput_plan
 from jaxckpt.orbax import interop_cli

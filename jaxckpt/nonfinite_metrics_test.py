@@ -111,7 +111,8 @@ def test_every_float_kind_of_a_metric_crosses_the_manifest_and_the_wire_exactly(
   """A step's manifest (its metadata holds the metrics) as the agent holds it: its JSON,
   a Commit request's field, sealed and checked as the agent takes it, and the Manifest
   reply a relaunched trainer reads it back by, parsed once by the slot's record."""
-  from jaxckpt.agent import _protocol, _requests, _server   # pylint: disable=import-outside-toplevel
+  from jaxckpt.agent import _protocol, _requests   # pylint: disable=import-outside-toplevel
+  from jaxckpt.agent.server import _server
   from jaxckpt.host.snapshot import SnapshotManifest        # pylint: disable=import-outside-toplevel
   from jaxckpt.net import _wire                             # pylint: disable=import-outside-toplevel
   meta = {"jaxckpt.metrics": dict(EVERY_FLOAT)}

@@ -1,5 +1,5 @@
 import sys
 
-from jaxckpt.agent.cli import main
+from jaxckpt.agent.commands.cli import main
 
 sys.exit(main())

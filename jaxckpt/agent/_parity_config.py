@@ -1,6 +1,6 @@
 """What a trainer tells its agent about parity (:class:`ParityConfig`), shared by the
-agent's parity thread (:mod:`jaxckpt.agent._parity_worker`) and the trainer's view of
-parity (:mod:`jaxckpt.agent._parity_recovery`).
+agent's parity thread (:mod:`jaxckpt.agent.server._parity_worker`) and the trainer's view of
+parity (:mod:`jaxckpt.agent.trainer._parity_recovery`).
 
 Hosts are the saving processes: parity needs each agent's host id to equal
 its trainer's ``jax.process_index()`` (the default).

@@ -29,7 +29,7 @@ from jaxckpt.net import _bulk, _wire
 from jaxckpt.net._wire import expired, pack, sign, unpack  # noqa: F401  (the agent's names)
 
 
-logger = logging.getLogger("jaxckpt.agent.client")
+logger = logging.getLogger("jaxckpt.agent.trainer.client")
 
 # How often a request to an agent on this machine checks that its pid still runs.
 _PID_POLL_SECS = 0.25

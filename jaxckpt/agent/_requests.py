@@ -1,7 +1,7 @@
 """Every request a snapshot agent takes, one msgspec Struct each (see
 :mod:`jaxckpt.net._schema`): the one table that the trainer's client
-(``agent/client.py``, ``agent/_parity_*.py``, ``jaxckpt agent ...``) and the
-agent's server (``agent/_server.py``) share.
+(``agent/trainer/client.py``, ``agent/_parity_*.py``, ``jaxckpt agent ...``) and the
+agent's server (``agent/server/_server.py``) share.
 
 A request's fields carry their bounds (``Step``, ``Pid``, ``Secs``, ...; a
 ``__post_init__`` says what a type cannot: a cross-field rule), and its ``op``

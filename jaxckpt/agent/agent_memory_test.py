@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt as jc
 from jaxckpt import errors
-from jaxckpt.agent.client import wait_exited
+from jaxckpt.agent.trainer.client import wait_exited
 from jaxckpt.testing import processes
 
 

@@ -285,7 +285,7 @@ def test_the_agents_log_is_private_and_goes_with_the_agent(sandbox):
 
 def test_the_agent_process_imports_no_jax():
   """An agent that never persists starts without JAX (its import is most of a start)."""
-  code = "import sys, jaxckpt.agent._server, jaxckpt.agent.client; print('jax' in sys.modules)"
+  code = "import sys, jaxckpt.agent.server._server, jaxckpt.agent.trainer.client; print('jax' in sys.modules)"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        check=True)
   assert out.stdout.strip() == "False"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxckpt as jc
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.agent.parity_test import Cluster, assert_restores
 from jaxckpt.testing import processes
 

@@ -26,7 +26,7 @@ import jaxckpt.universal as u
 from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.agent import _parity_config, _paths, _requests
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.host._persist import PendingAttempt
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, align, checksum
 from jaxckpt.parity.placement import StripeLayout
@@ -342,7 +342,7 @@ def test_a_relaunch_that_persists_elsewhere_leaves_an_earlier_runs_persist_alone
 def test_a_rollback_or_a_delete_fences_a_persist_rebuilt_after_a_lost_agent(sandbox):
   # A persist of step 5 rebuilt by this trainer (after its agent was lost) must not
   # commit once the job rolls back below it (a save of step 4) or deletes it.
-  from jaxckpt.agent._repersist import _Fenced  # pylint: disable=import-outside-toplevel
+  from jaxckpt.agent.trainer._repersist import _Fenced  # pylint: disable=import-outside-toplevel
   with Cluster(*sandbox, 1) as c:
     st = c.stores[0]
     st.repersist.running.update({(5, "r-s5-0"), (3, "r-s3-0")})

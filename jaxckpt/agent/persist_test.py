@@ -14,7 +14,7 @@ import jaxckpt as jc
 from jaxckpt import errors
 from jaxckpt import universal as u
 from jaxckpt.agent import _paths, _requests
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.host._persist import PendingAttempt, PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes

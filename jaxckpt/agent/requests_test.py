@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from jaxckpt import errors
-from jaxckpt.agent import _protocol, _requests, _server
+from jaxckpt.agent import _protocol, _requests
+from jaxckpt.agent.server import _server
 from jaxckpt.agent._parity_config import ParityConfig
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxckpt.agent import jobs
-from jaxckpt.agent._factory import choose_agents
+from jaxckpt.agent.commands import jobs
+from jaxckpt.agent.trainer._factory import choose_agents
 from jaxckpt.testing import processes
 from tests.support import resize_worker
 from tests.support.resize_worker import finish, lose, machine, said

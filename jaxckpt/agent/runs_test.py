@@ -10,7 +10,8 @@ import threading
 import numpy as np
 
 from jaxckpt import universal
-from jaxckpt.agent import _protocol, _requests, _server
+from jaxckpt.agent import _protocol, _requests
+from jaxckpt.agent.server import _server
 from jaxckpt.host import _persist
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.net import _wire
@@ -32,7 +33,7 @@ class _Job:
     def opened(step, attempt=None):     # a persist reads its step once storage answers
       assert self.go.wait(60), "storage was never released"
       return self.agent.durable.pinned(step, attempt)
-    self.agent.persister = _persist.Persister(
+    self.agent.durable.persister = _persist.Persister(
         _persist.PersistConfig(self.dirs["A"], 1), opened, self.agent.durable.release_held,
         storage=lambda: universal)
 

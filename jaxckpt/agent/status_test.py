@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import jaxckpt as jc
-from jaxckpt.agent import _requests, jobs, status_cli
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent import _requests
+from jaxckpt.agent.commands import jobs, status_cli
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes

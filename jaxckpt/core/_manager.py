@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 
 from jaxckpt import capture, errors, tree, universal
-from jaxckpt.agent import _factory
+from jaxckpt.agent.trainer import _factory
 from jaxckpt.capture import _storage_only
 from jaxckpt.core import _deletes, _flow, _identity, _listing, _policy, _schedule
 from jaxckpt.core._ledger import Ledger

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths
-from jaxckpt.agent._remote import complete_steps_of, job_clients, open_remote_piece
+from jaxckpt.agent.trainer._remote import complete_steps_of, job_clients, open_remote_piece
 from jaxckpt.ft.catch_up import HostLeaves
 from jaxckpt.restore import _read
 

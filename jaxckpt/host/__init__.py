@@ -1,7 +1,7 @@
 """The host tier: snapshots held in host memory between steps.
 
 - :mod:`jaxckpt.host.store`: ``HostStore``, the interface the manager uses (the
-  in-process store here, the snapshot agent in :mod:`jaxckpt.agent.client`), and
+  in-process store here, the snapshot agent in :mod:`jaxckpt.agent.trainer.client`), and
   ``InProcessStore``.
 - :mod:`jaxckpt.host.snapshot`: the records of a snapshot (manifest, leaves,
   shards, boxes) and its checksums, shared by every tier.

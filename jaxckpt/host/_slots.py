@@ -2,7 +2,7 @@
 
 One small pure class (no locks, no memory, no I/O) used by both host stores,
 the in-process :class:`jaxckpt.host.store.InProcessStore` and the snapshot agent
-(``jaxckpt.agent._server``). Each store wraps it in its own lock and owns the
+(``jaxckpt.agent.server._server``). Each store wraps it in its own lock and owns the
 bytes; the table decides:
 
 - a slot is ``free``, ``writing`` (reserved by one owner for one step) or

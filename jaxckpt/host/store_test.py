@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 import jaxckpt as jc
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.host.store import InProcessStore
 from jaxckpt.testing import processes
 from jaxckpt.testing.host_store import HostStoreContract

@@ -6,7 +6,7 @@ a step is restorable when the agents of all its saving processes hold it,
 and a restoring process reads the pieces it needs from whichever agents hold
 them (its own through shared memory, others' over the network). With parity
 on, a step that lost some hosts is still restorable when the survivors' parity
-rebuilds them (tier "parity", ``jaxckpt.agent._parity_recovery``).
+rebuilds them (tier "parity", ``jaxckpt.agent.trainer._parity_recovery``).
 """
 
 from __future__ import annotations

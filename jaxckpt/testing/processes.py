@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from jaxckpt.agent import _paths
 from jaxckpt.agent._paths import pid_alive
 from jaxckpt.agent._protocol import Client
-from jaxckpt.agent.client import wait_exited
+from jaxckpt.agent.trainer.client import wait_exited
 
 
 def free_port() -> int:

@@ -75,7 +75,7 @@ def pytest_unconfigure(config: Any) -> None:
 def session_agents(token: str) -> list[tuple[psutil.Process, Any]]:
   """This user's agent processes (with what they serve) started under session ``token``
   (or one of its pytest-xdist workers' sessions)."""
-  from jaxckpt.agent import jobs  # pylint: disable=import-outside-toplevel  (when needed only)
+  from jaxckpt.agent.commands import jobs  # pylint: disable=import-outside-toplevel  (when needed only)
   out = []
   for proc in psutil.process_iter(["uids"]):
     try:

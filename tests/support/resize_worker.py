@@ -163,7 +163,7 @@ class Job:
 
   def served(self) -> int:
     """Bytes this machine's agents of the job have sent other processes so far."""
-    from jaxckpt.agent import jobs  # pylint: disable=import-outside-toplevel
+    from jaxckpt.agent.commands import jobs  # pylint: disable=import-outside-toplevel
     st = jobs.job_status(self.a.run_root, self.a.job)
     return sum(a.served_bytes for a in st.agents if a.local)
 

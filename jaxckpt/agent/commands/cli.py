@@ -15,11 +15,12 @@ import sys
 import msgspec
 
 from jaxckpt import errors
-from jaxckpt.agent import _paths, _requests, jobs
+from jaxckpt.agent import _paths, _requests
+from jaxckpt.agent.commands import jobs
 from jaxckpt.agent._protocol import Client
-from jaxckpt.agent._server import Agent, serve
-from jaxckpt.agent._remote import job_agents
-from jaxckpt.agent.client import start_agent, wait_exited
+from jaxckpt.agent.server._server import Agent, serve
+from jaxckpt.agent.trainer._remote import job_agents
+from jaxckpt.agent.trainer.client import start_agent, wait_exited
 from jaxckpt.options import default_host_memory_limit_bytes
 from jaxckpt.util._progress import human_bytes
 

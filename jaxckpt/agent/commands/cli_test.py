@@ -11,7 +11,7 @@ import sys
 
 import psutil
 
-from jaxckpt.agent import jobs
+from jaxckpt.agent.commands import jobs
 from jaxckpt.testing import processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,6 @@
 """``jaxckpt delete DIR --step N``: delete a step for good, as ``CheckpointManager.delete()``
 does, fencing the persists of it that the job's agents run (found from this machine,
-:mod:`jaxckpt.agent.jobs`) before deleting it from storage.
+:mod:`jaxckpt.agent.commands.jobs`) before deleting it from storage.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths as agent_paths
-from jaxckpt.agent import jobs
+from jaxckpt.agent.commands import jobs
 from jaxckpt.universal import _commit
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal.cli import not_a_checkpoint_root, say

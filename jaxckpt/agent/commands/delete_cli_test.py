@@ -13,7 +13,7 @@ import numpy as np
 import jaxckpt as jc
 import jaxckpt.universal as u
 from jaxckpt.agent import _requests
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.host._persist import PersistConfig
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.testing import processes

@@ -25,7 +25,7 @@ from jaxckpt import errors
 from jaxckpt.util import _wait
 from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent._protocol import Client
-from jaxckpt.agent._remote import job_agents
+from jaxckpt.agent.trainer._remote import job_agents
 
 # The flags of ``jaxckpt agent serve`` (what start_agent spawns) that say where an agent is.
 _SERVE = argparse.ArgumentParser(add_help=False)

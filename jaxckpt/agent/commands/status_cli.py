@@ -1,6 +1,6 @@
 """``jaxckpt status``: one view of a job's snapshot agents, across hosts.
 
-The job's agents are found the way the job finds them (:mod:`jaxckpt.agent.jobs`):
+The job's agents are found the way the job finds them (:mod:`jaxckpt.agent.commands.jobs`):
 this machine's under its run root, the others from the addresses the job gave
 them. For each: pid, address, whether it answered, the steps it holds, the newest
 protected by parity, those it persisted, its persist lag, and the host memory it
@@ -16,7 +16,8 @@ import time
 from typing import Any, Callable
 
 from jaxckpt import errors
-from jaxckpt.agent import _paths, jobs
+from jaxckpt.agent import _paths
+from jaxckpt.agent.commands import jobs
 from jaxckpt.util._progress import human_bytes
 from jaxckpt.util._text import shown
 

@@ -11,12 +11,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from jaxckpt import errors
-from jaxckpt.agent import _parity_config, _parity_worker, _requests
-from jaxckpt.agent._slot_files import SlotReader
+from jaxckpt.agent import _parity_config, _requests
+from jaxckpt.agent.server import _parity_worker
+from jaxckpt.agent.server._slot_files import SlotReader
 from jaxckpt.host import _persist, _slots
 
 if TYPE_CHECKING:
-  from jaxckpt.agent._server import Agent
+  from jaxckpt.agent.server._server import Agent
 
 logger = logging.getLogger("jaxckpt.agent")
 
@@ -29,34 +30,36 @@ def _storage() -> _persist.PersistStorage:
 
 
 class Durability:
-  """``agent``'s persists (``agent.persister``) and parity (``agent.parity``)."""
+  """``agent``'s persists (``persister``) and parity (``parity``): this part owns both
+  (the agent reads them, ``Agent.persister``/``Agent.parity``, and never sets them)."""
 
   def __init__(self, agent: Agent) -> None:
     self.agent = agent
+    self.persister: _persist.Persister | None = None   # once a trainer asks for persists
+    self.parity: _parity_worker.ParityWorker | None = None   # once a trainer asks for parity
 
   def configure_persist(self, persist: dict[str, Any]) -> None:
     """Starts the persister with a trainer's options, or gives it new ones."""
-    agent = self.agent
-    if agent.persister is None:
-      agent.persister = _persist.Persister(_persist.PersistConfig(**persist), self.pinned,
-                                           self.release_held, storage=_storage)
-    elif agent.persister.config.to_obj() != persist:
+    if self.persister is None:
+      self.persister = _persist.Persister(_persist.PersistConfig(**persist), self.pinned,
+                                          self.release_held, storage=_storage)
+    elif self.persister.config.to_obj() != persist:
       # A trainer relaunched with other options: the persists queued and running keep
       # theirs, in the same queue (its status, fences and errors cover them all).
-      agent.persister.configure(_persist.PersistConfig(**persist))
+      self.persister.configure(_persist.PersistConfig(**persist))
 
   def configure_parity(self, parity: dict[str, Any]) -> None:
     """Starts the parity thread, or gives it a trainer's options for later steps: the
     parity already held keeps the options it was made with (a job relaunched with
     other options, or on another number of processes, rebuilds what it restores)."""
     config = _parity_config.ParityConfig(**parity)
-    if self.agent.parity is None:
-      self.agent.parity = _parity_worker.ParityWorker(self.agent, config)
-    elif self.agent.parity.config != config:
-      if self.agent.parity.config.options != config.options:
+    if self.parity is None:
+      self.parity = _parity_worker.ParityWorker(self.agent, config)
+    elif self.parity.config != config:
+      if self.parity.config.options != config.options:
         logger.info("parity options changed from %s to %s for later steps; the parity held "
-                    "keeps its own", self.agent.parity.config.options, config.options)
-      self.agent.parity.reconfigure(config)
+                    "keeps its own", self.parity.config.options, config.options)
+      self.parity.reconfigure(config)
 
   def reply(self, errors: bool = True) -> dict[str, Any]:
     """The persist status (and, with ``errors``, the errors since the last ask)."""

@@ -45,7 +45,7 @@ from jaxckpt.agent import _requests
 from jaxckpt.agent._protocol import Client
 
 if TYPE_CHECKING:
-  from jaxckpt.agent._server import Agent
+  from jaxckpt.agent.server._server import Agent
 
 logger = logging.getLogger("jaxckpt.agent")
 

@@ -7,7 +7,7 @@ committed the step, pulls the data chunks of the stripes it holds parity for
 from their agents, encodes them, and stores its parity blocks in its own
 shared-memory files. It also keeps every group member's manifest and the
 checksums of every piece of its stripes: restore needs both to rebuild a lost
-host (:mod:`jaxckpt.agent._parity_recovery`). A step is *protected* when every
+host (:mod:`jaxckpt.agent.trainer._parity_recovery`). A step is *protected* when every
 host holds its parity for it: each
 agent tells its group peers when its own parity of a step is done
 (``parity_done``), and once all of its group has said so the keep rule keeps
@@ -111,7 +111,7 @@ class _Superseded(Exception):
 class ParityWorker:
   """Computes and holds this agent's parity, on its own thread.
 
-  ``agent`` is the :class:`jaxckpt.agent._server.Agent`; its ``lock`` guards
+  ``agent`` is the :class:`jaxckpt.agent.server._server.Agent`; its ``lock`` guards
   ``records`` and the parity slots, and is never held during network I/O or
   encoding.
   """

@@ -32,7 +32,7 @@ class BulkRead(_schema.Message, tag="bulk", frozen=True, kw_only=True,
   stripe: Index | None = None
 
 if TYPE_CHECKING:
-  from jaxckpt.agent._server import Agent
+  from jaxckpt.agent.server._server import Agent
 
 logger = logging.getLogger("jaxckpt.agent")
 

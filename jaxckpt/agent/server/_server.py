@@ -26,11 +26,12 @@ import zmq
 
 from jaxckpt import errors
 from jaxckpt.agent import _paths, _protocol, _requests
-from jaxckpt.agent._durability import Durability
-from jaxckpt.agent._job_keep import JobKeep
-from jaxckpt.agent._reads import Reads
-from jaxckpt.agent._slot_files import _RETIRED, SlotFiles
-from jaxckpt.host import _slots
+from jaxckpt.agent.server._durability import Durability
+from jaxckpt.agent.server._job_keep import JobKeep
+from jaxckpt.agent.server._parity_worker import ParityWorker
+from jaxckpt.agent.server._reads import Reads
+from jaxckpt.agent.server._slot_files import _RETIRED, SlotFiles
+from jaxckpt.host import _persist, _slots
 from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.net import _bulk, _schema, _wire
 
@@ -45,9 +46,9 @@ class Agent:
   """The agent's state and request handlers (no sockets here; see ``serve``).
 
   Its parts, each with the handlers of its requests (``HANDLERS``): ``files``
-  (:class:`~jaxckpt.agent._slot_files.SlotFiles`: the slots' files and the memory they
-  take), ``reads`` (:class:`~jaxckpt.agent._reads.Reads`: the readers' pins and the
-  bulk path) and ``durable`` (:class:`~jaxckpt.agent._durability.Durability`: the
+  (:class:`~jaxckpt.agent.server._slot_files.SlotFiles`: the slots' files and the memory they
+  take), ``reads`` (:class:`~jaxckpt.agent.server._reads.Reads`: the readers' pins and the
+  bulk path) and ``durable`` (:class:`~jaxckpt.agent.server._durability.Durability`: the
   persists and parity of committed steps).
   """
 
@@ -70,10 +71,8 @@ class Agent:
     self.last_active = time.monotonic()
     self.stopping = False
     self.lock = threading.RLock()      # the persist and parity threads use it too
-    self.persister = None
     # process index -> its agent's address, as the job's current run published them
     self.peers: dict[int, dict[str, Any]] = {}
-    self.parity = None                 # a _parity_worker.ParityWorker once a trainer asks for parity
     self.replays = _wire.Replays()     # requests are applied at most once
     self.deleted: dict[int, int] = {}  # step -> the host whose delete came first (op_discard)
     self.rollbacks: dict[str, dict] = {}   # the job's rollbacks applied here (op_rollback)
@@ -83,6 +82,16 @@ class Agent:
     self.reads = Reads(self)           # the readers' pins and the bulk path
     self.durable = Durability(self)    # the persist and parity glue
     self.keep = JobKeep(self)          # what the job's other hosts hold: the keep rule's
+
+  @property
+  def persister(self) -> _persist.Persister | None:
+    """The persister (None until a trainer asks for persists): ``durable``'s."""
+    return self.durable.persister
+
+  @property
+  def parity(self) -> ParityWorker | None:
+    """The parity thread (None until a trainer asks for parity): ``durable``'s."""
+    return self.durable.parity
 
   # -- helpers --------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from jaxckpt.host import _slots
 from jaxckpt.host.snapshot import aligned_empty
 
 if TYPE_CHECKING:
-  from jaxckpt.agent._server import Agent
+  from jaxckpt.agent.server._server import Agent
 
 # The pin owner of a retired slot (beyond max_snapshots + 1): no reader is ever this.
 _RETIRED = -(2**62)

@@ -1,4 +1,4 @@
-"""The job's keep rule through its star (agent/_job_keep.py): one in-process agent among
+"""The job's keep rule through its star (agent/server/_job_keep.py): one in-process agent among
 fake agents of a job of many processes, each a real tcp socket that counts what it is told.
 A host's change costs it a constant number of messages, all to the job's hub, whatever the
 job's size; a reply naming a step the host does not hold, or holds of another run, drops
@@ -13,7 +13,9 @@ import threading
 import numpy as np
 import zmq
 
-from jaxckpt.agent import _protocol, _requests, _server
+from jaxckpt.agent import _protocol, _requests
+
+from jaxckpt.agent.server import _server
 from jaxckpt.host.snapshot import LeafRecord, ShardRecord, SnapshotManifest, checksum
 from jaxckpt.net import _wire
 

@@ -15,8 +15,8 @@ import psutil
 
 from jaxckpt import universal
 from jaxckpt.agent import _parity_config, _paths
-from jaxckpt.agent._remote import job_agents
-from jaxckpt.agent.client import AgentStore
+from jaxckpt.agent.trainer._remote import job_agents
+from jaxckpt.agent.trainer.client import AgentStore
 from jaxckpt.host import _persist
 from jaxckpt.host.store import HostStore, InProcessStore
 from jaxckpt.net import _kv, _wire

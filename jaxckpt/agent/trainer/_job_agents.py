@@ -15,17 +15,18 @@ import msgspec
 
 from jaxckpt import errors
 from jaxckpt.util import _crash, _wait
-from jaxckpt.agent import _parity_recovery, _requests
+from jaxckpt.agent.trainer import _parity_recovery
+from jaxckpt.agent import _requests
 from jaxckpt.agent._protocol import Client, each
-from jaxckpt.agent._remote import (clients_of, complete_steps_of, job_agents,
+from jaxckpt.agent.trainer._remote import (clients_of, complete_steps_of, job_agents,
                                    open_remote_piece, _rebuilt_pieces)
 from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.net import _schema
 
 if TYPE_CHECKING:
-  from jaxckpt.agent.client import AgentStore
+  from jaxckpt.agent.trainer.client import AgentStore
 
-logger = logging.getLogger("jaxckpt.agent.client")
+logger = logging.getLogger("jaxckpt.agent.trainer.client")
 
 # How long discover waits for an agent of the job's earlier run to answer (a lost
 # machine's never does).

@@ -2,7 +2,7 @@
 (:func:`survey`, :class:`StepParity`), the rebuilt, checksum-verified snapshots of lost
 hosts (:func:`recover`), and the byte ranges of them that a restore onto another mesh
 needs (:func:`rebuild_ranges`), from the parity the agents' parity threads hold
-(:mod:`jaxckpt.agent._parity_worker`).
+(:mod:`jaxckpt.agent.server._parity_worker`).
 """
 
 from __future__ import annotations

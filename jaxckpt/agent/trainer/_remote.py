@@ -1,7 +1,7 @@
 """Another host's snapshot read over the bulk path, a lost host's rebuilt from parity,
 and the job's agents as clients: what a restore, a parity rebuild and a replica group's
 catch-up read from the agents of other hosts (the trainer's side;
-:mod:`jaxckpt.agent.client` is its own agent's store)."""
+:mod:`jaxckpt.agent.trainer.client` is its own agent's store)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from jaxckpt import errors
-from jaxckpt.agent import _parity_recovery, _paths, _requests
+from jaxckpt.agent.trainer import _parity_recovery
+from jaxckpt.agent import _paths, _requests
 from jaxckpt.agent._paths import read_address
 from jaxckpt.agent._protocol import Client, each
 from jaxckpt.host.snapshot import (LeafRecord, ShardRecord, SnapshotManifest, aligned_empty,
                                    box_shape, shard_view, verify_shard)
 
-logger = logging.getLogger("jaxckpt.agent.client")
+logger = logging.getLogger("jaxckpt.agent.trainer.client")
 
 
 class RemotePiece:

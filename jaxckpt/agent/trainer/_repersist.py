@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Callable
 
 from jaxckpt import errors
 from jaxckpt.agent import _requests
-from jaxckpt.agent.jobs import same_directory
+from jaxckpt.agent.commands.jobs import same_directory
 from jaxckpt.host import _persist
 from jaxckpt.host.store import PersistError, PersistStatus
 
 if TYPE_CHECKING:
-  from jaxckpt.agent.client import AgentStore
+  from jaxckpt.agent.trainer.client import AgentStore
 
-logger = logging.getLogger("jaxckpt.agent.client")
+logger = logging.getLogger("jaxckpt.agent.trainer.client")
 
 
 class _Fenced(Exception):

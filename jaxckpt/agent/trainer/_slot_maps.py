@@ -19,9 +19,9 @@ from jaxckpt.agent import _paths, _requests
 from jaxckpt.host.snapshot import SnapshotManifest
 
 if TYPE_CHECKING:
-  from jaxckpt.agent.client import AgentStore
+  from jaxckpt.agent.trainer.client import AgentStore
 
-logger = logging.getLogger("jaxckpt.agent.client")
+logger = logging.getLogger("jaxckpt.agent.trainer.client")
 
 # slot -> (path, size, map, the mapped file's (device, inode))
 _Map = tuple[str, int, np.ndarray, tuple[int, int]]

@@ -29,11 +29,11 @@ import msgspec
 from jaxckpt import errors
 from jaxckpt.util import _crash, _wait
 from jaxckpt.agent import _paths, _requests
-from jaxckpt.agent._job_agents import JobAgents
+from jaxckpt.agent.trainer._job_agents import JobAgents
 from jaxckpt.agent._paths import pid_alive, read_address
 from jaxckpt.agent._protocol import Client
-from jaxckpt.agent._repersist import Repersister
-from jaxckpt.agent._slot_maps import SlotMaps, _populate
+from jaxckpt.agent.trainer._repersist import Repersister
+from jaxckpt.agent.trainer._slot_maps import SlotMaps, _populate
 from jaxckpt.host.snapshot import SnapshotManifest
 from jaxckpt.host.store import HostStore, PersistError, PersistStatus, Slot
 from jaxckpt.options import AgentOptions
@@ -115,10 +115,10 @@ class AgentStore(HostStore):
   trainer's index in its job (default ``host``): a relaunched job whose machines run
   other indices than before keeps each machine's agent (``_factory.agent_hosts``).
 
-  Its collaborators: ``job`` (:class:`~jaxckpt.agent._job_agents.JobAgents`, the
-  job's other agents), ``repersist`` (:class:`~jaxckpt.agent._repersist.Repersister`,
+  Its collaborators: ``job`` (:class:`~jaxckpt.agent.trainer._job_agents.JobAgents`, the
+  job's other agents), ``repersist`` (:class:`~jaxckpt.agent.trainer._repersist.Repersister`,
   the persists rebuilt from parity after a lost agent) and ``maps``
-  (:class:`~jaxckpt.agent._slot_maps.SlotMaps`, this trainer's maps of the slot files).
+  (:class:`~jaxckpt.agent.trainer._slot_maps.SlotMaps`, this trainer's maps of the slot files).
   """
 
   def __init__(self, opts: AgentOptions, *, host: int, max_snapshots: int,
