@@ -95,7 +95,7 @@ class SlotState:
   # The store's memory for the slot's bytes (the agent's file record, the in-process
   # store's buffer): it outlives the steps the slot holds, so a drop keeps it.
   memory: Any = None
-  _parsed: tuple[Any, SnapshotManifest] | None = dataclasses.field(default=None, repr=False)
+  _parsed: tuple[str | None, SnapshotManifest] | None = dataclasses.field(default=None, repr=False)
   _now: _Run = dataclasses.field(default_factory=_Run, repr=False)
 
   @property
