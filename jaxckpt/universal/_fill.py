@@ -33,8 +33,10 @@ from jaxckpt.universal import _budget
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _manifest as man
 
-#: Bytes of stored chunks one leaf's restore keeps in flight (the bounded window).
+#: Bytes of stored chunks one leaf's restore keeps in flight (the bounded window): local
+#: files answer at memory speed; an object store's requests need more of them at once.
 DEFAULT_WINDOW_BYTES = 16 << 20
+REMOTE_WINDOW_BYTES = 64 << 20
 
 Index = tuple[int, ...]
 #: ``verify(idx, arr)``: ``arr`` (storage dtype) if it is chunk ``idx`` as saved, else raises.
@@ -68,7 +70,8 @@ def plan(info: man.LeafInfo, out: dict[Box, np.ndarray]) -> list[_Chunk]:
     for b in holders[idx]:
       inter = snap.box_intersection(cbox, b)
       if inter is not None and snap.box_size(inter):
-        parts.append((out[b][snap.relative_slices(inter, b)], snap.relative_slices(inter, cbox)))
+        view = out[b][snap.relative_slices(inter, b) + (Ellipsis,)]   # rank 0: a view too
+        parts.append((view, snap.relative_slices(inter, cbox)))
     if len(parts) == 1 and parts[0][0].shape == snap.box_shape(cbox) and \
         parts[0][0].flags.c_contiguous:
       direct, parts = parts[0][0], []
@@ -121,6 +124,7 @@ class ChunkFiles:
     self.usable = (len(info.shape) > 0 and tuple(info.inner_chunk_shape) == tuple(info.chunk_shape)
                    and storage.itemsize == info.numpy_dtype.itemsize and _whole_bytes(storage))
     self._chunk = tuple(info.chunk_shape)
+    self.window = DEFAULT_WINDOW_BYTES if self._local is not None else REMOTE_WINDOW_BYTES
 
   def covers(self, chunk: _Chunk) -> bool:
     return self.usable and snap.box_shape(chunk.box) == self._chunk
@@ -186,6 +190,20 @@ def _pread_chunk(path: str, flat: np.ndarray) -> bool:
     os.close(fd)
 
 
+class _Copied:
+  """A tensorstore read whose result ``result()`` copies into ``dst`` (contiguous)."""
+
+  def __init__(self, future: Any, dst: np.ndarray) -> None:
+    self._future, self._dst = future, dst
+
+  def result(self, timeout: float | None = None) -> None:
+    raw = np.ascontiguousarray(self._future.result(timeout=timeout))
+    self._dst.reshape(-1).view(np.uint8)[...] = raw.reshape(-1).view(np.uint8)
+
+  def cancel(self) -> bool:
+    return self._future.cancel()
+
+
 def _staged(spare: list[np.ndarray], chunk: _Chunk, dtype: np.dtype) -> np.ndarray:
   """A buffer for ``chunk`` (storage dtype, its shape): a spare one if one is big enough."""
   n = chunk.nbytes // dtype.itemsize
@@ -215,7 +233,10 @@ def fill(store: ts.TensorStore, info: man.LeafInfo, boxes: Sequence[Box], *,
 
   def _ts_read(chunk: _Chunk, dst: np.ndarray) -> Any:
     src = store[tuple(slice(a, b) for a, b in chunk.box)]
-    return ts.array(dst.view(storage), copy=False, write=True).write(src)
+    try:
+      return ts.array(dst.view(storage), copy=False, write=True).write(src)
+    except ValueError:      # a dtype tensorstore cannot write into in place: read, then copy
+      return _Copied(src.read(), dst)
 
   def finish() -> None:
     nonlocal held, read

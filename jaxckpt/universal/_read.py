@@ -262,7 +262,7 @@ class RegionReader:
 
   def __init__(self, reader: StepReader, info: man.LeafInfo,
                budget: _budget.ByteBudget | None, boxes: Iterable[Box] | None = None,
-               window: int = _fill.DEFAULT_WINDOW_BYTES) -> None:
+               window: int | None = None) -> None:
     self._reader, self._info, self._budget, self._window = reader, info, budget, window
     self._ready: dict[Box, np.ndarray] = {}
     self._asked: set[Box] = set()
@@ -276,9 +276,9 @@ class RegionReader:
                        if b not in self._asked]
       self._ahead = []
       store = r.raw_leaf(info.path)
-      got, n = _fill.fill(store, info, boxes, budget=self._budget, window=self._window,
-                          files=_fill.ChunkFiles(r.directory, r.step, info,
-                                                 np.dtype(store.dtype.numpy_dtype)),
+      files = _fill.ChunkFiles(r.directory, r.step, info, np.dtype(store.dtype.numpy_dtype))
+      got, n = _fill.fill(store, info, boxes, budget=self._budget,
+                          window=self._window or files.window, files=files,
                           verify=lambda idx, raw: r._check(info, idx, raw),  # pylint: disable=protected-access
                           failed=lambda cbox, e: r._failed(info, cbox, e))   # pylint: disable=protected-access
       with r._lock:                               # pylint: disable=protected-access
