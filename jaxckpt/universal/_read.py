@@ -204,11 +204,11 @@ class StepReader:
 
   def region_reader(self, path: str, *, boxes: Iterable[Box] | None = None,
                     budget: _budget.ByteBudget | None = None) -> "RegionReader":
-    """``read_region(box)`` for one restore of leaf ``path``: each stored chunk it
-    touches is read and verified once for the life of the returned reader,
-    whatever the boxes (targets that cut across chunks read no byte twice).
-    ``boxes``, the regions the restore will ask for, lets the first read fetch
-    every chunk they need at once (concurrently)."""
+    """``read_region(box)`` for one restore of leaf ``path``. ``boxes``, the regions
+    the restore will ask for, lets the first read fetch every stored chunk they
+    and it touch once, straight into their buffers, verified (targets that cut
+    across chunks read no byte twice); a box asked for again, or not named, is
+    read anew."""
     return RegionReader(self, self._info(path), budget, boxes)
 
   def open_leaf(self, path: str) -> ts.TensorStore:
