@@ -11,18 +11,28 @@ the same target shardings.
 
   python benchmarks/universal_io.py [--quick] [--runs N] [--size-mib M] [--stores file,s3]
 
-Prints one JSON object (medians of the timed runs, after one warm-up).
+Prints one JSON object (medians of the timed runs, after one warm-up). The
+readers (raw tensorstore, jaxckpt and orbax onto each target) run interleaved,
+each run starting with the next one, so a loaded machine weighs on all alike;
+the machine's load is printed before and after, and each reader's peak
+resident-set growth (``/proc/self/statm`` sampled every 2 ms) beside the bytes
+it restores (``restore_<target>_rss_over_target_mib``: the window above the
+target's own size).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
+import gc
 import json
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 
 import jax
@@ -68,20 +78,60 @@ def raw_tensorstore_write(d: str, manifest, buf) -> None:
     f.result()
 
 
-def raw_tensorstore_read(d: str, manifest) -> None:
+def raw_tensorstore_read(d: str, manifest) -> list[np.ndarray]:
   """The read floor: each raw array read whole, no verification."""
   futures = []
   for rec in manifest.leaves:
     spec = {"driver": "zarr3", "kvstore": _layout.kvstore_spec(d, rec.path + "/")}
     futures.append(ts.open(spec, open=True, context=_layout.context()).result().read())
-  for f in futures:
-    f.result()
+  return [f.result() for f in futures]
 
 
-def timed(fn) -> float:
-  t0 = time.perf_counter()
-  fn()
-  return time.perf_counter() - t0
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _rss() -> int:
+  with open("/proc/self/statm", "rb") as f:
+    return int(f.read().split()[1]) * _PAGE
+
+
+class PeakRss:
+  """The peak resident-set growth over a block: /proc/self/statm sampled every 2 ms."""
+
+  def __init__(self) -> None:
+    self.peak = 0
+    self._stop = threading.Event()
+
+  def __enter__(self) -> "PeakRss":
+    gc.collect()
+    _LIBC.malloc_trim(0)    # memory freed before is given back: growth is this block's
+    self._base = _rss()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+    return self
+
+  def _run(self) -> None:
+    while not self._stop.wait(0.002):
+      self.peak = max(self.peak, _rss() - self._base)
+
+  def __exit__(self, *exc) -> None:
+    self._stop.set()
+    self._thread.join()
+    self.peak = max(self.peak, _rss() - self._base)
+
+
+def timed(fn, rss: dict | None = None, name: str = "") -> float:
+  """Seconds ``fn`` took; its peak RSS growth (bytes) into ``rss[name]``. Whatever it
+  returned is dropped before the next measurement."""
+  with PeakRss() as m:
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+  del out
+  if rss is not None:
+    rss[name] = m.peak
+  return dt
 
 
 def bench_store(base: str, local: bool, runs: int, tree, manifest, buf, targets) -> dict:
@@ -89,12 +139,21 @@ def bench_store(base: str, local: bool, runs: int, tree, manifest, buf, targets)
   ckptr = ocp.StandardCheckpointer()
   res: dict[str, list[float]] = {}
   ratios: dict[str, float] = {}
+  rss_res: dict[str, list[int]] = {}
   add = lambda k, v: res.setdefault(k, []).append(v)
+  add_rss = lambda k, v: rss_res.setdefault(k, []).append(v)
+
+  def restore(d, name, target):
+    reader = u.open_step(d + "/j", 0)
+    out = jax.block_until_ready(u.restore_arrays(reader, target))
+    ratios[name] = reader.bytes_read / reader.bytes_needed
+    return out
   for run in range(runs + 1):  # run 0 is the warm-up
     d = f"{base}/run{run}"
     if local:
       os.makedirs(d)
     times: dict[str, float] = {}
+    rss: dict[str, int] = {}
 
     def persist():
       u.write_process_shards(d + "/j", manifest, buf, attempt="t")
@@ -113,14 +172,17 @@ def bench_store(base: str, local: bool, runs: int, tree, manifest, buf, targets)
       times[name] = timed(fn)
     if local:
       os.sync()
-    times["raw_read"] = timed(lambda: raw_tensorstore_read(d + "/raw", manifest))
+    readers = [("raw_read", lambda: raw_tensorstore_read(d + "/raw", manifest))]
     for name, target in targets.items():
-      reader = u.open_step(d + "/j", 0)
-      times[f"restore_{name}"] = timed(lambda: jax.block_until_ready(u.restore_arrays(reader, target)))
-      ratios[name] = reader.bytes_read / reader.bytes_needed
+      readers.append((f"restore_{name}", functools.partial(restore, d, name, target)))
       if local:
-        times[f"orbax_restore_{name}"] = timed(lambda: jax.block_until_ready(
-            ckptr.restore(os.path.join(d, "orbax"), target)))
+        readers.append((f"orbax_restore_{name}", functools.partial(
+            lambda t: jax.block_until_ready(ckptr.restore(os.path.join(d, "orbax"), t)), target)))
+    for name, fn in readers[run % len(readers):] + readers[:run % len(readers)]:
+      times[name] = timed(fn, rss, name)   # interleaved: each reader leads in turn
+    if run:
+      for k, v in rss.items():
+        add_rss(k, v)
     if run:
       for k, v in times.items():
         add(k, v)
@@ -136,9 +198,13 @@ def bench_store(base: str, local: bool, runs: int, tree, manifest, buf, targets)
   out = {"GBps": {k: gbs(v) for k, v in med.items()},
          "persist_over_raw_tensorstore": round(med["raw_write"] / med["persist"], 3),
          "bytes_read_over_needed": {k: round(v, 4) for k, v in ratios.items()},
+         "peak_rss_growth_mib": {k: round(statistics.median(v) / 2**20, 1)
+                                 for k, v in rss_res.items()},
          "seconds": {k: [round(x, 3) for x in v] for k, v in res.items()}}
   for name in targets:
     out[f"restore_{name}_over_raw_read"] = round(med["raw_read"] / med[f"restore_{name}"], 3)
+    out[f"restore_{name}_rss_over_target_mib"] = round(
+        (statistics.median(rss_res[f"restore_{name}"]) - nbytes) / 2**20, 1)
     if local:
       out[f"restore_{name}_speedup_over_orbax"] = round(
           med[f"orbax_restore_{name}"] / med[f"restore_{name}"], 3)
@@ -183,6 +249,7 @@ def main() -> None:
   if "s3" in stores:
     with SeaweedS3() as s3:
       out["s3"] = bench_store(s3.url("bench"), False, runs, tree, manifest, buf, targets)
+  out["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
   print(json.dumps(out, indent=1))
 
 

@@ -39,6 +39,10 @@ class ByteBudget:
     self._cv = threading.Condition()
 
   @property
+  def max_bytes(self) -> int:
+    return self._max
+
+  @property
   def in_flight(self) -> int:
     with self._cv:
       return self._used
@@ -55,6 +59,14 @@ class ByteBudget:
             f"budget ({self._used} of {self._max} bytes held by storage I/O that did not "
             "finish); check the storage backend")
       self._used += n
+
+  def try_acquire(self, n: int) -> bool:
+    """Takes ``n`` bytes if they fit now (or nothing is in flight); never waits."""
+    with self._cv:
+      if self._used and self._used + n > self._max:
+        return False
+      self._used += n
+      return True
 
   def release(self, n: int) -> None:
     with self._cv:

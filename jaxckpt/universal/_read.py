@@ -25,7 +25,7 @@ from jaxckpt import errors
 from jaxckpt.arrays import _assemble
 from jaxckpt.host import snapshot as snap
 from jaxckpt.host.snapshot import Box
-from jaxckpt.universal import _arrays, _budget, _commit, _failures
+from jaxckpt.universal import _arrays, _budget, _commit, _failures, _fill
 from jaxckpt.universal import _layout as lay
 from jaxckpt.universal import _lazy
 from jaxckpt.universal import _manifest as man
@@ -204,11 +204,11 @@ class StepReader:
 
   def region_reader(self, path: str, *, boxes: Iterable[Box] | None = None,
                     budget: _budget.ByteBudget | None = None) -> "RegionReader":
-    """``read_region(box)`` for one restore of leaf ``path``: each stored chunk it
-    touches is read and verified once for the life of the returned reader,
-    whatever the boxes (targets that cut across chunks read no byte twice).
-    ``boxes``, the regions the restore will ask for, lets the first read fetch
-    every chunk they need at once (concurrently)."""
+    """``read_region(box)`` for one restore of leaf ``path``. ``boxes``, the regions
+    the restore will ask for, lets the first read fetch every stored chunk they
+    and it touch once, straight into their buffers, verified (targets that cut
+    across chunks read no byte twice); a box asked for again, or not named, is
+    read anew."""
     return RegionReader(self, self._info(path), budget, boxes)
 
   def open_leaf(self, path: str) -> ts.TensorStore:
@@ -253,31 +253,38 @@ class StepReader:
 class RegionReader:
   """Verified regions of one leaf for one restore (see :meth:`StepReader.region_reader`).
 
-  Keeps the verified chunks it read until it is dropped, and holds their
-  bytes in the in-flight ``budget`` meanwhile (:meth:`close` gives them back).
+  The first call reads every box it and the boxes named up front need, at once
+  (:func:`~jaxckpt.universal._fill.fill`: each stored chunk read once, straight
+  into the boxes' buffers, checked as it arrives, at most a window of chunks in
+  flight, held in the restore's ``budget``); each call then hands out its box's
+  buffer. A box asked for again, or not named up front, is read anew.
   """
 
   def __init__(self, reader: StepReader, info: man.LeafInfo,
-               budget: _budget.ByteBudget | None, boxes: Iterable[Box] | None = None) -> None:
-    self._reader, self._info, self._budget = reader, info, budget
-    self._chunks: dict[Index, np.ndarray] = {}
-    self._held = 0
+               budget: _budget.ByteBudget | None, boxes: Iterable[Box] | None = None,
+               window: int | None = None) -> None:
+    self._reader, self._info, self._budget, self._window = reader, info, budget, window
+    self._ready: dict[Box, np.ndarray] = {}
     self._asked: set[Box] = set()
     self._ahead = [] if boxes is None else list(boxes)
 
   def __call__(self, box: Box | None = None) -> np.ndarray:
     r, info = self._reader, self._info
     box = r._box(info, box)                       # pylint: disable=protected-access
-    wanted = {i for b in [box, *self._ahead] for i in r._chunks_of(info, r._box(info, b))}  # pylint: disable=protected-access
-    self._ahead = []
-    todo = sorted(i for i in wanted if i not in self._chunks)
-    if todo and self._budget is not None:
-      n = sum(snap.box_size(lay.chunk_box(i, info.shape, info.chunk_shape)) for i in todo)
-      n *= info.numpy_dtype.itemsize
-      self._budget.acquire(n, f"leaf {info.path!r} {[list(p) for p in box]}", own=self._held)
-      self._held += n
-    self._chunks.update(r._load(info, todo))      # pylint: disable=protected-access
-    out = r._assemble(info, box, self._chunks)    # pylint: disable=protected-access
+    if box not in self._ready:
+      boxes = [box] + [b for b in (r._box(info, b) for b in self._ahead)  # pylint: disable=protected-access
+                       if b not in self._asked]
+      self._ahead = []
+      store = r.raw_leaf(info.path)
+      files = _fill.ChunkFiles(r.directory, r.step, info, np.dtype(store.dtype.numpy_dtype))
+      got, n = _fill.fill(store, info, boxes, budget=self._budget,
+                          window=self._window or files.window, files=files,
+                          verify=lambda idx, raw: r._check(info, idx, raw),  # pylint: disable=protected-access
+                          failed=lambda cbox, e: r._failed(info, cbox, e))   # pylint: disable=protected-access
+      with r._lock:                               # pylint: disable=protected-access
+        r.bytes_read += n
+      self._ready.update(got)
+    out = self._ready.pop(box)
     if box not in self._asked:
       self._asked.add(box)
       with r._lock:                               # pylint: disable=protected-access
@@ -285,10 +292,7 @@ class RegionReader:
     return out
 
   def close(self) -> None:
-    self._chunks.clear()
-    if self._budget is not None and self._held:
-      self._budget.release(self._held)
-      self._held = 0
+    self._ready.clear()
 
 
 def open_step(directory: str, step: int | None = None) -> StepReader:

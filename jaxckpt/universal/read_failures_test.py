@@ -41,6 +41,9 @@ def test_real_damage_of_a_stored_chunk_or_array_is_damage(tmp_path, how):
     open(chunk, "wb").write(body)
   with pytest.raises(errors.CorruptSnapshotError, match=r"step 1: .*\['w'\].* damaged"):
     u.open_step(d, 1).read("['w']")
+  # a restore reads this chunk (one inner chunk) without tensorstore's decoding: the same
+  with pytest.raises(errors.CorruptSnapshotError, match=r"step 1: .*\['w'\].* damaged"):
+    u.restore_arrays(u.open_step(d, 1), {"['w']": None})
 
 
 REFUSED = [   # what storage answers a read it does not make, as tensorstore says it
