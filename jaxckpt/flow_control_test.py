@@ -68,7 +68,7 @@ def _allocated(m) -> int:
     return sum(os.stat(os.path.join(d, f)).st_blocks * 512
                for d, _, files in os.walk(m.options.agent.run_root) for f in files
                if f.startswith("slot"))
-  return sum(b.nbytes for b in m._core._store._buffers if b is not None)
+  return sum(s.memory.nbytes for s in m._core._store._table.slots if s.memory is not None)
 
 
 def test_no_due_step_is_lost_and_no_save_skipped_while_storage_stops_answering(s3_server,

@@ -252,7 +252,7 @@ def test_cpu_restore_is_zero_copy_and_donation_never_writes_the_shared_buffer():
   with jc.CheckpointManager(options=jc.CheckpointOptions(max_snapshots=1)) as m:
     src = put(X, mesh((8,), ("x",)), "x")
     save_now(m, 1, {"w": src})
-    (slot_buf,) = [b for b in m._core._store._buffers if b is not None]
+    (slot_buf,) = [s.memory for s in m._core._store._table.slots if s.memory is not None]
     lo, hi = slot_buf.ctypes.data, slot_buf.ctypes.data + slot_buf.nbytes
     in_slot = lambda a: all(lo <= s.data.unsafe_buffer_pointer() < hi for s in a.addressable_shards)
     s1 = m.restore(target={"w": src})["w"]

@@ -10,7 +10,6 @@ arguments at the edge.
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import logging
 import time
 from typing import Any, Callable
@@ -20,11 +19,10 @@ import jax
 from jaxckpt import capture, errors, tree, universal
 from jaxckpt.agent.trainer import _factory
 from jaxckpt.capture import _storage_only
-from jaxckpt.core import _deletes, _flow, _identity, _listing, _policy, _schedule
+from jaxckpt.core import _decide, _deletes, _flow, _identity, _listing, _policy, _schedule
 from jaxckpt.core._ledger import Ledger
 from jaxckpt.core._persists import Persists
 from jaxckpt.host.store import HostStore
-from jaxckpt.net import _kv
 from jaxckpt.options import CheckpointOptions, check_step, default_copy_threads
 from jaxckpt.restore import _read, _tiers
 from jaxckpt.util import _preemption
@@ -61,16 +59,14 @@ class CoreManager:
     self._process = (jax.process_index(), jax.process_count())
     _identity.agree_options(options, directory, process=self._process)   # first: all agree
     self.policy = policy or _policy.plain(options)
-    self._decisions = None if self.policy.decided_by is None or self._process[1] == 1 else (
-        _policy.JobDecisions(process=self._process, what=self.policy.decided_by,
-                             compare=not self.policy.asks_progress,
-                             timeout_secs=options.timeout_secs,
-                             channel=_kv.Channel("decisions", timeout_secs=options.timeout_secs)))
     self._log, self._already_exists = log_entry, already_exists
     config, run_id = _factory.persistence(directory, options, writes=not rules.read_only,
                                           create=rules.create)
     self._config = config
     self.ledger = Ledger(run_id, stored=() if config is None else universal.stored_steps(directory))
+    self._decide = _decide.SaveDecisions(self.policy, rules, directory, self.ledger, self._process,
+                                         options.timeout_secs, saving=self.is_saving_in_progress,
+                                         preempted=self.reached_preemption)
     where = "the in-process store" if options.agent is None else "the snapshot agent"
     self._persists = Persists(self.ledger, None if config is None else directory,
                               self._process, where)
@@ -132,7 +128,7 @@ class CoreManager:
     t0 = time.perf_counter()
     self.check_open("save")
     step = check_step(step, "save")
-    if not self._may_save(step, force):
+    if not self._decide.may_save(step, force):
       self._raise_background_error(ask_agent=False)
       return False
     try:
@@ -140,29 +136,6 @@ class CoreManager:
     finally:
       self.ledger.starting(None)
       self._schedule.blocked(time.perf_counter() - t0)   # not the loop's own time
-
-  def _may_save(self, step: int, force: bool) -> bool:
-    """Whether the policy saves ``step`` (``force``: whatever it says, unless read-only)."""
-    if self.rules.read_only:
-      logger.warning("%s is read only: save(%d) is skipped", self.directory, step)
-      return False
-    if force:
-      if self._decisions is not None:
-        self._decisions.forced(step)     # process 0's: the job's decision of it is True
-      return True
-    if self._policy_saves(step):
-      return True
-    self.ledger.skipped_interval()
-    return False
-
-  def _policy_saves(self, step: int) -> bool:
-    p = self.policy
-
-    def own() -> bool:
-      saving = p.asks_progress and self.is_saving_in_progress()   # (an agent request)
-      preempted = p.asks_preemption and self.reached_preemption(step)
-      return p.should_save(step, self.ledger.kept() if p.reads_kept else (), saving, preempted)
-    return own() if self._decisions is None else self._decisions.decide(step, own)
 
   def _snapshot(self, step: int, state: Any, metadata: dict[str, Any] | None, metrics: Any,
                 force: bool, t0: float) -> bool:
@@ -177,7 +150,7 @@ class CoreManager:
     self._deletes.timeline(step)
     self._persists.refuse_existing(step, self._store, self._already_exists)
     self.ledger.starting(step)             # in flight from its record on (another thread lists)
-    metadata = self._record(step, metadata, metrics, d.due)
+    metadata = self._decide.record(step, metadata, metrics, d.due)
     if not self.options.host_snapshots:
       if not d.due:
         return self._saved(step, False, t0)
@@ -216,23 +189,6 @@ class CoreManager:
         timeout_secs=self.options.timeout_secs)
     self.ledger.stored_directly(step, nbytes, time.perf_counter() - t0)
     return True
-
-  def _record(self, step: int, metadata: dict[str, Any] | None, metrics: Any,
-              due: bool) -> dict[str, Any] | None:
-    """``metadata`` with the step's time and metrics, as the policy ranks them; the
-    step noted in the ledger (kept, if it is a checkpoint: saved for storage)."""
-    led = self.ledger
-    led.undrop(step)
-    led.listed.add(step)
-    if not self.policy.records and metrics is None:
-      return metadata                 # nothing to rank the step by
-    when = datetime.datetime.now(tz=datetime.timezone.utc)
-    if self.policy.uses_time and self._process[1] > 1:    # one time for the job: process 0's
-      when = datetime.datetime.fromtimestamp(float(_kv.broadcast_from_0(
-          f"save_time/{step}", lambda: repr(when.timestamp()),
-          timeout_secs=self.options.timeout_secs)), tz=datetime.timezone.utc)
-    return led.saving(step, metadata, when=when, metrics=metrics, due=due,
-                      write_metrics=self.rules.write_metrics)
 
   def _saved(self, step: int, started: bool, t0: float) -> bool:
     """After ``save(step)``: the steps the keep policy drops, a blocking save's wait,
@@ -282,7 +238,7 @@ class CoreManager:
   def should_save(self, step: int) -> bool:
     """See ``jaxckpt.CheckpointManager.should_save``."""
     step = check_step(step, "should_save")
-    if self._closed or self.rules.read_only or not self._policy_saves(step):
+    if self._closed or self.rules.read_only or not self._decide.policy_saves(step):
       return False
     d = self._flow.peek(step)
     if not d.snapshot and self._schedule.agreed:
@@ -457,8 +413,7 @@ class CoreManager:
                             writes=not self.rules.read_only, onto=onto)
     self.last_restore = r
     self.ledger.restored = r.step
-    if self._decisions is not None:
-      self._decisions.restored()          # an older step's save next starts a new timeline
+    self._decide.restored()
     self._log("restore", r.step, t0, tier=str(r.tier), restore_secs=r.seconds,
               nbytes=r.nbytes, restore_GBps=r.nbytes / max(r.seconds, 1e-9) / 1e9,
               skipped_steps=[s for s, _ in r.skipped])
